@@ -1,0 +1,279 @@
+"""Hugging Face checkpoint folders in and out: config.json, (sharded) safetensors, tokenizer files.
+
+Loading builds the model on the meta device, allocates it once, and streams
+tensors shard by shard into the allocated parameters, so a checkpoint never
+lives twice in memory. Expert weights come either per expert
+(`experts.{e}.gate_proj.weight`, as released) or fused (`experts.gate_up_proj`,
+as transformers 5 holds them); both land in the same stacked parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..models import CausalLM, ModelArgs, build_model, load_hf_config
+from .fp8 import dequantize_blockwise
+
+INDEX = "model.safetensors.index.json"
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")  # derived buffer some old checkpoints carry
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message names the file or key."""
+
+
+def shard_files(path: Path) -> list[Path]:
+    index = path / INDEX
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+    elif (path / "model.safetensors").exists():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{path}: no safetensors weights (expected {INDEX} or model.safetensors)")
+    for f in files:
+        if not f.exists():
+            raise CheckpointError(f"{path}: shard {f.name} named in {INDEX} is missing")
+    return files
+
+
+class _Filler:
+    """Copies checkpoint tensors into the model's allocated parameters and tracks coverage."""
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+        self.args = model.args
+        self.targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=True))
+        self.targets.update(dict(model.named_buffers()))
+        persistent = set(model.state_dict().keys())
+        self.targets = {k: v for k, v in self.targets.items() if k in persistent}
+        self.filled: dict[str, int] = defaultdict(int)
+        self.skipped_mtp = 0
+
+    @torch.no_grad()
+    def put(self, name: str, tensor: torch.Tensor, where: str) -> None:
+        layer = _LAYER.match(name)
+        if layer and int(layer.group(1)) >= self.args.num_layers:
+            self.skipped_mtp += 1  # multi-token-prediction layers follow the decoder layers
+            return
+        if _IGNORED.search(name):
+            return
+        target, index = name, ()
+        expert = _PER_EXPERT.match(name)
+        if expert:
+            prefix, e, proj = expert.group(1), int(expert.group(2)), expert.group(3)
+            hidden = self.args.moe_intermediate_size
+            if proj == "down_proj":
+                target, index = f"{prefix}.down_proj", (e,)
+            else:
+                rows = slice(0, hidden) if proj == "gate_proj" else slice(hidden, 2 * hidden)
+                target, index = f"{prefix}.gate_up_proj", (e, rows)
+        if target not in self.targets:
+            raise CheckpointError(f"{where}: tensor {name!r} has no place in a {self.args.model_type} model")
+        dest = self.targets[target][index] if index else self.targets[target]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor.to(dest.dtype))
+        self.filled[target] += tensor.numel()
+
+    def check_complete(self, path: Path) -> None:
+        missing = [k for k, t in self.targets.items() if self.filled[k] < t.numel()]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+            raise CheckpointError(f"{path}: checkpoint lacks weights for {shown}")
+
+
+def load_weights(model: CausalLM, path: str | Path, block: int | None = None) -> None:
+    """Stream every tensor of the checkpoint at `path` into `model` (already materialised)."""
+    path = Path(path)
+    if block is None:
+        quant = model.args.hf_config.get("quantization_config") or {}
+        block = int((quant.get("weight_block_size") or [128])[0])
+    filler = _Filler(model)
+    pending: dict[str, torch.Tensor] = {}  # fp8 weights or scales waiting for their partner (other shard)
+    for file in shard_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if name.endswith(".weight_scale_inv"):
+                    wname = name[: -len("_scale_inv")]
+                    if wname not in pending:
+                        pending[name] = tensor
+                        continue
+                    filler.put(wname, dequantize_blockwise(pending.pop(wname), tensor, block), file.name)
+                elif tensor.dtype == torch.float8_e4m3fn:
+                    scale = pending.pop(name + "_scale_inv", None)
+                    if scale is None:
+                        pending[name] = tensor
+                        continue
+                    filler.put(name, dequantize_blockwise(tensor, scale, block), file.name)
+                else:
+                    filler.put(name, tensor, file.name)
+    if pending:
+        raise CheckpointError(f"{path}: fp8 tensors without their scale (or scales without weight): {sorted(pending)[:4]}")
+    filler.check_complete(path)
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> CausalLM:
+    """A model from a Hugging Face folder (config.json + safetensors), weights in `dtype` on `device`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: not a checkpoint folder")
+    args, _ = load_hf_config(path)
+    model = build_model(args, device="meta", dtype=dtype)
+    model.to_empty(device=device)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.reset_buffers()
+    for m in model.modules():  # routing bias stays fp32 whatever the weights' dtype
+        if hasattr(m, "e_score_correction_bias"):
+            m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()
+    load_weights(model, path)
+    return model.eval()
+
+
+def hf_state_dict(model: CausalLM, expert_layout: str = "fused") -> dict[str, torch.Tensor]:
+    """The model's tensors under Hugging Face names; `per_expert` splits stacked experts as released."""
+    if expert_layout not in ("fused", "per_expert"):
+        raise ValueError(f"expert_layout={expert_layout!r}; allowed: 'fused', 'per_expert'")
+    out: dict[str, torch.Tensor] = {}
+    hidden = model.args.moe_intermediate_size
+    for name, t in model.state_dict().items():
+        if model.args.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        t = t.detach()
+        if expert_layout == "per_expert" and name.endswith(".experts.gate_up_proj"):
+            prefix = name[: -len(".gate_up_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :hidden].contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = t[e, hidden:].contiguous()
+        elif expert_layout == "per_expert" and name.endswith(".experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[name] = t.contiguous()
+    return out
+
+
+def atomic_folder(dest: Path) -> tuple[Path, callable]:
+    """A temporary sibling folder and a `commit()` that fsyncs it and renames it over `dest`."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+
+    def commit() -> None:
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        old = None
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            os.rename(dest, old)
+        os.rename(tmp, dest)
+        dirfd = os.open(dest.parent, os.O_RDONLY)
+        try:
+            os.fsync(dirfd)
+        finally:
+            os.close(dirfd)
+        if old is not None:
+            shutil.rmtree(old)
+
+    return tmp, commit
+
+
+def save_model(
+    model: CausalLM,
+    path: str | Path,
+    expert_layout: str = "fused",
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+    tokenizer_from: str | Path | None = None,
+) -> Path:
+    """Write a Hugging Face folder that transformers (and trillora) load; atomic: all or nothing."""
+    path = Path(path)
+    tensors = hf_state_dict(model, expert_layout)
+    if dtype is not None:
+        tensors = {k: v if k.endswith("e_score_correction_bias") else v.to(dtype) for k, v in tensors.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    tmp, commit = atomic_folder(path)
+    try:
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                weight_map.update({k: fname for k in shard})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        config = _config_for_save(model.args, dtype or next(iter(tensors.values())).dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if tokenizer_from is not None:
+            copy_tokenizer(Path(tokenizer_from), tmp)
+        commit()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def _config_for_save(args: ModelArgs, dtype: torch.dtype) -> dict:
+    config = dict(args.hf_config)
+    config.pop("quantization_config", None)  # weights are written dequantised
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    return config
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's own tokenizer, through transformers; names the folder when files are missing."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not any((path / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise CheckpointError(f"{path}: no tokenizer files (expected tokenizer.json, tokenizer.model or vocab.json)")
+    return AutoTokenizer.from_pretrained(str(path))

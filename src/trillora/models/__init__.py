@@ -1,0 +1,17 @@
+"""Model families as plain modules; no LoRA, parallelism or RL in here."""
+
+from .args import ConfigError, ModelArgs, from_hf_config, load_hf_config
+from .moe import record_routing, set_grouped_gemm
+from .registry import build_model
+from .transformer import CausalLM
+
+__all__ = [
+    "CausalLM",
+    "ConfigError",
+    "ModelArgs",
+    "build_model",
+    "from_hf_config",
+    "load_hf_config",
+    "record_routing",
+    "set_grouped_gemm",
+]

@@ -1,0 +1,112 @@
+"""Attention: grouped-query (Qwen3) and multi-head latent (DeepSeek-V3 / Kimi K2).
+
+Shape legend: B batch, T tokens, C hidden channels, H query heads, K key/value heads,
+D head dim, L latent (kv_lora_rank), R rope dims, N nope dims, V value head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import ModelArgs
+from .layers import RMSNorm, apply_rope, yarn_mscale
+
+
+def causal_mask(attention_mask: torch.Tensor | None, t: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask [B, 1, T, T] (True = may attend) from a padding mask [B, T], or None for plain causal.
+
+    Each query may always see itself, so rows of padding stay finite instead of NaN.
+    """
+    if attention_mask is None:
+        return None
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
+    eye = torch.eye(t, dtype=torch.bool, device=device)
+    return (causal & keys) | eye
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    # q [B, H, T, D], k [B, K, T, D], v [B, K, T, V] -> [B, T, H*V]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    b, h, t, d = out.shape
+    return out.transpose(1, 2).reshape(b, t, h * d)
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        c, d, bias = args.hidden_size, args.head_dim, args.attention_bias
+        self.q_proj = nn.Linear(c, args.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(c, args.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(c, args.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(args.num_heads * d, c, bias=bias)
+        self.q_norm = RMSNorm(d, args.rms_norm_eps)
+        self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.scale = d**-0.5
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, K, T, D]
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(attend(q, k, v, mask, self.scale))
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3, arXiv:2405.04434).
+
+    Keys and values are expanded from a small latent (kv_lora_rank) plus one
+    rope key shared by all heads; queries optionally go through their own
+    low-rank bottleneck (q_lora_rank). Under YaRN the softmax scale gets the
+    squared mscale correction of the reference implementation.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        c, h = args.hidden_size, args.num_heads
+        self.num_heads = h
+        self.nope, self.rope_dim, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.latent = args.kv_lora_rank
+        self.interleaved = args.rope_interleave
+        qk_dim = self.nope + self.rope_dim
+        if args.q_lora_rank is None:
+            self.q_proj = nn.Linear(c, h * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c, args.q_lora_rank, bias=args.attention_bias)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, h * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c, self.latent + self.rope_dim, bias=args.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.latent)
+        self.kv_b_proj = nn.Linear(self.latent, h * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_dim, c, bias=args.attention_bias)
+        self.scale = qk_dim**-0.5
+        if args.rope.kind == "yarn" and args.rope.mscale_all_dim:
+            self.scale *= yarn_mscale(args.rope.factor, args.rope.mscale_all_dim) ** 2
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None):
+        b, t, _ = x.shape
+        h = self.num_heads
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(b, t, h, self.nope + self.rope_dim).transpose(1, 2)  # [B, H, T, N+R]
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+
+        latent_rope = self.kv_a_proj_with_mqa(x)  # [B, T, L+R]
+        latent, k_rope = latent_rope.split([self.latent, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, h, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, H, T, N], [B, H, T, V]
+
+        cos, sin = rope
+        q_rope = apply_rope(q_rope, cos, sin, self.interleaved)
+        k_rope = apply_rope(k_rope.view(b, 1, t, self.rope_dim), cos, sin, self.interleaved)  # [B, 1, T, R]
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(b, h, t, self.rope_dim)], dim=-1)
+        return self.o_proj(attend(q, k, v, mask, self.scale))

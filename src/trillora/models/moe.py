@@ -1,0 +1,197 @@
+"""Mixture of experts: routers, stacked experts computed with grouped GEMM, the MoE block.
+
+Shape legend: T tokens (batch and sequence flattened), C hidden channels, E experts,
+K experts per token (top-k), R routed rows (T·K, sorted by expert), I expert hidden size.
+
+Experts are stored stacked, fused the way transformers 5 keeps them in memory:
+`gate_up_proj [E, 2I, C]` (gate rows first, then up rows) and `down_proj [E, C, I]`.
+Tokens are sorted by expert once per layer; every expert matmul (and, later, every
+expert LoRA matmul) then runs as one grouped GEMM over the sorted rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .args import ModelArgs
+from .layers import SwiGLU
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertSort:
+    """Where each routed row comes from, after sorting the T·K (token, slot) pairs by expert."""
+
+    order: torch.Tensor  # [R] index into the flattened [T*K] choices
+    token: torch.Tensor  # [R] source token of each sorted row
+    counts: torch.Tensor  # [E] rows per expert (int64, on the same device)
+
+    @staticmethod
+    def build(indices_TK: torch.Tensor, num_experts: int) -> "ExpertSort":
+        flat = indices_TK.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=num_experts)
+        return ExpertSort(order=order, token=order // indices_TK.shape[-1], counts=counts)
+
+
+def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    # torch._grouped_mm's backward on CPU rejects expanded (stride-0) gradients.
+    if t.requires_grad:
+        t.register_hook(lambda g: g.contiguous())
+    return t
+
+
+def grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """grouped GEMM needs 16-byte aligned rows on both operands."""
+    align = 16 // x.element_size()
+    return x.shape[-1] % align == 0 and w.shape[-2] % align == 0 and x.dtype == w.dtype
+
+
+def grouped_linear(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, grouped: bool = True) -> torch.Tensor:
+    """Rows of x sorted by expert times each expert's weight transposed: [R, I] x [E, O, I] -> [R, O].
+
+    `grouped=False` is the exact per-expert loop, kept as the reference and as
+    the fallback for shapes the grouped kernel does not accept.
+    """
+    if x_RI.shape[0] == 0:
+        return x_RI.new_zeros(0, w_EOI.shape[1])
+    if grouped and grouped_mm_ok(x_RI, w_EOI):
+        offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        return _contiguous_grad(torch._grouped_mm(x_RI.contiguous(), w_EOI.transpose(-2, -1), offs=offs))
+    chunks = torch.split(x_RI, counts_E.tolist())
+    return torch.cat([chunk @ w_EOI[e].T for e, chunk in enumerate(chunks)])
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, num_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.num_experts, self.hidden = num_experts, hidden
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.grouped = True  # False: per-expert loop (reference)
+
+    def forward(self, x_TC: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        sort = ExpertSort.build(indices_TK, self.num_experts)
+        x_RC = x_TC[sort.token]
+        gate_up_R2I = self.project(x_RC, "gate_up_proj", sort)
+        gate, up = gate_up_R2I.chunk(2, dim=-1)
+        y_RC = self.project(F.silu(gate) * up, "down_proj", sort)
+        y_RC = y_RC * weights_TK.reshape(-1)[sort.order, None].to(y_RC.dtype)
+        return torch.zeros_like(x_TC).index_add_(0, sort.token, y_RC.to(x_TC.dtype))
+
+    def project(self, x_R: torch.Tensor, name: str, sort: ExpertSort) -> torch.Tensor:
+        """One stacked projection over expert-sorted rows; the hook point for expert LoRA."""
+        return grouped_linear(x_R, getattr(self, name), sort.counts, self.grouped)
+
+
+class SoftmaxRouter(nn.Module):
+    """Qwen3-MoE: softmax over experts, top-k, optionally renormalised over the chosen k."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = args.top_k, args.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
+
+    def forward(self, x_TC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits_TE = F.linear(x_TC, self.weight)
+        probs_TE = logits_TE.float().softmax(dim=-1)
+        weights_TK, indices_TK = probs_TE.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return weights_TK.to(logits_TE.dtype), indices_TK
+
+    def weights_for(self, x_TC: torch.Tensor, indices_TK: torch.Tensor) -> torch.Tensor:
+        """Gate weights this router gives to already-chosen experts (router replay)."""
+        probs_TE = F.linear(x_TC, self.weight).float().softmax(dim=-1)
+        weights_TK = probs_TE.gather(1, indices_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return weights_TK.to(x_TC.dtype)
+
+
+class SigmoidRouter(nn.Module):
+    """DeepSeek-V3 / Kimi K2 (`noaux_tc`): sigmoid scores, a bias that steers only the choice,
+    group-limited top-k (pick `topk_group` of `n_group` groups by their top-2 sum), and
+    `routed_scaling_factor` on the (renormalised) weights."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = args.top_k, args.norm_topk_prob
+        self.n_group, self.topk_group = args.n_group, args.topk_group
+        self.scaling = args.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(args.num_experts, dtype=torch.float32))
+
+    def scores(self, x_TC: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_TC.float(), self.weight.float()).sigmoid()  # [T, E]
+
+    def forward(self, x_TC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores_TE = self.scores(x_TC)
+        choice_TE = scores_TE + self.e_score_correction_bias
+        if self.n_group > 1:
+            t, e = choice_TE.shape
+            grouped = choice_TE.view(t, self.n_group, e // self.n_group)
+            group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+            keep = group_score.topk(self.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+            choice_TE = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(t, e)
+        indices_TK = choice_TE.topk(self.top_k, dim=-1).indices
+        return self._weights(scores_TE, indices_TK), indices_TK
+
+    def _weights(self, scores_TE: torch.Tensor, indices_TK: torch.Tensor) -> torch.Tensor:
+        weights_TK = scores_TE.gather(1, indices_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights_TK * self.scaling
+
+    def weights_for(self, x_TC: torch.Tensor, indices_TK: torch.Tensor) -> torch.Tensor:
+        return self._weights(self.scores(x_TC), indices_TK)
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts). `record` collects the chosen experts when set."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = SoftmaxRouter(args) if args.router == "softmax" else SigmoidRouter(args)
+        self.experts = GroupedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
+        if args.n_shared_experts:
+            self.shared_experts = SwiGLU(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
+        self.record: list[torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x_TC = x.reshape(-1, shape[-1])
+        weights_TK, indices_TK = self.gate(x_TC)
+        if self.record is not None:
+            self.record.append(indices_TK.detach().view(*shape[:-1], -1))
+        out = self.experts(x_TC, indices_TK, weights_TK).view(shape)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
+        return out
+
+
+@contextlib.contextmanager
+def record_routing(model: nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Collect, per MoE module name, the expert indices [B, T, K] chosen in each forward call."""
+    records: dict[str, list[torch.Tensor]] = {}
+    moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    for name, m in moes:
+        m.record = records.setdefault(name, [])
+    try:
+        yield records
+    finally:
+        for _, m in moes:
+            m.record = None
+
+
+def set_grouped_gemm(model: nn.Module, enabled: bool) -> None:
+    """Switch every expert block between grouped GEMM and the exact per-expert loop."""
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.grouped = enabled

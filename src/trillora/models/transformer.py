@@ -1,0 +1,114 @@
+"""The decoder-only transformer both families share: embeddings, pre-norm blocks, final norm, head.
+
+Module and parameter names follow the Hugging Face checkpoints
+(`model.layers.{i}.self_attn.q_proj.weight`, `model.layers.{i}.mlp.experts.gate_up_proj`, ...),
+so loading is a rename-free copy and adapters export under the names vLLM and PEFT expect.
+A family file only says which attention and which MLP each layer gets.
+
+Shape legend: B batch, T tokens, C hidden channels, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .args import ModelArgs
+from .attention import causal_mask
+from .layers import RMSNorm, RotaryEmbedding
+from .moe import MoE, SigmoidRouter
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, attention: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs, make_layer: Callable[[int], DecoderLayer], rope_dim: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(args.rope, rope_dim)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, t = input_ids.shape
+        if position_ids is None:
+            if attention_mask is None:
+                position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+            else:  # left padding: count positions from the first real token
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        x = self.embed_tokens(input_ids)  # [B, T, C]
+        rope = self.rotary_emb(position_ids, x.dtype)
+        mask = causal_mask(attention_mask, t, x.device)
+        for layer in self.layers:
+            x = layer(x, rope, mask)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """`model(input_ids) -> logits [B, T, V]`; `model.args` is the normalised architecture."""
+
+    def __init__(self, args: ModelArgs, make_layer: Callable[[int], DecoderLayer], rope_dim: int):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args, make_layer, rope_dim)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def config(self) -> ModelArgs:
+        return self.args
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [B, T, C]: lets callers project to the vocabulary in chunks."""
+        return self.model(input_ids, attention_mask, position_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids))
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Random weights (normal, std) for linear and expert weights, ones for norms, zero biases."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=generator)
+        for m in self.modules():
+            if isinstance(m, SigmoidRouter):
+                m.e_score_correction_bias.zero_()
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Recompute derived (non-persistent) buffers, e.g. after materialising from the meta device."""
+        self.model.rotary_emb.reset_parameters()
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]

@@ -1,0 +1,150 @@
+"""Checkpoint folders: clear errors naming the file or tensor, atomic saves, tokenizers, tied embeddings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import trillora
+from trillora.checkpoint import CheckpointError
+from trillora.checkpoint import hf as hf_io
+from trillora.tiny import write_random_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+def _copy(src, dst, change=None):
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    if change:
+        change(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_missing_shard_is_named(tiny, tmp_path):
+    bad = _copy(tiny, tmp_path / "bad")
+    index = {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="shard model-00002-of-00002.safetensors named in model.safetensors.index.json is missing"):
+        trillora.load_model(bad)
+
+
+def test_wrong_shape_is_named(tiny, tmp_path):
+    def shrink(t):
+        t["model.norm.weight"] = torch.ones(3)
+
+    with pytest.raises(CheckpointError, match=r"tensor 'model.norm.weight' has shape \(3,\), the model expects \(128,\)"):
+        trillora.load_model(_copy(tiny, tmp_path / "bad", shrink))
+
+
+def test_missing_weights_are_named(tiny, tmp_path):
+    def drop(t):
+        del t["model.layers.2.self_attn.k_proj.weight"]
+
+    with pytest.raises(CheckpointError, match="checkpoint lacks weights for model.layers.2.self_attn.k_proj.weight"):
+        trillora.load_model(_copy(tiny, tmp_path / "bad", drop))
+
+
+def test_missing_one_expert_is_named(tiny, tmp_path):
+    """A per-expert checkpoint missing a single expert's up_proj is incomplete, not silently zero."""
+    model = trillora.load_model(tiny)
+    per_expert = hf_io.hf_state_dict(model, "per_expert")
+    del per_expert["model.layers.0.mlp.experts.5.up_proj.weight"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((tiny / "config.json").read_text())
+    save_file(per_expert, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="lacks weights for model.layers.0.mlp.experts.gate_up_proj"):
+        trillora.load_model(bad)
+
+
+def test_unexpected_tensor_is_named(tiny, tmp_path):
+    def extra(t):
+        t["model.layers.0.self_attn.mystery.weight"] = torch.ones(2)
+
+    with pytest.raises(CheckpointError, match="tensor 'model.layers.0.self_attn.mystery.weight' has no place in a qwen3_moe model"):
+        trillora.load_model(_copy(tiny, tmp_path / "bad", extra))
+
+
+def test_no_weights_no_tokenizer_are_named(tiny, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((tiny / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="no safetensors weights"):
+        trillora.load_model(empty)
+    with pytest.raises(CheckpointError, match="no tokenizer files"):
+        trillora.load_tokenizer(empty)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        trillora.load_model(tmp_path)
+
+
+def test_tokenizer_loads_and_roundtrips(tiny):
+    tok = trillora.load_tokenizer(tiny)
+    ids = tok("12+34=46", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 8 and tok.decode(ids) == "12+34=46"
+
+
+def test_save_is_atomic_on_failure(tiny, tmp_path, monkeypatch):
+    model = trillora.load_model(tiny)
+    dest = trillora.save_model(model, tmp_path / "out")
+    before = (dest / "model.safetensors").read_bytes()
+    calls = {"n": 0}
+    real = hf_io.save_file
+
+    def failing(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full")
+        return real(*a, **k)
+
+    monkeypatch.setattr(hf_io, "save_file", failing)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(7.0)
+    with pytest.raises(OSError, match="disk full"):
+        trillora.save_model(model, dest, max_shard_bytes=100_000)
+    assert (dest / "model.safetensors").read_bytes() == before  # the old checkpoint is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left behind
+
+
+def test_tied_embeddings_roundtrip(tmp_path):
+    from trillora.models import build_model, from_hf_config
+    from trillora.tiny import TINY_QWEN3_MOE
+
+    args = from_hf_config(dict(TINY_QWEN3_MOE, vocab_size=64, tie_word_embeddings=True))
+    model = build_model(args, device="cpu")
+    model.init_weights()
+    out = trillora.save_model(model, tmp_path / "tied")
+    assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))
+    back = trillora.load_model(out)
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    ids = torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(back(ids), model(ids))
+
+
+def test_bf16_load_keeps_router_bias_fp32(tmp_path):
+    from hf_models import DEEPSEEK_V3, hf_model, save_fused
+
+    path = save_fused(hf_model(DEEPSEEK_V3), tmp_path / "ds")
+    model = trillora.load_model(path, dtype=torch.bfloat16)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert all(m.gate.e_score_correction_bias.dtype == torch.float32 for m in model.moe_layers())
+
+
+def test_generate_cli_runs_on_tiny(tiny):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "trillora", "generate", str(tiny), "--prompt", "1+1=", "--max-new-tokens", "4"],
+        capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.startswith("1+1=")
