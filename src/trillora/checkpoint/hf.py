@@ -10,10 +10,8 @@ as transformers 5 holds them); both land in the same stacked parameters.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..atomic import atomic_folder
 from ..models import CausalLM, ModelArgs, build_model, load_hf_config
 from .fp8 import dequantize_blockwise
 
@@ -172,31 +171,6 @@ def hf_state_dict(model: CausalLM, expert_layout: str = "fused") -> dict[str, to
         else:
             out[name] = t.contiguous()
     return out
-
-
-def atomic_folder(dest: Path) -> tuple[Path, callable]:
-    """A temporary sibling folder and a `commit()` that fsyncs it and renames it over `dest`."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-
-    def commit() -> None:
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        old = None
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-            os.rename(dest, old)
-        os.rename(tmp, dest)
-        dirfd = os.open(dest.parent, os.O_RDONLY)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
-        if old is not None:
-            shutil.rmtree(old)
-
-    return tmp, commit
 
 
 def save_model(

@@ -97,8 +97,11 @@ class SoftmaxRouter(nn.Module):
         self.top_k, self.norm_topk_prob = args.top_k, args.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
 
+    def logits(self, x_TC: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_TC, self.weight)  # [T, E]
+
     def forward(self, x_TC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits_TE = F.linear(x_TC, self.weight)
+        logits_TE = self.logits(x_TC)
         probs_TE = logits_TE.float().softmax(dim=-1)
         weights_TK, indices_TK = probs_TE.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -107,7 +110,7 @@ class SoftmaxRouter(nn.Module):
 
     def weights_for(self, x_TC: torch.Tensor, indices_TK: torch.Tensor) -> torch.Tensor:
         """Gate weights this router gives to already-chosen experts (router replay)."""
-        probs_TE = F.linear(x_TC, self.weight).float().softmax(dim=-1)
+        probs_TE = self.logits(x_TC).float().softmax(dim=-1)
         weights_TK = probs_TE.gather(1, indices_TK)
         if self.norm_topk_prob:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
@@ -127,8 +130,11 @@ class SigmoidRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(args.num_experts, dtype=torch.float32))
 
+    def logits(self, x_TC: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_TC.float(), self.weight.float())  # [T, E], in fp32 as the reference does
+
     def scores(self, x_TC: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_TC.float(), self.weight.float()).sigmoid()  # [T, E]
+        return self.logits(x_TC).sigmoid()
 
     def forward(self, x_TC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores_TE = self.scores(x_TC)

@@ -1,0 +1,35 @@
+"""LoRA on dense and expert layers: targeting by role, grouped expert adapters, merge,
+adapter-off reference, and adapters in PEFT / vLLM layouts."""
+
+from .apply import (
+    adapter_stats,
+    apply_lora,
+    disable_adapter,
+    lora_modules,
+    lora_parameters,
+    lora_state_dict,
+    merge,
+    select_targets,
+    unmerge,
+)
+from .config import ROLES, LoraConfig, LoraConfigError
+from .export import AdapterError, adapter_tensors, load_adapter, save_adapter
+
+__all__ = [
+    "ROLES",
+    "AdapterError",
+    "LoraConfig",
+    "LoraConfigError",
+    "adapter_stats",
+    "adapter_tensors",
+    "apply_lora",
+    "disable_adapter",
+    "load_adapter",
+    "lora_modules",
+    "lora_parameters",
+    "lora_state_dict",
+    "merge",
+    "save_adapter",
+    "select_targets",
+    "unmerge",
+]

@@ -1,0 +1,179 @@
+"""LoRA as a transform of existing modules: the module keeps its name, class behaviour and
+frozen weights; its class is swapped for a subclass that adds the low-rank update.
+
+Three kinds of base: `nn.Linear` (attention, dense MLP, shared experts, lm_head), the
+stacked `GroupedExperts` (routed experts) and the routers (their logits). Keeping the
+module in place means base checkpoint names, parallel plans over module names and
+router recording all work unchanged with adapters on.
+
+Shape legend: R routed rows (sorted by expert), E experts, C hidden, I expert hidden,
+r rank, O/N out/in features.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models.moe import ExpertSort, GroupedExperts, SigmoidRouter, SoftmaxRouter, grouped_linear
+
+
+class LoraMixin:
+    """State every adapted module carries: scaling, dropout, enabled/merged flags."""
+
+    lora_rank: int
+    lora_scaling: float
+    lora_enabled: bool
+    lora_merged: bool
+
+    def _init_lora(self, rank: int, scaling: float, dropout: float) -> None:
+        self.lora_rank, self.lora_scaling = rank, scaling
+        self.lora_enabled, self.lora_merged = True, False
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    @property
+    def lora_active(self) -> bool:
+        return self.lora_enabled and not self.lora_merged
+
+    def lora_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.named_parameters(recurse=False) if n.startswith("lora_"))
+
+
+def _new(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape, device=like.device, dtype=dtype))
+
+
+def init_a(a: torch.Tensor, how: str, generator: torch.Generator | None) -> None:
+    """A [..., r, N]: kaiming-uniform over the fan-in N (PEFT's default) or gaussian(0, 1/r)."""
+    with torch.no_grad():
+        if a.is_meta:
+            return
+        if how == "kaiming":
+            bound = 1.0 / math.sqrt(a.shape[-1])  # kaiming_uniform with a = sqrt(5)
+            a.uniform_(-bound, bound, generator=generator)
+        else:
+            a.normal_(0.0, 1.0 / a.shape[-2], generator=generator)
+
+
+class LoraLinear(LoraMixin, nn.Linear):
+    """y = W x + b + scaling · B A dropout(x);  A [r, N], B [O, r]."""
+
+    def add_lora(self, rank: int, scaling: float, dropout: float, dtype: torch.dtype) -> None:
+        self._init_lora(rank, scaling, dropout)
+        self.lora_A = _new((rank, self.in_features), self.weight, dtype)
+        self.lora_B = _new((self.out_features, rank), self.weight, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if not self.lora_active:
+            return y
+        h = self.lora_dropout(x).to(self.lora_A.dtype)
+        return y + (F.linear(F.linear(h, self.lora_A), self.lora_B) * self.lora_scaling).to(y.dtype)
+
+    def delta(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.lora_scaling * self.lora_B @ self.lora_A}
+
+
+class LoraRouterMixin(LoraMixin):
+    """Router logits + scaling · B A x;  A [r, C], B [E, r]. The choice of experts then sees the update."""
+
+    def add_lora(self, rank: int, scaling: float, dropout: float, dtype: torch.dtype) -> None:
+        self._init_lora(rank, scaling, dropout)
+        e, c = self.weight.shape
+        self.lora_A = _new((rank, c), self.weight, dtype)
+        self.lora_B = _new((e, rank), self.weight, dtype)
+
+    def logits(self, x_TC: torch.Tensor) -> torch.Tensor:
+        logits_TE = super().logits(x_TC)
+        if not self.lora_active:
+            return logits_TE
+        h = self.lora_dropout(x_TC).to(self.lora_A.dtype)
+        return logits_TE + (F.linear(F.linear(h, self.lora_A), self.lora_B) * self.lora_scaling).to(logits_TE.dtype)
+
+    def delta(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.lora_scaling * self.lora_B @ self.lora_A}
+
+
+class LoraSoftmaxRouter(LoraRouterMixin, SoftmaxRouter):
+    pass
+
+
+class LoraSigmoidRouter(LoraRouterMixin, SigmoidRouter):
+    pass
+
+
+class LoraGroupedExperts(LoraMixin, GroupedExperts):
+    """Stacked per-expert adapters for gate, up and down, computed as grouped GEMMs on the
+    same expert-sorted rows as the base experts: never a Python loop over experts (unless
+    the loop reference is selected) and never a materialised B·A per expert.
+
+    lora_gate_A, lora_up_A [E, r, C];  lora_gate_B, lora_up_B [E, I, r];
+    lora_down_A [E, r, I];  lora_down_B [E, C, r].
+    """
+
+    def add_lora(self, rank: int, scaling: float, dropout: float, dtype: torch.dtype) -> None:
+        self._init_lora(rank, scaling, dropout)
+        e, c, i, w = self.num_experts, self.down_proj.shape[1], self.hidden, self.down_proj
+        self.lora_gate_A, self.lora_up_A = _new((e, rank, c), w, dtype), _new((e, rank, c), w, dtype)
+        self.lora_gate_B, self.lora_up_B = _new((e, i, rank), w, dtype), _new((e, i, rank), w, dtype)
+        self.lora_down_A, self.lora_down_B = _new((e, rank, i), w, dtype), _new((e, c, rank), w, dtype)
+
+    def project(self, x_R: torch.Tensor, name: str, sort: ExpertSort) -> torch.Tensor:
+        y = super().project(x_R, name, sort)
+        if not self.lora_active:
+            return y
+        h = self.lora_dropout(x_R).to(self.lora_down_A.dtype)
+        counts, r = sort.counts, self.lora_rank
+        if name == "gate_up_proj":
+            a = torch.cat([self.lora_gate_A, self.lora_up_A], dim=1)  # [E, 2r, C]: one GEMM for both
+            h_R2r = grouped_linear(h, a, counts, self.grouped)
+            gate = grouped_linear(h_R2r[:, :r].contiguous(), self.lora_gate_B, counts, self.grouped)
+            up = grouped_linear(h_R2r[:, r:].contiguous(), self.lora_up_B, counts, self.grouped)
+            delta = torch.cat([gate, up], dim=-1)  # [R, 2I]
+        else:
+            delta = grouped_linear(grouped_linear(h, self.lora_down_A, counts, self.grouped), self.lora_down_B, counts, self.grouped)
+        return y + (delta * self.lora_scaling).to(y.dtype)
+
+    def delta(self) -> dict[str, torch.Tensor]:
+        s = self.lora_scaling
+        gate = torch.bmm(self.lora_gate_B, self.lora_gate_A)  # [E, I, C]
+        up = torch.bmm(self.lora_up_B, self.lora_up_A)
+        return {
+            "gate_up_proj": s * torch.cat([gate, up], dim=1),
+            "down_proj": s * torch.bmm(self.lora_down_B, self.lora_down_A),
+        }
+
+
+LORA_CLASSES: dict[type, type] = {
+    nn.Linear: LoraLinear,
+    GroupedExperts: LoraGroupedExperts,
+    SoftmaxRouter: LoraSoftmaxRouter,
+    SigmoidRouter: LoraSigmoidRouter,
+}
+
+
+def add_adapter(
+    module: nn.Module, rank: int, scaling: float, dropout: float, dtype: torch.dtype, init: str,
+    generator: torch.Generator | None = None,
+) -> LoraMixin:
+    """Turn `module` (in place) into its LoRA subclass with fresh A (random) and B (zero)."""
+    cls = LORA_CLASSES.get(type(module))
+    if cls is None:
+        raise TypeError(f"cannot add LoRA to {type(module).__name__}; supported: {', '.join(c.__name__ for c in LORA_CLASSES)}")
+    module.__class__ = cls
+    module.add_lora(rank, scaling, dropout, dtype)
+    for name in module.lora_names():
+        if name.endswith("_A"):
+            init_a(getattr(module, name), init, generator)
+    return module
+
+
+@torch.no_grad()
+def merge_module(module: LoraMixin, sign: float = 1.0) -> None:
+    """W += sign · scaling · B A on every adapted base tensor of `module`."""
+    for name, d in module.delta().items():
+        w = getattr(module, name)
+        w.add_(d.to(w.dtype), alpha=sign)
