@@ -88,3 +88,12 @@ def test_info_cli_unknown_model_is_one_line_error():
     out = subprocess.run([sys.executable, "-m", "trillora", "info", "gpt-5"], capture_output=True, text=True)
     assert out.returncode == 2
     assert "gpt-5: neither a config.json" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_info_cli_sizes_a_lora_adapter():
+    out = subprocess.run(
+        [sys.executable, "-m", "trillora", "info", "kimi-k2", "--json", "--lora-rank", "128", "--expert-rank-rule", "divide_by_top_k"],
+        capture_output=True, text=True, check=True,
+    )
+    info = json.loads(out.stdout)["lora"]
+    assert 0.0100 < info["fraction"] < 0.0112 and info["adapter_bytes"] == 4 * info["adapter_params"]

@@ -277,3 +277,28 @@ def test_kimi_k2_rank_128_adapter_sizes():
     assert same["expert_adapter_params"] == 60 * 384 * 128 * (2 * 7168 + 2048 + 2 * 2048 + 7168)
     assert divided["expert_adapter_params"] == same["expert_adapter_params"] // 8
     assert 0.079 < same["fraction"] < 0.081 and 0.0100 < divided["fraction"] < 0.0112
+
+
+def test_fp32_adapter_on_bf16_base(tmp_path):
+    hf = hf_model(CONFIGS["qwen3_moe"])
+    model = trillora.load_model(save_fused(hf, tmp_path / "b"), dtype=torch.bfloat16)
+    lora.apply_lora(model, lora.LoraConfig(rank=4, dtype="float32"))
+    randomise(model)
+    assert all(p.dtype == torch.float32 for _, p in lora.lora_parameters(model))
+    ids = tokens(hf.config.vocab_size, length=10)
+    out = model(ids)
+    assert out.dtype == torch.bfloat16
+    out.float().logsumexp(-1).mean().backward()
+    grads = [p.grad for _, p in lora.lora_parameters(model)]
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+
+def test_dropout_only_in_training():
+    model = _tiny_model(rank=4, dropout=0.5)
+    randomise(model)
+    ids = torch.randint(0, 128, (1, 10))
+    with torch.no_grad():
+        model.eval()
+        assert torch.equal(model(ids), model(ids))
+        model.train()
+        assert not torch.equal(model(ids), model(ids))

@@ -16,6 +16,17 @@ from .checkpoint import CheckpointError
 from .models import ConfigError
 
 
+def lora_size(model_args, rank: int, rule: str) -> tuple[dict, int]:
+    """Adapter size on the default targets (attention, dense MLP, shared and routed experts), on the meta device."""
+    from . import lora
+    from .models import build_model
+
+    cfg = lora.LoraConfig(rank=rank, expert_rank_rule=rule)
+    model = build_model(model_args, device="meta")
+    lora.apply_lora(model, cfg)
+    return lora.adapter_stats(model), cfg.rank_for_experts(model_args.top_k)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -35,6 +46,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             "bytes_bf16": counts.bytes_bf16(),
             "bytes_fp8": counts.bytes_fp8(),
             "structure": dict(structure(model_args)),
+            **({"lora": lora_size(model_args, args.lora_rank, args.expert_rank_rule)[0]} if args.lora_rank else {}),
         }, indent=2))
         return 0
     table = Table(title=f"trillora info: {args.model}", show_header=False)
@@ -47,6 +59,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     table.add_row("routed experts", f"{human(counts.routed_experts)} ({100 * counts.routed_experts / counts.total:.1f}% of all)")
     table.add_row("weights at bf16", human_bytes(counts.bytes_bf16()))
     table.add_row("weights at fp8", human_bytes(counts.bytes_fp8()) + " (128×128 block scales, norms/embeddings bf16)")
+    if args.lora_rank:
+        stats, expert_rank = lora_size(model_args, args.lora_rank, args.expert_rank_rule)
+        table.add_row(
+            f"LoRA rank {args.lora_rank}",
+            f"{human(stats['adapter_params'])} params, {human_bytes(stats['adapter_bytes'])} fp32 "
+            f"({100 * stats['fraction']:.2f}% of the base; expert rank {expert_rank})",
+        )
     Console().print(table)
     return 0
 
@@ -87,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="parameter counts, structure and sizes of a model (no weights needed)")
     p.add_argument("model", help="shipped name (kimi-k2, deepseek-v3, qwen3-30b-a3b, qwen3-235b-a22b), config.json or folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--lora-rank", type=int, default=0, help="also size a LoRA adapter of this rank")
+    p.add_argument("--expert-rank-rule", default="same", choices=("same", "divide_by_top_k"))
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="sample a completion from a checkpoint folder")
