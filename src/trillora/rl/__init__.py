@@ -1,0 +1,21 @@
+"""RL math as pure functions over tensors: no state, no I/O."""
+
+from .advantages import ADVANTAGE_MODES, group_advantages
+from .aggregation import AGGREGATIONS, aggregate
+from .kl import KL_ESTIMATORS, entropy_from_logits, kl_estimate
+from .loss import policy_loss
+from .mismatch import MISMATCH_MODES, masked_mean, mismatch_weights
+
+__all__ = [
+    "ADVANTAGE_MODES",
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "MISMATCH_MODES",
+    "aggregate",
+    "entropy_from_logits",
+    "group_advantages",
+    "kl_estimate",
+    "masked_mean",
+    "mismatch_weights",
+    "policy_loss",
+]
