@@ -1,6 +1,7 @@
 """Model families as plain modules; no LoRA, parallelism or RL in here."""
 
 from .args import ConfigError, ModelArgs, from_hf_config, load_hf_config
+from .kv_cache import KVCache
 from .moe import record_routing, set_grouped_gemm
 from .registry import build_model
 from .transformer import CausalLM
@@ -8,6 +9,7 @@ from .transformer import CausalLM
 __all__ = [
     "CausalLM",
     "ConfigError",
+    "KVCache",
     "ModelArgs",
     "build_model",
     "from_hf_config",

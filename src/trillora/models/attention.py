@@ -11,26 +11,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from .args import ModelArgs
+from .kv_cache import KVCache
 from .layers import RMSNorm, apply_rope, yarn_mscale
 
 
-def causal_mask(attention_mask: torch.Tensor | None, t: int, device: torch.device) -> torch.Tensor | None:
-    """Boolean mask [B, 1, T, T] (True = may attend) from a padding mask [B, T], or None for plain causal.
+def causal_mask(attention_mask: torch.Tensor | None, t: int, offset: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask [B, 1, t, S] (True = may attend) for t new queries after `offset` cached tokens,
+    from a padding mask [B, S] over all S = offset + t tokens; None means plain causal, no cache.
 
     Each query may always see itself, so rows of padding stay finite instead of NaN.
     """
-    if attention_mask is None:
+    if attention_mask is None and offset == 0:
         return None
-    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-    keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
-    eye = torch.eye(t, dtype=torch.bool, device=device)
-    return (causal & keys) | eye
+    s = offset + t
+    q_pos = torch.arange(offset, s, device=device)[:, None]
+    k_pos = torch.arange(s, device=device)[None, :]
+    mask = (k_pos <= q_pos)[None, None]  # [1, 1, t, S]
+    if attention_mask is not None:
+        mask = mask & attention_mask.bool()[:, None, None, :]
+    return mask | (k_pos == q_pos)[None, None]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     # q [B, H, T, D], k [B, K, T, D], v [B, K, T, V] -> [B, T, H*V]
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
     b, h, t, d = out.shape
     return out.transpose(1, 2).reshape(b, t, h * d)
@@ -51,13 +56,16 @@ class GQAttention(nn.Module):
         self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.scale = d**-0.5
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None):
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                cache: KVCache | None = None, layer: int = 0):
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)  # [B, H, T, D]
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, K, T, D]
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
         return self.o_proj(attend(q, k, v, mask, self.scale))
 
 
@@ -92,7 +100,8 @@ class MLAttention(nn.Module):
         if args.rope.kind == "yarn" and args.rope.mscale_all_dim:
             self.scale *= yarn_mscale(args.rope.factor, args.rope.mscale_all_dim) ** 2
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None):
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                cache: KVCache | None = None, layer: int = 0):
         b, t, _ = x.shape
         h = self.num_heads
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -109,4 +118,6 @@ class MLAttention(nn.Module):
         k_rope = apply_rope(k_rope.view(b, 1, t, self.rope_dim), cos, sin, self.interleaved)  # [B, 1, T, R]
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(b, h, t, self.rope_dim)], dim=-1)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
         return self.o_proj(attend(q, k, v, mask, self.scale))

@@ -17,6 +17,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .attention import causal_mask
+from .kv_cache import KVCache
 from .layers import RMSNorm, RotaryEmbedding
 from .moe import MoE, SigmoidRouter
 
@@ -29,8 +30,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+                cache: KVCache | None = None, index: int = 0):
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, index)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -43,19 +45,26 @@ class Backbone(nn.Module):
         self.rotary_emb = RotaryEmbedding(args.rope, rope_dim)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         b, t = input_ids.shape
+        offset = cache.length if cache is not None else 0
         if position_ids is None:
             if attention_mask is None:
-                position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+                position_ids = torch.arange(offset, offset + t, device=input_ids.device).expand(b, t)
             else:  # left padding: count positions from the first real token
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:]
         x = self.embed_tokens(input_ids)  # [B, T, C]
         rope = self.rotary_emb(position_ids, x.dtype)
-        mask = causal_mask(attention_mask, t, x.device)
-        for layer in self.layers:
-            x = layer(x, rope, mask)
+        mask = causal_mask(attention_mask, t, offset, x.device)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, mask, cache, i)
+        if cache is not None:
+            cache.advance(t)
         return self.norm(x)
 
 
@@ -79,17 +88,21 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """Final-norm hidden states [B, T, C]: lets callers project to the vocabulary in chunks."""
-        return self.model(input_ids, attention_mask, position_ids)
+        """Final-norm hidden states [B, T, C]: lets callers project to the vocabulary in chunks.
+
+        With a `cache`, `input_ids` are the new tokens only and `attention_mask` covers cached + new."""
+        return self.model(input_ids, attention_mask, position_ids, cache)
 
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids))
+        return self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids, cache))
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:

@@ -1,0 +1,53 @@
+"""The trainer's view of sampled sequences: batches of prompt + completion and the
+log-probabilities the policy gives to the completion tokens.
+
+Rows are right-padded, so plain causal attention is exact for the real tokens and no
+padding mask is needed. Shape legend: B rows, T tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .models.transformer import CausalLM
+
+
+@dataclass(kw_only=True)
+class TokenBatch:
+    input_ids: torch.Tensor  # [B, T] prompt + completion, right-padded
+    completion_mask: torch.Tensor  # [B, T-1]: 1 where target token t+1 is a completion token
+    rollout_logprobs: torch.Tensor  # [B, T-1] engine logprobs aligned with the mask (0 elsewhere)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+
+def build_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]], pad_id: int = 0,
+                device: torch.device | str = "cpu") -> TokenBatch:
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    b = len(prompts)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(b, width - 1)
+    lps = torch.zeros(b, width - 1)
+    for i, (p, c, lp) in enumerate(zip(prompts, completions, logprobs)):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+        # target position j predicts token j+1: completion token k sits at len(p)+k, predicted at len(p)+k-1
+        mask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1
+        lps[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32)
+    return TokenBatch(input_ids=ids.to(device), completion_mask=mask.to(device), rollout_logprobs=lps.to(device))
+
+
+def token_logprobs(model: CausalLM, input_ids: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature) of each next token: [B, T-1] (and the entropy [B, T-1])."""
+    hidden = model.hidden_states(input_ids)[:, :-1]
+    logits = model.lm_head(hidden).float()
+    if temperature > 0:
+        logits = logits / temperature
+    logp_all = logits.log_softmax(-1)  # [B, T-1, V]
+    logp = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    return logp, entropy

@@ -1,0 +1,62 @@
+"""What every rollout engine takes and returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass(kw_only=True, frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = no top-k filter."""
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    return_routing: bool = False
+    """Keep the experts each input token was routed to (for router replay)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}; must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}; must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}; must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}; must be >= 0")
+
+
+@dataclass(kw_only=True)
+class Completion:
+    """One sampled continuation.
+
+    `logprobs[i]` is log softmax(logits / temperature)[token_ids[i]] over the *full* vocabulary,
+    before any top-k / top-p truncation: the quantity the trainer recomputes, so the two
+    differ only by engine numerics (with truncation, the sampling distribution itself is
+    the renormalised truncated one; the mismatch correction then also covers that).
+    Greedy decoding reports log softmax(logits) (temperature 1).
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop token, included) | "length"
+    routed_experts: torch.Tensor | None = field(default=None, repr=False)
+    """[prompt + completion - 1 input tokens, MoE layers, top-k]: routing of every token fed to the model."""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        """n completions for each prompt (token ids), grouped by prompt."""
+
+    def sync(self, model: nn.Module) -> dict[str, float]:
+        """Bring the engine's weights up to date with the trainer's; returns what it cost."""
+
+    def close(self) -> None: ...
