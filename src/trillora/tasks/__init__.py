@@ -1,0 +1,19 @@
+"""Prompt sources and rewards."""
+
+from .arithmetic import ArithmeticTask
+from .base import Problem, Task, first_line
+from .countdown import CountdownTask, evaluate
+from .jsonl import DatasetError, JsonlTask, load_reward_fn
+from .reversal import ReversalTask
+
+TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "reversal": ReversalTask, "jsonl": JsonlTask}
+
+
+def make_task(name: str, **options) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"task {name!r}; allowed: {', '.join(TASKS)}")
+    return TASKS[name](**options)
+
+
+__all__ = ["TASKS", "ArithmeticTask", "CountdownTask", "DatasetError", "JsonlTask", "Problem", "ReversalTask", "Task",
+           "evaluate", "first_line", "make_task"]

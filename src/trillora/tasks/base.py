@@ -1,0 +1,59 @@
+"""A task makes prompts and scores completions; it knows nothing of models or trainers.
+
+Problems are generated from a seed, and the held-out split is fixed by the problem itself
+(a hash of its prompt), so train and eval never share a problem whatever the seeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+SPLITS = ("train", "eval")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    prompt: str
+    answer: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def in_eval_split(prompt: str, eval_fraction: float) -> bool:
+    h = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big")
+    return (h % 10_000) < eval_fraction * 10_000
+
+
+def first_line(completion: str) -> str:
+    """The answer part of a completion: up to the first newline, stripped."""
+    return completion.split("\n", 1)[0].strip()
+
+
+class Task(ABC):
+    name: str = "task"
+    eval_fraction: float = 0.1
+
+    @abstractmethod
+    def sample(self, rng: random.Random) -> Problem:
+        """One random problem (either split)."""
+
+    @abstractmethod
+    def reward(self, problem: Problem, completion: str) -> float:
+        """Score in [0, 1]; an unparsable completion scores 0, never raises."""
+
+    def problems(self, split: str, n: int, seed: int) -> list[Problem]:
+        if split not in SPLITS:
+            raise ValueError(f"split {split!r}; allowed: {', '.join(SPLITS)}")
+        rng = random.Random(f"{self.name}:{split}:{seed}")
+        out, tries = [], 0
+        while len(out) < n:
+            p = self.sample(rng)
+            tries += 1
+            if in_eval_split(p.prompt, self.eval_fraction) == (split == "eval"):
+                out.append(p)
+            if tries > 1000 * n:
+                raise RuntimeError(f"task {self.name}: cannot draw {n} {split} problems")
+        return out

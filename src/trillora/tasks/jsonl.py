@@ -1,0 +1,81 @@
+"""A dataset task: JSONL rows with a `prompt` and whatever the reward needs, scored by a user
+function named `module:function` taking (completion: str, row: dict) -> float."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .base import Problem, Task, in_eval_split
+
+
+class DatasetError(ValueError):
+    """A malformed dataset row; the message names the file and line."""
+
+
+def load_reward_fn(spec: str) -> Callable[[str, dict], float]:
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"reward function {spec!r} must be given as 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward function {spec!r} cannot be imported: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r} is not callable")
+    return fn
+
+
+def read_rows(path: Path, prompt_key: str) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}:{lineno}: a row must be a JSON object, got {type(row).__name__}")
+            if not isinstance(row.get(prompt_key), str) or not row[prompt_key]:
+                raise DatasetError(f"{path}:{lineno}: missing or empty string field {prompt_key!r}")
+            rows.append(row)
+    if not rows:
+        raise DatasetError(f"{path}: no rows")
+    return rows
+
+
+@dataclass
+class JsonlTask(Task):
+    path: str = ""
+    reward_fn: str = ""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    name: str = "jsonl"
+    _rows: list[dict] = field(default_factory=list, repr=False)
+    _fn: Callable | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rows = read_rows(Path(self.path), self.prompt_key)
+        self._fn = load_reward_fn(self.reward_fn)
+
+    def _problem(self, row: dict) -> Problem:
+        return Problem(prompt=row[self.prompt_key], answer=str(row.get(self.answer_key, "")), data=row)
+
+    def sample(self, rng: random.Random) -> Problem:
+        return self._problem(rng.choice(self._rows))
+
+    def problems(self, split: str, n: int, seed: int) -> list[Problem]:
+        pool = [r for r in self._rows if in_eval_split(r[self.prompt_key], self.eval_fraction) == (split == "eval")]
+        if not pool:
+            raise DatasetError(f"{self.path}: no rows fall in the {split!r} split")
+        rng = random.Random(f"{self.name}:{split}:{seed}")
+        return [self._problem(rng.choice(pool)) for _ in range(n)]
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        return float(self._fn(completion, problem.data))
