@@ -1,4 +1,4 @@
-"""`trillora` command line: `info`, `generate`.
+"""`trillora` command line: `train`, `eval`, `generate`, `info`, `plot`.
 
 Each subcommand is a thin function over the library; errors that are the
 user's to fix (a bad path, an unsupported config) print one line, not a traceback.
@@ -10,10 +10,12 @@ import argparse
 import json
 import sys
 
-import torch
 
 from .checkpoint import CheckpointError
+from .config import ConfigError as RunConfigError
+from .lora import AdapterError, LoraConfigError
 from .models import ConfigError
+from .tasks import DatasetError
 
 
 def lora_size(model_args, rank: int, rule: str) -> tuple[dict, int]:
@@ -70,32 +72,67 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-@torch.no_grad()
-def sample_tokens(model, ids: torch.Tensor, max_new_tokens: int, temperature: float, eos: int | None, seed: int) -> list[int]:
-    """Plain autoregressive sampling by full recomputation: a check that a checkpoint speaks, not a rollout engine."""
-    gen = torch.Generator().manual_seed(seed)
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        logits = model(ids)[0, -1].float()
-        if temperature <= 0:
-            nxt = int(logits.argmax())
-        else:
-            nxt = int(torch.multinomial((logits / temperature).softmax(-1), 1, generator=gen))
-        out.append(nxt)
-        if nxt == eos:
-            break
-        ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return out
+def _policy(model_path: str, adapter: str | None):
+    """Model (+ adapter) and tokenizer; `tiny-moe` names the shipped checkpoint."""
+    from . import lora
+    from .checkpoint import load_model, load_tokenizer
+    from .train import resolve_model_path
+
+    path = resolve_model_path(model_path)
+    model = load_model(path)
+    if adapter:
+        lora.load_adapter(model, adapter)
+    return model, load_tokenizer(path)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .checkpoint import load_model, load_tokenizer
+    from .evaluate import decode_completion, encode_prompt
+    from .rollout import LocalEngine, SamplingParams
 
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model)
-    ids = torch.tensor([tokenizer(args.prompt, add_special_tokens=False)["input_ids"]])
-    new = sample_tokens(model, ids, args.max_new_tokens, args.temperature, tokenizer.eos_token_id, args.seed)
-    print(args.prompt + tokenizer.decode(new, skip_special_tokens=True))
+    model, tokenizer = _policy(args.model, args.adapter)
+    engine = LocalEngine(model, precision="fp32")
+    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, stop_token_ids=stop)
+    for c in engine.generate([encode_prompt(tokenizer, args.prompt)], args.n, params)[0]:
+        print(args.prompt + decode_completion(tokenizer, c.token_ids))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluate import evaluate
+    from .rollout import LocalEngine, SamplingParams
+    from .tasks import make_task
+
+    model, tokenizer = _policy(args.model, args.adapter)
+    engine = LocalEngine(model, precision="fp32")
+    task = make_task(args.task, **dict(kv.split("=", 1) for kv in args.option)) if args.option else make_task(args.task)
+    problems = task.problems("eval", args.problems, seed=args.seed)
+    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, stop_token_ids=stop)
+    acc = evaluate(engine, tokenizer, task, problems, params, n=args.samples)
+    print(json.dumps({"task": args.task, "accuracy": acc, "problems": args.problems, "samples": args.samples,
+                      "temperature": args.temperature}))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .train import train
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # `trillora train key=value ...` without a file
+        overrides.insert(0, config)
+        config = None
+    summary = train(load_config(config, overrides))
+    print(json.dumps({k: v for k, v in summary.items() if k != "adapter"}, indent=2))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .plots import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
     return 0
 
 
@@ -110,13 +147,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-rank-rule", default="same", choices=("same", "divide_by_top_k"))
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("generate", help="sample a completion from a checkpoint folder")
-    p.add_argument("model", help="Hugging Face checkpoint folder with tokenizer files")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("train", help="RL through LoRA; with no arguments, the default job (tiny MoE + arithmetic)")
+    p.add_argument("config", nargs="?", help="TOML config file (optional)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.temperature=0.8")
+    p.set_defaults(func=cmd_train)
+
+    for name, helptext in (("generate", "sample completions"), ("eval", "held-out accuracy on a task")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("model", help="Hugging Face checkpoint folder, or tiny-moe")
+        p.add_argument("--adapter", help="adapter folder saved by trillora (either layout)")
+        p.add_argument("--max-new-tokens", type=int, default=8)
+        p.add_argument("--temperature", type=float, default=0.0 if name == "generate" else 1.0, help="0 = greedy")
+        p.add_argument("--seed", type=int, default=0)
+        if name == "generate":
+            p.add_argument("--prompt", required=True)
+            p.add_argument("-n", type=int, default=1, help="samples")
+            p.set_defaults(func=cmd_generate)
+        else:
+            p.add_argument("--task", default="arithmetic")
+            p.add_argument("--option", action="append", default=[], help="task option key=value")
+            p.add_argument("--problems", type=int, default=512)
+            p.add_argument("--samples", type=int, default=1)
+            p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("plot", help="write the PNG plots of a run folder")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_plot)
     return parser
 
 
@@ -124,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, KeyError) as e:
+    except (ConfigError, RunConfigError, CheckpointError, AdapterError, LoraConfigError, DatasetError,
+            FileNotFoundError, KeyError) as e:
         print(f"trillora {args.command}: error: {e}", file=sys.stderr)
         return 2

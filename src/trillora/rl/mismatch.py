@@ -70,6 +70,7 @@ def mismatch_weights(
         "is_ratio_min": float(ratio[mask].min()) if mask.any() else 1.0,
         "is_ratio_max": float(ratio[mask].max()) if mask.any() else 1.0,
         "is_weight_mean": float(w_valid.mean()) if mask.any() else 1.0,
+        "is_weight_max": float(w_valid.max()) if mask.any() else 1.0,
         "is_limited_frac": float((limited & mask).float().sum() / n),  # capped (TIS) or masked (mask modes)
         # effective sample size of the weights, as a fraction of the tokens: (Σw)² / (N Σw²)
         "is_ess": float(w_valid.sum() ** 2 / (n * w_valid.square().sum()).clamp(min=1e-12)) if mask.any() else 1.0,

@@ -1,0 +1,279 @@
+"""Typed run configuration: dataclass sections, TOML files, `key=value` overrides, one validation.
+
+    trillora train examples/arithmetic.toml rollout.temperature=0.8 lora.rank=16
+
+Each section belongs to the component it configures; the whole config is validated once
+at startup (unknown keys get a close-match suggestion, wrong types name the key and the
+expected type) and never mutated afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .lora.config import LoraConfig
+from .rl import ADVANTAGE_MODES, AGGREGATIONS, KL_ESTIMATORS, MISMATCH_MODES
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message names the key."""
+
+
+def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is invalid; allowed: {', '.join(allowed)}")
+
+
+def _check_positive(key: str, value: float, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{key}={value!r} is invalid; must be {'>= 0' if zero_ok else '> 0'}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelSection:
+    path: str = "tiny-moe"
+    """A Hugging Face checkpoint folder, or `tiny-moe` for the model shipped with trillora."""
+    dtype: str = "float32"
+    """Trainer weights; the CPU computes in fp32 (bf16 matrix products are ~150x slower there)."""
+
+    def validate(self) -> None:
+        _check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
+
+
+@dataclass(kw_only=True, frozen=True)
+class TaskSection:
+    name: str = "arithmetic"
+    options: dict = field(default_factory=lambda: {"digits": 3})
+    """Keyword arguments of the task (e.g. digits, ops; path and reward_fn for jsonl)."""
+    retention: str = "reversal"
+    """A second task scored before and after to check RL did not erase it; "" for none."""
+    eval_problems: int = 512
+    eval_samples: int = 2
+
+    def validate(self) -> None:
+        from .tasks import TASKS
+
+        _check_choice("task.name", self.name, tuple(TASKS))
+        if self.retention:
+            _check_choice("task.retention", self.retention, tuple(TASKS))
+        _check_positive("task.eval_problems", self.eval_problems)
+        _check_positive("task.eval_samples", self.eval_samples)
+
+
+@dataclass(kw_only=True, frozen=True)
+class RolloutSection:
+    engine: str = "local"
+    precision: str = "auto"
+    """local engine weights: auto (bf16 on GPU, bf16-rounded fp32 on CPU), fp32, bf16_weights, bf16."""
+    prompts_per_step: int = 16
+    group_size: int = 8
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def validate(self) -> None:
+        _check_choice("rollout.engine", self.engine, ("local",))
+        _check_choice("rollout.precision", self.precision, ("auto", "fp32", "bf16_weights", "bf16"))
+        for key in ("prompts_per_step", "group_size", "max_new_tokens"):
+            _check_positive(f"rollout.{key}", getattr(self, key))
+        if self.temperature <= 0:
+            raise ConfigError(f"rollout.temperature={self.temperature} is invalid; RL samples need > 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p={self.top_p} is invalid; must be in (0, 1]")
+
+
+@dataclass(kw_only=True, frozen=True)
+class AlgorithmSection:
+    advantage: str = "grpo"
+    normalize_std: bool = True
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    aggregation: str = "token_mean"
+    epochs: int = 1
+    """Optimisation passes over each batch; >1 (or minibatches > 1) computes old logprobs first."""
+    minibatches: int = 1
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    mismatch: str = "token_tis"
+    mismatch_cap: float = 2.0
+    mismatch_band: tuple[float, float] = (0.5, 2.0)
+
+    def validate(self) -> None:
+        _check_choice("algorithm.advantage", self.advantage, ADVANTAGE_MODES)
+        _check_choice("algorithm.aggregation", self.aggregation, AGGREGATIONS)
+        _check_choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("algorithm.mismatch", self.mismatch, MISMATCH_MODES)
+        _check_positive("algorithm.epochs", self.epochs)
+        _check_positive("algorithm.minibatches", self.minibatches)
+        for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
+            _check_positive(f"algorithm.{key}", getattr(self, key), zero_ok=True)
+        _check_positive("algorithm.mismatch_cap", self.mismatch_cap)
+        low, high = self.mismatch_band
+        if not 0 < low < 1 < high:
+            raise ConfigError(f"algorithm.mismatch_band={list(self.mismatch_band)} is invalid; need 0 < low < 1 < high")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimSection:
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = 1.0
+    warmup_steps: int = 5
+
+    def validate(self) -> None:
+        _check_positive("optim.lr", self.lr)
+        _check_positive("optim.grad_clip", self.grad_clip, zero_ok=True)
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    name: str = "default"
+    out_dir: str = "runs"
+    steps: int = 60
+    seed: int = 0
+    eval_every: int = 20
+    device: str = "auto"
+    model: ModelSection = field(default_factory=ModelSection)
+    lora: LoraConfig = field(default_factory=lambda: LoraConfig(rank=8, alpha=16.0))
+    task: TaskSection = field(default_factory=TaskSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+
+    def validate(self) -> "TrainConfig":
+        _check_positive("steps", self.steps)
+        _check_positive("eval_every", self.eval_every)
+        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        for section in (self.model, self.task, self.rollout, self.algorithm, self.optim):
+            section.validate()
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+
+# --- loading --------------------------------------------------------------------------
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check `value` against a field's annotation; ints are accepted for floats, lists for tuples."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        return _coerce(key, value, next(a for a in options if a is not type(None)))
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin is tuple or annotation is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        args = typing.get_args(annotation)
+        item = args[0] if args else Any
+        return tuple(v if item is Any or item is Ellipsis else _coerce(key, v, item) for v in value)
+    if annotation is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if annotation in (int, float, str, bool):
+        if type(value) is not annotation:
+            raise ConfigError(f"{key}: expected {annotation.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; known keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key {full!r}{hint}")
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{full}: expected a table [{full}], got {value!r}")
+            kwargs[key] = _build(annotation, value, f"{full}.")
+        else:
+            kwargs[key] = _coerce(full, value, annotation)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # section-level validation (e.g. LoraConfig) already names the key
+        raise ConfigError(str(e)) from None
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (["a", "b"], value); the value is read as TOML, else kept as a string."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key=value (e.g. rollout.temperature=0.8)")
+    key, raw = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {k!r} is not a table")
+        node[keys[-1]] = value
+    return _build(TrainConfig, data, "").validate()
+
+
+# --- writing --------------------------------------------------------------------------
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    if v is None:
+        raise ConfigError("None cannot be written to TOML")
+    raise ConfigError(f"cannot write {type(v).__name__} to TOML")
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The resolved config; `load_config` of it gives back an equal config."""
+    top, tables = [], []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            rows = [f"{k.name} = {_toml_value(getattr(value, k.name))}" for k in dataclasses.fields(value)
+                    if getattr(value, k.name) is not None]
+            tables.append(f"[{f.name}]\n" + "\n".join(rows))
+        else:
+            top.append(f"{f.name} = {_toml_value(value)}")
+    return "\n".join(top) + "\n\n" + "\n\n".join(tables) + "\n"

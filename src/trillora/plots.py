@@ -1,0 +1,53 @@
+"""PNG plots of a run's metrics.jsonl: what people would rather see than read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PANELS = (
+    ("reward", ("reward_mean",), "train reward (mean over the batch)"),
+    ("accuracy", ("eval_accuracy",), "held-out accuracy (sampled at the rollout temperature)"),
+    ("mismatch_kl", ("mismatch_kl_k1", "mismatch_kl_k3"), "rollout vs trainer KL"),
+    ("is_weights", ("is_ratio_min", "is_ratio_mean", "is_ratio_max"), "importance ratio trainer / rollout"),
+)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """One PNG per panel (reward, accuracy, mismatch KL, IS weights) plus an overview; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    written = []
+    fig_all, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for (name, keys, title), ax_all in zip(PANELS, axes.flat):
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for target in (ax, ax_all):
+            for key in keys:
+                pts = [(r["step"], r[key]) for r in rows if key in r]
+                if pts:
+                    xs, ys = zip(*pts)
+                    target.plot(xs, ys, marker="o" if len(pts) < 30 else None, label=key)
+            target.set_title(title)
+            target.set_xlabel("step")
+            target.grid(alpha=0.3)
+            if len(keys) > 1:
+                target.legend(fontsize=8)
+        fig.tight_layout()
+        path = run_dir / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    fig_all.tight_layout()
+    overview = run_dir / "overview.png"
+    fig_all.savefig(overview, dpi=110)
+    plt.close(fig_all)
+    return written + [overview]

@@ -1,0 +1,206 @@
+"""The synchronous GRPO loop: rollout -> rewards -> advantages -> LoRA update -> engine sync.
+
+The math lives in `trillora.rl`; this file only wires components and records what happened.
+Shape legend: P prompts per step, G group size, B = P·G rows, T tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from . import lora, rl
+from .checkpoint import load_model, load_tokenizer
+from .config import TrainConfig, to_toml
+from .evaluate import decode_completion, encode_prompt, evaluate
+from .policy import build_batch, token_logprobs
+from .rollout import LocalEngine, SamplingParams
+from .tasks import make_task
+
+
+def resolve_model_path(path: str) -> Path:
+    if path == "tiny-moe":
+        from .tiny import shipped_path
+
+        return shipped_path()
+    return Path(path)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        self.device = pick_device(cfg.device)
+        path = resolve_model_path(cfg.model.path)
+        self.tokenizer = load_tokenizer(path)
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.model = load_model(path, dtype=dtype, device=self.device)
+        lora.apply_lora(self.model, cfg.lora)
+        self.params = [p for _, p in lora.lora_parameters(self.model)]
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        self.engine = LocalEngine(self.model, precision=cfg.rollout.precision, device=self.device,
+                                  pad_id=self.tokenizer.pad_token_id or 0)
+        self.task = make_task(cfg.task.name, **cfg.task.options)
+        self.retention = make_task(cfg.task.retention) if cfg.task.retention else None
+        self.eval_problems = self.task.problems("eval", cfg.task.eval_problems, seed=cfg.seed)
+        self.retention_problems = self.retention.problems("eval", cfg.task.eval_problems, seed=cfg.seed) if self.retention else []
+        r = cfg.rollout
+        stop = (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                       top_k=r.top_k, stop_token_ids=stop)
+        self.skipped_updates = 0
+
+    # --- one step ------------------------------------------------------------------------
+    def rollout(self, step: int):
+        r = self.cfg.rollout
+        problems = self.task.problems("train", r.prompts_per_step, seed=self.cfg.seed * 1_000_003 + step)
+        params = SamplingParams(**{**self.sampling.__dict__, "seed": self.cfg.seed * 1_000_003 + step})
+        groups = self.engine.generate([encode_prompt(self.tokenizer, p.prompt) for p in problems], r.group_size, params)
+        rewards = torch.tensor([[self.task.reward(p, decode_completion(self.tokenizer, c.token_ids)) for c in g]
+                                for p, g in zip(problems, groups)])  # [P, G]
+        flat = [c for g in groups for c in g]
+        batch = build_batch([c.prompt_ids for c in flat], [c.token_ids for c in flat], [c.logprobs for c in flat],
+                            pad_id=self.tokenizer.pad_token_id or 0, device=self.device)
+        return batch, rewards, flat
+
+    def update(self, batch, advantages_B: torch.Tensor) -> dict[str, float]:
+        a, model, temp = self.cfg.algorithm, self.model, self.cfg.rollout.temperature
+        ids, mask = batch.input_ids, batch.completion_mask
+        b = ids.shape[0]
+        passes = a.epochs * a.minibatches
+        old = None
+        if passes > 1:  # proximal policy for several passes: the policy before this update
+            with torch.no_grad():
+                old, _ = token_logprobs(model, ids, temp)
+        ref = None
+        if a.kl_coef > 0:
+            with torch.no_grad(), lora.disable_adapter(model):
+                ref, _ = token_logprobs(model, ids, temp)
+        metrics: dict[str, float] = {}
+        weights = None
+        if old is not None:
+            weights, metrics = self._mismatch(old, batch)
+        chunks = torch.arange(b, device=ids.device).chunk(a.minibatches)
+        for _ in range(a.epochs):
+            for rows in chunks:
+                logp, entropy = token_logprobs(model, ids[rows], temp, with_entropy=True)
+                if old is None:
+                    weights, metrics = self._mismatch(logp.detach(), batch, rows)
+                    w = weights
+                else:
+                    w = weights[rows]
+                loss, m = rl.policy_loss(
+                    logp, (old[rows] if old is not None else logp.detach()), advantages_B[rows].to(logp.device),
+                    mask[rows], global_tokens=float(batch.num_tokens), global_seqs=float(b),
+                    clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation,
+                    norm_len=float(self.cfg.rollout.max_new_tokens), is_weights_BT=w,
+                    ref_logp_BT=ref[rows] if ref is not None else None, kl_coef=a.kl_coef, kl_kind=a.kl_estimator,
+                    entropy_BT=entropy, entropy_coef=a.entropy_coef,
+                )
+                loss.backward()
+                metrics.update(m)
+                metrics["loss"] = metrics.get("loss", 0.0) + float(loss.detach())
+            metrics.update(self._optimizer_step())
+        return metrics
+
+    def _mismatch(self, trainer_logp, batch, rows=None):
+        a = self.cfg.algorithm
+        lp, mask = batch.rollout_logprobs, batch.completion_mask
+        if rows is not None:
+            lp, mask = lp[rows], mask[rows]
+        return rl.mismatch_weights(trainer_logp, lp, mask, a.mismatch, a.mismatch_cap, tuple(a.mismatch_band))
+
+    def _optimizer_step(self) -> dict[str, float]:
+        o = self.cfg.optim
+        norm = torch.nn.utils.clip_grad_norm_(self.params, o.grad_clip if o.grad_clip > 0 else float("inf"))
+        if not torch.isfinite(norm):  # a NaN never reaches the adapter or the engine
+            self.skipped_updates += 1
+            self.opt.zero_grad(set_to_none=True)
+            return {"grad_norm": float("nan"), "skipped_update": 1.0}
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"grad_norm": float(norm)}
+
+    def _set_lr(self, step: int) -> float:
+        o = self.cfg.optim
+        lr = o.lr * min(1.0, (step + 1) / max(1, o.warmup_steps))
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def evaluate(self, task, problems) -> float:
+        params = SamplingParams(**{**self.sampling.__dict__, "seed": 4242})
+        return evaluate(self.engine, self.tokenizer, task, problems, params, n=self.cfg.task.eval_samples)
+
+    # --- the run -------------------------------------------------------------------------
+    def run(self) -> dict:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        cfg, run_dir = self.cfg, self.cfg.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+        metrics_file = run_dir / "metrics.jsonl"
+        metrics_file.write_text("")
+        start = time.perf_counter()
+        eval_before = self.evaluate(self.task, self.eval_problems)
+        retention_before = self.evaluate(self.retention, self.retention_problems) if self.retention else None
+        accuracy = eval_before
+        columns = [TextColumn("[bold]RL[/]"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
+        with Progress(*columns) as bar, open(metrics_file, "a") as log:
+            job = bar.add_task("rl", total=cfg.steps, info="")
+            for step in range(cfg.steps):
+                t0 = time.perf_counter()
+                lr = self._set_lr(step)
+                batch, rewards, flat = self.rollout(step)
+                t1 = time.perf_counter()
+                advantages = rl.group_advantages(rewards, cfg.algorithm.advantage, cfg.algorithm.normalize_std).reshape(-1)
+                metrics = self.update(batch, advantages)
+                t2 = time.perf_counter()
+                metrics.update(self.engine.sync(self.model))
+                row = {"step": step + 1, "lr": lr, "reward_mean": float(rewards.mean()),
+                       "groups_all_equal": float((rewards.std(-1) == 0).float().mean()),
+                       "completion_len_mean": sum(len(c.token_ids) for c in flat) / len(flat),
+                       "rollout_seconds": t1 - t0, "update_seconds": t2 - t1, **metrics}
+                if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                    accuracy = self.evaluate(self.task, self.eval_problems)
+                    row["eval_accuracy"] = accuracy
+                row["step_seconds"] = time.perf_counter() - t0
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                bar.update(job, advance=1, info=f"reward {row['reward_mean']:.2f}  held-out acc {accuracy:.3f}  "
+                                                f"{row['step_seconds']:.2f}s/step")
+        eval_after = accuracy
+        retention_after = self.evaluate(self.retention, self.retention_problems) if self.retention else None
+        lora.save_adapter(self.model, run_dir / "adapter" / "per_expert", expert_layout="per_expert",
+                          base_model=str(resolve_model_path(cfg.model.path)))
+        lora.save_adapter(self.model, run_dir / "adapter" / "fused", expert_layout="fused",
+                          base_model=str(resolve_model_path(cfg.model.path)))
+        from .plots import plot_run
+
+        plot_run(run_dir)
+        summary = {
+            "eval_before": eval_before, "eval_after": eval_after,
+            "retention_before": retention_before, "retention_after": retention_after,
+            "steps": cfg.steps, "seconds": time.perf_counter() - start,
+            "skipped_updates": self.skipped_updates,
+            "adapter": lora.adapter_stats(self.model),
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+def train(cfg: TrainConfig) -> dict:
+    return Trainer(cfg).run()

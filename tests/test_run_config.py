@@ -1,0 +1,54 @@
+"""The run config: TOML + key=value overrides, validation that names the key, round trip."""
+
+from __future__ import annotations
+
+import pytest
+
+from trillora.config import ConfigError, TrainConfig, load_config, to_toml
+
+
+def test_defaults_and_overrides(tmp_path):
+    cfg = load_config(None, ["rollout.temperature=0.8", "lora.rank=16", 'lora.targets=["attention", "experts"]', "name=x"])
+    assert cfg.rollout.temperature == 0.8 and cfg.lora.rank == 16 and cfg.lora.targets == ("attention", "experts")
+    assert load_config() == TrainConfig()
+    f = tmp_path / "run.toml"
+    f.write_text('steps = 3\n[task]\nname = "countdown"\noptions = {}\n[algorithm]\nmismatch = "seq_tis"\n')
+    cfg = load_config(f, ["steps=4"])
+    assert (cfg.steps, cfg.task.name, cfg.algorithm.mismatch) == (4, "countdown", "seq_tis")
+
+
+def test_round_trip_through_toml(tmp_path):
+    cfg = load_config(None, ["lora.expert_rank=4", "algorithm.mismatch_band=[0.25, 4.0]", "optim.lr=1e-3"])
+    f = tmp_path / "resolved.toml"
+    f.write_text(to_toml(cfg))
+    assert load_config(f) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.temprature=1"], "unknown config key 'rollout.temprature'; did you mean 'rollout.temperature'?"),
+        (["stepz=3"], "unknown config key 'stepz'; did you mean 'steps'?"),
+        (["lora.rank=x"], "lora.rank: expected int, got str 'x'"),
+        (["steps=1.5"], "steps: expected int, got float 1.5"),
+        (["algorithm.mismatch=tis"], "algorithm.mismatch='tis' is invalid; allowed: none, token_tis"),
+        (["task.name=chess"], "task.name='chess' is invalid; allowed: arithmetic, countdown, reversal, jsonl"),
+        (["lora.rank=0"], "lora.rank=0 is invalid; allowed: a positive integer"),
+        (["rollout.temperature=0"], "rollout.temperature=0.0 is invalid; RL samples need > 0"),
+        (["algorithm.mismatch_band=[2.0, 3.0]"], "need 0 < low < 1 < high"),
+        (["rollout=3"], "rollout: expected a table"),
+        (["steps"], "must look like key=value"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        load_config(None, overrides)
+
+
+def test_bad_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    f = tmp_path / "bad.toml"
+    f.write_text("steps = \n")
+    with pytest.raises(ConfigError, match=r"bad.toml: .*line 1"):
+        load_config(f)
