@@ -3,9 +3,8 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trillora-installed
-DEMO := runs/demo
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test tiny-moe clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,11 +16,14 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The default job: GRPO through LoRA on the shipped tiny MoE, 3-digit addition (writes runs/default/).
 demo: setup
-	$(BIN)/trillora info kimi-k2
-	$(BIN)/python -m trillora.tiny $(DEMO)/tiny-random
-	$(BIN)/trillora info $(DEMO)/tiny-random
-	$(BIN)/trillora generate $(DEMO)/tiny-random --prompt "12+34=" --max-new-tokens 8
+	$(BIN)/trillora train
+	@echo "plots: runs/default/overview.png  adapter: runs/default/adapter/"
+
+# Rebuild the shipped tiny MoE checkpoint (supervised pretraining on generated data, a few minutes).
+tiny-moe: setup
+	$(BIN)/python -m trillora.tiny build
 
 test: setup
 	$(BIN)/python -m pytest -q

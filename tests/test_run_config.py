@@ -52,3 +52,21 @@ def test_bad_file_is_named(tmp_path):
     f.write_text("steps = \n")
     with pytest.raises(ConfigError, match=r"bad.toml: .*line 1"):
         load_config(f)
+
+
+def test_example_configs_load_and_build_their_tasks():
+    from pathlib import Path
+
+    from trillora.tasks import make_task
+
+    root = Path(__file__).resolve().parents[1]
+    examples = sorted((root / "examples").glob("*.toml"))
+    assert len(examples) >= 3
+    for path in examples:
+        cfg = load_config(path)
+        options = dict(cfg.task.options)
+        if "path" in options:
+            options["path"] = str(root / options["path"])
+        task = make_task(cfg.task.name, **options)
+        problem = task.problems("train", 1, seed=0)[0]
+        assert task.reward(problem, problem.answer) == 1.0, path.name

@@ -7,7 +7,7 @@ from pathlib import Path
 
 PANELS = (
     ("reward", ("reward_mean",), "train reward (mean over the batch)"),
-    ("accuracy", ("eval_accuracy",), "held-out accuracy (sampled at the rollout temperature)"),
+    ("accuracy", ("eval_accuracy", "retention_accuracy"), "held-out accuracy (sampled at the rollout temperature)"),
     ("mismatch_kl", ("mismatch_kl_k1", "mismatch_kl_k3"), "rollout vs trainer KL"),
     ("is_weights", ("is_ratio_min", "is_ratio_mean", "is_ratio_max"), "importance ratio trainer / rollout"),
 )

@@ -103,7 +103,7 @@ def pretrain(
     batch: int = 128,
     max_steps: int = 6000,
     lr: float = 3e-3,
-    target_accuracy: float = 0.5,
+    target_accuracy: float = 0.4,
     eval_every: int = 50,
 ) -> dict:
     """Supervised pretraining on generated arithmetic, countdown and reversal (loss on answers only)."""

@@ -177,13 +177,15 @@ class Trainer:
                 if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                     accuracy = self.evaluate(self.task, self.eval_problems)
                     row["eval_accuracy"] = accuracy
+                    if self.retention:
+                        row["retention_accuracy"] = self.evaluate(self.retention, self.retention_problems)
                 row["step_seconds"] = time.perf_counter() - t0
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 bar.update(job, advance=1, info=f"reward {row['reward_mean']:.2f}  held-out acc {accuracy:.3f}  "
                                                 f"{row['step_seconds']:.2f}s/step")
         eval_after = accuracy
-        retention_after = self.evaluate(self.retention, self.retention_problems) if self.retention else None
+        retention_after = row.get("retention_accuracy")
         lora.save_adapter(self.model, run_dir / "adapter" / "per_expert", expert_layout="per_expert",
                           base_model=str(resolve_model_path(cfg.model.path)))
         lora.save_adapter(self.model, run_dir / "adapter" / "fused", expert_layout="fused",
