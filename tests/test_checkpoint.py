@@ -148,3 +148,19 @@ def test_generate_cli_runs_on_tiny(tiny):
         capture_output=True, text=True, check=True,
     )
     assert out.stdout.startswith("1+1=")
+
+
+def test_shipped_tiny_moe_loads_in_transformers_with_same_logits():
+    import transformers
+
+    from trillora.tiny import shipped_path
+
+    path = shipped_path()
+    ours = trillora.load_model(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    tok = trillora.load_tokenizer(path)
+    ids = torch.tensor([[tok.bos_token_id] + tok("123+456=579", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max() < 1e-4
+    greedy = hf.generate(ids[:, :9], max_new_tokens=4, do_sample=False)
+    assert greedy.shape[1] == 13  # transformers can decode from it too

@@ -157,6 +157,9 @@ class Trainer:
         eval_before = self.evaluate(self.task, self.eval_problems)
         retention_before = self.evaluate(self.retention, self.retention_problems) if self.retention else None
         accuracy = eval_before
+        with open(metrics_file, "a") as log:  # step 0: the starting point of the accuracy curves
+            log.write(json.dumps({"step": 0, "eval_accuracy": eval_before,
+                                  **({"retention_accuracy": retention_before} if self.retention else {})}) + "\n")
         columns = [TextColumn("[bold]RL[/]"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
         with Progress(*columns) as bar, open(metrics_file, "a") as log:
