@@ -26,6 +26,7 @@ tiny-moe: setup
 	$(BIN)/python -m trillora.tiny build
 
 test: setup
+	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q
 
 clean:

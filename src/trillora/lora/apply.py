@@ -14,7 +14,7 @@ from torch import nn
 from ..models.moe import GroupedExperts, SigmoidRouter, SoftmaxRouter
 from ..models.transformer import CausalLM
 from .config import LoraConfig
-from .layers import LoraGroupedExperts, LoraMixin, add_adapter, merge_module
+from .layers import LoraMixin, add_adapter, merge_module
 
 _LAYER = r"model\.layers\.\d+\."
 _ROLE_PATTERNS = (
@@ -62,7 +62,7 @@ def apply_lora(model: CausalLM, cfg: LoraConfig) -> dict[str, str]:
         add_adapter(
             module,
             rank=expert_rank if is_experts else cfg.rank,
-            scaling=cfg.expert_scaling(model.args.top_k) if is_experts else cfg.scaling(cfg.rank),
+            scaling=cfg.scaling(cfg.rank),  # experts keep the dense scaling whatever their rank
             dropout=cfg.dropout,
             dtype=cfg.torch_dtype,
             init=cfg.init,
@@ -135,7 +135,3 @@ def disable_adapter(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m, state in zip(modules, before):
             m.lora_enabled = state
-
-
-def expert_adapters(model: nn.Module) -> list[tuple[str, LoraGroupedExperts]]:
-    return [(n, m) for n, m in lora_modules(model) if isinstance(m, LoraGroupedExperts)]

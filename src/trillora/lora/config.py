@@ -50,7 +50,8 @@ class LoraConfig:
     expert_rank: int | None = None
     """Explicit rank for routed-expert adapters."""
     expert_rank_rule: str = "same"
-    """`same`: expert rank = rank; `divide_by_top_k`: rank // top_k, so a token's experts add up to about one rank-r update."""
+    """`same`: expert rank = rank; `divide_by_top_k`: rank // top_k, so a token's experts add up to about one
+    rank-r update. Expert adapters keep the dense scaling (alpha / rank) whatever their own rank."""
     dtype: str = "float32"
     """Adapter parameter dtype, independent of the (frozen) base's dtype."""
     seed: int = 0
@@ -86,10 +87,6 @@ class LoraConfig:
         if self.expert_rank_rule == "divide_by_top_k":
             return max(1, self.rank // max(1, top_k))
         return self.rank
-
-    def expert_scaling(self, top_k: int) -> float:
-        """Experts keep the dense adapters' scaling whatever their rank (alpha moves with the rank)."""
-        return self.scaling(self.rank)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -136,8 +137,6 @@ def save_adapter(
         (tmp / "trillora_adapter.json").write_text(json.dumps(ours, indent=2))
         commit()
     except BaseException:
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path

@@ -58,43 +58,37 @@ def init_a(a: torch.Tensor, how: str, generator: torch.Generator | None) -> None
             a.normal_(0.0, 1.0 / a.shape[-2], generator=generator)
 
 
-class LoraLinear(LoraMixin, nn.Linear):
-    """y = W x + b + scaling · B A dropout(x);  A [r, N], B [O, r]."""
+class LoraMatrixMixin(LoraMixin):
+    """An adapter on a 2-D weight [O, N]: A [r, N], B [O, r], update scaling · B A x."""
 
     def add_lora(self, rank: int, scaling: float, dropout: float, dtype: torch.dtype) -> None:
         self._init_lora(rank, scaling, dropout)
-        self.lora_A = _new((rank, self.in_features), self.weight, dtype)
-        self.lora_B = _new((self.out_features, rank), self.weight, dtype)
+        out_features, in_features = self.weight.shape
+        self.lora_A = _new((rank, in_features), self.weight, dtype)
+        self.lora_B = _new((out_features, rank), self.weight, dtype)
+
+    def lora_update(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        h = self.lora_dropout(x).to(self.lora_A.dtype)
+        return (F.linear(F.linear(h, self.lora_A), self.lora_B) * self.lora_scaling).to(like.dtype)
+
+    def delta(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.lora_scaling * self.lora_B @ self.lora_A}
+
+
+class LoraLinear(LoraMatrixMixin, nn.Linear):
+    """y = W x + b + scaling · B A dropout(x)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        if not self.lora_active:
-            return y
-        h = self.lora_dropout(x).to(self.lora_A.dtype)
-        return y + (F.linear(F.linear(h, self.lora_A), self.lora_B) * self.lora_scaling).to(y.dtype)
-
-    def delta(self) -> dict[str, torch.Tensor]:
-        return {"weight": self.lora_scaling * self.lora_B @ self.lora_A}
+        return y + self.lora_update(x, y) if self.lora_active else y
 
 
-class LoraRouterMixin(LoraMixin):
-    """Router logits + scaling · B A x;  A [r, C], B [E, r]. The choice of experts then sees the update."""
-
-    def add_lora(self, rank: int, scaling: float, dropout: float, dtype: torch.dtype) -> None:
-        self._init_lora(rank, scaling, dropout)
-        e, c = self.weight.shape
-        self.lora_A = _new((rank, c), self.weight, dtype)
-        self.lora_B = _new((e, rank), self.weight, dtype)
+class LoraRouterMixin(LoraMatrixMixin):
+    """Router logits + scaling · B A x (A [r, C], B [E, r]): the choice of experts sees the update."""
 
     def logits(self, x_TC: torch.Tensor) -> torch.Tensor:
         logits_TE = super().logits(x_TC)
-        if not self.lora_active:
-            return logits_TE
-        h = self.lora_dropout(x_TC).to(self.lora_A.dtype)
-        return logits_TE + (F.linear(F.linear(h, self.lora_A), self.lora_B) * self.lora_scaling).to(logits_TE.dtype)
-
-    def delta(self) -> dict[str, torch.Tensor]:
-        return {"weight": self.lora_scaling * self.lora_B @ self.lora_A}
+        return logits_TE + self.lora_update(x_TC, logits_TE) if self.lora_active else logits_TE
 
 
 class LoraSoftmaxRouter(LoraRouterMixin, SoftmaxRouter):

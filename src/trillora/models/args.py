@@ -9,7 +9,6 @@ a checkpoint saved back carries the user's config untouched.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,9 +92,6 @@ class ModelArgs:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
-
-    def replace(self, **changes: Any) -> "ModelArgs":
-        return dataclasses.replace(self, **changes)
 
 
 def _get(cfg: dict, *names: str, default: Any = None, required: bool = False, where: str = "config.json") -> Any:

@@ -11,6 +11,7 @@ Shape legend: B rows (prompts × n), T tokens, V vocabulary, L MoE layers, K top
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -94,7 +95,7 @@ class LocalEngine:
         tokens, logprobs = [], []
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)
-        recorder = record_routing(self.model) if params.return_routing else _no_record()
+        recorder = record_routing(self.model) if params.return_routing else contextlib.nullcontext()
         with recorder as routes:
             logits = self.model(ids, attention_mask=mask, cache=cache)[:, -1]
             for _ in range(params.max_new_tokens):
@@ -121,14 +122,6 @@ class LocalEngine:
             out.append(Completion(prompt_ids=list(p), token_ids=tok_BT[i][:k], logprobs=lp_BT[i][:k],
                                   finish_reason="stop" if stopped else "length", routed_experts=r))
         return [out[j * n:(j + 1) * n] for j in range(len(prompts))]
-
-
-class _no_record:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _stack_routes(routes: dict[str, list[torch.Tensor]]) -> torch.Tensor:

@@ -16,4 +16,4 @@ def make_task(name: str, **options) -> Task:
 
 
 __all__ = ["TASKS", "ArithmeticTask", "CountdownTask", "DatasetError", "JsonlTask", "Problem", "ReversalTask", "Task",
-           "evaluate", "first_line", "make_task"]
+           "evaluate", "first_line", "load_reward_fn", "make_task"]
