@@ -128,6 +128,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .rollout.serve import ServeConfig, serve
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"trillora serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    serve(ServeConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+                      adapter_root=args.adapter_root, precision=args.precision))
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from .plots import plot_run
 
@@ -169,6 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--problems", type=int, default=512)
             p.add_argument("--samples", type=int, default=1)
             p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible completion server over the built-in engine")
+    p.add_argument("model", help="Hugging Face checkpoint folder, or tiny-moe")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--adapter-root", default=None, help="folder adapters may be loaded from (load_lora_adapter)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16_weights", "bf16"))
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plot", help="write the PNG plots of a run folder")
     p.add_argument("run_dir")

@@ -73,6 +73,13 @@ class TaskSection:
 @dataclass(kw_only=True, frozen=True)
 class RolloutSection:
     engine: str = "local"
+    """`local`: the built-in engine in this process; `openai`: OpenAI-compatible servers at `urls`."""
+    urls: tuple[str, ...] = ()
+    server_model: str = ""
+    """The base model's name on the servers; defaults to model.path."""
+    api_key: str = ""
+    sync_dir: str = ""
+    """Where adapters are written for the servers to load; defaults to <run dir>/sync."""
     precision: str = "auto"
     """local engine weights: auto (bf16 on GPU, bf16-rounded fp32 on CPU), fp32, bf16_weights, bf16."""
     prompts_per_step: int = 32
@@ -83,7 +90,9 @@ class RolloutSection:
     top_k: int = 0
 
     def validate(self) -> None:
-        _check_choice("rollout.engine", self.engine, ("local",))
+        _check_choice("rollout.engine", self.engine, ("local", "openai"))
+        if self.engine == "openai" and not self.urls:
+            raise ConfigError("rollout.engine='openai' needs rollout.urls (e.g. [\"http://127.0.0.1:8000\"])")
         _check_choice("rollout.precision", self.precision, ("auto", "fp32", "bf16_weights", "bf16"))
         for key in ("prompts_per_step", "group_size", "max_new_tokens"):
             _check_positive(f"rollout.{key}", getattr(self, key))

@@ -17,7 +17,7 @@ from .checkpoint import load_model, load_tokenizer
 from .config import TrainConfig, to_toml
 from .evaluate import decode_completion, encode_prompt, evaluate
 from .policy import build_batch, token_logprobs
-from .rollout import LocalEngine, SamplingParams
+from .rollout import LocalEngine, OpenAIEngine, SamplingParams
 from .tasks import make_task
 
 
@@ -50,8 +50,7 @@ class Trainer:
         self.params = [p for _, p in lora.lora_parameters(self.model)]
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-        self.engine = LocalEngine(self.model, precision=cfg.rollout.precision, device=self.device,
-                                  pad_id=self.tokenizer.pad_token_id or 0)
+        self.engine = self._make_engine()
         self.task = make_task(cfg.task.name, **cfg.task.options)
         self.retention = make_task(cfg.task.retention) if cfg.task.retention else None
         self.eval_problems = self.task.problems("eval", cfg.task.eval_problems, seed=cfg.seed)
@@ -61,6 +60,13 @@ class Trainer:
         self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                        top_k=r.top_k, stop_token_ids=stop)
         self.skipped_updates = 0
+
+    def _make_engine(self):
+        r = self.cfg.rollout
+        if r.engine == "openai":
+            return OpenAIEngine(list(r.urls), model=r.server_model or self.cfg.model.path, api_key=r.api_key or None,
+                                sync_dir=r.sync_dir or self.cfg.run_dir / "sync")
+        return LocalEngine(self.model, precision=r.precision, device=self.device, pad_id=self.tokenizer.pad_token_id or 0)
 
     # --- one step ------------------------------------------------------------------------
     def rollout(self, step: int):
@@ -204,6 +210,7 @@ class Trainer:
             "adapter": lora.adapter_stats(self.model),
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.engine.close()
         return summary
 
 

@@ -1,0 +1,129 @@
+"""`OpenAIEngine`: rollouts from OpenAI-compatible completion servers (vLLM, SGLang, `trillora serve`).
+
+Prompts go as token ids, n samples per request, with per-token logprobs and the sampled
+token ids (`return_tokens_as_token_ids`), so nothing is re-tokenised. Requests run in a
+bounded thread pool spread round-robin over the servers, with a timeout and retries with
+exponential back-off. `sync()` saves the adapter under a new revision name, asks every
+server to load it (`/v1/load_lora_adapter`) and unloads the previous revision.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from torch import nn
+
+from .types import Completion, SamplingParams
+
+
+class EngineError(RuntimeError):
+    """A server that keeps failing; the message names the URL and the last error."""
+
+
+class OpenAIEngine:
+    def __init__(
+        self,
+        urls: list[str] | str,
+        model: str,
+        sync_dir: str | Path | None = None,
+        api_key: str | None = None,
+        concurrency: int = 8,
+        timeout: float = 120.0,
+        retries: int = 3,
+        backoff: float = 0.5,
+    ):
+        self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
+        if not self.urls:
+            raise ValueError("OpenAIEngine needs at least one server URL")
+        self.base_model, self.model = model, model
+        self.sync_dir = Path(sync_dir) if sync_dir is not None else None
+        self.api_key, self.timeout, self.retries, self.backoff = api_key, timeout, retries, backoff
+        self.pool = ThreadPoolExecutor(max_workers=concurrency)
+        self._next_url = itertools.cycle(self.urls)
+        self.revision = 0
+
+    # --- HTTP ----------------------------------------------------------------------------
+    def _post(self, url: str, path: str, body: dict) -> dict:
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                req = urllib.request.Request(url + path, data=data, headers=headers, method="POST")
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    return json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")[:500]
+                if e.code < 500 and e.code != 429:  # the request itself is wrong: retrying will not help
+                    raise EngineError(f"{url}{path}: HTTP {e.code}: {detail}") from None
+                last = EngineError(f"HTTP {e.code}: {detail}")
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                last = e
+            if attempt < self.retries:
+                time.sleep(self.backoff * 2**attempt)
+        raise EngineError(f"{url}{path}: failed after {self.retries + 1} attempts: {last}")
+
+    # --- protocol ------------------------------------------------------------------------
+    def _one(self, prompt: list[int], n: int, params: SamplingParams, url: str) -> list[Completion]:
+        body = {
+            "model": self.model, "prompt": prompt, "n": n, "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0,
+            "return_tokens_as_token_ids": True, "stop_token_ids": list(params.stop_token_ids),
+            "skip_special_tokens": False,
+        }
+        if params.top_k:
+            body["top_k"] = params.top_k
+        if params.seed is not None:
+            body["seed"] = params.seed
+        out = self._post(url, "/v1/completions", body)
+        completions = []
+        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+            lp = choice.get("logprobs") or {}
+            tokens = choice.get("token_ids") or [int(t.removeprefix("token_id:")) for t in lp.get("tokens", [])]
+            logprobs = [float(x) for x in lp.get("token_logprobs", [])]
+            if len(logprobs) != len(tokens):
+                raise EngineError(f"{url}: {len(tokens)} tokens but {len(logprobs)} logprobs in a completion")
+            stopped = choice.get("finish_reason") == "stop"
+            completions.append(Completion(prompt_ids=list(prompt), token_ids=tokens, logprobs=logprobs,
+                                          finish_reason="stop" if stopped else "length"))
+        return completions
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+        futures = []
+        for i, p in enumerate(prompts):
+            # each prompt gets its own seed, so the same call gives the same samples whatever the server order
+            seeded = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            futures.append(self.pool.submit(self._one, p, n, seeded, next(self._next_url)))
+        return [f.result() for f in futures]
+
+    def sync(self, model: nn.Module) -> dict[str, float]:
+        """Adapter-only sync: a new revision loaded by every server, the previous one unloaded."""
+        from ..lora import save_adapter
+
+        if self.sync_dir is None:
+            raise ValueError("OpenAIEngine.sync needs sync_dir: a folder the servers can read adapters from")
+        start = time.perf_counter()
+        self.revision += 1
+        name = f"{self.base_model}-r{self.revision}"
+        path = save_adapter(model, self.sync_dir / name, expert_layout="per_expert", base_model=self.base_model)
+        for url in self.urls:
+            self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path.resolve())})
+        previous, self.model = self.model, name
+        size = sum(f.stat().st_size for f in path.iterdir())
+        if previous != self.base_model:
+            for url in self.urls:
+                self._post(url, "/v1/unload_lora_adapter", {"lora_name": previous})
+            shutil.rmtree(self.sync_dir / previous, ignore_errors=True)
+        return {"sync_bytes": float(size), "sync_seconds": time.perf_counter() - start}
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,256 @@
+"""`trillora serve`: an OpenAI-compatible completion server over the built-in engine.
+
+It speaks the subset of the vLLM server that RL clients use: `/v1/completions` with
+token-id prompts, n samples and per-token logprobs (tokens as `token_id:N`, as vLLM's
+`return_tokens_as_token_ids`), `/v1/chat/completions`, `/v1/models`, the dynamic LoRA
+endpoints `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, and `/health`.
+
+Safe by default: it binds 127.0.0.1, can require an API key, loads adapters only from
+inside `adapter_root`, bounds request bodies, and runs one generation at a time per
+engine (the engine is not thread-safe; requests queue on a lock).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from .local import LocalEngine
+from .types import SamplingParams
+
+
+class RequestError(Exception):
+    def __init__(self, status: HTTPStatus, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    adapter_root: str | None = None
+    """Adapters may only be loaded from inside this folder; None disables loading."""
+    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 4096
+    max_n: int = 64
+    precision: str = "fp32"
+
+
+class ModelServer:
+    """The engines (base + one per loaded adapter) and the request logic, independent of HTTP."""
+
+    def __init__(self, cfg: ServeConfig):
+        from ..checkpoint import load_model, load_tokenizer
+        from ..train import resolve_model_path
+
+        self.cfg = cfg
+        path = resolve_model_path(cfg.model)
+        self.name = cfg.model
+        self.tokenizer = load_tokenizer(path)
+        self.base = load_model(path)
+        pad = self.tokenizer.pad_token_id or 0
+        self.engines: dict[str, LocalEngine] = {self.name: LocalEngine(self.base, precision=cfg.precision, pad_id=pad)}
+        self.locks: dict[str, threading.Lock] = {self.name: threading.Lock()}
+        self.registry_lock = threading.Lock()
+
+    # --- adapters ------------------------------------------------------------------------
+    def _adapter_path(self, given: str) -> Path:
+        if self.cfg.adapter_root is None:
+            raise RequestError(HTTPStatus.FORBIDDEN, "adapter loading is disabled (start the server with --adapter-root)")
+        root = Path(self.cfg.adapter_root).resolve()
+        path = (root / given).resolve() if not Path(given).is_absolute() else Path(given).resolve()
+        if root != path and root not in path.parents:
+            raise RequestError(HTTPStatus.FORBIDDEN, f"lora_path {given!r} is outside the adapter root")
+        if not (path / "adapter_config.json").exists():
+            raise RequestError(HTTPStatus.NOT_FOUND, f"no adapter at {given!r}")
+        return path
+
+    def load_adapter(self, body: dict) -> dict:
+        from .. import lora
+        from ..checkpoint import load_model
+        from ..train import resolve_model_path
+
+        name, given = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(given, str):
+            raise RequestError(HTTPStatus.BAD_REQUEST, "load_lora_adapter needs string fields lora_name and lora_path")
+        if name == self.name:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"lora_name {name!r} is the base model's name")
+        path = self._adapter_path(given)
+        model = load_model(resolve_model_path(self.cfg.model))
+        try:
+            lora.load_adapter(model, path)
+        except (lora.AdapterError, ValueError) as e:
+            raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
+        engine = LocalEngine(model, precision=self.cfg.precision, pad_id=self.tokenizer.pad_token_id or 0)
+        with self.registry_lock:
+            self.engines[name], self.locks[name] = engine, threading.Lock()
+        return {"status": "ok", "lora_name": name}
+
+    def unload_adapter(self, body: dict) -> dict:
+        name = body.get("lora_name")
+        with self.registry_lock:
+            if name == self.name or name not in self.engines:
+                raise RequestError(HTTPStatus.NOT_FOUND, f"no adapter named {name!r}")
+            del self.engines[name], self.locks[name]
+        return {"status": "ok", "lora_name": name}
+
+    def models(self) -> dict:
+        with self.registry_lock:
+            names = list(self.engines)
+        return {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "trillora",
+                                              "parent": None if n == self.name else self.name} for n in names]}
+
+    # --- completions ---------------------------------------------------------------------
+    def _prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise RequestError(HTTPStatus.BAD_REQUEST, "prompt must be a string, a list of token ids, or a list of those")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                out.append(self.tokenizer(p, add_special_tokens=False)["input_ids"])
+            elif isinstance(p, list) and p and all(isinstance(t, int) and 0 <= t < len(self.tokenizer) for t in p):
+                out.append(p)
+            else:
+                raise RequestError(HTTPStatus.BAD_REQUEST, "each prompt must be a non-empty string or list of valid token ids")
+        return out
+
+    def _params(self, body: dict) -> tuple[SamplingParams, int]:
+        n = body.get("n", 1)
+        max_tokens = body.get("max_tokens", 16)
+        if not isinstance(n, int) or not 1 <= n <= self.cfg.max_n:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"n must be an integer in 1..{self.cfg.max_n}")
+        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.cfg.max_tokens_limit:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"max_tokens must be an integer in 1..{self.cfg.max_tokens_limit}")
+        stop = tuple(body.get("stop_token_ids") or ())
+        if self.tokenizer.eos_token_id is not None and not body.get("ignore_eos", False):
+            stop = stop + (self.tokenizer.eos_token_id,)
+        try:
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=float(body.get("temperature", 1.0)),
+                                    top_p=float(body.get("top_p", 1.0)), top_k=max(0, int(body.get("top_k", 0) or 0)),
+                                    stop_token_ids=stop, seed=body.get("seed"))
+        except (TypeError, ValueError) as e:
+            raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
+        return params, n
+
+    def _engine(self, model: str | None) -> tuple[LocalEngine, threading.Lock]:
+        with self.registry_lock:
+            name = model or self.name
+            if name not in self.engines:
+                raise RequestError(HTTPStatus.NOT_FOUND, f"model {name!r} is not loaded; loaded: {', '.join(self.engines)}")
+            return self.engines[name], self.locks[name]
+
+    def complete(self, body: dict, chat: bool = False) -> dict:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise RequestError(HTTPStatus.BAD_REQUEST, "messages must be a non-empty list")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise RequestError(HTTPStatus.BAD_REQUEST, "this model's tokenizer has no chat template")
+            prompts = [self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)]
+        else:
+            prompts = self._prompts(body.get("prompt"))
+        params, n = self._params(body)
+        engine, lock = self._engine(body.get("model"))
+        with lock:
+            groups = engine.generate(prompts, n, params)
+        choices = []
+        for i, c in enumerate(c for g in groups for c in g):
+            text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": c.finish_reason})
+                continue
+            choice = {"index": i, "text": text, "finish_reason": c.finish_reason, "token_ids": c.token_ids}
+            if body.get("logprobs") is not None:
+                choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in c.token_ids], "token_logprobs": c.logprobs}
+            choices.append(choice)
+        used = sum(len(c.token_ids) for g in groups for c in g)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": body.get("model") or self.name, "choices": choices,
+                "usage": {"prompt_tokens": sum(len(p) for p in prompts) * n, "completion_tokens": used}}
+
+
+def make_handler(server: ModelServer):
+    routes_post = {
+        "/v1/completions": lambda b: server.complete(b),
+        "/v1/chat/completions": lambda b: server.complete(b, chat=True),
+        "/v1/load_lora_adapter": server.load_adapter,
+        "/v1/unload_lora_adapter": server.unload_adapter,
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:  # quiet: one line per request is noise under RL load
+            pass
+
+        def _send(self, status: HTTPStatus, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _authorised(self) -> bool:
+            key = server.cfg.api_key
+            if key is None or self.headers.get("Authorization") == f"Bearer {key}":
+                return True
+            self._send(HTTPStatus.UNAUTHORIZED, {"error": {"message": "missing or wrong API key"}})
+            return False
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                return self._send(HTTPStatus.OK, {"status": "ok"})
+            if not self._authorised():
+                return
+            if self.path == "/v1/models":
+                return self._send(HTTPStatus.OK, server.models())
+            self._send(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route {self.path}"}})
+
+        def do_POST(self) -> None:
+            if not self._authorised():
+                return
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > server.cfg.max_body_bytes:
+                self.close_connection = True
+                return self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": {"message": "request body too large"}})
+            route = routes_post.get(self.path)
+            if route is None:
+                return self._send(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route {self.path}"}})
+            try:
+                body = json.loads(self.rfile.read(length) or b"{}")
+                if not isinstance(body, dict):
+                    raise RequestError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
+                self._send(HTTPStatus.OK, route(body))
+            except json.JSONDecodeError as e:
+                self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": f"invalid JSON: {e.msg}"}})
+            except RequestError as e:
+                self._send(e.status, {"error": {"message": str(e)}})
+
+    return Handler
+
+
+def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> None:
+    server = ModelServer(cfg)
+    httpd = ThreadingHTTPServer((cfg.host, cfg.port), make_handler(server))
+    httpd.daemon_threads = True
+    print(f"trillora serve: {cfg.model} on http://{cfg.host}:{httpd.server_address[1]}", flush=True)
+    if ready is not None:
+        ready.set()
+    try:
+        httpd.serve_forever()
+    finally:
+        httpd.server_close()

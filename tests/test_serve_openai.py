@@ -1,0 +1,146 @@
+"""`trillora serve` as a real process on loopback, and OpenAIEngine against it: logprobs against
+the trainer, adapter sync through the LoRA endpoints, refusals, a short RL run over HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from trillora import lora
+from trillora.checkpoint import load_model
+from trillora.evaluate import encode_prompt
+from trillora.policy import build_batch, token_logprobs
+from trillora.rollout import EngineError, OpenAIEngine, SamplingParams
+from trillora.tiny import shipped_path
+
+KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "trillora", "serve", "tiny-moe", "--port", str(port),
+                             "--api-key", KEY, "--adapter-root", str(root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                break
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stdout.read().decode())
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        raise RuntimeError("trillora serve did not come up")
+    yield url, root
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def post(url, path, body, key=KEY, raw=None):
+    req = urllib.request.Request(url + path, data=raw if raw is not None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def trainer_logprobs(model, completions):
+    batch = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions], [c.logprobs for c in completions])
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch.input_ids, 1.0)
+    m = batch.completion_mask.bool()
+    return logp[m], batch.rollout_logprobs[m]
+
+
+def test_completions_and_refusals(server):
+    url, root = server
+    status, out = post(url, "/v1/completions", {"prompt": "rev abc=", "max_tokens": 5, "temperature": 0, "logprobs": 0})
+    assert status == 200 and out["choices"][0]["text"] == "cba"
+    assert out["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+    assert post(url, "/v1/completions", {"prompt": "1+1="}, key="wrong")[0] == 401
+    assert post(url, "/v1/completions", {"prompt": "1+1=", "n": 1000})[0] == 400
+    assert post(url, "/v1/completions", {"prompt": [10**9]})[0] == 400
+    assert post(url, "/v1/completions", None, raw=b"x" * (2 << 20))[0] == 413
+    assert post(url, "/v1/completions", None, raw=b"{nope")[0] == 400
+    status, out = post(url, "/v1/load_lora_adapter", {"lora_name": "evil", "lora_path": "../../etc"})
+    assert status == 403 and "outside the adapter root" in out["error"]["message"]
+    assert post(url, "/v1/unload_lora_adapter", {"lora_name": "nothing"})[0] == 404
+    status, out = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and "no chat template" in out["error"]["message"]
+
+
+def test_openai_engine_logprobs_and_adapter_sync(server, tmp_path):
+    url, root = server
+    model = load_model(shipped_path())
+    from trillora import load_tokenizer
+
+    tok = load_tokenizer(shipped_path())
+    prompts = [encode_prompt(tok, "123+456="), encode_prompt(tok, "rev hello=")]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5, stop_token_ids=(tok.eos_token_id,))
+    engine = OpenAIEngine(url, model="tiny-moe", sync_dir=root / "sync", api_key=KEY)
+    out = [c for g in engine.generate(prompts, 4, params) for c in g]
+    assert len(out) == 8 and all(c.token_ids for c in out)
+    ours, theirs = trainer_logprobs(model, out)
+    assert (ours - theirs).abs().max() < 1e-4  # served fp32 engine == trainer
+
+    lora.apply_lora(model, lora.LoraConfig(rank=4))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, p in lora.lora_parameters(model):
+            p.normal_(0, 0.1, generator=g)
+    cost = engine.sync(model)
+    assert cost["sync_bytes"] > 0 and engine.model == "tiny-moe-r1"
+    after = [c for g in engine.generate(prompts, 4, params) for c in g]
+    ours, theirs = trainer_logprobs(model, after)
+    assert (ours - theirs).abs().max() < 1e-4  # the server now runs the trainer's adapter
+    base_again, _ = trainer_logprobs(load_model(shipped_path()), after)
+    assert (base_again - theirs).abs().max() > 1e-2  # and it is not the base any more
+    engine.sync(model)
+    req = urllib.request.Request(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny-moe", "tiny-moe-r2"]
+    _, listed = post(url, "/v1/unload_lora_adapter", {"lora_name": "tiny-moe-r1"})
+    assert listed["error"]["message"] == "no adapter named 'tiny-moe-r1'"  # the old revision was unloaded
+    assert not (root / "sync" / "tiny-moe-r1").exists() and (root / "sync" / "tiny-moe-r2").exists()
+    engine.close()
+
+
+def test_unreachable_server_fails_clearly():
+    engine = OpenAIEngine(f"http://127.0.0.1:{free_port()}", model="m", retries=1, backoff=0.01, timeout=2)
+    with pytest.raises(EngineError, match="failed after 2 attempts"):
+        engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
+
+
+def test_rl_steps_through_the_server(server, tmp_path):
+    from trillora.config import load_config
+    from trillora.train import Trainer
+
+    url, root = server
+    cfg = load_config(None, [f"out_dir={tmp_path}", "name=http", "steps=2", "eval_every=2", "rollout.engine=\"openai\"",
+                             f"rollout.urls=[\"{url}\"]", f"rollout.api_key=\"{KEY}\"", f"rollout.sync_dir=\"{root / 'rl'}\"",
+                             "rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_problems=16",
+                             "task.eval_samples=1", "task.retention=\"\""])
+    summary = Trainer(cfg).run()
+    rows = [json.loads(line) for line in (tmp_path / "http" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert summary["steps"] == 2 and all(r["sync_bytes"] > 0 for r in rows)
+    assert all(r["mismatch_kl_k3"] < 1e-6 for r in rows)  # fp32 server, same weights: no mismatch
