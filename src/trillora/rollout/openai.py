@@ -98,12 +98,16 @@ class OpenAIEngine:
         return completions
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
-        futures = []
+        """Without a seed: one request of n samples per prompt. With a seed: n requests of one sample, seeds
+        seed + i·n + j, because vLLM gives every sample of a seeded n>1 request the same tokens."""
+        jobs = []
         for i, p in enumerate(prompts):
-            # each prompt gets its own seed, so the same call gives the same samples whatever the server order
-            seeded = params if params.seed is None else SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-            futures.append(self.pool.submit(self._one, p, n, seeded, next(self._next_url)))
-        return [f.result() for f in futures]
+            if params.seed is None:
+                jobs.append([self.pool.submit(self._one, p, n, params, next(self._next_url))])
+                continue
+            jobs.append([self.pool.submit(self._one, p, 1, SamplingParams(**{**params.__dict__, "seed": params.seed + i * n + j}),
+                                          next(self._next_url)) for j in range(n)])
+        return [[c for f in fs for c in f.result()] for fs in jobs]
 
     def sync(self, model: nn.Module) -> dict[str, float]:
         """Adapter-only sync: a new revision loaded by every server, the previous one unloaded."""
