@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from trillora.checkpoint import load_model, save_model
@@ -102,7 +103,7 @@ def main() -> None:
         table.add_column(col, justify="right")
     base = rows[1][1]
     for name, tps, sec in rows:
-        table.add_row(name, f"{tps:,.0f}", f"{sec:.2f}", f"{tps / base:.2f}×")
+        table.add_row(escape(name), f"{tps:,.0f}", f"{sec:.2f}", f"{tps / base:.2f}×")
     Console().print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps([{"engine": n, "tokens_per_s": t, "seconds": s} for n, t, s in rows], indent=2))
