@@ -123,3 +123,17 @@ def test_top_p_keeps_the_smallest_nucleus():
     kept = filter_logits(logits, top_k=0, top_p=0.7).isfinite()
     assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.7, 0.5 + 0.3 crosses it
     assert filter_logits(logits, top_k=3, top_p=1.0).isfinite().tolist() == [[True, True, True, False]]
+
+
+def test_sampling_follows_the_distribution():
+    """Inverse-CDF sampling: frequencies match the softmax (chi-square-free check with a wide margin)."""
+    from trillora.rollout import sample_next
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    logits = torch.log(probs.clamp(min=1e-30)).expand(20000, 5)
+    tok, lp = sample_next(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tok, minlength=5).float() / tok.numel()
+    assert (freq - probs).abs().max() < 0.015 and freq[4] == 0
+    assert torch.allclose(lp, probs.log()[tok], atol=1e-5)
+    tok_k, _ = sample_next(logits, 1.0, 2, 1.0, torch.Generator().manual_seed(1))
+    assert set(tok_k.tolist()) == {0, 1}  # top-k = 2 keeps only the two most likely

@@ -151,9 +151,9 @@ class OptimSection:
 class TrainConfig:
     name: str = "default"
     out_dir: str = "runs"
-    steps: int = 100
+    steps: int = 150
     seed: int = 0
-    eval_every: int = 20
+    eval_every: int = 25
     device: str = "auto"
     model: ModelSection = field(default_factory=ModelSection)
     lora: LoraConfig = field(default_factory=lambda: LoraConfig(rank=8, alpha=16.0, targets=FFN_TARGETS))

@@ -30,5 +30,8 @@ def sample_next(
         return tok, logits_BV.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
     scaled = logits_BV / temperature
     probs = filter_logits(scaled, top_k, top_p).softmax(-1)
-    tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    # inverse-CDF sampling: one uniform per row (torch.multinomial draws one exponential per vocabulary entry)
+    cdf = probs.cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * cdf[:, -1:]
+    tok = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
     return tok, scaled.log_softmax(-1).gather(-1, tok[:, None])[:, 0]
