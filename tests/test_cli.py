@@ -29,7 +29,8 @@ def test_train_recipes_smoke(tmp_path, recipe):
 def test_eval_generate_plot_with_a_trained_adapter(tmp_path):
     assert trillora("train", *SMALL, f"out_dir={tmp_path}", "name=a").returncode == 0
     run = tmp_path / "a"
-    ev = trillora("eval", "tiny-moe", "--adapter", str(run / "adapter" / "fused"), "--problems", "16", "--temperature", "0")
+    ev = trillora("eval", "tiny-moe", "--adapter", str(run / "adapter" / "fused"), "--problems", "16", "--temperature", "0",
+                  "--option", "digits=2")
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert 0.0 <= json.loads(ev.stdout)["accuracy"] <= 1.0
     gen = trillora("generate", "tiny-moe", "--adapter", str(run / "adapter" / "per_expert"), "--prompt", "rev abc=")

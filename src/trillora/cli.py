@@ -105,7 +105,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     model, tokenizer = _policy(args.model, args.adapter)
     engine = LocalEngine(model, precision="fp32")
-    task = make_task(args.task, **dict(kv.split("=", 1) for kv in args.option)) if args.option else make_task(args.task)
+    from .config import parse_override
+
+    options = {".".join(keys): value for keys, value in map(parse_override, args.option)}  # values read as TOML
+    task = make_task(args.task, **options)
     problems = task.problems("eval", args.problems, seed=args.seed)
     stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, stop_token_ids=stop)
