@@ -70,3 +70,10 @@ def test_example_configs_load_and_build_their_tasks():
         task = make_task(cfg.task.name, **options)
         problem = task.problems("train", 1, seed=0)[0]
         assert task.reward(problem, problem.answer) == 1.0, path.name
+
+
+def test_fixed_length_and_finite_values():
+    with pytest.raises(ConfigError, match=r"algorithm.mismatch_band: expected a list of 2 values, got 0"):
+        load_config(None, ["algorithm.mismatch_band=[]"])
+    with pytest.raises(ConfigError, match="rollout.temperature: expected a finite number, got nan"):
+        load_config(None, ["rollout.temperature=nan"])

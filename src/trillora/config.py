@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -189,12 +190,16 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         return _coerce(key, value, next(a for a in options if a is not type(None)))
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
     if origin is tuple or annotation is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
         args = typing.get_args(annotation)
+        if args and Ellipsis not in args and len(args) != len(value):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {len(value)}: {list(value)!r}")
         item = args[0] if args else Any
-        return tuple(v if item is Any or item is Ellipsis else _coerce(key, v, item) for v in value)
+        return tuple(v if item is Any else _coerce(key, v, item) for v in value)
     if annotation is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table, got {type(value).__name__} {value!r}")
