@@ -225,6 +225,13 @@ def make_handler(server: ModelServer):
                 return
             length = int(self.headers.get("Content-Length") or 0)
             if length > server.cfg.max_body_bytes:
+                # drain a moderately oversized body so the client reads the 413 instead of a reset; drop the rest
+                left = min(length, 16 * server.cfg.max_body_bytes)
+                while left > 0:
+                    chunk = self.rfile.read(min(left, 1 << 16))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
                 self.close_connection = True
                 return self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": {"message": "request body too large"}})
             route = routes_post.get(self.path)
