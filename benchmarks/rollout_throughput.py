@@ -1,4 +1,4 @@
-"""Rollout throughput: LocalEngine vs transformers `generate` (and vLLM when installed), same prompts.
+"""Rollout throughput: LocalEngine vs transformers `generate` vs vLLM (`make setup-vllm`), same prompts.
 
     python benchmarks/rollout_throughput.py [--sequences 128] [--new-tokens 32] [--repeats 3]
 
@@ -81,22 +81,16 @@ def main() -> None:
     rows.append((f"transformers {transformers.__version__} generate", tokens / sec, sec))
 
     try:
-        import vllm  # noqa: F401
+        import vllm
     except ImportError:
-        rows.append(("vLLM (not installed: pip install -e '.[vllm]')", float("nan"), float("nan")))
+        rows.append(("vLLM (not installed: make setup-vllm)", float("nan"), float("nan")))
     else:
-        import os
+        from trillora.rollout.vllm import VLLMEngine
 
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        from vllm import LLM
-        from vllm import SamplingParams as VParams
-        from vllm.inputs import TokensPrompt
-
-        llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, max_model_len=a.prompt_len + a.new_tokens + 8, seed=0)
-        vp = VParams(max_tokens=a.new_tokens, min_tokens=a.new_tokens, temperature=1.0, ignore_eos=True)
-        batch = [TokensPrompt(prompt_token_ids=row) for row in prompts.tolist()]
-        sec = timed(lambda: llm.generate(batch, vp, use_tqdm=False), a.repeats)
-        rows.append((f"vLLM {vllm.__version__}", tokens / sec, sec))
+        engine = VLLMEngine(folder, model, sync="merged", max_model_len=a.prompt_len + a.new_tokens + 8)
+        sec = timed(lambda: engine.generate(prompts.tolist(), 1, params), a.repeats)
+        rows.append((f"vLLM {vllm.__version__} via VLLMEngine (fp32)", tokens / sec, sec))
+        engine.close()
 
     table = Table(title=f"rollout throughput: {a.sequences} sequences × {a.new_tokens} new tokens, prompt {a.prompt_len}")
     for col in ("engine", "tokens/s", "seconds", "vs transformers"):

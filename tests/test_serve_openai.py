@@ -4,10 +4,8 @@ the trainer, adapter sync through the LoRA endpoints, refusals, a short RL run o
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -17,17 +15,11 @@ import torch
 from trillora import lora
 from trillora.checkpoint import load_model
 from trillora.evaluate import encode_prompt
-from trillora.policy import build_batch, token_logprobs
 from trillora.rollout import EngineError, OpenAIEngine, SamplingParams
+from engine_helpers import free_port, trainer_logprobs, wait_for_health
 from trillora.tiny import shipped_path
 
 KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(root):
@@ -36,17 +28,8 @@ def start_server(root):
     proc = subprocess.Popen([sys.executable, "-m", "trillora", "serve", "tiny-moe", "--port", str(port),
                              "--api-key", KEY, "--adapter-root", str(root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return proc, url, ""
-        except (urllib.error.URLError, ConnectionError):
-            if proc.poll() is not None:
-                return None, url, proc.stdout.read().decode()[-2000:]
-            time.sleep(0.3)
-    proc.kill()
-    return None, url, "did not answer /health within 120 s"
+    failure = wait_for_health(proc, url, 120)
+    return (None if failure else proc), url, failure or ""
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +54,6 @@ def post(url, path, body, key=KEY, raw=None):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-def trainer_logprobs(model, completions):
-    batch = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions], [c.logprobs for c in completions])
-    with torch.no_grad():
-        logp, _ = token_logprobs(model, batch.input_ids, 1.0)
-    m = batch.completion_mask.bool()
-    return logp[m], batch.rollout_logprobs[m]
 
 
 def test_completions_and_refusals(server):
@@ -118,19 +93,20 @@ def test_openai_engine_logprobs_and_adapter_sync(server, tmp_path):
         for _, p in lora.lora_parameters(model):
             p.normal_(0, 0.1, generator=g)
     cost = engine.sync(model)
-    assert cost["sync_bytes"] > 0 and engine.model == "tiny-moe-r1"
+    assert cost["sync_bytes"] > 0 and engine.model == f"tiny-moe-{engine.tag}-r1"
     after = [c for g in engine.generate(prompts, 4, params) for c in g]
     ours, theirs = trainer_logprobs(model, after)
     assert (ours - theirs).abs().max() < 1e-4  # the server now runs the trainer's adapter
     base_again, _ = trainer_logprobs(load_model(shipped_path()), after)
     assert (base_again - theirs).abs().max() > 1e-2  # and it is not the base any more
+    first = engine.model
     engine.sync(model)
     req = urllib.request.Request(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
     with urllib.request.urlopen(req, timeout=10) as r:
-        assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny-moe", "tiny-moe-r2"]
-    _, listed = post(url, "/v1/unload_lora_adapter", {"lora_name": "tiny-moe-r1"})
-    assert listed["error"]["message"] == "no adapter named 'tiny-moe-r1'"  # the old revision was unloaded
-    assert not (root / "sync" / "tiny-moe-r1").exists() and (root / "sync" / "tiny-moe-r2").exists()
+        assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny-moe", engine.model]
+    _, listed = post(url, "/v1/unload_lora_adapter", {"lora_name": first})
+    assert listed["error"]["message"] == f"no adapter named {first!r}"  # the old revision was unloaded
+    assert not (root / "sync" / first).exists() and (root / "sync" / engine.model).exists()
     engine.close()
 
 

@@ -74,7 +74,11 @@ class TaskSection:
 @dataclass(kw_only=True, frozen=True)
 class RolloutSection:
     engine: str = "local"
-    """`local`: the built-in engine in this process; `openai`: OpenAI-compatible servers at `urls`."""
+    """`local`: the built-in engine in this process; `vllm`: vLLM's LLM in this process;
+    `openai`: OpenAI-compatible servers at `urls` (vLLM, SGLang, `trillora serve`)."""
+    sync: str = "auto"
+    """Weight sync after each update. `adapter`: a new LoRA revision; `merged`: base + B·A of the
+    tensors the adapter changes. auto: adapter, except merged for vLLM on MoE without GPU LoRA."""
     urls: tuple[str, ...] = ()
     server_model: str = ""
     """The base model's name on the servers; defaults to model.path."""
@@ -82,7 +86,10 @@ class RolloutSection:
     sync_dir: str = ""
     """Where adapters are written for the servers to load; defaults to <run dir>/sync."""
     precision: str = "auto"
-    """local engine weights: auto (bf16 on GPU, bf16-rounded fp32 on CPU), fp32, bf16_weights, bf16."""
+    """local engine weights: auto (bf16 on GPU, bf16-rounded fp32 on CPU), fp32, bf16_weights, bf16.
+    vllm: auto (bf16 on GPU, fp32 on CPU), fp32, bf16."""
+    max_model_len: int = 1024
+    """vllm: the longest prompt + completion the engine plans KV cache for."""
     prompts_per_step: int = 32
     group_size: int = 8
     max_new_tokens: int = 6
@@ -91,11 +98,16 @@ class RolloutSection:
     top_k: int = 0
 
     def validate(self) -> None:
-        _check_choice("rollout.engine", self.engine, ("local", "openai"))
+        _check_choice("rollout.engine", self.engine, ("local", "vllm", "openai"))
         if self.engine == "openai" and not self.urls:
             raise ConfigError("rollout.engine='openai' needs rollout.urls (e.g. [\"http://127.0.0.1:8000\"])")
+        _check_choice("rollout.sync", self.sync, ("auto", "adapter", "merged"))
+        if self.engine == "local" and self.sync not in ("auto", "merged"):
+            raise ConfigError(f"rollout.sync={self.sync!r} with rollout.engine='local': the local engine syncs merged weights")
         _check_choice("rollout.precision", self.precision, ("auto", "fp32", "bf16_weights", "bf16"))
-        for key in ("prompts_per_step", "group_size", "max_new_tokens"):
+        if self.engine == "vllm" and self.precision == "bf16_weights":
+            raise ConfigError("rollout.precision='bf16_weights' is for the local engine; vllm takes auto, fp32 or bf16")
+        for key in ("prompts_per_step", "group_size", "max_new_tokens", "max_model_len"):
             _check_positive(f"rollout.{key}", getattr(self, key))
         if self.temperature <= 0:
             raise ConfigError(f"rollout.temperature={self.temperature} is invalid; RL samples need > 0")

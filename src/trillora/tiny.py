@@ -50,6 +50,13 @@ TINY_QWEN3_MOE = dict(
 )
 
 
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+            "moe_intermediate_size")
+TINY_QWEN3 = {**{k: v for k, v in TINY_QWEN3_MOE.items() if k not in MOE_KEYS},
+              "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+"""The same shapes without experts: vLLM on CPU applies LoRA to dense models only."""
+
+
 def build_tokenizer():
     """One token per character: arithmetic and short words need nothing more, and it is exact."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -64,10 +71,10 @@ def build_tokenizer():
     )
 
 
-def write_random_checkpoint(out: str | Path, seed: int = 0, std: float = 0.05) -> Path:
+def write_random_checkpoint(out: str | Path, seed: int = 0, std: float = 0.05, dense: bool = False) -> Path:
     tokenizer = build_tokenizer()
     config = dict(
-        TINY_QWEN3_MOE,
+        TINY_QWEN3 if dense else TINY_QWEN3_MOE,
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -177,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("random", help="random weights, same architecture and tokenizer")
     r.add_argument("out", type=Path)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--dense", action="store_true", help="no experts (a dense Qwen3 of the same shapes)")
     args = parser.parse_args(argv)
     if args.command == "random":
-        print(write_random_checkpoint(args.out, seed=args.seed))
+        print(write_random_checkpoint(args.out, seed=args.seed, dense=args.dense))
         return 0
     out = args.out or Path(__file__).parent / "assets" / "tiny-moe"
     report = pretrain(out, seed=args.seed, max_steps=args.max_steps)

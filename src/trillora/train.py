@@ -63,9 +63,16 @@ class Trainer:
 
     def _make_engine(self):
         r = self.cfg.rollout
+        sync_dir = r.sync_dir or self.cfg.run_dir / "sync"
         if r.engine == "openai":
             return OpenAIEngine(list(r.urls), model=r.server_model or self.cfg.model.path, api_key=r.api_key or None,
-                                sync_dir=r.sync_dir or self.cfg.run_dir / "sync")
+                                sync_dir=sync_dir, sync="adapter" if r.sync == "auto" else r.sync)
+        if r.engine == "vllm":
+            from .rollout.vllm import VLLMEngine
+
+            dtype = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}[r.precision]
+            return VLLMEngine(resolve_model_path(self.cfg.model.path), self.model, sync=r.sync, sync_dir=sync_dir,
+                              dtype=dtype, max_model_len=r.max_model_len, seed=self.cfg.seed)
         return LocalEngine(self.model, precision=r.precision, device=self.device, pad_id=self.tokenizer.pad_token_id or 0)
 
     # --- one step ------------------------------------------------------------------------
@@ -151,7 +158,8 @@ class Trainer:
         return evaluate(self.engine, self.tokenizer, task, problems, params, n=self.cfg.task.eval_samples)
 
     # --- the run -------------------------------------------------------------------------
-    def run(self) -> dict:
+    def run(self, close_engine: bool = True) -> dict:
+        """Train `cfg.steps` steps; `close_engine=False` leaves the rollout engine up for inspection."""
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         cfg, run_dir = self.cfg, self.cfg.run_dir
@@ -210,7 +218,8 @@ class Trainer:
             "adapter": lora.adapter_stats(self.model),
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.engine.close()
+        if close_engine:
+            self.engine.close()
         return summary
 
 

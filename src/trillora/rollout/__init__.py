@@ -5,4 +5,13 @@ from .openai import EngineError, OpenAIEngine
 from .sampling import filter_logits, sample_next
 from .types import Completion, RolloutEngine, SamplingParams
 
-__all__ = ["Completion", "EngineError", "LocalEngine", "OpenAIEngine", "RolloutEngine", "SamplingParams", "filter_logits", "sample_next"]
+
+def __getattr__(name: str):
+    if name == "VLLMEngine":  # imported on use: vllm is an optional extra
+        from .vllm import VLLMEngine
+
+        return VLLMEngine
+    raise AttributeError(name)
+
+
+__all__ = ["Completion", "EngineError", "LocalEngine", "OpenAIEngine", "RolloutEngine", "SamplingParams", "VLLMEngine", "filter_logits", "sample_next"]

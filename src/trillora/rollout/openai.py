@@ -3,13 +3,19 @@
 Prompts go as token ids, n samples per request, with per-token logprobs and the sampled
 token ids (`return_tokens_as_token_ids`), so nothing is re-tokenised. Requests run in a
 bounded thread pool spread round-robin over the servers, with a timeout and retries with
-exponential back-off. `sync()` saves the adapter under a new revision name, asks every
-server to load it (`/v1/load_lora_adapter`) and unloads the previous revision.
+exponential back-off. `sync()` is adapter-only by default: it saves the adapter under a new
+revision name (`{model}-{run tag}-r{n}`), asks every server to load it (`/v1/load_lora_adapter`) and unloads the
+previous revision. `sync="merged"` is for vLLM servers that cannot apply the adapter (MoE on
+CPU): the merged tensors the adapter changes go to a safetensors file that every server
+loads through `/collective_rpc` (a server started with `VLLM_SERVER_DEV_MODE=1` and
+`--worker-extension-cls trillora.rollout.vllm_sync.WeightSyncExtension`), then its prefix
+cache is reset.
 """
 
 from __future__ import annotations
 
 import itertools
+import secrets
 import json
 import shutil
 import time
@@ -27,6 +33,14 @@ class EngineError(RuntimeError):
     """A server that keeps failing; the message names the URL and the last error."""
 
 
+def _body(raw: bytes) -> dict:
+    """JSON answers as dicts; vLLM answers some admin endpoints with plain text or nothing."""
+    try:
+        return json.loads(raw) if raw.strip() else {}
+    except json.JSONDecodeError:
+        return {"text": raw.decode(errors="replace")}
+
+
 class OpenAIEngine:
     def __init__(
         self,
@@ -38,7 +52,11 @@ class OpenAIEngine:
         timeout: float = 120.0,
         retries: int = 3,
         backoff: float = 0.5,
+        sync: str = "adapter",
     ):
+        if sync not in ("adapter", "merged"):
+            raise ValueError(f"OpenAIEngine sync {sync!r}; allowed: 'adapter', 'merged'")
+        self.sync_mode = sync
         self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         if not self.urls:
             raise ValueError("OpenAIEngine needs at least one server URL")
@@ -48,6 +66,7 @@ class OpenAIEngine:
         self.pool = ThreadPoolExecutor(max_workers=concurrency)
         self._next_url = itertools.cycle(self.urls)
         self.revision = 0
+        self.tag = secrets.token_hex(3)  # revision names stay unique when several runs share a server
 
     # --- HTTP ----------------------------------------------------------------------------
     def _post(self, url: str, path: str, body: dict) -> dict:
@@ -60,7 +79,7 @@ class OpenAIEngine:
             try:
                 req = urllib.request.Request(url + path, data=data, headers=headers, method="POST")
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    return json.loads(resp.read())
+                    return _body(resp.read())
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:500]
                 if e.code < 500 and e.code != 429:  # the request itself is wrong: retrying will not help
@@ -117,7 +136,9 @@ class OpenAIEngine:
             raise ValueError("OpenAIEngine.sync needs sync_dir: a folder the servers can read adapters from")
         start = time.perf_counter()
         self.revision += 1
-        name = f"{self.base_model}-r{self.revision}"
+        if self.sync_mode == "merged":
+            return self._sync_merged(model, start)
+        name = f"{self.base_model}-{self.tag}-r{self.revision}"
         path = save_adapter(model, self.sync_dir / name, expert_layout="per_expert", base_model=self.base_model)
         for url in self.urls:
             self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path.resolve())})
@@ -128,6 +149,24 @@ class OpenAIEngine:
                 self._post(url, "/v1/unload_lora_adapter", {"lora_name": previous})
             shutil.rmtree(self.sync_dir / previous, ignore_errors=True)
         return {"sync_bytes": float(size), "sync_seconds": time.perf_counter() - start}
+
+    def _sync_merged(self, model: nn.Module, start: float) -> dict[str, float]:
+        from safetensors.torch import save_file
+
+        from .vllm_sync import merged_tensors
+
+        self.sync_dir.mkdir(parents=True, exist_ok=True)
+        path = self.sync_dir / f"merged-r{self.revision}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file(merged_tensors(model), str(tmp))
+        tmp.replace(path)  # servers never read a half-written file
+        try:
+            for url in self.urls:
+                self._post(url, "/collective_rpc", {"method": "trillora_load_merged", "args": [str(path.resolve())]})
+                self._post(url, "/reset_prefix_cache", {})
+            return {"sync_bytes": float(path.stat().st_size), "sync_seconds": time.perf_counter() - start}
+        finally:
+            path.unlink(missing_ok=True)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,43 @@
+"""Shared by the engine tests: loopback ports, server start-up, trainer-side logprobs."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import torch
+
+from trillora.policy import build_batch, token_logprobs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_health(proc: subprocess.Popen, url: str, timeout: float) -> str | None:
+    """None once `url`/health answers; the process's last output if it exited; a message on time-out."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return None
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None:
+                return proc.stdout.read().decode(errors="replace")[-3000:] if proc.stdout else "exited"
+            time.sleep(0.5)
+    proc.kill()
+    return f"did not answer /health within {timeout:.0f} s"
+
+
+def trainer_logprobs(model, completions, temperature: float = 1.0):
+    """(trainer's logprobs, engine's logprobs) of every completion token, flattened."""
+    batch = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions], [c.logprobs for c in completions])
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch.input_ids, temperature)
+    m = batch.completion_mask.bool()
+    return logp[m], batch.rollout_logprobs[m]
