@@ -98,7 +98,7 @@ def main() -> None:
     base = rows[1][1]
     for name, tps, sec in rows:
         table.add_row(escape(name), f"{tps:,.0f}", f"{sec:.2f}", f"{tps / base:.2f}×")
-    Console().print(table)
+    Console(width=140).print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps([{"engine": n, "tokens_per_s": t, "seconds": s} for n, t, s in rows], indent=2))
 

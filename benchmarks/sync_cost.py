@@ -110,7 +110,7 @@ def main() -> None:
     for model_name, kind, nbytes, sec in rows:
         table.add_row(model_name, kind, human_bytes(int(nbytes)) if nbytes == nbytes else "-",
                       f"{sec * 1e3:.1f} ms" if sec == sec else "-")
-    Console().print(table)
+    Console(width=140).print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps([{"model": m, "sync": k, "bytes": b, "seconds": s} for m, k, b, s in rows], indent=2))
 

@@ -83,7 +83,7 @@ def main() -> None:
             continue
         table.add_row(name, f"{m['mismatch_kl_k3']:.2e}", f"{m['is_ratio_min']:.4f}", f"{m['is_ratio_max']:.4f}",
                       f"{m['is_limited_frac']:.2%}", f"{d:.2e}")
-    Console().print(table)
+    Console(width=140).print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps([{"engine": n, **m, "max_abs_logprob_diff": d} for n, m, d in rows], indent=2))
 

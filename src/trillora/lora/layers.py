@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.moe import ExpertSort, GroupedExperts, SigmoidRouter, SoftmaxRouter, grouped_linear
+from ..models.moe import GroupedExperts, SigmoidRouter, SoftmaxRouter, grouped_linear
 
 
 class LoraMixin:
@@ -115,12 +115,12 @@ class LoraGroupedExperts(LoraMixin, GroupedExperts):
         self.lora_gate_B, self.lora_up_B = _new((e, i, rank), w, dtype), _new((e, i, rank), w, dtype)
         self.lora_down_A, self.lora_down_B = _new((e, rank, i), w, dtype), _new((e, c, rank), w, dtype)
 
-    def project(self, x_R: torch.Tensor, name: str, sort: ExpertSort) -> torch.Tensor:
-        y = super().project(x_R, name, sort)
+    def project(self, x_R: torch.Tensor, name: str, counts: torch.Tensor) -> torch.Tensor:
+        y = super().project(x_R, name, counts)
         if not self.lora_active:
             return y
         h = self.lora_dropout(x_R).to(self.lora_down_A.dtype)
-        counts, r = sort.counts, self.lora_rank
+        r = self.lora_rank
         if name == "gate_up_proj":
             a = torch.cat([self.lora_gate_A, self.lora_up_A], dim=1)  # [E, 2r, C]: one GEMM for both
             h_R2r = grouped_linear(h, a, counts, self.grouped)

@@ -59,9 +59,10 @@ class GQAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                 cache: KVCache | None = None, layer: int = 0):
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)  # [B, K, T, D]
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # heads from the projections' widths (-1), so a tensor-parallel shard runs its own heads unchanged
+        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)  # [B, K, T, D]
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
@@ -103,14 +104,14 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                 cache: KVCache | None = None, layer: int = 0):
         b, t, _ = x.shape
-        h = self.num_heads
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(b, t, h, self.nope + self.rope_dim).transpose(1, 2)  # [B, H, T, N+R]
+        q = q.view(b, t, -1, self.nope + self.rope_dim).transpose(1, 2)  # [B, H, T, N+R]; H local under TP
+        h = q.shape[1]
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
 
         latent_rope = self.kv_a_proj_with_mqa(x)  # [B, T, L+R]
         latent, k_rope = latent_rope.split([self.latent, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, h, self.nope + self.v_dim).transpose(1, 2)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, t, -1, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, H, T, N], [B, H, T, V]
 
         cos, sin = rope

@@ -68,6 +68,13 @@ def grouped_linear(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tens
 
 
 class GroupedExperts(nn.Module):
+    """The routed experts' SwiGLU on rows already sorted by expert: `forward(x_RC, counts_E)`.
+
+    Sorting and combining live in `dispatch_combine`, outside this module, so expert
+    parallelism can wrap this module's call (send rows to the ranks owning their experts,
+    bring results back) without the module knowing. `num_experts` stays the global count.
+    """
+
     def __init__(self, num_experts: int, dim: int, hidden: int):
         super().__init__()
         self.num_experts, self.hidden = num_experts, hidden
@@ -75,18 +82,22 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.grouped = True  # False: per-expert loop (reference)
 
-    def forward(self, x_TC: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        sort = ExpertSort.build(indices_TK, self.num_experts)
-        x_RC = x_TC[sort.token]
-        gate_up_R2I = self.project(x_RC, "gate_up_proj", sort)
+    def forward(self, x_RC: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        gate_up_R2I = self.project(x_RC, "gate_up_proj", counts_E)
         gate, up = gate_up_R2I.chunk(2, dim=-1)
-        y_RC = self.project(F.silu(gate) * up, "down_proj", sort)
-        y_RC = y_RC * weights_TK.reshape(-1)[sort.order, None].to(y_RC.dtype)
-        return torch.zeros_like(x_TC).index_add_(0, sort.token, y_RC.to(x_TC.dtype))
+        return self.project(F.silu(gate) * up, "down_proj", counts_E)  # [R, C]
 
-    def project(self, x_R: torch.Tensor, name: str, sort: ExpertSort) -> torch.Tensor:
+    def project(self, x_R: torch.Tensor, name: str, counts_E: torch.Tensor) -> torch.Tensor:
         """One stacked projection over expert-sorted rows; the hook point for expert LoRA."""
-        return grouped_linear(x_R, getattr(self, name), sort.counts, self.grouped)
+        return grouped_linear(x_R, getattr(self, name), counts_E, self.grouped)
+
+
+def dispatch_combine(experts: nn.Module, x_TC: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """Sort the T·K (token, expert) pairs by expert, run the experts, weight and sum back per token."""
+    sort = ExpertSort.build(indices_TK, experts.num_experts)
+    y_RC = experts(x_TC[sort.token], sort.counts)
+    y_RC = y_RC * weights_TK.reshape(-1)[sort.order, None].to(y_RC.dtype)
+    return torch.zeros_like(x_TC).index_add_(0, sort.token, y_RC.to(x_TC.dtype))
 
 
 class SoftmaxRouter(nn.Module):
@@ -176,7 +187,7 @@ class MoE(nn.Module):
         weights_TK, indices_TK = self.gate(x_TC)
         if self.record is not None:
             self.record.append(indices_TK.detach().view(*shape[:-1], -1))
-        out = self.experts(x_TC, indices_TK, weights_TK).view(shape)
+        out = dispatch_combine(self.experts, x_TC, indices_TK, weights_TK).view(shape)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         return out

@@ -1,0 +1,44 @@
+"""`parallelize(model, dims)`: tensor and expert parallel plans applied to a built model.
+
+Order: LoRA first (so adapters exist to be placed with their base layers), then expert
+parallel (slices stacked experts, adds the all-to-all hooks), then tensor parallel
+(`parallelize_module` over the plan). The model code is not touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .data_parallel import GradientSync
+from .dims import Meshes, ParallelDims, ParallelError, build_meshes
+from .expert_parallel import ExpertParallel, apply_expert_parallel
+from .tensor_parallel import apply_tensor_parallel
+
+
+@dataclass
+class Parallelized:
+    meshes: Meshes
+    grad_sync: GradientSync
+    tp_plan: dict[str, object] = field(default_factory=dict)
+    ep_plans: dict[str, ExpertParallel] = field(default_factory=dict)
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.meshes.dims
+
+    def expert_bytes(self) -> int:
+        return sum(p.bytes_sent for p in self.ep_plans.values())
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = None) -> Parallelized:
+    if getattr(model, "lora_config", None) is None:
+        raise ParallelError("apply LoRA before parallelize(): adapters are placed with their base layers")
+    dims.check_model(model.args)
+    meshes = meshes or build_meshes(dims)
+    ep_plans = apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
+    tp_plan = apply_tensor_parallel(model, meshes.dense["tp"])
+    sync = GradientSync(model, meshes.group("dp"), meshes.group("edp"), dims.dp, dims.edp)
+    model.parallel = dims
+    return Parallelized(meshes, sync, tp_plan, ep_plans)

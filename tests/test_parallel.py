@@ -1,0 +1,164 @@
+"""Parallel runs against the single-process run, on CPU with gloo in spawned processes.
+
+Every rank also computes the single-process reference (the models are tiny), then runs the
+same batch under a layout: the loss summed over data-parallel ranks and every LoRA gradient
+(each rank's shard) must match the reference (rtol 1e-4), and so must the adapter after
+three AdamW steps. Layouts: dp2, tp2, ep2 on 2 ranks; ep4, tp2×ep2, dp2×ep2, dp2×tp2 on 4.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine_helpers import free_port
+from hf_models import DEEPSEEK_V3, QWEN3_MOE
+from trillora import lora
+from trillora.models import build_model, from_hf_config
+from trillora.parallel import ParallelDims, ParallelError, build_meshes, parallelize
+from trillora.parallel.data_parallel import expert_parameter_names
+
+FAMILIES = {"qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
+TARGETS = ("attention", "mlp", "shared_experts", "experts", "router")
+B, T = 8, 10
+
+
+def reference(family: str):
+    args = from_hf_config(FAMILIES[family], where=family)
+    model = build_model(args, device="cpu")
+    model.init_weights(std=0.08, generator=torch.Generator().manual_seed(0))
+    lora.apply_lora(model, lora.LoraConfig(rank=4, targets=TARGETS))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, p in lora.lora_parameters(model):
+            p.normal_(0, 0.05, generator=g)
+    data = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, args.vocab_size, (B, T), generator=data)
+    adv = torch.randn(B, generator=data)
+    return model, ids, adv
+
+
+def loss_fn(model, ids, adv, n_tokens: int):
+    """A policy-gradient-shaped loss normalised by the global token count (sums across ranks)."""
+    logp = model(ids[:, :-1]).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]  # [b, T-1]
+    return -(adv[:, None] * logp).sum() / n_tokens
+
+
+def local_view(ref: torch.Tensor, param, is_expert: bool, par, meshes) -> torch.Tensor:
+    """The part of a full reference tensor that this rank's (possibly sharded) parameter holds."""
+    if is_expert and par.dims.ep > 1:
+        local = ref.shape[0] // par.dims.ep
+        ref = ref[meshes.rank("ep") * local:(meshes.rank("ep") + 1) * local]
+    placements = getattr(param, "placements", None)
+    if placements:
+        for placement in placements:
+            if placement.is_shard():
+                ref = ref.chunk(par.dims.tp, dim=placement.dim)[meshes.rank("tp")]
+    return ref
+
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def run_layout(family: str, dims: ParallelDims) -> None:
+    ref, ids, adv = reference(family)
+    model = copy.deepcopy(ref)
+    n_tokens = ids[:, 1:].numel()
+    loss_ref = loss_fn(ref, ids, adv, n_tokens)
+    loss_ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in lora.lora_parameters(ref)}
+
+    experts = expert_parameter_names(model)
+    meshes = build_meshes(dims, "cpu")
+    par = parallelize(model, dims, meshes)
+    dp_rank = meshes.rank("dp")
+    rows = slice(dp_rank * B // dims.dp, (dp_rank + 1) * B // dims.dp)
+    loss = loss_fn(model, ids[rows], adv[rows], n_tokens)
+    loss.backward()
+    sent = par.grad_sync()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=meshes.group("dp"))
+    torch.testing.assert_close(total, loss_ref.detach(), rtol=1e-4, atol=1e-6)
+    params = dict(lora.lora_parameters(model))
+    assert params.keys() == ref_grads.keys()
+    for name, p in params.items():
+        want = local_view(ref_grads[name], p, name in experts, par, meshes)
+        torch.testing.assert_close(local(p.grad), want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    # only adapter bytes cross the data-parallel groups, and exactly the local adapter's size when dp > 1
+    adapter_local = sum(local(p).numel() * 4 for p in params.values())
+    assert sent == par.grad_sync.bytes_per_step <= adapter_local
+    if dims.dp > 1 and dims.edp > 1:
+        assert sent == adapter_local
+
+    # three optimiser steps on both sides give the same adapter
+    opt_ref = torch.optim.AdamW([p for _, p in lora.lora_parameters(ref)], lr=1e-2)
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-2)
+    for _ in range(3):
+        opt_ref.step()
+        opt_ref.zero_grad()
+        loss_fn(ref, ids, adv, n_tokens).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_fn(model, ids[rows], adv[rows], n_tokens).backward()
+        par.grad_sync()
+    ref_params = dict(lora.lora_parameters(ref))
+    for name, p in params.items():
+        want = local_view(ref_params[name].detach(), p, name in experts, par, meshes)
+        # Adam divides by sqrt(v): a gradient that is ~0 turns summation-order rounding into a
+        # visible step, so the absolute bound is 0.2% of one lr-sized step
+        torch.testing.assert_close(local(p.detach()), want, rtol=1e-4, atol=2e-5, msg=lambda m, n=name: f"{n} after 3 steps: {m}")
+
+
+def worker(rank: int, world: int, port: int, family: str, layouts: list[dict], errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for layout in layouts:
+            try:
+                run_layout(family, ParallelDims(**layout))
+            except Exception:
+                errors.put(f"rank {rank} {family} {layout}:\n{traceback.format_exc()}")
+                raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, family: str, layouts: list[dict]) -> None:
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(worker, args=(world, free_port(), family, layouts, errors), nprocs=world, start_method="spawn")
+    except Exception as e:
+        raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_two_rank_layouts_match_single_process(family):
+    spawn(2, family, [dict(dp=2), dict(tp=2), dict(dp=2, ep=2)])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_four_rank_layouts_match_single_process(family):
+    spawn(4, family, [dict(dp=4, ep=4), dict(dp=2, tp=2, ep=2), dict(dp=4, ep=2), dict(dp=2, tp=2)])
+
+
+def test_layout_errors_name_the_failing_product():
+    with pytest.raises(ParallelError, match="ep=3 must divide parallel.dp=4"):
+        ParallelDims(dp=4, ep=3)
+    with pytest.raises(ParallelError, match="pipeline and context parallelism are not built yet"):
+        ParallelDims(pp=2)
+    with pytest.raises(ParallelError, match="dp 2 × tp 2 = 4 ranks, but the job has 2"):
+        ParallelDims(dp=2, tp=2).check_world(2)
+    args = from_hf_config(QWEN3_MOE, where="q")
+    with pytest.raises(ParallelError, match="num_experts=8 is not divisible by ep=3"):
+        ParallelDims(dp=3, ep=3).check_model(args)
+    with pytest.raises(ParallelError, match="num_attention_heads=4 is not divisible by tp=3"):
+        ParallelDims(tp=3).check_model(args)
