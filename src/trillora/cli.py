@@ -127,7 +127,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.insert(0, config)
         config = None
     summary = train(load_config(config, overrides))
-    print(json.dumps({k: v for k, v in summary.items() if k != "adapter"}, indent=2))
+    if summary:  # under torchrun only rank 0 reports
+        print(json.dumps({k: v for k, v in summary.items() if k != "adapter"}, indent=2))
     return 0
 
 

@@ -161,6 +161,39 @@ class OptimSection:
 
 
 @dataclass(kw_only=True, frozen=True)
+class ParallelSection:
+    """Layout under torchrun: dp × tp ranks; ep borrows from dp (see trillora.parallel)."""
+
+    dp: int = 0
+    """data-parallel degree; 0 = whatever is left of the world after tp (and pp, cp)."""
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    def validate(self) -> None:
+        _check_positive("parallel.dp", self.dp, zero_ok=True)
+        for key in ("tp", "ep", "pp", "cp"):
+            _check_positive(f"parallel.{key}", getattr(self, key))
+        if self.pp > 1 or self.cp > 1:
+            raise ConfigError(f"parallel.pp={self.pp}, parallel.cp={self.cp}: pipeline and context parallelism are not "
+                              "built yet; use 1")
+
+    def dims(self, world: int):
+        from .parallel import ParallelDims, ParallelError
+
+        rest = self.tp * self.pp * self.cp
+        if world % rest:
+            raise ConfigError(f"parallel.tp={self.tp} does not divide the {world} ranks of this job")
+        try:
+            dims = ParallelDims(dp=self.dp or world // rest, tp=self.tp, ep=self.ep, pp=self.pp, cp=self.cp)
+            dims.check_world(world)
+        except ParallelError as e:
+            raise ConfigError(str(e)) from None
+        return dims
+
+
+@dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     name: str = "default"
     out_dir: str = "runs"
@@ -176,12 +209,13 @@ class TrainConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     optim: OptimSection = field(default_factory=OptimSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
 
     def validate(self) -> "TrainConfig":
         _check_positive("steps", self.steps)
         _check_positive("eval_every", self.eval_every)
         _check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        for section in (self.model, self.task, self.rollout, self.algorithm, self.optim):
+        for section in (self.model, self.task, self.rollout, self.algorithm, self.optim, self.parallel):
             section.validate()
         return self
 

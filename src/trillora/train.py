@@ -6,7 +6,10 @@ Shape legend: P prompts per step, G group size, B = P·G rows, T tokens.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -14,7 +17,8 @@ import torch
 
 from . import lora, rl
 from .checkpoint import load_model, load_tokenizer
-from .config import TrainConfig, to_toml
+from .config import ConfigError, TrainConfig, to_toml
+from .distributed import Distributed, launched, load_adapter_tensors
 from .evaluate import decode_completion, encode_prompt, evaluate
 from .policy import build_batch, token_logprobs
 from .rollout import LocalEngine, OpenAIEngine, SamplingParams
@@ -42,15 +46,28 @@ class Trainer:
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         self.device = pick_device(cfg.device)
+        if launched() and self.device.type == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
         path = resolve_model_path(cfg.model.path)
         self.tokenizer = load_tokenizer(path)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.model = load_model(path, dtype=dtype, device=self.device)
         lora.apply_lora(self.model, cfg.lora)
+        self.full, self.dist = self.model, None  # `full`: the unsharded model the engine and the export read
+        p = cfg.parallel
+        if launched():
+            self.full = copy.deepcopy(self.model)
+            self.dist = Distributed.start(self.model, p, self.device)
+            if not self.dist.main:
+                self.full = None
+        elif (p.tp, p.ep, max(p.dp, 1)) != (1, 1, 1):
+            raise ConfigError(f"parallel.dp={p.dp} tp={p.tp} ep={p.ep} needs a distributed launch: "
+                              f"torchrun --nproc-per-node N -m trillora train ...")
         self.params = [p for _, p in lora.lora_parameters(self.model)]
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-        self.engine = self._make_engine()
+        self.engine = self._make_engine() if self.main else None
         self.task = make_task(cfg.task.name, **cfg.task.options)
         self.retention = make_task(cfg.task.retention) if cfg.task.retention else None
         self.eval_problems = self.task.problems("eval", cfg.task.eval_problems, seed=cfg.seed)
@@ -60,6 +77,11 @@ class Trainer:
         self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                        top_k=r.top_k, stop_token_ids=stop)
         self.skipped_updates = 0
+
+    @property
+    def main(self) -> bool:
+        """The rank that samples, evaluates and writes (the only one without torchrun)."""
+        return self.dist is None or self.dist.main
 
     def _make_engine(self):
         r = self.cfg.rollout
@@ -71,12 +93,24 @@ class Trainer:
             from .rollout.vllm import VLLMEngine
 
             dtype = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}[r.precision]
-            return VLLMEngine(resolve_model_path(self.cfg.model.path), self.model, sync=r.sync, sync_dir=sync_dir,
+            return VLLMEngine(resolve_model_path(self.cfg.model.path), self.full, sync=r.sync, sync_dir=sync_dir,
                               dtype=dtype, max_model_len=r.max_model_len, seed=self.cfg.seed)
-        return LocalEngine(self.model, precision=r.precision, device=self.device, pad_id=self.tokenizer.pad_token_id or 0)
+        return LocalEngine(self.full, precision=r.precision, device=self.device, pad_id=self.tokenizer.pad_token_id or 0)
+
+    def sync_engine(self) -> dict[str, float]:
+        """Bring the engine up to date; under torchrun every rank joins the adapter gather first."""
+        if self.dist is None:
+            return self.engine.sync(self.model)
+        tensors = self.dist.gather_adapter(self.model)
+        if not self.dist.main:
+            return {}
+        load_adapter_tensors(self.full, tensors)
+        return self.engine.sync(self.full)
 
     # --- one step ------------------------------------------------------------------------
     def rollout(self, step: int):
+        if not self.main:
+            return self.dist.share(None)
         r = self.cfg.rollout
         problems = self.task.problems("train", r.prompts_per_step, seed=self.cfg.seed * 1_000_003 + step)
         params = SamplingParams(**{**self.sampling.__dict__, "seed": self.cfg.seed * 1_000_003 + step})
@@ -86,10 +120,16 @@ class Trainer:
         flat = [c for g in groups for c in g]
         batch = build_batch([c.prompt_ids for c in flat], [c.token_ids for c in flat], [c.logprobs for c in flat],
                             pad_id=self.tokenizer.pad_token_id or 0, device=self.device)
-        return batch, rewards, flat
+        return self.dist.share((batch, rewards, flat)) if self.dist else (batch, rewards, flat)
 
     def update(self, batch, advantages_B: torch.Tensor) -> dict[str, float]:
         a, model, temp = self.cfg.algorithm, self.model, self.cfg.rollout.temperature
+        global_tokens, global_seqs = float(batch.num_tokens), float(batch.input_ids.shape[0])
+        if self.dist is not None:  # this data-parallel rank's rows; losses stay normalised by the whole batch
+            rows = self.dist.rows(batch.input_ids.shape[0])
+            batch = dataclasses.replace(batch, input_ids=batch.input_ids[rows], completion_mask=batch.completion_mask[rows],
+                                        rollout_logprobs=batch.rollout_logprobs[rows])
+            advantages_B = advantages_B[rows]
         ids, mask = batch.input_ids, batch.completion_mask
         b = ids.shape[0]
         passes = a.epochs * a.minibatches
@@ -116,7 +156,7 @@ class Trainer:
                     w = weights[rows]
                 loss, m = rl.policy_loss(
                     logp, (old[rows] if old is not None else logp.detach()), advantages_B[rows].to(logp.device),
-                    mask[rows], global_tokens=float(batch.num_tokens), global_seqs=float(b),
+                    mask[rows], global_tokens=global_tokens, global_seqs=global_seqs,
                     clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation,
                     norm_len=float(self.cfg.rollout.max_new_tokens), is_weights_BT=w,
                     ref_logp_BT=ref[rows] if ref is not None else None, kl_coef=a.kl_coef, kl_kind=a.kl_estimator,
@@ -126,7 +166,7 @@ class Trainer:
                 metrics.update(m)
                 metrics["loss"] = metrics.get("loss", 0.0) + float(loss.detach())
             metrics.update(self._optimizer_step())
-        return metrics
+        return self.dist.reduce_mean(metrics) if self.dist else metrics
 
     def _mismatch(self, trainer_logp, batch, rows=None):
         a = self.cfg.algorithm
@@ -137,7 +177,11 @@ class Trainer:
 
     def _optimizer_step(self) -> dict[str, float]:
         o = self.cfg.optim
-        norm = torch.nn.utils.clip_grad_norm_(self.params, o.grad_clip if o.grad_clip > 0 else float("inf"))
+        if self.dist is not None:
+            self.dist.par.grad_sync()  # adapter gradients only, over data (and expert-data) parallel ranks
+            norm = self.dist.clip_(self.model, o.grad_clip)  # the global norm, the same on every rank
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, o.grad_clip if o.grad_clip > 0 else float("inf"))
         if not torch.isfinite(norm):  # a NaN never reaches the adapter or the engine
             self.skipped_updates += 1
             self.opt.zero_grad(set_to_none=True)
@@ -162,6 +206,8 @@ class Trainer:
         """Train `cfg.steps` steps; `close_engine=False` leaves the rollout engine up for inspection."""
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+        if not self.main:
+            return self._follow()
         cfg, run_dir = self.cfg, self.cfg.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -186,7 +232,7 @@ class Trainer:
                 advantages = rl.group_advantages(rewards, cfg.algorithm.advantage, cfg.algorithm.normalize_std).reshape(-1)
                 metrics = self.update(batch, advantages)
                 t2 = time.perf_counter()
-                metrics.update(self.engine.sync(self.model))
+                metrics.update(self.sync_engine())
                 row = {"step": step + 1, "lr": lr, "reward_mean": float(rewards.mean()),
                        "groups_all_equal": float((rewards.std(-1) == 0).float().mean()),
                        "completion_len_mean": sum(len(c.token_ids) for c in flat) / len(flat),
@@ -203,9 +249,9 @@ class Trainer:
                                                 f"{row['step_seconds']:.2f}s/step")
         eval_after = accuracy
         retention_after = row.get("retention_accuracy")
-        lora.save_adapter(self.model, run_dir / "adapter" / "per_expert", expert_layout="per_expert",
+        lora.save_adapter(self.full, run_dir / "adapter" / "per_expert", expert_layout="per_expert",
                           base_model=str(resolve_model_path(cfg.model.path)))
-        lora.save_adapter(self.model, run_dir / "adapter" / "fused", expert_layout="fused",
+        lora.save_adapter(self.full, run_dir / "adapter" / "fused", expert_layout="fused",
                           base_model=str(resolve_model_path(cfg.model.path)))
         from .plots import plot_run
 
@@ -215,12 +261,27 @@ class Trainer:
             "retention_before": retention_before, "retention_after": retention_after,
             "steps": cfg.steps, "seconds": time.perf_counter() - start,
             "skipped_updates": self.skipped_updates,
-            "adapter": lora.adapter_stats(self.model),
+            "adapter": lora.adapter_stats(self.full),
+            **({"parallel": dataclasses.asdict(self.dist.par.dims), "dp_grad_bytes_per_step": self.dist.par.grad_sync.bytes_per_step}
+               if self.dist else {}),
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if close_engine:
             self.engine.close()
+        if self.dist:
+            self.dist.close()
         return summary
+
+    def _follow(self) -> dict:
+        """A rank other than 0: the same collectives as rank 0's loop, nothing written."""
+        for step in range(self.cfg.steps):
+            self._set_lr(step)
+            batch, rewards, _ = self.rollout(step)
+            advantages = rl.group_advantages(rewards, self.cfg.algorithm.advantage, self.cfg.algorithm.normalize_std).reshape(-1)
+            self.update(batch, advantages)
+            self.sync_engine()
+        self.dist.close()
+        return {}
 
 
 def train(cfg: TrainConfig) -> dict:

@@ -1,0 +1,130 @@
+"""The trainer under torchrun: rank 0 samples, every rank learns its share.
+
+Rank 0 holds the rollout engine and an unsharded copy of the model (adapters only change);
+it samples, scores and broadcasts the batch. Each data-parallel rank trains on its rows
+(tensor-parallel ranks of one group share rows), gradients are synced over the adapter
+only, and after the step every rank joins the gather of the full adapter, which rank 0
+writes into its copy for the engine sync and the export.
+
+    torchrun --nproc-per-node 4 -m trillora train parallel.tp=2 parallel.ep=2
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .lora.apply import lora_parameters
+from .parallel import Parallelized, parallelize
+from .parallel.data_parallel import expert_parameter_names
+
+
+def launched() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@dataclass
+class Distributed:
+    rank: int
+    world: int
+    par: Parallelized
+
+    @staticmethod
+    def start(model: nn.Module, parallel_cfg, device: torch.device) -> "Distributed":
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dims = parallel_cfg.dims(dist.get_world_size())
+        return Distributed(dist.get_rank(), dist.get_world_size(), parallelize(model, dims))
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, payload):
+        """Rank 0's object (the batch, rewards, completions) on every rank."""
+        box = [payload if self.main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def rows(self, b: int) -> slice:
+        """This rank's rows of a batch of b: contiguous blocks by data-parallel rank."""
+        dp, r = self.par.dims.dp, self.par.meshes.rank("dp")
+        if b % dp:
+            raise ValueError(f"batch of {b} rows does not split over dp={dp}; make prompts_per_step × group_size a multiple")
+        return slice(r * b // dp, (r + 1) * b // dp)
+
+    def reduce_mean(self, values: dict[str, float]) -> dict[str, float]:
+        """Per-rank metrics averaged over the data-parallel ranks (tp ranks see the same rows)."""
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(t, group=self.par.meshes.group("dp"))
+        return {k: float(v) / self.par.dims.dp for k, v in zip(keys, t.tolist())}
+
+    @torch.no_grad()
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The global L2 norm of the adapter gradient (after `grad_sync`): shards over tp and ep
+        are summed, replicas counted once."""
+        experts = expert_parameter_names(model)
+        sharded_tp = torch.zeros((), dtype=torch.float64)
+        sharded_ep = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for name, p in lora_parameters(model):
+            if p.grad is None:
+                continue
+            sq = _local(p.grad).double().square().sum()
+            if name in experts and self.par.dims.ep > 1:
+                sharded_ep += sq
+            elif any(pl.is_shard() for pl in getattr(p, "placements", ())):
+                sharded_tp += sq
+            else:
+                replicated += sq
+        if self.par.dims.tp > 1:
+            dist.all_reduce(sharded_tp, group=self.par.meshes.group("tp"))
+        if self.par.dims.ep > 1:
+            dist.all_reduce(sharded_ep, group=self.par.meshes.group("ep"))
+        return (sharded_tp + sharded_ep + replicated).sqrt().float()
+
+    @torch.no_grad()
+    def clip_(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        norm = self.grad_norm(model)
+        if math.isfinite(float(norm)) and max_norm > 0:
+            coef = min(1.0, max_norm / (float(norm) + 1e-6))
+            for _, p in lora_parameters(model):
+                if p.grad is not None:
+                    _local(p.grad).mul_(coef)
+        return norm
+
+    @torch.no_grad()
+    def gather_adapter(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full adapter tensors (every rank takes part; the result is used on rank 0)."""
+        experts = expert_parameter_names(model)
+        out = {}
+        for name, p in lora_parameters(model):
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            if name in experts and self.par.dims.ep > 1:
+                parts = [torch.empty_like(t) for _ in range(self.par.dims.ep)]
+                dist.all_gather(parts, t.contiguous(), group=self.par.meshes.group("ep"))
+                t = torch.cat(parts, dim=0)
+            out[name] = t
+        return out
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def load_adapter_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy gathered adapter tensors into an unsharded model with the same adapters."""
+    with torch.no_grad():
+        for name, p in lora_parameters(model):
+            p.copy_(tensors[name])
