@@ -51,17 +51,17 @@ def loss_fn(model, ids, adv, n_tokens: int):
     return -(adv[:, None] * logp).sum() / n_tokens
 
 
-def local_view(ref: torch.Tensor, param, is_expert: bool, par, meshes) -> torch.Tensor:
-    """The part of a full reference tensor that this rank's (possibly sharded) parameter holds."""
+def ep_view(ref: torch.Tensor, is_expert: bool, par, meshes) -> torch.Tensor:
+    """This rank's experts of a full reference tensor (everything, for non-expert tensors)."""
     if is_expert and par.dims.ep > 1:
         local = ref.shape[0] // par.dims.ep
         ref = ref[meshes.rank("ep") * local:(meshes.rank("ep") + 1) * local]
-    placements = getattr(param, "placements", None)
-    if placements:
-        for placement in placements:
-            if placement.is_shard():
-                ref = ref.chunk(par.dims.tp, dim=placement.dim)[meshes.rank("tp")]
     return ref
+
+
+def full(t):
+    """A DTensor (sharded over tp and/or by FSDP over dp) gathered; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def local(t):
@@ -90,16 +90,10 @@ def run_layout(family: str, dims: ParallelDims) -> None:
     params = dict(lora.lora_parameters(model))
     assert params.keys() == ref_grads.keys()
     for name, p in params.items():
-        want = local_view(ref_grads[name], p, name in experts, par, meshes)
-        torch.testing.assert_close(local(p.grad), want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-    # only adapter bytes cross the data-parallel groups, and exactly the local adapter's size when dp > 1
-    adapter_local = sum(local(p).numel() * 4 for p in params.values())
-    assert sent == par.grad_sync.bytes_per_step <= adapter_local
-    if dims.dp > 1 and dims.edp > 1:
-        assert sent == adapter_local
-    if dims == ParallelDims(dp=2):  # the whole data-parallel traffic is the adapter, a fraction of the model
-        base = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.rpartition(".")[2].startswith("lora_"))
-        assert sent == sum(p.numel() * 4 for _, p in lora.lora_parameters(ref)) and sent < base / 4
+        want = ep_view(ref_grads[name], name in experts, par, meshes)
+        torch.testing.assert_close(full(p.grad), want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    check_traffic(model, ref, params, par, sent)
+
 
     # three optimiser steps on both sides give the same adapter
     opt_ref = torch.optim.AdamW([p for _, p in lora.lora_parameters(ref)], lr=1e-2)
@@ -114,10 +108,38 @@ def run_layout(family: str, dims: ParallelDims) -> None:
         par.grad_sync()
     ref_params = dict(lora.lora_parameters(ref))
     for name, p in params.items():
-        want = local_view(ref_params[name].detach(), p, name in experts, par, meshes)
+        want = ep_view(ref_params[name].detach(), name in experts, par, meshes)
         # Adam divides by sqrt(v): a gradient that is ~0 turns summation-order rounding into a
         # visible step, so the absolute bound is 0.2% of one lr-sized step
-        torch.testing.assert_close(local(p.detach()), want, rtol=1e-4, atol=2e-5, msg=lambda m, n=name: f"{n} after 3 steps: {m}")
+        torch.testing.assert_close(full(p.detach()), want, rtol=1e-4, atol=2e-5, msg=lambda m, n=name: f"{n} after 3 steps: {m}")
+
+
+def check_traffic(model, ref, params, par, sent: int) -> None:
+    """Gradient traffic over data-parallel ranks is the adapter, never the base."""
+    dims = par.dims
+    adapter_full = sum(p.numel() * 4 for _, p in lora.lora_parameters(ref))
+    base_full = sum(p.numel() * 4 for n, p in ref.named_parameters() if not n.rpartition(".")[2].startswith("lora_"))
+    if par.fsdp is None:  # replicated: one all-reduce of the local adapter gradients
+        adapter_local = sum(local(p).numel() * 4 for p in params.values())
+        assert sent == par.grad_sync.bytes_per_step <= adapter_local
+        if dims.dp > 1 and dims.edp > 1:
+            assert sent == adapter_local
+        if dims == ParallelDims(dp=2, fsdp=False):
+            assert sent == adapter_full and sent < base_full / 4
+        return
+    assert sent == 0  # FSDP did the data-parallel reduction
+    t = par.fsdp
+    if dims == ParallelDims(dp=2):  # measured: reduce-scatters carry exactly the adapter's gradients,
+        assert t.reduce_scatter_in == adapter_full  # all-gathers the model: every layer in forward and again in
+        layers = 2 * (adapter_full + base_full - _root_once(ref))  # backward; the root (embeddings, head) 1-2 times
+        assert layers + _root_once(ref) <= t.all_gather_out <= layers + 2 * _root_once(ref), (t.all_gather_out, t.calls)
+    assert t.reduce_scatter_in <= adapter_full < base_full / 4
+
+
+def _root_once(model) -> int:
+    """Bytes of the root unit (embeddings, final norm, head), which FSDP may keep gathered for backward."""
+    root = [model.model.embed_tokens, model.model.norm, model.lm_head]
+    return sum(p.numel() * 4 for m in root for p in m.parameters())
 
 
 def worker(rank: int, world: int, port: int, family: str, layouts: list[dict], errors) -> None:
@@ -146,12 +168,13 @@ def spawn(world: int, family: str, layouts: list[dict]) -> None:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_two_rank_layouts_match_single_process(family):
-    spawn(2, family, [dict(dp=2), dict(tp=2), dict(dp=2, ep=2)])
+    spawn(2, family, [dict(dp=2), dict(dp=2, fsdp=False), dict(tp=2), dict(dp=2, ep=2)])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_four_rank_layouts_match_single_process(family):
-    spawn(4, family, [dict(dp=4, ep=4), dict(dp=2, tp=2, ep=2), dict(dp=4, ep=2), dict(dp=2, tp=2)])
+    spawn(4, family, [dict(dp=4, ep=4), dict(dp=2, tp=2, ep=2), dict(dp=4, ep=2), dict(dp=2, tp=2),
+                      dict(dp=2, tp=2, fsdp=False)])
 
 
 def test_layout_errors_name_the_failing_product():
@@ -190,7 +213,7 @@ def test_torchrun_train_tp2_ep2_matches_single_process(tmp_path):
                             timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
     summary = json.loads((tmp_path / "par" / "summary.json").read_text())
-    assert summary["parallel"] == {"dp": 2, "tp": 2, "ep": 2, "pp": 1, "cp": 1}
+    assert summary["parallel"] == {"dp": 2, "tp": 2, "ep": 2, "pp": 1, "cp": 1, "fsdp": True}
     rows = [json.loads(line) for line in (tmp_path / "par" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["sync_bytes"] > 0 for r in rows[1:])
     par = load_file(str(tmp_path / "par" / "adapter" / "fused" / "adapter_model.safetensors"))

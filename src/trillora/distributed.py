@@ -71,27 +71,34 @@ class Distributed:
 
     @torch.no_grad()
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """The global L2 norm of the adapter gradient (after `grad_sync`): shards over tp and ep
-        are summed, replicas counted once."""
+        """The global L2 norm of the adapter gradient (after `grad_sync`): squares summed over every
+        mesh dimension a gradient is sharded on (tp, dp under FSDP) and over ep for expert shards."""
         experts = expert_parameter_names(model)
-        sharded_tp = torch.zeros((), dtype=torch.float64)
-        sharded_ep = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
+        buckets: dict[tuple, list] = {}
         for name, p in lora_parameters(model):
             if p.grad is None:
                 continue
-            sq = _local(p.grad).double().square().sum()
+            g = p.grad
+            names, groups = [], []
+            if hasattr(g, "placements"):
+                mesh = g.device_mesh
+                for i, pl in enumerate(g.placements):
+                    if pl.is_shard():
+                        names.append(mesh.mesh_dim_names[i] if mesh.mesh_dim_names else str(i))
+                        groups.append(mesh.get_group(i))
             if name in experts and self.par.dims.ep > 1:
-                sharded_ep += sq
-            elif any(pl.is_shard() for pl in getattr(p, "placements", ())):
-                sharded_tp += sq
-            else:
-                replicated += sq
-        if self.par.dims.tp > 1:
-            dist.all_reduce(sharded_tp, group=self.par.meshes.group("tp"))
-        if self.par.dims.ep > 1:
-            dist.all_reduce(sharded_ep, group=self.par.meshes.group("ep"))
-        return (sharded_tp + sharded_ep + replicated).sqrt().float()
+                names.append("ep")
+                groups.append(self.par.meshes.group("ep"))
+            key = tuple(names)  # mesh dimension names: the same on every rank, so the collectives line up
+            bucket = buckets.setdefault(key, [torch.zeros((), dtype=torch.float64), groups])
+            bucket[0] += _local(g).double().square().sum()
+        total = torch.zeros((), dtype=torch.float64)
+        for key in sorted(buckets):  # the same order on every rank
+            sq, groups = buckets[key]
+            for group in groups:
+                dist.all_reduce(sq, group=group)
+            total += sq
+        return total.sqrt().float()
 
     @torch.no_grad()
     def clip_(self, model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -26,6 +26,8 @@ class ParallelDims:
     ep: int = 1
     pp: int = 1
     cp: int = 1
+    fsdp: bool = True
+    """Shard the base and adapters over dp with FSDP2; False keeps full copies and all-reduces adapter gradients."""
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "ep", "pp", "cp"):

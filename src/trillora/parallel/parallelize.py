@@ -2,7 +2,7 @@
 
 Order: LoRA first (so adapters exist to be placed with their base layers), then expert
 parallel (slices stacked experts, adds the all-to-all hooks), then tensor parallel
-(`parallelize_module` over the plan). The model code is not touched.
+(`parallelize_module` over the plan), then FSDP2 over dp. The model code is not touched.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 from .data_parallel import GradientSync
 from .dims import Meshes, ParallelDims, ParallelError, build_meshes
 from .expert_parallel import ExpertParallel, apply_expert_parallel
+from .fsdp import TrafficCounter, apply_fsdp
 from .tensor_parallel import apply_tensor_parallel
 
 
@@ -23,6 +24,8 @@ class Parallelized:
     grad_sync: GradientSync
     tp_plan: dict[str, object] = field(default_factory=dict)
     ep_plans: dict[str, ExpertParallel] = field(default_factory=dict)
+    fsdp: TrafficCounter | None = None
+    """FSDP2's measured collective bytes (None without FSDP)."""
 
     @property
     def dims(self) -> ParallelDims:
@@ -39,6 +42,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = No
     meshes = meshes or build_meshes(dims)
     ep_plans = apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
     tp_plan = apply_tensor_parallel(model, meshes.dense["tp"])
-    sync = GradientSync(model, meshes.group("dp"), meshes.group("edp"), dims.dp, dims.edp)
+    fsdp = apply_fsdp(model, meshes) if dims.fsdp else None
+    # with FSDP the data-parallel reductions are its reduce-scatters; what is left is tp's partial sums
+    dp, edp = (1, 1) if fsdp is not None else (dims.dp, dims.edp)
+    sync = GradientSync(model, meshes.group("dp"), meshes.group("edp"), dp, edp)
     model.parallel = dims
-    return Parallelized(meshes, sync, tp_plan, ep_plans)
+    return Parallelized(meshes, sync, tp_plan, ep_plans, fsdp)
