@@ -216,6 +216,9 @@ def test_torchrun_train_tp2_ep2_matches_single_process(tmp_path):
     assert summary["parallel"] == {"dp": 2, "tp": 2, "ep": 2, "pp": 1, "cp": 1, "fsdp": True}
     rows = [json.loads(line) for line in (tmp_path / "par" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["sync_bytes"] > 0 for r in rows[1:])
+    for r in rows[1:]:  # per-step traffic: FSDP gathers the base, reduce-scatters LoRA gradients only; EP sends tokens
+        assert r["comm_fsdp_all_gather_bytes"] > r["comm_fsdp_reduce_scatter_bytes"] > 0
+        assert r["comm_ep_all_to_all_bytes"] > 0 and r["comm_dp_all_reduce_bytes"] == 0
     par = load_file(str(tmp_path / "par" / "adapter" / "fused" / "adapter_model.safetensors"))
     one = load_file(str(tmp_path / "one" / "adapter" / "fused" / "adapter_model.safetensors"))
     assert par.keys() == one.keys()

@@ -170,6 +170,8 @@ class ParallelSection:
     ep: int = 1
     pp: int = 1
     cp: int = 1
+    fsdp: bool = True
+    """FSDP2 over dp (base and adapters sharded); false: full copies, adapter gradients all-reduced."""
 
     def validate(self) -> None:
         _check_positive("parallel.dp", self.dp, zero_ok=True)
@@ -186,7 +188,7 @@ class ParallelSection:
         if world % rest:
             raise ConfigError(f"parallel.tp={self.tp} does not divide the {world} ranks of this job")
         try:
-            dims = ParallelDims(dp=self.dp or world // rest, tp=self.tp, ep=self.ep, pp=self.pp, cp=self.cp)
+            dims = ParallelDims(dp=self.dp or world // rest, tp=self.tp, ep=self.ep, pp=self.pp, cp=self.cp, fsdp=self.fsdp)
             dims.check_world(world)
         except ParallelError as e:
             raise ConfigError(str(e)) from None

@@ -177,18 +177,20 @@ class Trainer:
 
     def _optimizer_step(self) -> dict[str, float]:
         o = self.cfg.optim
+        traffic = {}
         if self.dist is not None:
-            self.dist.par.grad_sync()  # adapter gradients only, over data (and expert-data) parallel ranks
+            sent = self.dist.par.grad_sync()  # adapter gradients only, over data (and expert-data) parallel ranks
+            traffic = self.dist.par.traffic(sent)  # what this rank's collectives moved this step
             norm = self.dist.clip_(self.model, o.grad_clip)  # the global norm, the same on every rank
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.params, o.grad_clip if o.grad_clip > 0 else float("inf"))
         if not torch.isfinite(norm):  # a NaN never reaches the adapter or the engine
             self.skipped_updates += 1
             self.opt.zero_grad(set_to_none=True)
-            return {"grad_norm": float("nan"), "skipped_update": 1.0}
+            return {"grad_norm": float("nan"), "skipped_update": 1.0, **traffic}
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm)}
+        return {"grad_norm": float(norm), **traffic}
 
     def _set_lr(self, step: int) -> float:
         o = self.cfg.optim

@@ -34,6 +34,18 @@ class Parallelized:
     def expert_bytes(self) -> int:
         return sum(p.bytes_sent for p in self.ep_plans.values())
 
+    def traffic(self, dp_all_reduce_bytes: int = 0) -> dict[str, float]:
+        """This rank's collective bytes since the last call (then reset), by collective."""
+        out = {"comm_dp_all_reduce_bytes": float(dp_all_reduce_bytes),
+               "comm_ep_all_to_all_bytes": float(self.expert_bytes())}
+        if self.fsdp is not None:
+            out["comm_fsdp_all_gather_bytes"] = float(self.fsdp.all_gather_out)
+            out["comm_fsdp_reduce_scatter_bytes"] = float(self.fsdp.reduce_scatter_in)
+            self.fsdp.reset()
+        for p in self.ep_plans.values():
+            p.bytes_sent = 0
+        return out
+
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = None) -> Parallelized:
     if getattr(model, "lora_config", None) is None:
