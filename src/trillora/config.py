@@ -172,6 +172,10 @@ class ParallelSection:
     cp: int = 1
     fsdp: bool = True
     """FSDP2 over dp (base and adapters sharded); false: full copies, adapter gradients all-reduced."""
+    sp: bool = False
+    """sequence parallelism with tp: norms and the residual stream split over the sequence."""
+    vocab_parallel: bool = False
+    """with tp: the head split over the vocabulary; logprobs without full logits on any rank."""
 
     def validate(self) -> None:
         _check_positive("parallel.dp", self.dp, zero_ok=True)
@@ -188,7 +192,8 @@ class ParallelSection:
         if world % rest:
             raise ConfigError(f"parallel.tp={self.tp} does not divide the {world} ranks of this job")
         try:
-            dims = ParallelDims(dp=self.dp or world // rest, tp=self.tp, ep=self.ep, pp=self.pp, cp=self.cp, fsdp=self.fsdp)
+            dims = ParallelDims(dp=self.dp or world // rest, tp=self.tp, ep=self.ep, pp=self.pp, cp=self.cp, fsdp=self.fsdp, sp=self.sp,
+                                 vocab_parallel=self.vocab_parallel)
             dims.check_world(world)
         except ParallelError as e:
             raise ConfigError(str(e)) from None

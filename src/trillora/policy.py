@@ -43,10 +43,14 @@ def build_batch(prompts: list[list[int]], completions: list[list[int]], logprobs
 def token_logprobs(model: CausalLM, input_ids: torch.Tensor, temperature: float = 1.0,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature) of each next token: [B, T-1] (and the entropy [B, T-1])."""
-    hidden = model.hidden_states(input_ids)[:, :-1]
-    logits = model.lm_head(hidden).float()
+    logits = model.lm_head(model.hidden_states(input_ids))[:, :-1].float()  # slice after the head (sequence shards)
     if temperature > 0:
         logits = logits / temperature
+    group = getattr(model, "vocab_parallel_group", None)
+    if group is not None:  # this rank holds a slice of the vocabulary (trillora.parallel)
+        from .parallel.vocab_parallel import vocab_parallel_logprobs
+
+        return vocab_parallel_logprobs(logits, input_ids[:, 1:], group, with_entropy)
     logp_all = logits.log_softmax(-1)  # [B, T-1, V]
     logp = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None

@@ -28,6 +28,10 @@ class ParallelDims:
     cp: int = 1
     fsdp: bool = True
     """Shard the base and adapters over dp with FSDP2; False keeps full copies and all-reduces adapter gradients."""
+    sp: bool = False
+    """Sequence parallelism with tp: norms and the residual stream split over the sequence."""
+    vocab_parallel: bool = False
+    """With tp: the head split over the vocabulary, logprobs combined without full logits."""
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "ep", "pp", "cp"):
@@ -65,6 +69,8 @@ class ParallelDims:
             checks.append(("moe_intermediate_size × n_shared_experts", args.moe_intermediate_size * args.n_shared_experts, self.tp))
         if args.num_experts:
             checks.append(("num_experts", args.num_experts, self.ep))
+        if self.vocab_parallel:
+            checks.append(("vocab_size", args.vocab_size, self.tp))
         for name, size, by in checks:
             if size % by:
                 raise ParallelError(f"{name}={size} is not divisible by {'ep' if name == 'num_experts' else 'tp'}={by}")

@@ -53,7 +53,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = No
     dims.check_model(model.args)
     meshes = meshes or build_meshes(dims)
     ep_plans = apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
-    tp_plan = apply_tensor_parallel(model, meshes.dense["tp"])
+    tp_plan = apply_tensor_parallel(model, meshes.dense["tp"], dims.sp, dims.vocab_parallel)
     fsdp = apply_fsdp(model, meshes) if dims.fsdp else None
     # with FSDP the data-parallel reductions are its reduce-scatters; what is left is tp's partial sums
     dp, edp = (1, 1) if fsdp is not None else (dims.dp, dims.edp)

@@ -1,0 +1,56 @@
+"""Log-probabilities from a vocabulary-parallel head: each tp rank holds logits for V/tp tokens.
+
+The full [B, T, V] logits never exist on one rank. log p(y) = z_y − logsumexp(z), with the
+max, the sum of exponentials and the target's logit each combined over tp by all-reduce
+(the max is a constant shift). The entropy needs one more sum, Σ p·z. Everything after
+these sums is computed identically on every tp rank, so the backward of each sum is the
+identity on the rank's own slice (not another all-reduce, which would count the
+replicated loss tp times). Vocabulary shards are contiguous: rank r holds
+[r·V/tp, (r+1)·V/tp), DTensor's Shard(0) of lm_head.weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _SumOverRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _sum(x: torch.Tensor, group) -> torch.Tensor:
+    return _SumOverRanks.apply(x, group)
+
+
+def vocab_parallel_logprobs(
+    logits_local: torch.Tensor, targets: torch.Tensor, group, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits_local [B, T, V/tp] (this rank's vocabulary slice), targets [B, T] (global ids)
+    -> (log p(target) [B, T], entropy [B, T] or None), equal on every tp rank."""
+    z = logits_local.float()
+    width = z.shape[-1]
+    start = dist.get_rank(group) * width
+    m = z.detach().amax(-1, keepdim=True)  # [B, T, 1]
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = (z - m).exp()
+    sumexp = _sum(e.sum(-1), group=group)  # [B, T]
+    mine = (targets >= start) & (targets < start + width)
+    local_idx = (targets - start).clamp(0, width - 1)
+    z_target = z.gather(-1, local_idx[..., None])[..., 0] * mine  # 0 where another rank holds the target
+    z_target = _sum(z_target, group=group)
+    lse = m[..., 0] + sumexp.log()
+    logp = z_target - lse
+    entropy = None
+    if with_entropy:
+        pz = _sum((e * z).sum(-1), group=group) / sumexp  # Σ p·z
+        entropy = lse - pz
+    return logp, entropy
