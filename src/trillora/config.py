@@ -162,20 +162,17 @@ class OptimSection:
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelSection:
-    """Layout under torchrun: dp × tp ranks; ep borrows from dp (see trillora.parallel)."""
+    """Layout under torchrun; the fields of `trillora.parallel.ParallelDims` (meaning documented
+    there), except that dp = 0 means whatever is left of the world after tp."""
 
     dp: int = 0
-    """data-parallel degree; 0 = whatever is left of the world after tp (and pp, cp)."""
     tp: int = 1
     ep: int = 1
     pp: int = 1
     cp: int = 1
     fsdp: bool = True
-    """FSDP2 over dp (base and adapters sharded); false: full copies, adapter gradients all-reduced."""
     sp: bool = False
-    """sequence parallelism with tp: norms and the residual stream split over the sequence."""
     vocab_parallel: bool = False
-    """with tp: the head split over the vocabulary; logprobs without full logits on any rank."""
 
     def validate(self) -> None:
         _check_positive("parallel.dp", self.dp, zero_ok=True)
@@ -192,8 +189,7 @@ class ParallelSection:
         if world % rest:
             raise ConfigError(f"parallel.tp={self.tp} does not divide the {world} ranks of this job")
         try:
-            dims = ParallelDims(dp=self.dp or world // rest, tp=self.tp, ep=self.ep, pp=self.pp, cp=self.cp, fsdp=self.fsdp, sp=self.sp,
-                                 vocab_parallel=self.vocab_parallel)
+            dims = ParallelDims(**{**dataclasses.asdict(self), "dp": self.dp or world // rest})
             dims.check_world(world)
         except ParallelError as e:
             raise ConfigError(str(e)) from None
