@@ -267,3 +267,12 @@ def test_parallel_config_derives_dp_and_needs_a_launch(tmp_path):
         cfg.parallel.dims(2)
     with pytest.raises(ConfigError, match="needs a distributed launch: torchrun"):
         Trainer(cfg)
+
+
+def test_in_process_vllm_is_refused_under_torchrun(tmp_path, monkeypatch):
+    from trillora.config import ConfigError, load_config
+    from trillora.train import Trainer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets; refused before any process group starts
+    with pytest.raises(ConfigError, match="under torchrun serve vLLM and use rollout.engine='openai'"):
+        Trainer(load_config(None, ["rollout.engine=\"vllm\"", f"out_dir={tmp_path}"]))

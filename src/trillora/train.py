@@ -56,6 +56,9 @@ class Trainer:
         lora.apply_lora(self.model, cfg.lora)
         self.full, self.dist = self.model, None  # `full`: the unsharded model the engine and the export read
         p = cfg.parallel
+        if launched() and cfg.rollout.engine == "vllm":
+            raise ConfigError("rollout.engine='vllm' runs vLLM inside this process, which torchrun already made a "
+                              "distributed rank; under torchrun serve vLLM and use rollout.engine='openai'")
         if launched():
             self.full = copy.deepcopy(self.model)
             self.dist = Distributed.start(self.model, p, self.device)
