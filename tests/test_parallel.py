@@ -96,14 +96,15 @@ def run_layout(family: str, dims: ParallelDims, base_dtype: str = "float32") -> 
     par = parallelize(model, dims, meshes)
     dp_rank = meshes.rank("dp")
     rows = slice(dp_rank * B // dims.dp, (dp_rank + 1) * B // dims.dp)
-    seen = []  # what the first norm receives: sequence shards under sp
+    seen = []  # what the first norm receives: sequence shards under sp; twice when checkpointing recomputes
     hook = model.model.layers[0].input_layernorm.register_forward_hook(
         lambda m, args, out: seen.append(getattr(args[0], "placements", None)))
     loss = loss_fn(model, ids[rows], adv[rows], n_tokens)
-    hook.remove()
     if dims.sp:
         assert seen[0] == (Shard(1),), seen
     loss.backward()
+    hook.remove()
+    assert len(seen) == (2 if dims.activation_checkpoint_every else 1)
     sent = par.grad_sync()
     total = loss.detach().clone()
     dist.all_reduce(total, group=meshes.group("dp"))
@@ -196,13 +197,14 @@ def spawn(world: int, family: str, layouts: list[dict]) -> None:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_two_rank_layouts_match_single_process(family):
     spawn(2, family, [dict(dp=2), dict(dp=2, fsdp=False), dict(tp=2), dict(tp=2, sp=True), dict(tp=2, vocab_parallel=True),
-                      dict(dp=2, ep=2), dict(dp=2, base_dtype="bfloat16")])
+                      dict(dp=2, ep=2, activation_checkpoint_every=1), dict(dp=2, base_dtype="bfloat16")])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_four_rank_layouts_match_single_process(family):
     spawn(4, family, [dict(dp=4, ep=4), dict(dp=2, tp=2, ep=2), dict(dp=4, ep=2), dict(dp=2, tp=2),
-                      dict(dp=2, tp=2, fsdp=False), dict(dp=2, tp=2, ep=2, sp=True, vocab_parallel=True)])
+                      dict(dp=2, tp=2, fsdp=False), dict(dp=2, tp=2, ep=2, sp=True, vocab_parallel=True,
+                                                                   activation_checkpoint_every=1)])
 
 
 def test_layout_errors_name_the_failing_product():
@@ -242,7 +244,7 @@ def test_torchrun_train_tp2_ep2_matches_single_process(tmp_path):
     assert single.returncode == 0, single.stderr[-3000:]
     summary = json.loads((tmp_path / "par" / "summary.json").read_text())
     assert summary["parallel"] == {"dp": 2, "tp": 2, "ep": 2, "pp": 1, "cp": 1, "fsdp": True, "sp": False,
-                                  "vocab_parallel": False}
+                                  "vocab_parallel": False, "activation_checkpoint_every": 0}
     rows = [json.loads(line) for line in (tmp_path / "par" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["sync_bytes"] > 0 for r in rows[1:])
     for r in rows[1:]:  # per-step traffic: FSDP gathers the base, reduce-scatters LoRA gradients only; EP sends tokens
@@ -276,3 +278,23 @@ def test_in_process_vllm_is_refused_under_torchrun(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets; refused before any process group starts
     with pytest.raises(ConfigError, match="under torchrun serve vLLM and use rollout.engine='openai'"):
         Trainer(load_config(None, ["rollout.engine=\"vllm\"", f"out_dir={tmp_path}"]))
+
+
+def test_activation_checkpointing_in_one_process_changes_nothing_but_memory(tmp_path):
+    from safetensors.torch import load_file
+
+    from trillora.config import load_config
+    from trillora.train import Trainer
+
+    common = [f"out_dir={tmp_path}", "steps=1", "eval_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
+              "task.eval_problems=8", "task.eval_samples=1", "task.retention=\"\"", "optim.lr=0.01"]
+    Trainer(load_config(None, ["name=plain", *common])).run()
+    trainer = Trainer(load_config(None, ["name=ac", "parallel.activation_checkpoint_every=1", *common]))
+    calls = []
+    trainer.model.model.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(torch.is_grad_enabled()))
+    trainer.run()
+    assert calls.count(True) >= 2  # the training forward and its recompute in backward
+    a = load_file(str(tmp_path / "plain" / "adapter" / "fused" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "ac" / "adapter" / "fused" / "adapter_model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-7)

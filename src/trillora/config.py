@@ -173,6 +173,7 @@ class ParallelSection:
     fsdp: bool = True
     sp: bool = False
     vocab_parallel: bool = False
+    activation_checkpoint_every: int = 0
 
     def validate(self) -> None:
         _check_positive("parallel.dp", self.dp, zero_ok=True)

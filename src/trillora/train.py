@@ -67,6 +67,10 @@ class Trainer:
         elif (p.tp, p.ep, max(p.dp, 1)) != (1, 1, 1):
             raise ConfigError(f"parallel.dp={p.dp} tp={p.tp} ep={p.ep} needs a distributed launch: "
                               f"torchrun --nproc-per-node N -m trillora train ...")
+        elif p.activation_checkpoint_every:
+            from .parallel.checkpointing import apply_activation_checkpointing
+
+            apply_activation_checkpointing(self.model, p.activation_checkpoint_every)
         self.params = [p for _, p in lora.lora_parameters(self.model)]
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)

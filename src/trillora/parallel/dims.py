@@ -32,6 +32,8 @@ class ParallelDims:
     """Sequence parallelism with tp: norms and the residual stream split over the sequence."""
     vocab_parallel: bool = False
     """With tp: the head split over the vocabulary, logprobs combined without full logits."""
+    activation_checkpoint_every: int = 0
+    """Recompute every k-th decoder layer in backward instead of storing its activations (0 = off)."""
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "ep", "pp", "cp"):
@@ -41,6 +43,9 @@ class ParallelDims:
         if self.pp > 1 or self.cp > 1:
             raise ParallelError(f"parallel.pp={self.pp}, parallel.cp={self.cp}: pipeline and context parallelism are "
                                 "not built yet; use pp=1, cp=1")
+        if not isinstance(self.activation_checkpoint_every, int) or self.activation_checkpoint_every < 0:
+            raise ParallelError(f"parallel.activation_checkpoint_every={self.activation_checkpoint_every!r}; "
+                                "must be an integer >= 0 (0 = off, 1 = every layer)")
         if self.dp % self.ep:
             raise ParallelError(f"parallel.ep={self.ep} must divide parallel.dp={self.dp}: expert-parallel ranks are "
                                 f"data-parallel ranks (expert data parallel = dp / ep)")

@@ -2,7 +2,8 @@
 
 Order: LoRA first (so adapters exist to be placed with their base layers), then expert
 parallel (slices stacked experts, adds the all-to-all hooks), then tensor parallel
-(`parallelize_module` over the plan), then FSDP2 over dp. The model code is not touched.
+(`parallelize_module` over the plan), then activation checkpointing (inside the FSDP units),
+then FSDP2 over dp. The model code is not touched.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 
 from .data_parallel import GradientSync
 from .dims import Meshes, ParallelDims, ParallelError, build_meshes
+from .checkpointing import apply_activation_checkpointing
 from .expert_parallel import ExpertParallel, apply_expert_parallel
 from .fsdp import TrafficCounter, apply_fsdp
 from .tensor_parallel import apply_tensor_parallel
@@ -54,6 +56,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = No
     meshes = meshes or build_meshes(dims)
     ep_plans = apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
     tp_plan = apply_tensor_parallel(model, meshes.dense["tp"], dims.sp, dims.vocab_parallel)
+    apply_activation_checkpointing(model, dims.activation_checkpoint_every)
     fsdp = apply_fsdp(model, meshes) if dims.fsdp else None
     # with FSDP the data-parallel reductions are its reduce-scatters; what is left is tp's partial sums
     dp, edp = (1, 1) if fsdp is not None else (dims.dp, dims.edp)
