@@ -21,15 +21,11 @@ from torch import nn
 
 from .lora.apply import lora_parameters
 from .parallel import Parallelized, parallelize
-from .parallel.data_parallel import expert_parameter_names
+from .parallel.data_parallel import expert_parameter_names, local_tensor
 
 
 def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 @dataclass
@@ -91,7 +87,7 @@ class Distributed:
                 groups.append(self.par.meshes.group("ep"))
             key = tuple(names)  # mesh dimension names: the same on every rank, so the collectives line up
             bucket = buckets.setdefault(key, [torch.zeros((), dtype=torch.float64), groups])
-            bucket[0] += _local(g).double().square().sum()
+            bucket[0] += local_tensor(g).double().square().sum()
         total = torch.zeros((), dtype=torch.float64)
         for key in sorted(buckets):  # the same order on every rank
             sq, groups = buckets[key]
@@ -107,7 +103,7 @@ class Distributed:
             coef = min(1.0, max_norm / (float(norm) + 1e-6))
             for _, p in lora_parameters(model):
                 if p.grad is not None:
-                    _local(p.grad).mul_(coef)
+                    local_tensor(p.grad).mul_(coef)
         return norm
 
     @torch.no_grad()

@@ -9,6 +9,8 @@ as transformers 5 holds them); both land in the same stacked parameters.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import json
 import re
 import shutil
@@ -149,27 +151,33 @@ def load_model(
     return model.eval()
 
 
+def expert_tensors_per_expert(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stacked expert tensor under released (per-expert) names: `...experts.gate_up_proj`
+    [E, 2I, C] -> `...experts.{e}.gate_proj.weight` / `up_proj.weight`, `down_proj` [E, C, I] ->
+    `...experts.{e}.down_proj.weight`; any other tensor unchanged."""
+    if name.endswith(".experts.gate_up_proj"):
+        prefix, inter = name[: -len(".gate_up_proj")], t.shape[1] // 2
+        for e in range(t.shape[0]):
+            yield f"{prefix}.{e}.gate_proj.weight", t[e, :inter].contiguous()
+            yield f"{prefix}.{e}.up_proj.weight", t[e, inter:].contiguous()
+    elif name.endswith(".experts.down_proj"):
+        prefix = name[: -len(".down_proj")]
+        for e in range(t.shape[0]):
+            yield f"{prefix}.{e}.down_proj.weight", t[e].contiguous()
+    else:
+        yield name, t.contiguous()
+
+
 def hf_state_dict(model: CausalLM, expert_layout: str = "fused") -> dict[str, torch.Tensor]:
     """The model's tensors under Hugging Face names; `per_expert` splits stacked experts as released."""
     if expert_layout not in ("fused", "per_expert"):
         raise ValueError(f"expert_layout={expert_layout!r}; allowed: 'fused', 'per_expert'")
     out: dict[str, torch.Tensor] = {}
-    hidden = model.args.moe_intermediate_size
     for name, t in model.state_dict().items():
         if model.args.tie_word_embeddings and name == "lm_head.weight":
             continue
         t = t.detach()
-        if expert_layout == "per_expert" and name.endswith(".experts.gate_up_proj"):
-            prefix = name[: -len(".gate_up_proj")]
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :hidden].contiguous()
-                out[f"{prefix}.{e}.up_proj.weight"] = t[e, hidden:].contiguous()
-        elif expert_layout == "per_expert" and name.endswith(".experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e].contiguous()
-        else:
-            out[name] = t.contiguous()
+        out.update(expert_tensors_per_expert(name, t) if expert_layout == "per_expert" else [(name, t.contiguous())])
     return out
 
 

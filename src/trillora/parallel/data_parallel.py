@@ -21,7 +21,8 @@ from ..lora.apply import lora_parameters
 from ..models.moe import GroupedExperts
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; a plain tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -39,7 +40,7 @@ class GradientSync:
         self.dense = [p for n, p in lora_parameters(model) if n not in experts]
         self.experts = [p for n, p in lora_parameters(model) if n in experts]
         self.groups = [(self.dense, dp_group, dp_size), (self.experts, edp_group, edp_size)]
-        self.bytes_per_step = sum(_local(p).numel() * _local(p).element_size()
+        self.bytes_per_step = sum(local_tensor(p).numel() * local_tensor(p).element_size()
                                   for params, _, size in self.groups if size > 1 for p in params)
 
     @torch.no_grad()
@@ -49,7 +50,7 @@ class GradientSync:
             if p.grad is not None and hasattr(p.grad, "placements") and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # Partial -> Replicate: all-reduce over tp
         for params, group, size in self.groups:
-            grads = [_local(p.grad) for p in params if p.grad is not None]
+            grads = [local_tensor(p.grad) for p in params if p.grad is not None]
             if size == 1 or not grads:
                 continue
             flat = torch.cat([g.reshape(-1) for g in grads])  # one collective per group

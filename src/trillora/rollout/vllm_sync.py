@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint.hf import expert_tensors_per_expert
 from ..lora.apply import lora_modules
 
 SIBLINGS = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
@@ -43,16 +44,8 @@ def merged_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         for tensor_name, delta in m.delta().items():
             base = getattr(m, tensor_name)
             merged = (base if m.lora_merged else base + delta.to(base.dtype)).detach()
-            if tensor_name == "gate_up_proj":  # stacked experts [E, 2I, C] -> per expert, as released
-                inter = merged.shape[1] // 2
-                for e in range(merged.shape[0]):
-                    out[f"{name}.{e}.gate_proj.weight"] = merged[e, :inter].contiguous()
-                    out[f"{name}.{e}.up_proj.weight"] = merged[e, inter:].contiguous()
-            elif tensor_name == "down_proj":
-                for e in range(merged.shape[0]):
-                    out[f"{name}.{e}.down_proj.weight"] = merged[e].contiguous()
-            else:
-                out[f"{name}.{tensor_name}"] = merged.contiguous()
+            out.update(expert_tensors_per_expert(f"{name}.{tensor_name}", merged))  # experts split as released
+            if tensor_name not in ("gate_up_proj", "down_proj"):
                 parent, _, leaf = name.rpartition(".")
                 for sib in SIBLINGS.get(leaf, ()):
                     key = f"{parent}.{sib}.{tensor_name}"
