@@ -3,7 +3,7 @@
 Every rank also computes the single-process reference (the models are tiny), then runs the
 same batch under a layout: the loss summed over data-parallel ranks and every LoRA gradient
 (each rank's shard) must match the reference (rtol 1e-4), and so must the adapter after
-three AdamW steps. Layouts: dp2, tp2, ep2 on 2 ranks; ep4, tp2×ep2, dp2×ep2, dp2×tp2 on 4.
+three AdamW steps. Layouts: dp2, tp2, ep2, pp2 (every schedule), cp2 on 2 ranks; ep4, tp2×ep2, dp2×ep2, dp2×tp2 on 4.
 """
 
 from __future__ import annotations
@@ -54,6 +54,16 @@ def loss_fn(model, ids, adv, n_tokens: int):
     return -(adv[:, None] * logp).sum() / n_tokens - 0.01 * entropy.sum() / n_tokens
 
 
+def train_loss(model, par, ids, adv, n_tokens: int) -> torch.Tensor:
+    """Forward and backward of `loss_fn` on this rank's rows, through the pipeline under pp."""
+    if par.pipeline is None:
+        loss = loss_fn(model, ids, adv, n_tokens)
+        loss.backward()
+        return loss
+    return par.pipeline.train_step(ids, lambda logp, entropy, r: -(adv[r, None] * logp).sum() / n_tokens
+                                   - 0.01 * entropy.sum() / n_tokens)
+
+
 def ep_view(ref: torch.Tensor, is_expert: bool, par, meshes) -> torch.Tensor:
     """This rank's experts of a full reference tensor (everything, for non-expert tensors)."""
     if is_expert and par.dims.ep > 1:
@@ -97,24 +107,34 @@ def run_layout(family: str, dims: ParallelDims, base_dtype: str = "float32") -> 
     dp_rank = meshes.rank("dp")
     rows = slice(dp_rank * B // dims.dp, (dp_rank + 1) * B // dims.dp)
     seen = []  # what the first norm receives: sequence shards under sp; twice when checkpointing recomputes
-    hook = model.model.layers[0].input_layernorm.register_forward_hook(
-        lambda m, args, out: seen.append(getattr(args[0], "placements", None)))
-    loss = loss_fn(model, ids[rows], adv[rows], n_tokens)
+    first = model.model.layers[0] if par.pipeline is None or 0 in par.pipeline.stage_ids else None
+    hook = first.input_layernorm.register_forward_hook(
+        lambda m, args, out: seen.append(getattr(args[0], "placements", None))) if first is not None else None
+    loss = train_loss(model, par, ids[rows], adv[rows], n_tokens)
     if dims.sp:
         assert seen[0] == (Shard(1),), seen
-    loss.backward()
-    hook.remove()
-    assert len(seen) == (2 if dims.activation_checkpoint_every else 1)
+    if hook is not None:
+        hook.remove()
+        calls = (2 if dims.activation_checkpoint_every else 1) * (par.pipeline.microbatches(B // dims.dp) if par.pipeline else 1)
+        assert len(seen) == calls or (par.pipeline and len(seen) == calls + 1), seen  # + the stage's shape inference
     sent = par.grad_sync()
     total = loss.detach().clone()
     dist.all_reduce(total, group=meshes.group("dp"))
     torch.testing.assert_close(total, loss_ref.detach(), **tol)
     params = dict(lora.lora_parameters(model))
-    assert params.keys() == ref_grads.keys()
+    owned = [None] * dims.pp  # under pp each rank holds its stages' adapters; together, all of them
+    dist.all_gather_object(owned, sorted(params), group=meshes.group("pp"))
+    assert sorted(n for names in owned for n in names) == sorted(ref_grads)
+    assert dims.pp == 1 or len(params) < len(ref_grads)
     for name, p in params.items():
         want = ep_view(ref_grads[name], name in experts, par, meshes)
         assert p.dtype == torch.float32  # adapters stay fp32 whatever the base
         torch.testing.assert_close(full(p.grad), want, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    if par.pipeline is not None or par.context is not None:  # the no-grad logprob pass over the same layout
+        with torch.no_grad():
+            want, _ = token_logprobs(ref, ids, 1.0)
+            got = par.pipeline.logprobs(ids[rows])[0] if par.pipeline else token_logprobs(model, ids[rows])[0]
+        torch.testing.assert_close(got, want[rows], **tol)
     if base_dtype != "float32":
         return
     check_traffic(model, ref, params, par, sent)
@@ -131,7 +151,7 @@ def run_layout(family: str, dims: ParallelDims, base_dtype: str = "float32") -> 
         loss_fn(ref, ids, adv, n_tokens).backward()
         opt.step()
         opt.zero_grad()
-        loss_fn(model, ids[rows], adv[rows], n_tokens).backward()
+        train_loss(model, par, ids[rows], adv[rows], n_tokens)
         par.grad_sync()
     ref_params = dict(lora.lora_parameters(ref))
     for name, p in params.items():
@@ -201,6 +221,15 @@ def test_two_rank_layouts_match_single_process(family):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_pipeline_and_context_parallel_match_single_process(family):
+    """pp2 under every schedule (interleaved and zero-bubble ones: 4 stages, the first of embeddings
+    only), cp2 with and without FSDP over the context ranks; loss, gradients, logprob pass, 3 steps."""
+    spawn(2, family, [dict(pp=2, pp_schedule=s) for s in ("gpipe", "1f1b", "interleaved_1f1b",
+                                                           "interleaved_zero_bubble", "zbv")]
+          + [dict(cp=2), dict(cp=2, fsdp=False)])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_four_rank_layouts_match_single_process(family):
     spawn(4, family, [dict(dp=4, ep=4), dict(dp=2, tp=2, ep=2), dict(dp=4, ep=2), dict(dp=2, tp=2),
                       dict(dp=2, tp=2, fsdp=False), dict(dp=2, tp=2, ep=2, sp=True, vocab_parallel=True,
@@ -210,9 +239,15 @@ def test_four_rank_layouts_match_single_process(family):
 def test_layout_errors_name_the_failing_product():
     with pytest.raises(ParallelError, match="ep=3 must divide parallel.dp=4"):
         ParallelDims(dp=4, ep=3)
-    with pytest.raises(ParallelError, match="pipeline and context parallelism are not built yet"):
-        ParallelDims(pp=2)
-    with pytest.raises(ParallelError, match="dp 2 × tp 2 = 4 ranks, but the job has 2"):
+    with pytest.raises(ParallelError, match="pp_schedule='2f2b'; allowed: gpipe, 1f1b, interleaved_1f1b"):
+        ParallelDims(pp=2, pp_schedule="2f2b")
+    with pytest.raises(ParallelError, match=r"pp_stage_layers=\[1, 2\]: need 4 counts"):
+        ParallelDims(pp=2, pp_schedule="zbv", pp_stage_layers=(1, 2))
+    with pytest.raises(ParallelError, match="sums to 2, but the model has 3 layers"):
+        ParallelDims(pp=2, pp_stage_layers=(1, 1)).check_model(from_hf_config(QWEN3_MOE, where="q"))
+    with pytest.raises(ParallelError, match="parallel.sp with parallel.pp > 1"):
+        ParallelDims(pp=2, tp=2, sp=True)
+    with pytest.raises(ParallelError, match=r"pp 1 × dp 2 × cp 1 × tp 2 = 4 ranks, but the job has 2"):
         ParallelDims(dp=2, tp=2).check_world(2)
     args = from_hf_config(QWEN3_MOE, where="q")
     with pytest.raises(ParallelError, match="num_experts=8 is not divisible by ep=3"):
@@ -244,7 +279,8 @@ def test_torchrun_train_tp2_ep2_matches_single_process(tmp_path):
     assert single.returncode == 0, single.stderr[-3000:]
     summary = json.loads((tmp_path / "par" / "summary.json").read_text())
     assert summary["parallel"] == {"dp": 2, "tp": 2, "ep": 2, "pp": 1, "cp": 1, "fsdp": True, "sp": False,
-                                  "vocab_parallel": False, "activation_checkpoint_every": 0}
+                                  "vocab_parallel": False, "activation_checkpoint_every": 0, "pp_schedule": "1f1b",
+                                  "pp_microbatches": 0, "pp_stage_layers": []}
     rows = [json.loads(line) for line in (tmp_path / "par" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["sync_bytes"] > 0 for r in rows[1:])
     for r in rows[1:]:  # per-step traffic: FSDP gathers the base, reduce-scatters LoRA gradients only; EP sends tokens

@@ -174,14 +174,17 @@ class ParallelSection:
     sp: bool = False
     vocab_parallel: bool = False
     activation_checkpoint_every: int = 0
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0
+    pp_stage_layers: tuple[int, ...] = ()
 
     def validate(self) -> None:
         _check_positive("parallel.dp", self.dp, zero_ok=True)
         for key in ("tp", "ep", "pp", "cp"):
             _check_positive(f"parallel.{key}", getattr(self, key))
-        if self.pp > 1 or self.cp > 1:
-            raise ConfigError(f"parallel.pp={self.pp}, parallel.cp={self.cp}: pipeline and context parallelism are not "
-                              "built yet; use 1")
+        if self.pp > 1 or self.cp > 1:  # the parallel engine has them; the trainer's update does not run them yet
+            raise ConfigError(f"parallel.pp={self.pp}, parallel.cp={self.cp}: `trillora train` does not run pipeline "
+                              "or context parallel updates yet (trillora.parallel does); use 1")
 
     def dims(self, world: int):
         from .parallel import ParallelDims, ParallelError

@@ -42,16 +42,36 @@ def build_batch(prompts: list[list[int]], completions: list[list[int]], logprobs
 
 def token_logprobs(model: CausalLM, input_ids: torch.Tensor, temperature: float = 1.0,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(logits / temperature) of each next token: [B, T-1] (and the entropy [B, T-1])."""
-    logits = model.lm_head(model.hidden_states(input_ids))[:, :-1].float()  # slice after the head (sequence shards)
+    """log softmax(logits / temperature) of each next token: [B, T-1] (and the entropy [B, T-1]).
+
+    Under context parallelism (`model.context_parallel`) the model returns this rank's tokens
+    only; their logprobs are gathered into whole rows, the same on every rank of the group."""
+    cp = getattr(model, "context_parallel", None)
+    logits = model.lm_head(model.hidden_states(input_ids)).float()  # [B, T or t, V]; slice after the head
+    if cp is None:
+        logits, targets = logits[:, :-1], input_ids[:, 1:]
+    else:
+        targets = cp.next_tokens(input_ids)
+    logp, entropy = logprobs_from_logits(logits, targets, temperature, getattr(model, "vocab_parallel_group", None),
+                                         with_entropy)
+    if cp is not None:
+        n = input_ids.shape[1] - 1
+        logp = cp.gather(logp, n)
+        entropy = cp.gather(entropy, n) if with_entropy else None
+    return logp, entropy
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_group=None,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of `targets` [B, T] under logits [B, T, V] (a vocabulary slice when `vocab_group`
+    is set: trillora.parallel.vocab_parallel) and optionally the entropy."""
     if temperature > 0:
         logits = logits / temperature
-    group = getattr(model, "vocab_parallel_group", None)
-    if group is not None:  # this rank holds a slice of the vocabulary (trillora.parallel)
+    if vocab_group is not None:
         from .parallel.vocab_parallel import vocab_parallel_logprobs
 
-        return vocab_parallel_logprobs(logits, input_ids[:, 1:], group, with_entropy)
-    logp_all = logits.log_softmax(-1)  # [B, T-1, V]
-    logp = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]
+        return vocab_parallel_logprobs(logits, targets, vocab_group, with_entropy)
+    logp_all = logits.log_softmax(-1)  # [B, T, V]
+    logp = logp_all.gather(-1, targets[..., None])[..., 0]
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
     return logp, entropy

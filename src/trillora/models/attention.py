@@ -33,12 +33,20 @@ def causal_mask(attention_mask: torch.Tensor | None, t: int, offset: int, device
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    # q [B, H, T, D], k [B, K, T, D], v [B, K, T, V] -> [B, T, H*V]
+    # q [B, H, T, D], k [B, K, S, D], v [B, K, S, V] -> [B, T, H*V]
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
     b, h, t, d = out.shape
     return out.transpose(1, 2).reshape(b, t, h * d)
+
+
+class InnerAttention(nn.Module):
+    """softmax(q k^T) v after the projections, as its own module so that a parallel plan can
+    swap it from outside (context parallelism attends to keys gathered from other ranks)."""
+
+    def forward(self, q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        return attend(q, k, v, mask, scale)
 
 
 class GQAttention(nn.Module):
@@ -55,6 +63,7 @@ class GQAttention(nn.Module):
         self.q_norm = RMSNorm(d, args.rms_norm_eps)
         self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.scale = d**-0.5
+        self.inner = InnerAttention()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                 cache: KVCache | None = None, layer: int = 0):
@@ -67,7 +76,7 @@ class GQAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        return self.o_proj(attend(q, k, v, mask, self.scale))
+        return self.o_proj(self.inner(q, k, v, mask, self.scale))
 
 
 class MLAttention(nn.Module):
@@ -100,6 +109,7 @@ class MLAttention(nn.Module):
         self.scale = qk_dim**-0.5
         if args.rope.kind == "yarn" and args.rope.mscale_all_dim:
             self.scale *= yarn_mscale(args.rope.factor, args.rope.mscale_all_dim) ** 2
+        self.inner = InnerAttention()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                 cache: KVCache | None = None, layer: int = 0):
@@ -121,4 +131,4 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(b, h, t, self.rope_dim)], dim=-1)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        return self.o_proj(attend(q, k, v, mask, self.scale))
+        return self.o_proj(self.inner(q, k, v, mask, self.scale))

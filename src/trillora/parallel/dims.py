@@ -1,10 +1,13 @@
-"""How the ranks are laid out: data, tensor and expert parallel degrees, and their meshes.
+"""How the ranks are laid out: pipeline, data, context, tensor and expert parallel degrees, and their meshes.
 
-Rank r sits at (dp, tp) in the dense mesh, row-major with tp fastest, so the ranks of one
-tensor-parallel group are neighbours (one node). Expert parallelism borrows its ranks from
-data parallelism, as torchtitan does: the expert mesh splits dp into (edp, ep), so each
-expert shard lives on `ep` ranks that hold different data, and is replicated `edp` times.
-Tokens inside a tensor-parallel group are the same, so experts are not split over tp.
+Rank r sits at (pp, dp, cp, tp) in the dense mesh, row-major with tp fastest, so the ranks
+of one tensor-parallel group are neighbours (one node) and pipeline stages are the outermost
+split (the slow links between nodes carry only stage boundaries). Expert parallelism borrows
+its ranks from data parallelism, as torchtitan does: the expert mesh splits dp into
+(edp, ep), so each expert shard lives on `ep` ranks that hold different data, and is
+replicated `edp` times. Tokens inside a tensor-parallel group are the same, so experts are
+not split over tp. Context-parallel ranks hold other tokens of the same rows, so gradients
+are summed over dp × cp ("dp_cp") and expert gradients over edp × cp ("edp_cp").
 """
 
 from __future__ import annotations
@@ -34,15 +37,33 @@ class ParallelDims:
     """With tp: the head split over the vocabulary, logprobs combined without full logits."""
     activation_checkpoint_every: int = 0
     """Recompute every k-th decoder layer in backward instead of storing its activations (0 = off)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: one of `PP_SCHEDULES` (interleaved and zero-bubble ones run 2 stages per rank)."""
+    pp_microbatches: int = 0
+    """Microbatches per pipeline step (0 = the number of stages, the fewest that fill the pipeline)."""
+    pp_stage_layers: tuple[int, ...] = ()
+    """Decoder layers per stage, first to last (sums to the model's layers; 0 allowed at the ends:
+    a first stage of embeddings only, a last one of norm and head); () = as even as possible."""
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "ep", "pp", "cp"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ParallelError(f"parallel.{key}={value!r}; must be an integer >= 1")
-        if self.pp > 1 or self.cp > 1:
-            raise ParallelError(f"parallel.pp={self.pp}, parallel.cp={self.cp}: pipeline and context parallelism are "
-                                "not built yet; use pp=1, cp=1")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ParallelError(f"parallel.pp_schedule={self.pp_schedule!r}; allowed: {', '.join(PP_SCHEDULES)}")
+        if not isinstance(self.pp_microbatches, int) or self.pp_microbatches < 0:
+            raise ParallelError(f"parallel.pp_microbatches={self.pp_microbatches!r}; must be an integer >= 0 (0 = stages)")
+        object.__setattr__(self, "pp_stage_layers", tuple(self.pp_stage_layers))
+        if self.pp_stage_layers and (len(self.pp_stage_layers) != self.num_stages
+                                     or any(not isinstance(n, int) or n < 0 for n in self.pp_stage_layers)):
+            raise ParallelError(f"parallel.pp_stage_layers={list(self.pp_stage_layers)}: need {self.num_stages} counts "
+                                f">= 0 (pp={self.pp} × {self.stages_per_rank} stages per rank for {self.pp_schedule})")
+        if self.pp > 1 and self.sp:
+            raise ParallelError("parallel.sp with parallel.pp > 1: sequence-sharded activations cannot cross pipeline "
+                                "stages yet; use sp=false")
+        if self.pp > 1 and self.cp > 1:
+            raise ParallelError("parallel.pp > 1 with parallel.cp > 1 is not supported yet: use one of them")
         if not isinstance(self.activation_checkpoint_every, int) or self.activation_checkpoint_every < 0:
             raise ParallelError(f"parallel.activation_checkpoint_every={self.activation_checkpoint_every!r}; "
                                 "must be an integer >= 0 (0 = off, 1 = every layer)")
@@ -52,7 +73,15 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 1 if PP_SCHEDULES[self.pp_schedule] == "single" else 2
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
 
     @property
     def edp(self) -> int:
@@ -61,7 +90,8 @@ class ParallelDims:
 
     def check_world(self, world: int) -> None:
         if world != self.world_size:
-            raise ParallelError(f"dp {self.dp} × tp {self.tp} = {self.world_size} ranks, but the job has {world}")
+            raise ParallelError(f"pp {self.pp} × dp {self.dp} × cp {self.cp} × tp {self.tp} = {self.world_size} ranks, "
+                                f"but the job has {world}")
 
     def check_model(self, args) -> None:
         """Divisibility of the model's sizes by tp and ep, named."""
@@ -79,21 +109,36 @@ class ParallelDims:
         for name, size, by in checks:
             if size % by:
                 raise ParallelError(f"{name}={size} is not divisible by {'ep' if name == 'num_experts' else 'tp'}={by}")
+        if self.pp_stage_layers and sum(self.pp_stage_layers) != args.num_layers:
+            raise ParallelError(f"parallel.pp_stage_layers={list(self.pp_stage_layers)} sums to "
+                                f"{sum(self.pp_stage_layers)}, but the model has {args.num_layers} layers")
+        if self.pp > 1 and args.tie_word_embeddings:
+            raise ParallelError("tie_word_embeddings=true with parallel.pp > 1: the first and last stage would both need "
+                                "the shared matrix; use pp=1")
+
+
+# name -> "single" (one stage per rank) or "multi" (two: interleaved loop, or V for zbv)
+PP_SCHEDULES = {"gpipe": "single", "1f1b": "single", "interleaved_1f1b": "multi",
+                "interleaved_zero_bubble": "multi", "zbv": "multi"}
 
 
 @dataclass
 class Meshes:
-    """The dense mesh ("dp", "tp") and the expert mesh ("edp", "ep", "tp") over the same ranks."""
+    """The dense mesh ("pp", "dp", "cp", "tp") and the expert mesh ("pp", "edp", "ep", "cp", "tp")
+    over the same ranks, with the flattened "dp_cp" and "edp_cp" that gradients are summed over."""
 
     dims: ParallelDims
     dense: object
     experts: object
 
+    def mesh(self, name: str):
+        return (self.experts if name in ("edp", "ep", "edp_cp") else self.dense)[name]
+
     def group(self, name: str):
-        return (self.experts if name in ("edp", "ep") else self.dense).get_group(name)
+        return self.mesh(name).get_group()
 
     def rank(self, name: str) -> int:
-        return (self.experts if name in ("edp", "ep") else self.dense).get_local_rank(name)
+        return self.mesh(name).get_local_rank()
 
 
 def build_meshes(dims: ParallelDims, device_type: str | None = None) -> Meshes:
@@ -103,6 +148,9 @@ def build_meshes(dims: ParallelDims, device_type: str | None = None) -> Meshes:
         raise ParallelError("torch.distributed is not initialised: launch with torchrun (or init_process_group) first")
     dims.check_world(dist.get_world_size())
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    dense = init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
-    experts = init_device_mesh(device_type, (dims.edp, dims.ep, dims.tp), mesh_dim_names=("edp", "ep", "tp"))
+    dense = init_device_mesh(device_type, (dims.pp, dims.dp, dims.cp, dims.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    experts = init_device_mesh(device_type, (dims.pp, dims.edp, dims.ep, dims.cp, dims.tp),
+                               mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+    dense["dp", "cp"]._flatten("dp_cp")
+    experts["edp", "cp"]._flatten("edp_cp")
     return Meshes(dims, dense, experts)

@@ -1,9 +1,11 @@
 """FSDP2 over the data-parallel ranks: the frozen base and the adapters sharded, not copied.
 
-Each decoder layer is one `fully_shard` unit over the dp mesh (the root holds embeddings,
-final norm and head). Routed experts under expert parallelism are their own unit over the
-expert-data-parallel mesh (replicas of one expert shard), or left out of FSDP when there
-are no replicas (edp = 1): each expert shard then has a single owner. Tensor-parallel
+Each decoder layer is one `fully_shard` unit over the dp × cp mesh (context-parallel ranks
+hold the same weights, like data-parallel ones); the root holds embeddings, final norm and
+head, or under pipeline parallelism each stage module is a root. Routed experts under expert
+parallelism are their own unit over the expert-data-parallel mesh (edp × cp: the replicas of
+one expert shard), or left out of FSDP when there are no replicas: each expert shard then
+has a single owner. Tensor-parallel
 DTensors compose with the dp mesh into 2-D parameters, as torchtitan does.
 
 Only adapters have gradients, so the reduce-scatters carry LoRA gradients alone; the
@@ -22,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 from ..models.moe import GroupedExperts
+from ..models.transformer import DecoderLayer
 
 
 @dataclass
@@ -67,24 +70,27 @@ def _shard(module: nn.Module, mesh, counter: TrafficCounter, policy: MixedPrecis
     module.set_custom_reduce_scatter(_CountingReduceScatter(counter))
 
 
-def apply_fsdp(model: nn.Module, meshes, param_dtype: torch.dtype | None = None) -> TrafficCounter | None:
-    """Shard `model` over dp (experts over edp); None when dp = 1 (nothing to shard over)."""
+def apply_fsdp(model: nn.Module, meshes, param_dtype: torch.dtype | None = None,
+               roots: list[nn.Module] | None = None) -> TrafficCounter | None:
+    """Shard `model` over dp × cp (experts over edp × cp); None when that is 1 rank (nothing to
+    shard over). `roots`: the modules that are called (pipeline stages); default the model."""
     dims = meshes.dims
-    if dims.dp == 1:
+    if dims.dp * dims.cp == 1:
         return None
     counter = TrafficCounter()
     # adapters and gradients stay fp32; the frozen base may be gathered in bf16 (GPU)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    dp_mesh = meshes.dense["dp"]
-    ignored: set[nn.Parameter] = set()  # expert shards with a single owner (ep > 1, edp = 1)
-    for layer in model.model.layers:
+    dp_mesh = meshes.mesh("dp_cp")
+    ignored: set[nn.Parameter] = set()  # expert shards with a single owner (ep > 1, edp × cp = 1)
+    for layer in [m for m in model.model.layers if isinstance(m, DecoderLayer)]:  # a pipeline stage's own layers
         for experts in [m for m in layer.modules() if isinstance(m, GroupedExperts)]:
-            if dims.ep > 1 and dims.edp > 1:
-                _shard(experts, meshes.experts["edp"], counter, policy)
+            if dims.ep > 1 and dims.edp * dims.cp > 1:
+                _shard(experts, meshes.mesh("edp_cp"), counter, policy)
             elif dims.ep > 1:
                 ignored |= set(experts.parameters())
         _shard(layer, dp_mesh, counter, policy, ignored)
-    _shard(model, dp_mesh, counter, policy, ignored)
-    # the trainer computes logprobs from `hidden_states` + chunks of the head: FSDP must gather there too
-    register_fsdp_forward_method(model, "hidden_states")
+    for root in roots or [model]:
+        _shard(root, dp_mesh, counter, policy, ignored)
+    if roots is None:  # the trainer computes logprobs from `hidden_states` + the head: FSDP must gather there too
+        register_fsdp_forward_method(model, "hidden_states")
     return counter

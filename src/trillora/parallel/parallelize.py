@@ -1,9 +1,10 @@
-"""`parallelize(model, dims)`: tensor and expert parallel plans applied to a built model.
+"""`parallelize(model, dims)`: the parallel plans applied to a built model, from outside.
 
-Order: LoRA first (so adapters exist to be placed with their base layers), then expert
-parallel (slices stacked experts, adds the all-to-all hooks), then tensor parallel
-(`parallelize_module` over the plan), then activation checkpointing (inside the FSDP units),
-then FSDP2 over dp. The model code is not touched.
+Order: LoRA first (so adapters exist to be placed with their base layers), then the pipeline
+split (each rank keeps its stages' layers), expert parallel (slices stacked experts, adds the
+all-to-all hooks), tensor parallel (`parallelize_module` over the plan), context parallel
+(attention gathers K/V, the backbone takes this rank's tokens), activation checkpointing
+(inside the FSDP units), then FSDP2 over dp × cp. The model code is not touched.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from torch import nn
 from .data_parallel import GradientSync
 from .dims import Meshes, ParallelDims, ParallelError, build_meshes
 from .checkpointing import apply_activation_checkpointing
+from .context_parallel import ContextParallel, apply_context_parallel
 from .expert_parallel import ExpertParallel, apply_expert_parallel
 from .fsdp import TrafficCounter, apply_fsdp
+from .pipeline import Pipeline
 from .tensor_parallel import apply_tensor_parallel
 
 
@@ -28,6 +31,9 @@ class Parallelized:
     ep_plans: dict[str, ExpertParallel] = field(default_factory=dict)
     fsdp: TrafficCounter | None = None
     """FSDP2's measured collective bytes (None without FSDP)."""
+    pipeline: Pipeline | None = None
+    """This rank's pipeline stages (None without pp): run the model through it, not `model(...)`."""
+    context: ContextParallel | None = None
 
     @property
     def dims(self) -> ParallelDims:
@@ -54,12 +60,18 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = No
         raise ParallelError("apply LoRA before parallelize(): adapters are placed with their base layers")
     dims.check_model(model.args)
     meshes = meshes or build_meshes(dims)
+    device = next(model.parameters()).device
+    pipeline = Pipeline(model, dims, meshes.group("pp"), meshes.rank("pp"), device) if dims.pp > 1 else None
     ep_plans = apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
-    tp_plan = apply_tensor_parallel(model, meshes.dense["tp"], dims.sp, dims.vocab_parallel)
+    tp_plan = apply_tensor_parallel(model, meshes.mesh("tp"), dims.sp, dims.vocab_parallel)
+    if pipeline is not None:
+        for stage in pipeline.modules:
+            stage.vocab_group = getattr(model, "vocab_parallel_group", None)
+    context = apply_context_parallel(model, meshes.group("cp"), meshes.rank("cp"), dims.cp)
     apply_activation_checkpointing(model, dims.activation_checkpoint_every)
-    fsdp = apply_fsdp(model, meshes) if dims.fsdp else None
+    fsdp = apply_fsdp(model, meshes, roots=pipeline.modules if pipeline else None) if dims.fsdp else None
     # with FSDP the data-parallel reductions are its reduce-scatters; what is left is tp's partial sums
-    dp, edp = (1, 1) if fsdp is not None else (dims.dp, dims.edp)
-    sync = GradientSync(model, meshes.group("dp"), meshes.group("edp"), dp, edp)
+    dp, edp = (1, 1) if fsdp is not None else (dims.dp * dims.cp, dims.edp * dims.cp)
+    sync = GradientSync(model, meshes.group("dp_cp"), meshes.group("edp_cp"), dp, edp)
     model.parallel = dims
-    return Parallelized(meshes, sync, tp_plan, ep_plans, fsdp)
+    return Parallelized(meshes, sync, tp_plan, ep_plans, fsdp, pipeline, context)

@@ -1,0 +1,191 @@
+"""Pipeline parallelism: the decoder cut into stages by layers, run by `torch.distributed.pipelining`.
+
+A stage is a plain module over the model's own submodules: the first one embeds tokens, every
+one runs its decoder layers, the last one applies the final norm and the head and returns
+per-token logprobs and entropies [b, T-1, 2] (so only that small tensor, never the logits,
+leaves the pipeline). Parameter names stay those of the whole model (`model.layers.3....`),
+so adapters gather, export and compare under the usual names. Each rank keeps only its
+stages' modules; the rest of the model is dropped.
+
+Schedules (`ParallelDims.pp_schedule`): "gpipe" and "1f1b" run one stage per rank;
+"interleaved_1f1b" and "interleaved_zero_bubble" two per rank in a loop (rank r: stages r and
+r + pp), "zbv" two in a V (rank r: r and 2pp-1-r). The zero-bubble ones split backward into
+the input gradient (sent upstream at once) and the weight gradient (filling bubbles), which
+with LoRA is the adapters' gradient alone.
+
+The loss is computed on the last stage per microbatch, from rows it looks up by index: the
+schedule's "target" is the row numbers of the batch, split with the microbatches, so a
+trainer's loss can use any per-row tensors (advantages, masks, old logprobs) without packing.
+Losses are normalised by global token counts, so microbatch gradients add up (scale_grads off).
+Shape legend: b rows, T tokens, C hidden channels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from ..policy import logprobs_from_logits
+from .dims import ParallelDims, ParallelError
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+                    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+
+
+def split_layers(num_layers: int, num_stages: int, counts: tuple[int, ...] = ()) -> list[range]:
+    """Layer ranges per stage: `counts` if given, else as even as possible with the extra layers
+    on the middle stages (the first stage also embeds, the last one runs the head)."""
+    if not counts:
+        base, extra = divmod(num_layers, num_stages)
+        order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), s))  # middle stages first
+        counts = tuple(base + (order.index(s) < extra) for s in range(num_stages))
+    if len(counts) != num_stages or sum(counts) != num_layers:
+        raise ParallelError(f"parallel.pp_stage_layers={list(counts)}: need {num_stages} counts summing to {num_layers}")
+    starts = [sum(counts[:s]) for s in range(num_stages)]
+    return [range(start, start + n) for start, n in zip(starts, counts)]
+
+
+def stage_indices(pp_rank: int, dims: ParallelDims) -> list[int]:
+    """The stages rank `pp_rank` runs under the schedule's placement."""
+    if dims.stages_per_rank == 1:
+        return [pp_rank]
+    if dims.pp_schedule == "zbv":
+        return [pp_rank, 2 * dims.pp - 1 - pp_rank]
+    return [pp_rank, pp_rank + dims.pp]
+
+
+class OtherStage(nn.Module):
+    """Stands where a module of another pipeline stage was (names and indices of the rest stay)."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this module lives on another pipeline stage; run the model through its Pipeline")
+
+
+class StageModule(nn.Module):
+    """One stage: (embeddings,) decoder layers `layers`, (final norm, head, logprobs)."""
+
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        self.model = nn.Module()
+        if first:
+            self.model.embed_tokens = model.model.embed_tokens
+        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
+        self.model.rotary_emb = model.model.rotary_emb
+        if last:
+            self.model.norm = model.model.norm
+            self.lm_head = model.lm_head
+        self.temperature = 1.0
+        self.vocab_group = None  # set when the head is split over the vocabulary (tp)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """x: token ids [b, T] on the first stage, hidden states [b, T, C] after; tokens: the ids [b, T]."""
+        h = self.model.embed_tokens(x) if self.first else x
+        b, t = tokens.shape
+        rope = self.model.rotary_emb(torch.arange(t, device=h.device).expand(b, t), h.dtype)
+        for layer in self.model.layers.values():
+            h = layer(h, rope, None)  # right-padded rows: plain causal attention
+        if not self.last:
+            return h
+        logits = self.lm_head(self.model.norm(h))[:, :-1].float()  # [b, T-1, V]
+        logp, entropy = logprobs_from_logits(logits, tokens[:, 1:], self.temperature, self.vocab_group, True)
+        return torch.stack([logp, entropy], dim=-1)  # [b, T-1, 2]
+
+
+class Pipeline:
+    """This rank's stages of `model` and the schedule that runs them with the other pp ranks."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims, group, pp_rank: int, device: torch.device):
+        self.dims, self.group, self.device, self.pp_rank = dims, group, device, pp_rank
+        self.hidden_size = model.args.hidden_size
+        self.hidden_dtype = model.model.embed_tokens.weight.dtype  # what stages send each other
+        n = dims.num_stages
+        ranges = split_layers(model.args.num_layers, n, dims.pp_stage_layers)
+        self.stage_ids = stage_indices(pp_rank, dims)
+        self.modules = [StageModule(model, ranges[s], s == 0, s == n - 1) for s in self.stage_ids]
+        self.last_owner = self.owner(n - 1)  # pp rank of the head
+        kept = {i for s in self.stage_ids for i in ranges[s]}
+        for i in range(len(model.model.layers)):
+            if i not in kept:
+                model.model.layers[i] = OtherStage()
+        if 0 not in self.stage_ids:
+            model.model.embed_tokens = OtherStage()
+        if n - 1 not in self.stage_ids:
+            model.model.norm, model.lm_head = OtherStage(), OtherStage()
+
+    @property
+    def has_last(self) -> bool:
+        return self.dims.num_stages - 1 in self.stage_ids
+
+    def microbatches(self, rows: int) -> int:
+        n = self.dims.pp_microbatches or self.dims.num_stages
+        if n > rows:
+            raise ParallelError(f"parallel.pp_microbatches={n} but this rank has {rows} rows per pass; "
+                                f"use at most {rows} or a larger batch")
+        return n
+
+    def _schedule(self, rows: int, loss_fn):
+        # stages and schedules are built per call: batch shapes change from step to step, and
+        # a stage fixes its send/receive shapes on first use
+        stages = [PipelineStage(m, s, self.dims.num_stages, self.device, group=self.group)
+                  for s, m in zip(self.stage_ids, self.modules)]
+        cls = SCHEDULE_CLASSES[self.dims.pp_schedule]
+        return cls(stages[0] if len(stages) == 1 else stages, self.microbatches(rows), loss_fn=loss_fn,
+                   scale_grads=False)
+
+    def _set_temperature(self, temperature: float) -> None:
+        for m in self.modules:
+            m.temperature = temperature
+
+    def train_step(self, input_ids: torch.Tensor, loss_of, temperature: float = 1.0) -> torch.Tensor:
+        """Forward and backward of every microbatch of `input_ids` [b, T].
+
+        `loss_of(logp [m, T-1], entropy [m, T-1], rows [m])` gives one microbatch's share of the
+        loss (rows index the batch). Returns the summed loss, the same on every pp rank."""
+        self._set_temperature(temperature)
+        b = input_ids.shape[0]
+        rows = torch.arange(b, device=input_ids.device)
+        schedule = self._schedule(b, lambda out, r: loss_of(out[..., 0], out[..., 1], r))
+        losses: list[torch.Tensor] = []
+        schedule.step(input_ids, tokens=input_ids, target=rows, losses=losses)
+        total = torch.stack([x.detach().float() for x in losses]).sum() if self.has_last else torch.zeros((), device=self.device)
+        return self._from_last(total)
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp, entropy) [b, T-1] on every pp rank, forward only: the whole batch goes through the
+        stages in order (no microbatches, no autograd state to keep, so nothing to overlap)."""
+        self._set_temperature(temperature)
+        b, t = input_ids.shape
+        x, out = input_ids, torch.empty(b, t - 1, 2, device=self.device)
+        for s in range(self.dims.num_stages):
+            here = self.owner(s)
+            if here != self.pp_rank:
+                continue
+            if s > 0 and self.owner(s - 1) != here:
+                x = torch.empty(b, t, self.hidden_size, dtype=self.hidden_dtype, device=self.device)
+                dist.recv(x, group=self.group, group_src=self.owner(s - 1))
+            x = self.modules[self.stage_ids.index(s)](x, input_ids)
+            if s + 1 < self.dims.num_stages and self.owner(s + 1) != here:
+                dist.send(x.contiguous(), group=self.group, group_dst=self.owner(s + 1))
+        if self.has_last:
+            out = x
+        out = self._from_last(out.contiguous())
+        return out[..., 0], out[..., 1]
+
+    def owner(self, stage: int) -> int:
+        return next(r for r in range(self.dims.pp) if stage in stage_indices(r, self.dims))
+
+    def _from_last(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dims.pp > 1:
+            dist.broadcast(t, group=self.group, group_src=self.last_owner)
+        return t
