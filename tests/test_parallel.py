@@ -3,7 +3,9 @@
 Every rank also computes the single-process reference (the models are tiny), then runs the
 same batch under a layout: the loss summed over data-parallel ranks and every LoRA gradient
 (each rank's shard) must match the reference (rtol 1e-4), and so must the adapter after
-three AdamW steps. Layouts: dp2, tp2, ep2, pp2 (every schedule), cp2 on 2 ranks; ep4, tp2×ep2, dp2×ep2, dp2×tp2 on 4.
+three AdamW steps. Layouts: dp2, tp2, ep2, pp2 (every schedule), cp2 on 2 ranks; ep4, tp2×ep2,
+dp2×ep2, dp2×tp2, pp2×tp2, pp2×ep2, cp2×tp2, cp2×ep2, pp2×cp2 on 4; pp2×dp2×tp2×ep2 and
+pp2×cp2×tp2 on 8.
 """
 
 from __future__ import annotations
@@ -55,13 +57,23 @@ def loss_fn(model, ids, adv, n_tokens: int):
 
 
 def train_loss(model, par, ids, adv, n_tokens: int) -> torch.Tensor:
-    """Forward and backward of `loss_fn` on this rank's rows, through the pipeline under pp."""
+    """Forward and backward of `loss_fn` on this rank's rows, through the pipeline under pp (in
+    two calls where the rows allow, as the trainer's minibatches do: gradients must accumulate)."""
     if par.pipeline is None:
         loss = loss_fn(model, ids, adv, n_tokens)
         loss.backward()
         return loss
-    return par.pipeline.train_step(ids, lambda logp, entropy, r: -(adv[r, None] * logp).sum() / n_tokens
-                                   - 0.01 * entropy.sum() / n_tokens)
+    loss = 0
+    for rows in torch.arange(ids.shape[0]).chunk(pipeline_calls(par, ids.shape[0])):
+        a = adv[rows]
+        loss = loss + par.pipeline.train_step(ids[rows], lambda logp, entropy, r, a=a: -(a[r, None] * logp).sum() / n_tokens
+                                              - 0.01 * entropy.sum() / n_tokens)
+    return loss
+
+
+def pipeline_calls(par, rows: int) -> int:
+    microbatches = par.dims.pp_microbatches or par.dims.num_stages
+    return 2 if rows % (2 * microbatches) == 0 else 1
 
 
 def ep_view(ref: torch.Tensor, is_expert: bool, par, meshes) -> torch.Tensor:
@@ -115,8 +127,9 @@ def run_layout(family: str, dims: ParallelDims, base_dtype: str = "float32") -> 
         assert seen[0] == (Shard(1),), seen
     if hook is not None:
         hook.remove()
-        calls = (2 if dims.activation_checkpoint_every else 1) * (par.pipeline.microbatches(B // dims.dp) if par.pipeline else 1)
-        assert len(seen) == calls or (par.pipeline and len(seen) == calls + 1), seen  # + the stage's shape inference
+        forwards = (dims.pp_microbatches or dims.num_stages) if par.pipeline else 1  # per call of the pipeline
+        assert len(seen) == (2 if dims.activation_checkpoint_every else 1) * forwards * (
+            pipeline_calls(par, B // dims.dp) if par.pipeline else 1), seen  # static stage shapes: no extra forward
     sent = par.grad_sync()
     total = loss.detach().clone()
     dist.all_reduce(total, group=meshes.group("dp"))
@@ -137,7 +150,7 @@ def run_layout(family: str, dims: ParallelDims, base_dtype: str = "float32") -> 
         torch.testing.assert_close(got, want[rows], **tol)
     if base_dtype != "float32":
         return
-    check_traffic(model, ref, params, par, sent)
+    check_traffic(model, ref, params, par, sent, pipeline_calls(par, B // dims.dp) if par.pipeline else 1)
 
 
     # three optimiser steps on both sides give the same adapter
@@ -160,8 +173,9 @@ def run_layout(family: str, dims: ParallelDims, base_dtype: str = "float32") -> 
                                    msg=lambda m, n=name: f"{n} after 3 steps: {m}")
 
 
-def check_traffic(model, ref, params, par, sent: int) -> None:
-    """Gradient traffic over data-parallel ranks is the adapter, never the base."""
+def check_traffic(model, ref, params, par, sent: int, backwards: int) -> None:
+    """Gradient traffic over data-parallel ranks is the adapter, never the base (once per backward:
+    each pipeline call reduces the gradients it made)."""
     dims = par.dims
     adapter_full = sum(p.numel() * 4 for _, p in lora.lora_parameters(ref))
     base_full = sum(p.numel() * 4 for n, p in ref.named_parameters() if not n.rpartition(".")[2].startswith("lora_"))
@@ -179,7 +193,7 @@ def check_traffic(model, ref, params, par, sent: int) -> None:
         assert t.reduce_scatter_in == adapter_full  # all-gathers the model: every layer in forward and again in
         layers = 2 * (adapter_full + base_full - _root_once(ref))  # backward; the root (embeddings, head) 1-2 times
         assert layers + _root_once(ref) <= t.all_gather_out <= layers + 2 * _root_once(ref), (t.all_gather_out, t.calls)
-    assert t.reduce_scatter_in <= adapter_full < base_full / 4
+    assert t.reduce_scatter_in <= backwards * adapter_full and adapter_full < base_full / 4
 
 
 def _root_once(model) -> int:
@@ -236,6 +250,23 @@ def test_four_rank_layouts_match_single_process(family):
                                                                    activation_checkpoint_every=1)])
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_four_rank_pipeline_and_context_layouts_match_single_process(family):
+    """pp2×tp2, pp2×ep2 (over dp2, with and without FSDP), cp2×tp2 with sequence-parallel norms,
+    cp2×ep2, and pp2×cp2: stages that see only their context rank's tokens."""
+    spawn(4, family, [dict(pp=2, tp=2), dict(pp=2, tp=2, vocab_parallel=True, pp_schedule="zbv"),
+                      dict(pp=2, dp=2, ep=2), dict(pp=2, dp=2, ep=2, fsdp=False, pp_schedule="interleaved_1f1b"),
+                      dict(cp=2, tp=2, sp=True), dict(cp=2, dp=2, ep=2), dict(pp=2, cp=2, activation_checkpoint_every=1)])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_eight_rank_3d_layouts_match_single_process(family):
+    """Three axes at once on 8 processes: pp2 × dp2 × tp2 with ep2 (expert shards over dp), and
+    pp2 × cp2 × tp2 with the head split over the vocabulary."""
+    spawn(8, family, [dict(pp=2, dp=2, tp=2, ep=2, pp_schedule="interleaved_1f1b"),
+                      dict(pp=2, cp=2, tp=2, vocab_parallel=True)])
+
+
 def test_layout_errors_name_the_failing_product():
     with pytest.raises(ParallelError, match="ep=3 must divide parallel.dp=4"):
         ParallelDims(dp=4, ep=3)
@@ -256,41 +287,62 @@ def test_layout_errors_name_the_failing_product():
         ParallelDims(tp=3).check_model(args)
 
 
-def test_torchrun_train_tp2_ep2_matches_single_process(tmp_path):
-    """`trillora train` on 4 ranks (dp2 × tp2, ep2 over dp) for two steps: same adapter as one process."""
+TRAIN_ARGS = ["steps=2", "eval_every=2", "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.precision=\"fp32\"",
+              "lora.targets=[\"attention\", \"experts\"]", "task.eval_problems=16", "task.eval_samples=1",
+              "task.retention=\"\"", "optim.lr=0.01", "optim.eps=1e-6", "algorithm.minibatches=2",
+              "algorithm.kl_coef=0.01"]
+
+
+def run_train(out_dir, name: str, *overrides: str, ranks: int = 1):
+    """`trillora train` for two steps (two minibatches, so old and reference logprob passes run too)."""
     import shutil
     import subprocess
     import sys
     from pathlib import Path
 
+    args = ["-m", "trillora", "train", f"name={name}", f"out_dir={out_dir}", *TRAIN_ARGS, *overrides]
+    if ranks > 1:
+        torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+        cmd = [torchrun, "--nproc-per-node", str(ranks), "--master-port", str(free_port()), *args]
+    else:
+        cmd = [sys.executable, *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out_dir / name
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    return run_train(tmp_path_factory.mktemp("single"), "one")
+
+
+@pytest.mark.parametrize("layout", [("parallel.tp=2", "parallel.ep=2"),
+                                    ("parallel.pp=2", "parallel.cp=2", "parallel.pp_schedule=\"interleaved_1f1b\""),
+                                    ("parallel.pp=2", "parallel.tp=2", "parallel.pp_microbatches=4")],
+                         ids=["dp2xtp2xep2", "pp2xcp2", "pp2xtp2"])
+def test_torchrun_train_matches_single_process(tmp_path, single_run, layout):
+    """`trillora train` on 4 ranks for two steps writes the same adapter as one process."""
     from safetensors.torch import load_file
 
-    common = [f"out_dir={tmp_path}", "steps=2", "eval_every=2", "rollout.prompts_per_step=8", "rollout.group_size=4",
-              "rollout.precision=\"fp32\"", "lora.targets=[\"attention\", \"experts\"]", "task.eval_problems=16",
-              "task.eval_samples=1", "task.retention=\"\"", "optim.lr=0.01"]
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([torchrun, "--nproc-per-node", "4", "--master-port", str(free_port()), "-m", "trillora", "train",
-                          "name=par", "parallel.tp=2", "parallel.ep=2", *common], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    single = subprocess.run([sys.executable, "-m", "trillora", "train", "name=one", *common], capture_output=True, text=True,
-                            timeout=600)
-    assert single.returncode == 0, single.stderr[-3000:]
-    summary = json.loads((tmp_path / "par" / "summary.json").read_text())
-    assert summary["parallel"] == {"dp": 2, "tp": 2, "ep": 2, "pp": 1, "cp": 1, "fsdp": True, "sp": False,
-                                  "vocab_parallel": False, "activation_checkpoint_every": 0, "pp_schedule": "1f1b",
-                                  "pp_microbatches": 0, "pp_stage_layers": []}
-    rows = [json.loads(line) for line in (tmp_path / "par" / "metrics.jsonl").read_text().splitlines()]
+    run = run_train(tmp_path, "par", *layout, ranks=4)
+    summary = json.loads((run / "summary.json").read_text())
+    expected = {k.split(".")[1]: json.loads(v) for k, v in (o.split("=") for o in layout)}
+    assert {k: summary["parallel"][k] for k in expected} == expected
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    one = [json.loads(line) for line in (single_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["sync_bytes"] > 0 for r in rows[1:])
-    for r in rows[1:]:  # per-step traffic: FSDP gathers the base, reduce-scatters LoRA gradients only; EP sends tokens
-        assert r["comm_fsdp_all_gather_bytes"] > r["comm_fsdp_reduce_scatter_bytes"] > 0
-        assert r["comm_ep_all_to_all_bytes"] > 0 and r["comm_dp_all_reduce_bytes"] == 0
-    par = load_file(str(tmp_path / "par" / "adapter" / "fused" / "adapter_model.safetensors"))
-    one = load_file(str(tmp_path / "one" / "adapter" / "fused" / "adapter_model.safetensors"))
-    assert par.keys() == one.keys()
-    for k in one:  # Adam makes ~0 gradients' rounding visible: the bound is 0.5% of one lr = 0.01 step
-        torch.testing.assert_close(par[k], one[k], rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
+    for r, o in zip(rows[1:], one[1:]):  # the loss's metrics reach rank 0 from the last stage, averaged alike
+        for k in ("loss", "kl_ref", "entropy", "clip_frac"):
+            assert r[k] == pytest.approx(o[k], rel=1e-3, abs=1e-6), k
+    if "parallel.ep=2" in layout:  # per-step traffic: FSDP gathers the base, reduce-scatters LoRA gradients; EP sends tokens
+        for r in rows[1:]:
+            assert r["comm_fsdp_all_gather_bytes"] > r["comm_fsdp_reduce_scatter_bytes"] > 0
+            assert r["comm_ep_all_to_all_bytes"] > 0 and r["comm_dp_all_reduce_bytes"] == 0
+    par = load_file(str(run / "adapter" / "fused" / "adapter_model.safetensors"))
+    ref = load_file(str(single_run / "adapter" / "fused" / "adapter_model.safetensors"))
+    assert par.keys() == ref.keys()
+    for k in ref:  # the bound is 0.5% of one lr = 0.01 step (optim.eps=1e-6: see OptimSection.eps)
+        torch.testing.assert_close(par[k], ref[k], rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_parallel_config_derives_dp_and_needs_a_launch(tmp_path):
@@ -299,12 +351,16 @@ def test_parallel_config_derives_dp_and_needs_a_launch(tmp_path):
 
     cfg = load_config(None, ["parallel.tp=2", "parallel.ep=2", f"out_dir={tmp_path}"])
     assert cfg.parallel.dims(4) == ParallelDims(dp=2, tp=2, ep=2)
-    with pytest.raises(ConfigError, match="parallel.tp=2 does not divide the 3 ranks"):
+    with pytest.raises(ConfigError, match="parallel.tp=2 × pp=1 × cp=1 = 2 does not divide the 3 ranks"):
         cfg.parallel.dims(3)
+    deep = load_config(None, ["parallel.pp=2", "parallel.cp=2", "parallel.tp=2", f"out_dir={tmp_path}"])
+    assert deep.parallel.dims(16) == ParallelDims(dp=2, pp=2, cp=2, tp=2)
     with pytest.raises(ConfigError, match="ep=2 must divide parallel.dp=1"):
         cfg.parallel.dims(2)
     with pytest.raises(ConfigError, match="needs a distributed launch: torchrun"):
         Trainer(cfg)
+    with pytest.raises(ConfigError, match="pp=2 cp=1 needs a distributed launch"):
+        Trainer(load_config(None, ["parallel.pp=2", f"out_dir={tmp_path}"]))
 
 
 def test_in_process_vllm_is_refused_under_torchrun(tmp_path, monkeypatch):

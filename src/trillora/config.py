@@ -152,18 +152,22 @@ class OptimSection:
     lr: float = 2e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = 1e-8
+    """AdamW's denominator floor. Adam divides by sqrt(v), so for a gradient near 0 a tiny eps turns
+    rounding (e.g. a different summation order across ranks) into a sizeable step; 1e-6 damps that."""
     grad_clip: float = 1.0
     warmup_steps: int = 5
 
     def validate(self) -> None:
         _check_positive("optim.lr", self.lr)
+        _check_positive("optim.eps", self.eps)
         _check_positive("optim.grad_clip", self.grad_clip, zero_ok=True)
 
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelSection:
     """Layout under torchrun; the fields of `trillora.parallel.ParallelDims` (meaning documented
-    there), except that dp = 0 means whatever is left of the world after tp."""
+    there), except that dp = 0 means whatever is left of the world after tp × pp × cp."""
 
     dp: int = 0
     tp: int = 1
@@ -182,16 +186,14 @@ class ParallelSection:
         _check_positive("parallel.dp", self.dp, zero_ok=True)
         for key in ("tp", "ep", "pp", "cp"):
             _check_positive(f"parallel.{key}", getattr(self, key))
-        if self.pp > 1 or self.cp > 1:  # the parallel engine has them; the trainer's update does not run them yet
-            raise ConfigError(f"parallel.pp={self.pp}, parallel.cp={self.cp}: `trillora train` does not run pipeline "
-                              "or context parallel updates yet (trillora.parallel does); use 1")
 
     def dims(self, world: int):
         from .parallel import ParallelDims, ParallelError
 
         rest = self.tp * self.pp * self.cp
         if world % rest:
-            raise ConfigError(f"parallel.tp={self.tp} does not divide the {world} ranks of this job")
+            raise ConfigError(f"parallel.tp={self.tp} × pp={self.pp} × cp={self.cp} = {rest} does not divide the "
+                              f"{world} ranks of this job")
         try:
             dims = ParallelDims(**{**dataclasses.asdict(self), "dp": self.dp or world // rest})
             dims.check_world(world)

@@ -2,11 +2,13 @@
 
 Rank 0 holds the rollout engine and an unsharded copy of the model (adapters only change);
 it samples, scores and broadcasts the batch. Each data-parallel rank trains on its rows
-(tensor-parallel ranks of one group share rows), gradients are synced over the adapter
-only, and after the step every rank joins the gather of the full adapter, which rank 0
-writes into its copy for the engine sync and the export.
+(tensor-, context- and pipeline-parallel ranks of one data-parallel rank share rows: they
+hold other slices of the weights, other tokens, other layers), gradients are synced over the
+adapter only, and after the step every rank joins the gather of the full adapter, which
+rank 0 writes into its copy for the engine sync and the export.
 
     torchrun --nproc-per-node 4 -m trillora train parallel.tp=2 parallel.ep=2
+    torchrun --nproc-per-node 4 -m trillora train parallel.pp=2 parallel.cp=2
 """
 
 from __future__ import annotations
@@ -58,12 +60,21 @@ class Distributed:
             raise ValueError(f"batch of {b} rows does not split over dp={dp}; make prompts_per_step × group_size a multiple")
         return slice(r * b // dp, (r + 1) * b // dp)
 
-    def reduce_mean(self, values: dict[str, float]) -> dict[str, float]:
-        """Per-rank metrics averaged over the data-parallel ranks (tp ranks see the same rows)."""
-        keys = sorted(values)
-        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    def reduce_metrics(self, per_token: dict[str, float], tokens: float, summed: dict[str, float],
+                       averaged: dict[str, float]) -> dict[str, float]:
+        """Metrics of the data-parallel ranks combined as one process would have them: per-token
+        means weighted by each rank's tokens, partial sums added, the rest averaged (tp, cp and
+        pp ranks of one data-parallel rank hold the same values)."""
+        groups = [sorted(per_token), sorted(summed), sorted(averaged)]
+        t = torch.tensor([per_token[k] * tokens for k in groups[0]] + [tokens] + [summed[k] for k in groups[1]]
+                         + [averaged[k] for k in groups[2]], dtype=torch.float64)
         dist.all_reduce(t, group=self.par.meshes.group("dp"))
-        return {k: float(v) / self.par.dims.dp for k, v in zip(keys, t.tolist())}
+        v = t.tolist()
+        n, total = len(groups[0]), max(v[len(groups[0])], 1.0)
+        out = {k: x / total for k, x in zip(groups[0], v[:n])}
+        out.update(zip(groups[1], v[n + 1:n + 1 + len(groups[1])]))
+        out.update((k, x / self.par.dims.dp) for k, x in zip(groups[2], v[n + 1 + len(groups[1]):]))
+        return out
 
     @torch.no_grad()
     def grad_norm(self, model: nn.Module) -> torch.Tensor:
@@ -89,11 +100,13 @@ class Distributed:
             bucket = buckets.setdefault(key, [torch.zeros((), dtype=torch.float64), groups])
             bucket[0] += local_tensor(g).double().square().sum()
         total = torch.zeros((), dtype=torch.float64)
-        for key in sorted(buckets):  # the same order on every rank
+        for key in sorted(buckets):  # the same order on every rank of a pipeline stage
             sq, groups = buckets[key]
             for group in groups:
                 dist.all_reduce(sq, group=group)
             total += sq
+        if self.par.dims.pp > 1:  # each pipeline rank holds other layers' adapters
+            dist.all_reduce(total, group=self.par.meshes.group("pp"))
         return total.sqrt().float()
 
     @torch.no_grad()
@@ -108,7 +121,8 @@ class Distributed:
 
     @torch.no_grad()
     def gather_adapter(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full adapter tensors (every rank takes part; the result is used on rank 0)."""
+        """Full adapter tensors (every rank takes part; the result is used on rank 0): shards joined
+        over tp (and FSDP's dp) and ep within a pipeline stage, then the stages' parts joined."""
         experts = expert_parameter_names(model)
         out = {}
         for name, p in lora_parameters(model):
@@ -118,6 +132,11 @@ class Distributed:
                 dist.all_gather(parts, t.contiguous(), group=self.par.meshes.group("ep"))
                 t = torch.cat(parts, dim=0)
             out[name] = t
+        if self.par.dims.pp > 1:
+            stages = [None] * self.par.dims.pp
+            dist.all_gather_object(stages, {k: v.cpu() for k, v in out.items()}, group=self.par.meshes.group("pp"))
+            device = next(model.parameters()).device
+            out = {k: v.to(device) for part in stages for k, v in part.items()}
         return out
 
     def close(self) -> None:

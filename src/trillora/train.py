@@ -64,8 +64,8 @@ class Trainer:
             self.dist = Distributed.start(self.model, p, self.device)
             if not self.dist.main:
                 self.full = None
-        elif (p.tp, p.ep, max(p.dp, 1)) != (1, 1, 1):
-            raise ConfigError(f"parallel.dp={p.dp} tp={p.tp} ep={p.ep} needs a distributed launch: "
+        elif (p.tp, p.ep, p.pp, p.cp, max(p.dp, 1)) != (1, 1, 1, 1, 1):
+            raise ConfigError(f"parallel.dp={p.dp} tp={p.tp} ep={p.ep} pp={p.pp} cp={p.cp} needs a distributed launch: "
                               f"torchrun --nproc-per-node N -m trillora train ...")
         elif p.activation_checkpoint_every:
             from .parallel.checkpointing import apply_activation_checkpointing
@@ -73,7 +73,7 @@ class Trainer:
             apply_activation_checkpointing(self.model, p.activation_checkpoint_every)
         self.params = [p for _, p in lora.lora_parameters(self.model)]
         o = cfg.optim
-        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.engine = self._make_engine() if self.main else None
         self.task = make_task(cfg.task.name, **cfg.task.options)
         self.retention = make_task(cfg.task.retention) if cfg.task.retention else None
@@ -138,42 +138,59 @@ class Trainer:
                                         rollout_logprobs=batch.rollout_logprobs[rows])
             advantages_B = advantages_B[rows]
         ids, mask = batch.input_ids, batch.completion_mask
-        b = ids.shape[0]
+        pipeline = self.dist.par.pipeline if self.dist is not None else None
         passes = a.epochs * a.minibatches
         old = None
         if passes > 1:  # proximal policy for several passes: the policy before this update
-            with torch.no_grad():
-                old, _ = token_logprobs(model, ids, temp)
+            old = self._logprobs(ids, temp)
         ref = None
         if a.kl_coef > 0:
-            with torch.no_grad(), lora.disable_adapter(model):
-                ref, _ = token_logprobs(model, ids, temp)
-        metrics: dict[str, float] = {}
-        weights = None
-        if old is not None:
-            weights, metrics = self._mismatch(old, batch)
-        chunks = torch.arange(b, device=ids.device).chunk(a.minibatches)
+            with lora.disable_adapter(model):
+                ref = self._logprobs(ids, temp)
+        weights, mismatch = self._mismatch(old, batch) if old is not None else (None, {})
+        parts: list[dict[str, float]] = []  # metrics of each loss evaluation (minibatch or microbatch)
+
+        def loss_of(logp, entropy, rows):
+            """One slice of rows' share of the loss; `rows` index this rank's batch."""
+            w, m = (weights[rows], mismatch) if old is not None else self._mismatch(logp.detach(), batch, rows)
+            loss, lm = rl.policy_loss(
+                logp, (old[rows] if old is not None else logp.detach()), advantages_B[rows].to(logp.device),
+                mask[rows], global_tokens=global_tokens, global_seqs=global_seqs,
+                clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation,
+                norm_len=float(self.cfg.rollout.max_new_tokens), is_weights_BT=w,
+                ref_logp_BT=ref[rows] if ref is not None else None, kl_coef=a.kl_coef, kl_kind=a.kl_estimator,
+                entropy_BT=entropy, entropy_coef=a.entropy_coef,
+            )
+            parts.append({**m, **lm, "tokens": float(mask[rows].sum())})
+            return loss
+
+        loss_sum, step_metrics = 0.0, {}
+        chunks = torch.arange(ids.shape[0], device=ids.device).chunk(a.minibatches)
         for _ in range(a.epochs):
             for rows in chunks:
-                logp, entropy = token_logprobs(model, ids[rows], temp, with_entropy=True)
-                if old is None:
-                    weights, metrics = self._mismatch(logp.detach(), batch, rows)
-                    w = weights
-                else:
-                    w = weights[rows]
-                loss, m = rl.policy_loss(
-                    logp, (old[rows] if old is not None else logp.detach()), advantages_B[rows].to(logp.device),
-                    mask[rows], global_tokens=global_tokens, global_seqs=global_seqs,
-                    clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation,
-                    norm_len=float(self.cfg.rollout.max_new_tokens), is_weights_BT=w,
-                    ref_logp_BT=ref[rows] if ref is not None else None, kl_coef=a.kl_coef, kl_kind=a.kl_estimator,
-                    entropy_BT=entropy, entropy_coef=a.entropy_coef,
-                )
-                loss.backward()
-                metrics.update(m)
-                metrics["loss"] = metrics.get("loss", 0.0) + float(loss.detach())
-            metrics.update(self._optimizer_step())
-        return self.dist.reduce_mean(metrics) if self.dist else metrics
+                if pipeline is None:
+                    logp, entropy = token_logprobs(model, ids[rows], temp, with_entropy=True)
+                    loss = loss_of(logp, entropy, rows)
+                    loss.backward()
+                else:  # forward and backward of the microbatches; the loss is computed on the last stage
+                    loss = pipeline.train_step(ids[rows], lambda lp, ent, r, rows=rows: loss_of(lp, ent, rows[r]), temp)
+                loss_sum += float(loss.detach())  # a share of the loss normalised by the whole batch
+            step_metrics = self._optimizer_step()
+        if pipeline is not None:
+            parts = pipeline.share_from_last(parts)
+        per_token, tokens = token_weighted_mean(parts)
+        if self.dist is not None:
+            return self.dist.reduce_metrics(per_token, tokens, {"loss": loss_sum}, step_metrics)
+        return {**per_token, "loss": loss_sum, **step_metrics}
+
+    @torch.no_grad()
+    def _logprobs(self, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+        """Per-token logprobs [b, T-1] under the current adapter state, without autograd state,
+        through the same layout as training (the pipeline's stages under pp)."""
+        pipeline = self.dist.par.pipeline if self.dist is not None else None
+        if pipeline is not None:
+            return pipeline.logprobs(ids, temperature)[0]
+        return token_logprobs(self.model, ids, temperature)[0]
 
     def _mismatch(self, trainer_logp, batch, rows=None):
         a = self.cfg.algorithm
@@ -291,6 +308,14 @@ class Trainer:
             self.sync_engine()
         self.dist.close()
         return {}
+
+
+def token_weighted_mean(parts: list[dict[str, float]]) -> tuple[dict[str, float], float]:
+    """Metrics of several loss evaluations combined, each weighted by its completion tokens;
+    and the summed weight (so data-parallel ranks combine the same way)."""
+    total = sum(p["tokens"] for p in parts)
+    keys = sorted({k for p in parts for k in p} - {"tokens"})
+    return {k: sum(p[k] * p["tokens"] for p in parts if k in p) / max(total, 1.0) for k in keys}, total
 
 
 def train(cfg: TrainConfig) -> dict:

@@ -34,9 +34,14 @@ def causal_mask(attention_mask: torch.Tensor | None, t: int, offset: int, device
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     # q [B, H, T, D], k [B, K, S, D], v [B, K, S, V] -> [B, T, H*V]
+    dv = v.shape[-1]
+    if q.device.type == "cpu" and dv < q.shape[-1]:
+        # MLA (V < D): the CPU flash kernel wants one head size, else SDPA falls back to a kernel that
+        # keeps the [T, S] scores; zero columns of V leave the first V output columns unchanged
+        v = F.pad(v, (0, q.shape[-1] - dv))
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    )[..., :dv]
     b, h, t, d = out.shape
     return out.transpose(1, 2).reshape(b, t, h * d)
 

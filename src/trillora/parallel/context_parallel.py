@@ -8,10 +8,12 @@ rank (the "zig-zag" layout of ring-attention implementations).
 
 What crosses ranks. Everything token-wise (embeddings, norms, projections, MLP, MoE routing
 and experts, the head) runs on the rank's own tokens unchanged. Attention all-gathers K and V
-over cp (their gradients are reduce-scattered back in backward) and masks by global
-positions, so each local query sees exactly the keys it sees in the single-process run.
-A ring (K/V blocks passed around while computing) would hold one block at a time instead of
-the whole gathered sequence; the all-gather is simpler and moves the same bytes.
+over cp (their gradients are reduce-scattered back in backward) and each local query chunk
+attends to exactly the keys it sees in the single-process run: on CPU by flash-kernel blocks
+merged by log-sum-exp (`block_attention`: no mask or score matrix is kept), elsewhere by SDPA
+with a [t, T] mask of global positions. A ring (K/V blocks passed around while computing)
+would hold one block at a time instead of the whole gathered sequence; the all-gather is
+simpler and moves the same bytes.
 
 The trainer wants per-token logprobs of whole rows on every rank: `gather_sequence`
 all-gathers the local [B, t] logprobs in forward and, in backward, keeps only this rank's
@@ -30,6 +32,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_gather_single_autograd
 
 from ..models.attention import InnerAttention, attend
+from .block_attention import block_causal_attention, zigzag_plan
 
 
 def local_positions(length: int, cp: int, rank: int) -> torch.Tensor:
@@ -69,15 +72,21 @@ class ContextParallel:
     def padded_length(self, length: int) -> int:
         return -(-length // (2 * self.size)) * (2 * self.size)
 
+    def set_length(self, length: int, device: torch.device) -> int:
+        """Fix the positions of this rank's tokens for rows of `length`; returns the padded length."""
+        padded = self.padded_length(length)
+        self.query_positions = local_positions(padded, self.size, self.rank).to(device)
+        self.key_positions = torch.cat([local_positions(padded, self.size, r) for r in range(self.size)]).to(device)
+        self.key_order = torch.argsort(self.key_positions)  # gathered (rank-order) keys -> global order
+        self.plan = zigzag_plan([self.rank, 2 * self.size - 1 - self.rank], padded // (2 * self.size))
+        return padded
+
     def shard(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's tokens [B, t] and their positions [B, t]; right-pads to a multiple of 2·cp
         (harmless under a causal mask: no real token sees the padding)."""
         b, length = input_ids.shape
-        padded = self.padded_length(length)
+        padded = self.set_length(length, input_ids.device)
         ids = nn.functional.pad(input_ids, (0, padded - length))
-        device = input_ids.device
-        self.query_positions = local_positions(padded, self.size, self.rank).to(device)
-        self.key_positions = torch.cat([local_positions(padded, self.size, r) for r in range(self.size)]).to(device)
         return ids[:, self.query_positions], self.query_positions.expand(b, -1)
 
     def next_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -104,6 +113,8 @@ class ContextParallelAttention(InnerAttention):
         cp = self.cp
         k_all = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=cp.group)  # [B, K, T, D] rank order
         v_all = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=cp.group)
+        if q.device.type == "cpu":  # flash blocks, no [t, T] mask or scores kept (block_attention)
+            return block_causal_attention(q, k_all[:, :, cp.key_order], v_all[:, :, cp.key_order], cp.plan, scale)
         allowed = cp.key_positions[None, :] <= cp.query_positions[:, None]  # [t, T] causal by global position
         return attend(q, k_all, v_all, allowed, scale)
 

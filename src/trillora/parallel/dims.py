@@ -62,8 +62,6 @@ class ParallelDims:
         if self.pp > 1 and self.sp:
             raise ParallelError("parallel.sp with parallel.pp > 1: sequence-sharded activations cannot cross pipeline "
                                 "stages yet; use sp=false")
-        if self.pp > 1 and self.cp > 1:
-            raise ParallelError("parallel.pp > 1 with parallel.cp > 1 is not supported yet: use one of them")
         if not isinstance(self.activation_checkpoint_every, int) or self.activation_checkpoint_every < 0:
             raise ParallelError(f"parallel.activation_checkpoint_every={self.activation_checkpoint_every!r}; "
                                 "must be an integer >= 0 (0 = off, 1 = every layer)")

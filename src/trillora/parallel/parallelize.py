@@ -64,10 +64,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = No
     pipeline = Pipeline(model, dims, meshes.group("pp"), meshes.rank("pp"), device) if dims.pp > 1 else None
     ep_plans = apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
     tp_plan = apply_tensor_parallel(model, meshes.mesh("tp"), dims.sp, dims.vocab_parallel)
-    if pipeline is not None:
-        for stage in pipeline.modules:
-            stage.vocab_group = getattr(model, "vocab_parallel_group", None)
     context = apply_context_parallel(model, meshes.group("cp"), meshes.rank("cp"), dims.cp)
+    for stage in pipeline.modules if pipeline is not None else []:  # stages compute logprobs themselves
+        stage.vocab_group, stage.context = getattr(model, "vocab_parallel_group", None), context
     apply_activation_checkpointing(model, dims.activation_checkpoint_every)
     fsdp = apply_fsdp(model, meshes, roots=pipeline.modules if pipeline else None) if dims.fsdp else None
     # with FSDP the data-parallel reductions are its reduce-scatters; what is left is tp's partial sums

@@ -86,18 +86,30 @@ class StageModule(nn.Module):
             self.lm_head = model.lm_head
         self.temperature = 1.0
         self.vocab_group = None  # set when the head is split over the vocabulary (tp)
+        self.context = None  # set under context parallelism: the stage sees this rank's tokens only
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """x: token ids [b, T] on the first stage, hidden states [b, T, C] after; tokens: the ids [b, T]."""
-        h = self.model.embed_tokens(x) if self.first else x
+        """x: token ids [b, T] on the first stage, hidden states [b, T or t, C] after (t: this
+        context-parallel rank's tokens); tokens: the ids [b, T]."""
         b, t = tokens.shape
-        rope = self.model.rotary_emb(torch.arange(t, device=h.device).expand(b, t), h.dtype)
+        cp = self.context
+        if cp is None:
+            positions = torch.arange(t, device=tokens.device).expand(b, t)
+        else:  # the same split on every stage: this rank's chunks of the sequence
+            cp.set_length(t, tokens.device)
+            positions = cp.query_positions.expand(b, -1)
+            x = cp.shard(x)[0] if self.first else x
+        h = self.model.embed_tokens(x) if self.first else x
+        rope = self.model.rotary_emb(positions, h.dtype)
         for layer in self.model.layers.values():
             h = layer(h, rope, None)  # right-padded rows: plain causal attention
         if not self.last:
             return h
-        logits = self.lm_head(self.model.norm(h))[:, :-1].float()  # [b, T-1, V]
-        logp, entropy = logprobs_from_logits(logits, tokens[:, 1:], self.temperature, self.vocab_group, True)
+        logits = self.lm_head(self.model.norm(h)).float()  # [b, T or t, V]
+        logits, targets = (logits[:, :-1], tokens[:, 1:]) if cp is None else (logits, cp.next_tokens(tokens))
+        logp, entropy = logprobs_from_logits(logits, targets, self.temperature, self.vocab_group, True)
+        if cp is not None:  # whole rows on every cp rank
+            logp, entropy = cp.gather(logp, t - 1), cp.gather(entropy, t - 1)
         return torch.stack([logp, entropy], dim=-1)  # [b, T-1, 2]
 
 
@@ -128,19 +140,39 @@ class Pipeline:
 
     def microbatches(self, rows: int) -> int:
         n = self.dims.pp_microbatches or self.dims.num_stages
-        if n > rows:
-            raise ParallelError(f"parallel.pp_microbatches={n} but this rank has {rows} rows per pass; "
-                                f"use at most {rows} or a larger batch")
+        if n > rows or rows % n:
+            raise ParallelError(f"parallel.pp_microbatches={n} does not split the {rows} rows this rank trains per "
+                                f"pass into equal microbatches; use a divisor of {rows} or change the batch")
         return n
 
-    def _schedule(self, rows: int, loss_fn):
+    def _schedule(self, shape: torch.Size, loss_fn):
         # stages and schedules are built per call: batch shapes change from step to step, and
         # a stage fixes its send/receive shapes on first use
-        stages = [PipelineStage(m, s, self.dims.num_stages, self.device, group=self.group)
+        n = self.microbatches(shape[0])
+        stages = [PipelineStage(m, s, self.dims.num_stages, self.device, group=self.group,
+                                input_args=self._meta(s, shape[0] // n, shape[1], output=False),
+                                output_args=self._meta(s, shape[0] // n, shape[1], output=True))
                   for s, m in zip(self.stage_ids, self.modules)]
         cls = SCHEDULE_CLASSES[self.dims.pp_schedule]
-        return cls(stages[0] if len(stages) == 1 else stages, self.microbatches(rows), loss_fn=loss_fn,
-                   scale_grads=False)
+        return cls(stages[0] if len(stages) == 1 else stages, n, loss_fn=loss_fn, scale_grads=False)
+
+    def _meta(self, stage: int, m: int, t: int, output: bool) -> torch.Tensor:
+        """What stage `stage` takes in or sends out per microbatch of m rows, as a meta tensor.
+
+        Given up front, so the stages skip shape inference: that would run each later stage on
+        uninitialised hidden states, and MoE routing on garbage sends garbage row counts into the
+        expert-parallel all-to-all."""
+        if not output and stage == 0:
+            return torch.empty(m, t, dtype=torch.long, device="meta")
+        if output and stage == self.dims.num_stages - 1:
+            return torch.empty(m, t - 1, 2, device="meta", requires_grad=True)
+        return torch.empty(m, self.hidden_length(t), self.hidden_size, dtype=self.hidden_dtype, device="meta",
+                           requires_grad=True)
+
+    def hidden_length(self, t: int) -> int:
+        """Tokens per row that cross a stage boundary: all T, or this rank's share under cp."""
+        cp = self.dims.cp
+        return t if cp == 1 else -(-t // (2 * cp)) * 2
 
     def _set_temperature(self, temperature: float) -> None:
         for m in self.modules:
@@ -154,9 +186,16 @@ class Pipeline:
         self._set_temperature(temperature)
         b = input_ids.shape[0]
         rows = torch.arange(b, device=input_ids.device)
-        schedule = self._schedule(b, lambda out, r: loss_of(out[..., 0], out[..., 1], r))
+        schedule = self._schedule(input_ids.shape, lambda out, r: loss_of(out[..., 0], out[..., 1], r))
         losses: list[torch.Tensor] = []
+        # a new schedule's set-up clears .grad of FSDP-wrapped stages: keep what earlier calls accumulated
+        params = [p for m in self.modules for p in m.parameters() if p.grad is not None]
+        kept = [p.grad for p in params]
+        for p in params:
+            p.grad = None
         schedule.step(input_ids, tokens=input_ids, target=rows, losses=losses)
+        for p, g in zip(params, kept):
+            p.grad = g if p.grad is None else p.grad + g
         total = torch.stack([x.detach().float() for x in losses]).sum() if self.has_last else torch.zeros((), device=self.device)
         return self._from_last(total)
 
@@ -172,7 +211,7 @@ class Pipeline:
             if here != self.pp_rank:
                 continue
             if s > 0 and self.owner(s - 1) != here:
-                x = torch.empty(b, t, self.hidden_size, dtype=self.hidden_dtype, device=self.device)
+                x = torch.empty(b, self.hidden_length(t), self.hidden_size, dtype=self.hidden_dtype, device=self.device)
                 dist.recv(x, group=self.group, group_src=self.owner(s - 1))
             x = self.modules[self.stage_ids.index(s)](x, input_ids)
             if s + 1 < self.dims.num_stages and self.owner(s + 1) != here:
@@ -184,6 +223,12 @@ class Pipeline:
 
     def owner(self, stage: int) -> int:
         return next(r for r in range(self.dims.pp) if stage in stage_indices(r, self.dims))
+
+    def share_from_last(self, obj):
+        """A Python object made on the last stage (a loss's metrics), on every pp rank."""
+        box = [obj if self.has_last else None]
+        dist.broadcast_object_list(box, group=self.group, group_src=self.last_owner)
+        return box[0]
 
     def _from_last(self, t: torch.Tensor) -> torch.Tensor:
         if self.dims.pp > 1:

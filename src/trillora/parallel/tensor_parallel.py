@@ -41,6 +41,7 @@ from ..models.attention import GQAttention, MLAttention
 from ..models.layers import SwiGLU
 from ..models.moe import MoE
 from ..models.transformer import DecoderLayer
+from .pipeline import OtherStage
 
 
 def _distribute(module: nn.Module, mesh, placements: dict[str, list]) -> None:
@@ -131,7 +132,15 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, vocab_parallel: b
                                              use_local_output=True)
     if vocab_parallel:
         plan["lm_head"] = LoraColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate())
-    return plan
+    # under pipeline parallelism the modules of other stages are placeholders: nothing to split there
+    return {name: style for name, style in plan.items() if _has(model, name)}
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        return not isinstance(model.get_submodule(name), OtherStage)
+    except AttributeError:
+        return False
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
