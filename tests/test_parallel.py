@@ -341,8 +341,9 @@ def test_torchrun_train_matches_single_process(tmp_path, single_run, layout):
     par = load_file(str(run / "adapter" / "fused" / "adapter_model.safetensors"))
     ref = load_file(str(single_run / "adapter" / "fused" / "adapter_model.safetensors"))
     assert par.keys() == ref.keys()
-    for k in ref:  # the bound is 0.5% of one lr = 0.01 step (optim.eps=1e-6: see OptimSection.eps)
-        torch.testing.assert_close(par[k], ref[k], rtol=1e-4, atol=5e-5, msg=lambda m, k=k: f"{k}: {m}")
+    for k in ref:  # the bound is 1% of one lr = 0.01 step: Adam turns summation-order rounding of ~0
+        # gradients into visible steps (optim.eps=1e-6 damps it; 5.9e-5 was seen once); a real error is ~1e-2
+        torch.testing.assert_close(par[k], ref[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_parallel_config_derives_dp_and_needs_a_launch(tmp_path):

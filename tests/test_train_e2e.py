@@ -63,7 +63,9 @@ def test_mismatch_metrics_without_correction_and_tis_cap(tmp_path):
     assert all(r["is_weight_max"] <= 1.001 + 1e-6 and r["is_limited_frac"] > 0 for r in rows)
     _, _, exact = run(tmp_path, "name=exact", "steps=1", "rollout.precision=fp32", "task.retention=\"\"")
     row = json.loads((exact / "metrics.jsonl").read_text().splitlines()[1])
-    assert row["mismatch_kl_k3"] < 1e-9  # same weights, same numerics: no mismatch
+    # same weights in fp32: only kernel rounding (KV-cache decode vs full forward) remains; seen 2e-9 to
+    # 4e-9 on different CPUs, against 6e-5 with bf16-rounded rollout weights
+    assert row["mismatch_kl_k3"] < 1e-7
 
 
 @pytest.mark.parametrize("extra", [["algorithm.epochs=2", "algorithm.minibatches=2"], ["algorithm.kl_coef=0.1", "algorithm.aggregation=\"seq_mean_token_mean\""]])

@@ -1,4 +1,4 @@
-"""`trillora` command line: `train`, `eval`, `generate`, `info`, `plot`.
+"""`trillora` command line: `train`, `eval`, `generate`, `serve`, `info`, `plan`, `plot`.
 
 Each subcommand is a thin function over the library; errors that are the
 user's to fix (a bad path, an unsupported config) print one line, not a traceback.
@@ -150,6 +150,17 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .parallel import plan_report
+
+    out = plan_report.run(args)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        plan_report.render(out)
+    return 0 if out.get("fits") else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trillora", description="RL on Mixture-of-Experts models through LoRA")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=0, help="also size a LoRA adapter of this rank")
     p.add_argument("--expert-rank-rule", default="same", choices=("same", "divide_by_top_k"))
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("plan", help="parallel layout, memory and traffic per GPU for a model, workload and cluster")
+    from .parallel.plan_report import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("train", help="RL through LoRA; with no arguments, the default job (tiny MoE + arithmetic)")
     p.add_argument("config", nargs="?", help="TOML config file (optional)")

@@ -40,9 +40,14 @@ class MemoryProbe:
         self._excluded |= {t.untyped_storage().data_ptr() for t in tensors}
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in self._excluded:
-            self._storages[s.data_ptr()] = s.nbytes()
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard is what this rank holds
+        try:
+            s = local.untyped_storage()
+            key, size = s.data_ptr(), s.nbytes()
+        except RuntimeError:  # wrapper tensors without a storage of their own
+            key, size = id(local), local.numel() * local.element_size()
+        if key not in self._excluded:
+            self._storages[key] = size
         return t
 
     def __enter__(self) -> "MemoryProbe":

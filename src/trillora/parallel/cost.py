@@ -1,0 +1,363 @@
+"""What a parallel layout costs: memory per device, bytes per collective and step time.
+
+The parameter side is not a formula: the model is built on the meta device with its LoRA
+adapters, and each parameter is placed by the same rules `parallelize` uses (the tensor-
+parallel plan of `tensor_parallel.tp_plan`, experts split over ep, FSDP over dp × cp, layers
+cut into pipeline stages by `pipeline.split_layers`). So the weight, gradient and optimizer
+bytes a rank holds are counted, not estimated. Activations follow what our modules save for
+backward, term by term (`activation_elements`; checked against `trillora.memory` measurements
+within 25% in the tests). Communication is the bytes each rank puts on the wire per step for
+every collective the engine issues; time is compute at an achievable fraction of peak plus
+communication without overlap (an upper bound), times the pipeline bubble.
+
+Shape legend in comments: m rows per microbatch, T tokens per row, t = T / cp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+from ..models.args import ModelArgs
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nominal figures per GPU. Bandwidths are what one GPU can move per direction in GB/s."""
+
+    name: str
+    gpus_per_node: int
+    memory_gib: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    peak_tflops: float  # dense bf16 (fp32 for "cpu")
+    mfu: float = 0.4  # the fraction of peak a training step reaches
+    act_bytes: int = 2  # bf16 activations (fp32 on CPU)
+    reserve: float = 0.1  # memory kept free for the allocator, CUDA context, fragmentation
+
+
+CLUSTERS = {
+    "h800": Cluster("h800", 8, 80, 200, 50, 989),  # NVLink 400 GB/s bidirectional; 8 × 400 Gb/s IB per node
+    "h100": Cluster("h100", 8, 80, 450, 50, 989),
+    "h200": Cluster("h200", 8, 141, 450, 50, 989),
+    "a100": Cluster("a100", 8, 80, 300, 25, 312),
+    "cpu": Cluster("cpu", 2, 24, 5, 1, 0.16, mfu=0.5, act_bytes=4, reserve=0.2),  # this 2-core machine, fp32
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    cp: int = 1
+    fsdp: bool = True
+    sp: bool = False
+    activation_checkpointing: bool = False
+    pp_schedule: str = "1f1b"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def short(self) -> str:
+        parts = [f"{k}{v}" for k, v in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("ep", self.ep))
+                 if v > 1]
+        flags = [f for f, on in (("fsdp", self.fsdp), ("sp", self.sp), ("ac", self.activation_checkpointing)) if on]
+        return "×".join(parts or ["1"]) + (" +" + "+".join(flags) if flags else "")
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int = 32768
+    rollouts_per_step: int = 512  # prompts × group size: rows trained per optimizer step
+    micro_batch_rows: int = 1
+    passes: int = 1  # epochs × minibatches; > 1 needs an old-logprob pass first
+    kl: bool = False  # a reference-logprob pass (LoRA: adapter off; full: a frozen copy of the base)
+
+
+@dataclass(frozen=True)
+class Training:
+    """LoRA (rank, targets, expert rank) or full-parameter training; base weight precision."""
+
+    lora_rank: int = 128
+    expert_rank: int = 0  # 0: the same as lora_rank
+    targets: tuple[str, ...] = ("attention", "mlp", "shared_experts", "experts")
+    full: bool = False
+    base_bytes: int = 2  # bf16 (1 = fp8 base for LoRA)
+
+
+ADAPTER_STATE_BYTES = 16  # fp32 weight + fp32 gradient + AdamW m and v
+FULL_STATE_BYTES = 18  # bf16 weight + fp32 gradient + fp32 master weight + AdamW m and v
+
+
+class Footprint:
+    """A model's parameters with their placement kinds, counted once on the meta device."""
+
+    def __init__(self, args: ModelArgs, training: Training):
+        from .. import lora
+        from ..models import build_model
+        from ..models.moe import GroupedExperts
+        from .tensor_parallel import tp_plan
+
+        self.args, self.training = args, training
+        model = build_model(args, device="meta")
+        if not training.full:
+            lora.apply_lora(model, lora.LoraConfig(rank=training.lora_rank, targets=training.targets,
+                                                   expert_rank=training.expert_rank or None))
+        plan = tp_plan(model)
+        experts = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+        # (place, tp_split, expert, trainable) -> numel; place: layer index, "embed" or "head"
+        self.buckets: dict[tuple, int] = {}
+        for name, p in model.named_parameters():
+            module, _, leaf = name.rpartition(".")
+            if name.startswith("model.layers."):
+                place = int(name.split(".")[2])
+            else:
+                place = "embed" if name.startswith("model.embed_tokens") else "head"
+            style = type(plan.get(module)).__name__
+            split = (style == "LoraColwiseParallel" and leaf in ("weight", "bias", "lora_B")) or \
+                    (style == "LoraRowwiseParallel" and leaf in ("weight", "lora_A"))
+            trainable = training.full or leaf.startswith("lora_")
+            key = (place, split, id(p) in experts, trainable)
+            self.buckets[key] = self.buckets.get(key, 0) + p.numel()
+
+    @cached_property
+    def trainable(self) -> int:
+        return sum(n for (_, _, _, t), n in self.buckets.items() if t)
+
+    @cached_property
+    def total(self) -> int:
+        return sum(self.buckets.values())
+
+    def stage_places(self, layout: Layout) -> list[set]:
+        from .pipeline import split_layers
+
+        ranges = split_layers(self.args.num_layers, layout.pp)
+        stages = [set(r) for r in ranges]
+        stages[0].add("embed")
+        stages[-1].add("head")
+        return stages
+
+    def rank_numel(self, layout: Layout, places: set, trainable: bool, experts: bool | None = None) -> float:
+        """Elements of (trainable or frozen) parameters one rank of a stage holding `places` keeps
+        (`experts`: only routed-expert tensors, only the others, or both when None)."""
+        total = 0.0
+        for (place, split, expert, train), n in self.buckets.items():
+            if place not in places or train != trainable or experts not in (None, expert):
+                continue
+            share = n / (layout.tp if split else 1)
+            if expert:
+                share /= layout.ep
+            total += share / (shard_group(layout, expert) if layout.fsdp else 1)
+        return total
+
+    def unit_numel(self, places: set, layout: Layout, experts: bool | None = None) -> tuple[float, float]:
+        """(frozen, trainable) elements of a stage's FSDP units before sharding (what all-gathers rebuild)."""
+        flat = replace(layout, fsdp=False)
+        return self.rank_numel(flat, places, False, experts), self.rank_numel(flat, places, True, experts)
+
+
+def shard_group(layout: Layout, expert: bool) -> int:
+    """Ranks a parameter is sharded over by FSDP (replicas of it): dp × cp, or for an expert
+    shard its replicas edp × cp (1: a single owner, left out of FSDP)."""
+    return (layout.dp // layout.ep) * layout.cp if expert else layout.dp * layout.cp
+
+
+def activation_elements(args: ModelArgs, training: Training, tp: int = 1) -> dict[str, float]:
+    """Elements our modules save for backward, per token: "attention" and "mlp" / "moe" per
+    decoder layer, "head" once (fp32 log-softmax, last stage). Read off the autograd graph of
+    our modules term by term (e.g. flash attention keeps q, k, v, its output and log-sum-exp; a
+    LoRA layer keeps its input and A·x; a frozen linear keeps nothing). Heads split over tp;
+    routed experts see every token of the tp group."""
+    c, h = args.hidden_size, args.num_heads / tp
+    on = set() if training.full else set(training.targets)
+    r = training.lora_rank
+    attention = 2 * c + 2  # input and post-attention RMSNorm: x and 1/rms
+    if args.kv_lora_rank:  # MLA: latent norms; flash over per-head K and V padded to the q/k head size
+        qk = args.qk_nope_head_dim + args.qk_rope_head_dim
+        latents = (args.q_lora_rank or 0) + args.kv_lora_rank
+        attention += latents + 2 + h * (2 * qk + 2 * max(args.v_head_dim, qk) + 1)
+        if "attention" in on:
+            attention += c + latents + h * args.v_head_dim + 5 * r
+    else:  # GQA: q/k norms, then q, k, v, output and log-sum-exp of flash attention
+        d, kv = args.head_dim, args.num_kv_heads / tp
+        attention += (h + kv) * (d + 1) + 2 * h * d + 2 * kv * d + h
+        if "attention" in on:
+            attention += c + 4 * r
+    k, i = args.top_k, args.moe_intermediate_size
+
+    def swiglu(width: float, role: str) -> float:  # gate and up outputs, SiLU; LoRA: input, down input, A·x
+        return 3 * width + ((c + width + 3 * r) if role in on else 0)
+
+    out = {"attention": attention, "mlp": swiglu(args.intermediate_size / tp, "mlp"), "head": float(args.vocab_size)}
+    if args.num_experts:  # router probabilities and choices, gate/up outputs and SiLU, weighted rows
+        moe = args.num_experts + 3 * k + 3 * k * i + k * c
+        if "experts" in on:  # dispatched rows and down inputs kept for the adapters, A·x of gate, up, down
+            moe += 2 * k * c + 3 * k * i + 3 * k * r
+        if args.n_shared_experts:
+            moe += swiglu(i * args.n_shared_experts / tp, "shared_experts")
+        out["moe"] = moe
+    if training.full:  # every frozen linear's input is now kept for its weight gradient
+        out["attention"] += 2 * c
+        out["mlp"] += c + args.intermediate_size / tp
+        if args.num_experts:
+            out["moe"] += 2 * k * c + k * i
+    return out
+
+
+def _trains_attention(training: Training) -> bool:
+    return training.full or "attention" in training.targets
+
+
+def first_trained_layer(args: ModelArgs, training: Training) -> int:
+    """The first decoder layer with a trainable weight (activations before it need no gradient)."""
+    if _trains_attention(training):
+        return 0
+    for i in range(args.num_layers):
+        roles = {"experts", "shared_experts"} if i in args.moe_layers else {"mlp"}
+        if roles & set(training.targets):
+            return i
+    return args.num_layers
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    memory: dict[str, float] = field(default_factory=dict)  # bytes per device by part
+    comm: dict[str, float] = field(default_factory=dict)  # bytes per device per step by collective
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    bubble: float = 0.0
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def step_s(self) -> float:
+        return (self.compute_s + self.comm_s) * (1 + self.bubble)
+
+
+def estimate(fp: Footprint, layout: Layout, work: Workload, cluster: Cluster) -> Estimate:
+    """Memory, traffic and time of one optimizer step under `layout` (the worst pipeline stage)."""
+    args, training = fp.args, fp.training
+    est = Estimate(layout)
+    stages = fp.stage_places(layout)
+    worst = max(range(layout.pp), key=lambda s: fp.rank_numel(layout, stages[s], False) + fp.rank_numel(layout, stages[s], True))
+    places = stages[worst]
+    frozen, trainable = fp.rank_numel(layout, places, False), fp.rank_numel(layout, places, True)
+    if training.full:
+        est.memory["weights + grads + optimizer"] = trainable * FULL_STATE_BYTES
+        if work.kl:
+            est.memory["reference copy"] = trainable * 2
+    else:
+        est.memory["base weights"] = frozen * training.base_bytes
+        est.memory["adapter + grads + optimizer"] = trainable * ADAPTER_STATE_BYTES
+    # activations of one microbatch on this rank: m rows × t tokens
+    tokens = work.micro_batch_rows * work.seq_len / layout.cp
+    per = activation_elements(args, training, layout.tp)
+    layers_here = sorted(p for p in places if isinstance(p, int))
+    first = first_trained_layer(args, training)  # autograd saves nothing upstream of the first trained weight
+    kinds = [(per["attention"] if i > first or (i == first and _trains_attention(training)) else 0.0)
+             + (per["moe"] if i in args.moe_layers else per["mlp"]) * (i >= first) for i in layers_here]
+    if layout.sp:  # norms and the residual on a tp-th of the tokens
+        kinds = [x - (1 - 1 / layout.tp) * 2 * args.hidden_size for x in kinds]
+    layer = max(kinds, default=0.0)
+    kv_width = (args.num_heads / layout.tp) * (args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim) \
+        if args.kv_lora_rank else 2 * args.num_kv_heads / layout.tp * args.head_dim  # K and V per token
+    gathered_kv = (layout.cp - 1) / layout.cp * work.seq_len * work.micro_batch_rows * kv_width  # per layer, cp > 1
+    in_flight = min(layout.pp - worst, max(1, work.rollouts_per_step // (layout.dp * work.micro_batch_rows))) \
+        if layout.pp > 1 else 1
+    if layout.pp_schedule == "gpipe" and layout.pp > 1:
+        in_flight = max(1, work.rollouts_per_step // (layout.dp * work.micro_batch_rows))
+    if layout.activation_checkpointing:  # layer inputs kept, one layer recomputed at a time
+        saved = in_flight * len(kinds) * tokens * args.hidden_size + tokens * layer + gathered_kv
+    else:
+        saved = in_flight * (tokens * sum(kinds) + len(kinds) * gathered_kv)
+    head = tokens * per["head"] * ("head" in places)
+    est.memory["activations"] = saved * cluster.act_bytes + head * 4 * in_flight
+    # backward's largest short-lived buffers: the logits' gradient next to the log-softmax, or a
+    # few hidden-size gradients on a stage without the head
+    est.memory["transient"] = max(2 * head * 4, 4 * tokens * args.hidden_size * cluster.act_bytes)
+    if layout.fsdp and layout.dp * layout.cp > 1:  # FSDP keeps a gathered layer in use and the next one prefetched
+        def gathered(i: int) -> float:
+            parts = [fp.unit_numel({i}, layout, e) for e in (False, True) if shard_group(layout, e) > 1]
+            return sum(frozen * training.base_bytes + train * 4 for frozen, train in parts)
+
+        est.memory["fsdp gathered layers"] = 2 * max((gathered(i) for i in layers_here), default=0.0)
+    # traffic per step per rank
+    rows = work.rollouts_per_step / layout.dp  # rows this data-parallel rank trains
+    step_tokens = rows * work.seq_len / layout.cp  # tokens through this rank per pass
+    fwd = 1 + (work.passes > 1) + work.kl + layout.activation_checkpointing  # forward passes of the training tokens
+    passes = work.passes
+    act = cluster.act_bytes
+    c = args.hidden_size
+    if layout.tp > 1:  # two all-reduces (or all-gather + reduce-scatter) per layer, forward and backward
+        est.comm["tp"] = 2 * (layout.tp - 1) / layout.tp * len(layers_here) * step_tokens * c * act * 2 * (fwd + passes)
+    moe_here = len([i for i in layers_here if i in args.moe_layers])
+    if layout.ep > 1:
+        est.comm["ep all-to-all"] = (layout.ep - 1) / layout.ep * moe_here * step_tokens * args.top_k * c * act * 2 * (fwd + passes)
+    if layout.cp > 1:
+        est.comm["cp K/V"] = (layout.cp - 1) / layout.cp * len(layers_here) * rows * work.seq_len * kv_width * act * (fwd + passes)
+    if layout.pp > 1:
+        # activations forward, their gradients backward (a middle stage sends both ways)
+        est.comm["pp p2p"] = step_tokens * c * act * (fwd + passes) * (1 if worst in (0, layout.pp - 1) else 2)
+    for expert in (False, True):  # dense tensors over dp × cp, expert shards over their edp × cp replicas
+        g = shard_group(layout, expert)
+        if g == 1:
+            continue
+        frozen, train = fp.unit_numel(places, layout, expert)
+        weight_bytes = frozen * training.base_bytes + train * (2 if training.full else 4)
+        grad_bytes = train * 4 * passes  # gradients are reduced in fp32, once per backward
+        if layout.fsdp:
+            _add(est.comm, "fsdp all-gather", (g - 1) / g * weight_bytes * (fwd + passes))
+            _add(est.comm, "fsdp reduce-scatter", (g - 1) / g * grad_bytes)
+        else:
+            _add(est.comm, "dp all-reduce", 2 * (g - 1) / g * grad_bytes)
+    for name, nbytes in est.comm.items():
+        est.comm_s += nbytes / (_bandwidth(name, layout, cluster) * 1e9)
+    # compute: 2·N·tokens per forward; backward ≈ 1 forward for LoRA (no base weight gradients), 2 for full
+    flops_token = 2 * _activated_numel(fp) + 2 * args.num_layers * work.seq_len / 2 * args.num_heads * _qk_v(args)
+    backward = 2 if training.full else 1
+    total_flops = flops_token * work.rollouts_per_step * work.seq_len * (fwd + passes * backward)
+    est.compute_s = total_flops / (layout.world * cluster.peak_tflops * 1e12 * cluster.mfu)
+    microbatches = max(1, rows // work.micro_batch_rows)
+    est.bubble = (layout.pp - 1) / microbatches if layout.pp > 1 else 0.0
+    if layout.pp_schedule in ("interleaved_zero_bubble", "zbv"):
+        est.bubble /= 4
+    elif layout.pp_schedule == "interleaved_1f1b":
+        est.bubble /= 2
+    return est
+
+
+def _add(d: dict[str, float], key: str, value: float) -> None:
+    d[key] = d.get(key, 0.0) + value
+
+
+def _qk_v(args: ModelArgs) -> float:
+    if args.kv_lora_rank:
+        return args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim
+    return 2 * args.head_dim
+
+
+def _activated_numel(fp: Footprint) -> float:
+    """Matrix elements one token multiplies through (routed experts: top-k of E)."""
+    a = fp.args
+    total = 0.0
+    for (place, _, expert, _), n in fp.buckets.items():
+        if place == "embed":
+            continue
+        total += n * a.top_k / a.num_experts if expert else n
+    return total
+
+
+def _bandwidth(collective: str, layout: Layout, cluster: Cluster) -> float:
+    """GB/s of the group a collective runs on: intra-node when its ranks fit in one node
+    (ranks are laid out pp, dp, cp, tp with tp fastest; ep is the fastest part of dp)."""
+    stride_size = {"tp": (1, layout.tp), "cp K/V": (layout.tp, layout.cp),
+                   "ep all-to-all": (layout.tp * layout.cp, layout.ep),
+                   "pp p2p": (layout.tp * layout.cp * layout.dp, 2)}
+    stride, size = stride_size.get(collective, (layout.tp, layout.dp * layout.cp))
+    return cluster.intra_node_gbps if stride * size <= cluster.gpus_per_node else cluster.inter_node_gbps

@@ -1,0 +1,121 @@
+"""`trillora plan`: the chosen layout, its memory and traffic, the runners-up, LoRA vs full-parameter
+and the rollout engine's layout, as tables or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, replace
+
+from .cost import CLUSTERS, Estimate, Footprint, Training, Workload
+from .planner import Plan, lora_vs_full, plan, rollout_layout, smallest_cluster
+
+GIB = 2**30
+
+
+def estimate_dict(e: Estimate) -> dict:
+    return {"layout": asdict(e.layout), "memory_gib": {k: v / GIB for k, v in e.memory.items()},
+            "memory_total_gib": e.memory_total / GIB, "comm_gib_per_step": {k: v / GIB for k, v in e.comm.items()},
+            "compute_s": e.compute_s, "comm_s": e.comm_s, "bubble": e.bubble, "step_s": e.step_s}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="shipped name (kimi-k2, ...), config.json or checkpoint folder")
+    p.add_argument("--gpus", type=int, default=0, help="world size to plan for (0: the smallest cluster that fits)")
+    p.add_argument("--gpu", default="h800", choices=sorted(CLUSTERS), help="cluster preset")
+    p.add_argument("--seq-len", type=int, default=32768, help="tokens per trained sequence (prompt + completion)")
+    p.add_argument("--rollouts", type=int, default=512, help="sequences trained per optimizer step (prompts × group size)")
+    p.add_argument("--micro-batch", type=int, default=1, help="rows per microbatch")
+    p.add_argument("--passes", type=int, default=1, help="epochs × minibatches (> 1 adds an old-logprob pass)")
+    p.add_argument("--kl", action="store_true", help="a reference-logprob pass (full: a frozen copy of the base)")
+    p.add_argument("--lora-rank", type=int, default=128)
+    p.add_argument("--expert-rank", type=int, default=0, help="rank of routed-expert adapters (0: --lora-rank)")
+    p.add_argument("--targets", default="attention,mlp,shared_experts,experts", help="LoRA targets, comma-separated")
+    p.add_argument("--full", action="store_true", help="plan full-parameter training instead of LoRA")
+    p.add_argument("--fp8-base", action="store_true", help="keep the frozen base in fp8 (LoRA only)")
+    p.add_argument("--top", type=int, default=5, help="layouts to list")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run(a: argparse.Namespace) -> dict:
+    from ..info import resolve_args
+
+    args = resolve_args(a.model)
+    cluster = CLUSTERS[a.gpu]
+    training = Training(lora_rank=a.lora_rank, expert_rank=a.expert_rank, full=a.full,
+                        targets=tuple(t.strip() for t in a.targets.split(",") if t.strip()),
+                        base_bytes=1 if a.fp8_base and not a.full else 2 if cluster.act_bytes == 2 else 4)
+    work = Workload(seq_len=a.seq_len, rollouts_per_step=a.rollouts, micro_batch_rows=a.micro_batch, passes=a.passes,
+                    kl=a.kl)
+    fp = Footprint(args, training)
+    result: Plan | None = plan(fp, a.gpus, cluster, work, a.top) if a.gpus else smallest_cluster(fp, cluster, work)
+    out = {"model": a.model, "cluster": asdict(cluster), "workload": asdict(work), "training": asdict(training),
+           "params_total": fp.total, "params_trainable": fp.trainable}
+    if result is None:
+        out["fits"] = False
+        return out
+    out.update(gpus=result.world, fits=result.fits, best=[estimate_dict(e) for e in result.best],
+               least_memory=estimate_dict(result.smallest))
+    out["lora_vs_full"] = lora_vs_full(args, replace(training, full=False), cluster, work)
+    rollout = rollout_layout(args, result.world, cluster, weight_bytes=1 if a.fp8_base else 2)
+    out["rollout"] = asdict(rollout) if rollout else None
+    return out
+
+
+def render(out: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..info import human
+
+    console = Console()
+    c, w = out["cluster"], out["workload"]
+    kind = "full-parameter" if out["training"]["full"] else f"LoRA rank {out['training']['lora_rank']}"
+    console.print(f"[bold]{out['model']}[/] {kind}: {human(out['params_total'])} parameters, "
+                  f"{human(out['params_trainable'])} trained; {w['rollouts_per_step']} × {w['seq_len']} tokens per step "
+                  f"on {c['name']} ({c['memory_gib']:.0f} GiB, {c['gpus_per_node']} per node)")
+    if "gpus" not in out:
+        console.print("[red]does not fit on any cluster searched[/]")
+        return
+    if not out["fits"]:
+        least = out["least_memory"]
+        console.print(f"[red]no layout fits on {out['gpus']} GPUs[/]: the leanest, {_short(least['layout'])}, needs "
+                      f"{least['memory_total_gib']:.1f} GiB per GPU")
+        return
+    best = out["best"][0]
+    console.print(f"chosen layout on {out['gpus']} GPUs: [bold]{_short(best['layout'])}[/], "
+                  f"~{best['step_s']:.1f} s per step (compute {best['compute_s']:.1f} s, communication "
+                  f"{best['comm_s']:.1f} s, bubble {100 * best['bubble']:.1f}%)")
+    t = Table(title="memory per GPU (GiB)")
+    t.add_column("part")
+    t.add_column("GiB", justify="right")
+    for k, v in best["memory_gib"].items():
+        t.add_row(k, f"{v:.1f}")
+    t.add_row("[bold]total[/]", f"[bold]{best['memory_total_gib']:.1f}[/] of {c['memory_gib'] * (1 - c['reserve']):.0f} usable")
+    console.print(t)
+    t = Table(title="traffic per GPU per step (GiB)")
+    t.add_column("collective")
+    t.add_column("GiB", justify="right")
+    for k, v in best["comm_gib_per_step"].items():
+        t.add_row(k, f"{v:.2f}")
+    console.print(t)
+    t = Table(title="fastest layouts that fit")
+    for col in ("layout", "memory GiB", "step s", "compute s", "comm s", "bubble"):
+        t.add_column(col, justify="right")
+    for e in out["best"]:
+        t.add_row(_short(e["layout"]), f"{e['memory_total_gib']:.1f}", f"{e['step_s']:.1f}", f"{e['compute_s']:.1f}",
+                  f"{e['comm_s']:.1f}", f"{100 * e['bubble']:.1f}%")
+    console.print(t)
+    lf = out["lora_vs_full"]
+    if lf.get("ratio") is not None:
+        console.print(f"LoRA vs full-parameter: at least {lf['lora_min_gpus']} vs {lf['full_min_gpus']} GPUs "
+                      f"({100 * lf['ratio']:.0f}%)")
+    r = out["rollout"]
+    if r:
+        console.print(f"rollout engine: tp={r['tp']} pp={r['pp']} per replica, {r['replicas']} replica(s); "
+                      f"{r['weights_gib']:.1f} GiB of weights and {r['kv_cache_gib']:.1f} GiB for the KV cache per GPU")
+
+
+def _short(layout: dict) -> str:
+    from .cost import Layout
+
+    return Layout(**layout).short()

@@ -1,0 +1,123 @@
+"""Layouts as a schedulable resource: every valid (pp, dp, cp, tp, ep) for a world size, costed by
+`cost.estimate`, the fastest that fits chosen; the smallest cluster a setup fits on at all;
+and the rollout engine's own layout (inference wants tensor and data parallelism, not EP+PP).
+
+    trillora plan --model kimi-k2 --gpus 64 --gpu h800 --seq-len 32768 --lora-rank 128
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..models.args import ModelArgs
+from .cost import CLUSTERS, Cluster, Estimate, Footprint, Layout, Training, Workload, estimate
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid_layouts(args: ModelArgs, world: int, cluster: Cluster, work: Workload) -> list[Layout]:
+    """Every layout the engine can run on `world` ranks: tp within a node and dividing the heads
+    (and kv heads for GQA), ep dividing dp and the experts, pp no more than the layers, cp a power
+    of two that splits the sequence, dp splitting the rows; FSDP on, with and without sequence
+    parallelism and activation checkpointing."""
+    out = []
+    for tp in divisors(world):
+        if tp > cluster.gpus_per_node or args.num_heads % tp or (not args.kv_lora_rank and args.num_kv_heads % tp):
+            continue
+        for pp in divisors(world // tp):
+            if pp > args.num_layers:
+                continue
+            for cp in divisors(world // (tp * pp)):
+                if cp & (cp - 1) or work.seq_len % (2 * cp):
+                    continue
+                dp = world // (tp * pp * cp)
+                if work.rollouts_per_step % dp:
+                    continue
+                for ep in divisors(dp):
+                    if args.num_experts % ep if args.num_experts else ep > 1:
+                        continue
+                    for sp in ((False, True) if tp > 1 and pp == 1 else (False,)):
+                        for ac in (False, True):
+                            out.append(Layout(dp=dp, tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, activation_checkpointing=ac))
+    return out
+
+
+def fits(est: Estimate, cluster: Cluster) -> bool:
+    return est.memory_total <= cluster.memory_gib * 2**30 * (1 - cluster.reserve)
+
+
+@dataclass
+class Plan:
+    world: int
+    best: list[Estimate]  # fitting layouts, fastest first
+    smallest: Estimate  # the layout that needs the least memory per device (fitting or not)
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.best)
+
+
+def plan(fp: Footprint, world: int, cluster: Cluster, work: Workload, top: int = 5) -> Plan:
+    estimates = [estimate(fp, layout, work, cluster) for layout in valid_layouts(fp.args, world, cluster, work)]
+    if not estimates:
+        raise ValueError(f"no layout of {world} ranks divides this model and workload "
+                         f"(heads {fp.args.num_heads}, experts {fp.args.num_experts}, rows {work.rollouts_per_step})")
+    ok = sorted((e for e in estimates if fits(e, cluster)), key=lambda e: (e.step_s, e.memory_total))
+    return Plan(world, ok[:top], min(estimates, key=lambda e: e.memory_total))
+
+
+def smallest_cluster(fp: Footprint, cluster: Cluster, work: Workload, max_nodes: int = 1024) -> Plan | None:
+    """The fewest whole nodes on which some layout fits (None past `max_nodes`). Nodes are
+    tried in doubling steps, then the gap is searched node by node."""
+    lo, hi = 0, 1
+    while hi <= max_nodes and not plan(fp, hi * cluster.gpus_per_node, cluster, work, top=1).fits:
+        lo, hi = hi, hi * 2
+    if hi > max_nodes:
+        return None
+    while hi - lo > 1:  # more nodes never hurt: the smallest fitting count is a threshold
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if plan(fp, mid * cluster.gpus_per_node, cluster, work, top=1).fits else (mid, hi)
+    return plan(fp, hi * cluster.gpus_per_node, cluster, work)
+
+
+@dataclass(frozen=True)
+class RolloutLayout:
+    tp: int
+    pp: int
+    replicas: int
+    weights_gib: float  # per GPU
+    kv_cache_gib: float  # per GPU, what is left for the KV cache
+
+
+def rollout_layout(args: ModelArgs, gpus: int, cluster: Cluster, weight_bytes: int = 2) -> RolloutLayout | None:
+    """The inference engine's layout: the smallest tensor-parallel group (within a node, then
+    pipeline across nodes) whose weight shard leaves at least a quarter of the memory for the KV
+    cache; the rest of the GPUs are data-parallel replicas (more concurrent rollouts)."""
+    from ..info import count_params
+
+    total = count_params(args).total * weight_bytes
+    budget = cluster.memory_gib * 2**30 * (1 - cluster.reserve)
+    for pp in divisors(gpus):
+        for tp in (t for t in divisors(cluster.gpus_per_node) if args.num_heads % t == 0):
+            if gpus % (tp * pp):
+                continue
+            per = total / (tp * pp)
+            if per <= 0.75 * budget:
+                return RolloutLayout(tp, pp, gpus // (tp * pp), per / 2**30, (budget - per) / 2**30)
+    return None
+
+
+def lora_vs_full(args: ModelArgs, training: Training, cluster: Cluster, work: Workload) -> dict:
+    """The smallest cluster for LoRA and for full-parameter training of the same setup."""
+    lora_plan = smallest_cluster(Footprint(args, training), cluster, work)
+    full_plan = smallest_cluster(Footprint(args, replace(training, full=True, base_bytes=2)), cluster, work)
+    out = {"lora_min_gpus": lora_plan.world if lora_plan else None, "full_min_gpus": full_plan.world if full_plan else None}
+    if lora_plan and full_plan:
+        out["ratio"] = lora_plan.world / full_plan.world
+    return out
+
+
+__all__ = ["CLUSTERS", "Plan", "RolloutLayout", "lora_vs_full", "plan", "rollout_layout", "smallest_cluster",
+           "valid_layouts"]
