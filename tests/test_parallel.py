@@ -373,6 +373,23 @@ def test_in_process_vllm_is_refused_under_torchrun(tmp_path, monkeypatch):
         Trainer(load_config(None, ["rollout.engine=\"vllm\"", f"out_dir={tmp_path}"]))
 
 
+def test_micro_batches_accumulate_to_the_same_update(tmp_path):
+    """parallel.micro_batch_rows splits each minibatch's forward + backward; the loss is normalised
+    by the whole batch, so the accumulated gradient and the update are the same (to 0.1% of an lr
+    step: Adam makes the summation order of ~0 gradients visible)."""
+    from safetensors.torch import load_file
+
+    a = run_train(tmp_path, "whole")
+    b = run_train(tmp_path, "micro", "parallel.micro_batch_rows=3")
+    ta = load_file(str(a / "adapter" / "fused" / "adapter_model.safetensors"))
+    tb = load_file(str(b / "adapter" / "fused" / "adapter_model.safetensors"))
+    for k in ta:
+        torch.testing.assert_close(ta[k], tb[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    ra = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()][1:]
+    rb = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=1e-5, abs=1e-6)  # ~0: advantages sum to 0
+
+
 def test_activation_checkpointing_in_one_process_changes_nothing_but_memory(tmp_path):
     from safetensors.torch import load_file
 

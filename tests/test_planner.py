@@ -177,3 +177,47 @@ def test_predictions_match_measurement_on_two_ranks(family):
             assert max(m["reduce_scatter"] for m in got) == pytest.approx(e.comm["fsdp reduce-scatter"] * 2, rel=0.02)
         if "dp all-reduce" in e.comm:
             assert max(m["all_reduce"] for m in got) == e.comm["dp all-reduce"]
+
+
+def test_parallel_auto_picks_a_layout_the_trainer_runs(tmp_path):
+    """`parallel = "auto"` under torchrun: the planner's layout for 2 ranks, recorded in the summary,
+    and the run's adapter equals the single-process run's (as for any layout)."""
+    from safetensors.torch import load_file
+    from test_parallel import run_train
+
+    from trillora.config import load_config
+
+    assert load_config(None, ['parallel="auto"']).parallel.auto
+    run = run_train(tmp_path, "auto", 'parallel="auto"', ranks=2)
+    summary = json.loads((run / "summary.json").read_text())
+    chosen = summary["parallel"]
+    assert summary["parallel_auto"] and chosen["dp"] * chosen["tp"] * chosen["pp"] * chosen["cp"] == 2
+    one = run_train(tmp_path, "one")
+    a = load_file(str(run / "adapter" / "fused" / "adapter_model.safetensors"))
+    b = load_file(str(one / "adapter" / "fused" / "adapter_model.safetensors"))
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{chosen} {k}: {m}")
+
+
+@pytest.mark.parametrize("example,model,gpus,gpu", [("kimi-k2-64xh800.toml", "kimi-k2", 64, "h800"),
+                                                    ("qwen3-30b-a3b-8gpu.toml", "qwen3-30b-a3b", 8, "h100")])
+def test_scale_examples_load_validate_and_fit(example, model, gpus, gpu):
+    """The shipped scale configs: they load and validate, their layout suits the model and the
+    world size, and the planner says that layout fits the GPUs' memory."""
+    from pathlib import Path
+
+    from trillora.config import load_config
+
+    cfg = load_config(Path(__file__).parent.parent / "examples" / example)
+    args = resolve_args(model)
+    dims = cfg.parallel.dims(gpus)
+    dims.check_model(args)
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    assert rows // dims.dp // dims.pp_microbatches == 1  # the 1-row microbatches the plan assumes
+    lora = cfg.lora
+    training = Training(lora_rank=lora.rank, expert_rank=lora.rank_for_experts(args.top_k), targets=tuple(lora.targets))
+    layout = Layout(dp=dims.dp, tp=dims.tp, ep=dims.ep, pp=dims.pp, cp=dims.cp, fsdp=dims.fsdp, sp=dims.sp,
+                    activation_checkpointing=dims.activation_checkpoint_every == 1)
+    e = estimate(Footprint(args, training), layout, Workload(seq_len=cfg.rollout.max_model_len, rollouts_per_step=rows),
+                 CLUSTERS[gpu])
+    assert e.memory_total <= CLUSTERS[gpu].memory_gib * 2**30 * 0.9, {k: v / 2**30 for k, v in e.memory.items()}

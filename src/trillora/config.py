@@ -181,9 +181,21 @@ class ParallelSection:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0
     pp_stage_layers: tuple[int, ...] = ()
+    auto: bool = False
+    """Let the planner pick dp, tp, ep, pp, cp, sp and activation checkpointing for the world size
+    (`parallel = "auto"` in TOML is the same); the other degrees are then ignored."""
+    micro_batch_rows: int = 0
+    """Rows per forward + backward on each data-parallel rank, gradients accumulated over a minibatch
+    (0 = the whole minibatch at once; 1 under `auto`, as the planner assumes). Under pp the
+    pipeline's own microbatches (`pp_microbatches`) play this part."""
+
+    def engine_fields(self) -> dict:
+        """The fields that are `ParallelDims`'s."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("auto", "micro_batch_rows")}
 
     def validate(self) -> None:
         _check_positive("parallel.dp", self.dp, zero_ok=True)
+        _check_positive("parallel.micro_batch_rows", self.micro_batch_rows, zero_ok=True)
         for key in ("tp", "ep", "pp", "cp"):
             _check_positive(f"parallel.{key}", getattr(self, key))
 
@@ -195,7 +207,7 @@ class ParallelSection:
             raise ConfigError(f"parallel.tp={self.tp} × pp={self.pp} × cp={self.cp} = {rest} does not divide the "
                               f"{world} ranks of this job")
         try:
-            dims = ParallelDims(**{**dataclasses.asdict(self), "dp": self.dp or world // rest})
+            dims = ParallelDims(**{**self.engine_fields(), "dp": self.dp or world // rest})
             dims.check_world(world)
         except ParallelError as e:
             raise ConfigError(str(e)) from None
@@ -318,6 +330,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {k!r} is not a table")
         node[keys[-1]] = value
+    if data.get("parallel") == "auto":  # the planner picks the layout at launch
+        data["parallel"] = {"auto": True}
     return _build(TrainConfig, data, "").validate()
 
 

@@ -37,11 +37,26 @@ class Distributed:
     par: Parallelized
 
     @staticmethod
-    def start(model: nn.Module, parallel_cfg, device: torch.device) -> "Distributed":
+    def start(model: nn.Module, cfg, device: torch.device) -> "Distributed":
+        """`cfg`: the run config; its `parallel` section, or the planner when `parallel.auto`."""
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        dims = parallel_cfg.dims(dist.get_world_size())
-        return Distributed(dist.get_rank(), dist.get_world_size(), parallelize(model, dims))
+        world = dist.get_world_size()
+        if cfg.parallel.auto:
+            from .config import ConfigError
+            from .parallel import ParallelError
+            from .parallel.planner import auto_dims
+
+            r = cfg.rollout
+            try:
+                dims, _ = auto_dims(model.args, cfg.lora, world, seq_len=r.max_model_len,
+                                    rows=r.prompts_per_step * r.group_size, minibatches=cfg.algorithm.minibatches,
+                                    device=device)
+            except ParallelError as e:
+                raise ConfigError(str(e)) from None
+        else:
+            dims = cfg.parallel.dims(world)
+        return Distributed(dist.get_rank(), world, parallelize(model, dims))
 
     @property
     def main(self) -> bool:

@@ -61,9 +61,11 @@ class Trainer:
                               "distributed rank; under torchrun serve vLLM and use rollout.engine='openai'")
         if launched():
             self.full = copy.deepcopy(self.model)
-            self.dist = Distributed.start(self.model, p, self.device)
+            self.dist = Distributed.start(self.model, cfg, self.device)
             if not self.dist.main:
                 self.full = None
+        elif p.auto:
+            pass  # one process: nothing to lay out
         elif (p.tp, p.ep, p.pp, p.cp, max(p.dp, 1)) != (1, 1, 1, 1, 1):
             raise ConfigError(f"parallel.dp={p.dp} tp={p.tp} ep={p.ep} pp={p.pp} cp={p.cp} needs a distributed launch: "
                               f"torchrun --nproc-per-node N -m trillora train ...")
@@ -84,6 +86,7 @@ class Trainer:
         self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                        top_k=r.top_k, stop_token_ids=stop)
         self.skipped_updates = 0
+        self.micro_batch_rows = p.micro_batch_rows or (1 if p.auto else 0)
 
     @property
     def main(self) -> bool:
@@ -168,13 +171,16 @@ class Trainer:
         chunks = torch.arange(ids.shape[0], device=ids.device).chunk(a.minibatches)
         for _ in range(a.epochs):
             for rows in chunks:
-                if pipeline is None:
-                    logp, entropy = token_logprobs(model, ids[rows], temp, with_entropy=True)
-                    loss = loss_of(logp, entropy, rows)
-                    loss.backward()
+                if pipeline is None:  # micro-batches accumulate gradients (losses share one normaliser)
+                    loss = 0.0
+                    for micro in rows.split(self.micro_batch_rows or len(rows)):
+                        logp, entropy = token_logprobs(model, ids[micro], temp, with_entropy=True)
+                        part = loss_of(logp, entropy, micro)
+                        part.backward()
+                        loss = loss + part.detach()
                 else:  # forward and backward of the microbatches; the loss is computed on the last stage
                     loss = pipeline.train_step(ids[rows], lambda lp, ent, r, rows=rows: loss_of(lp, ent, rows[r]), temp)
-                loss_sum += float(loss.detach())  # a share of the loss normalised by the whole batch
+                loss_sum += float(loss)  # a share of the loss normalised by the whole batch
             step_metrics = self._optimizer_step()
         if pipeline is not None:
             parts = pipeline.share_from_last(parts)
@@ -288,7 +294,8 @@ class Trainer:
             "steps": cfg.steps, "seconds": time.perf_counter() - start,
             "skipped_updates": self.skipped_updates,
             "adapter": lora.adapter_stats(self.full),
-            **({"parallel": dataclasses.asdict(self.dist.par.dims), "dp_grad_bytes_per_step": self.dist.par.grad_sync.bytes_per_step}
+            **({"parallel": dataclasses.asdict(self.dist.par.dims), "parallel_auto": cfg.parallel.auto,
+                "dp_grad_bytes_per_step": self.dist.par.grad_sync.bytes_per_step}
                if self.dist else {}),
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -119,5 +119,37 @@ def lora_vs_full(args: ModelArgs, training: Training, cluster: Cluster, work: Wo
     return out
 
 
-__all__ = ["CLUSTERS", "Plan", "RolloutLayout", "lora_vs_full", "plan", "rollout_layout", "smallest_cluster",
+def auto_dims(args: ModelArgs, lora_cfg, world: int, seq_len: int, rows: int, minibatches: int, device):
+    """`parallel = "auto"`: the fastest layout the planner finds for this world size that the
+    trainer can run (model sizes divisible, rows splitting over dp and pipeline microbatches)."""
+    import torch
+
+    from .dims import ParallelDims, ParallelError
+
+    if device.type == "cuda":  # the device's own memory; link figures of an H100 node
+        cluster = replace(CLUSTERS["h100"], memory_gib=torch.cuda.get_device_properties(device).total_memory / 2**30)
+    else:
+        cluster = CLUSTERS["cpu"]
+    training = Training(lora_rank=lora_cfg.rank, expert_rank=lora_cfg.rank_for_experts(args.top_k),
+                        targets=tuple(lora_cfg.targets), base_bytes=4 if device.type == "cpu" else 2)
+    result = plan(Footprint(args, training), world, cluster, Workload(seq_len=seq_len, rollouts_per_step=rows),
+                  top=10**6)
+    for est in result.best:
+        lay = est.layout
+        per_rank = rows // (lay.dp * minibatches)  # rows one pipeline call trains: 1-row microbatches
+        dims = ParallelDims(dp=lay.dp, tp=lay.tp, ep=lay.ep, pp=lay.pp, cp=lay.cp, fsdp=lay.fsdp, sp=lay.sp,
+                            activation_checkpoint_every=int(lay.activation_checkpointing),
+                            pp_microbatches=per_rank if lay.pp > 1 else 0)
+        try:
+            dims.check_model(args)
+        except ParallelError:
+            continue
+        if rows % (lay.dp * minibatches) == 0 and per_rank >= dims.num_stages:
+            return dims, est
+    least = result.smallest
+    raise ParallelError(f"parallel='auto': no layout of {world} ranks fits {cluster.memory_gib:.0f} GiB per device; "
+                        f"the leanest ({least.layout.short()}) needs {least.memory_total / 2**30:.1f} GiB")
+
+
+__all__ = ["auto_dims", "CLUSTERS", "Plan", "RolloutLayout", "lora_vs_full", "plan", "rollout_layout", "smallest_cluster",
            "valid_layouts"]
