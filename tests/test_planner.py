@@ -18,7 +18,8 @@ from engine_helpers import free_port
 from hf_models import DEEPSEEK_V3, QWEN3_MOE
 from trillora.info import resolve_args
 from trillora.models import from_hf_config
-from trillora.parallel.cost import CLUSTERS, Footprint, Layout, Training, Workload, activation_elements, estimate
+from trillora.parallel import ParallelDims
+from trillora.parallel.cost import CLUSTERS, Footprint, Training, Workload, activation_elements, estimate
 from trillora.parallel.planner import lora_vs_full, plan, rollout_layout, valid_layouts
 
 TINY = Training(lora_rank=4, targets=("attention", "experts"), base_bytes=4)
@@ -40,26 +41,26 @@ def test_traffic_and_bubble_formulas_by_hand():
     fp = Footprint(args, TINY)
     work = Workload(seq_len=64, rollouts_per_step=8, micro_batch_rows=1)
     cpu = CLUSTERS["cpu"]
-    e = estimate(fp, Layout(dp=2, fsdp=False), work, cpu)
+    e = estimate(fp, ParallelDims(dp=2, fsdp=False), work, cpu)
     assert e.comm == {"dp all-reduce": 2 * (1 / 2) * fp.trainable * 4}  # ring all-reduce of fp32 adapter gradients
-    e = estimate(fp, Layout(dp=2), work, cpu)  # FSDP: the adapter's gradients reduce-scattered once
+    e = estimate(fp, ParallelDims(dp=2), work, cpu)  # FSDP: the adapter's gradients reduce-scattered once
     assert e.comm["fsdp reduce-scatter"] == fp.trainable * 4 / 2
-    e = estimate(fp, Layout(pp=2), work, cpu)  # 1F1B: (pp - 1) / microbatches; 8 rows of 1
+    e = estimate(fp, ParallelDims(pp=2), work, cpu)  # 1F1B: (pp - 1) / microbatches; 8 rows of 1
     assert e.bubble == pytest.approx(1 / 8)
     # tp: two all-reduces per layer forward and two backward, ring factor 2(n-1)/n, 8 × 64 tokens of C 64 fp32
-    e = estimate(fp, Layout(tp=2), work, cpu)
+    e = estimate(fp, ParallelDims(tp=2), work, cpu)
     assert e.comm["tp"] == 2 * (1 / 2) * 3 * (8 * 64) * 64 * 4 * 2 * 2
     # parameters per rank: tp halves the split projections only; FSDP over dp halves everything
-    full = fp.rank_numel(Layout(), set(range(3)) | {"embed", "head"}, False)
+    full = fp.rank_numel(ParallelDims(), set(range(3)) | {"embed", "head"}, False)
     assert full == sum(n for (_, _, _, t), n in fp.buckets.items() if not t)
-    assert fp.rank_numel(Layout(dp=2), set(range(3)) | {"embed", "head"}, False) == full / 2
+    assert fp.rank_numel(ParallelDims(dp=2), set(range(3)) | {"embed", "head"}, False) == full / 2
 
 
 def test_valid_layouts_respect_the_engine_rules():
     args = resolve_args("qwen3-30b-a3b")
     work = Workload(seq_len=4096, rollouts_per_step=64)
     layouts = valid_layouts(args, 16, CLUSTERS["h100"], work)
-    assert layouts and all(lay.world == 16 for lay in layouts)
+    assert layouts and all(lay.world_size == 16 for lay in layouts)
     assert all(lay.tp <= 8 and args.num_heads % lay.tp == 0 and args.num_kv_heads % lay.tp == 0 for lay in layouts)
     assert all(lay.dp % lay.ep == 0 and args.num_experts % lay.ep == 0 for lay in layouts)
     assert {lay.cp for lay in layouts} <= {1, 2, 4, 8, 16}
@@ -165,7 +166,7 @@ def test_predictions_match_measurement_on_two_ranks(family):
     cpu = CLUSTERS["cpu"]
     for layout in layouts:
         got = measured[json.dumps(layout)]
-        lay = Layout(**{k: v for k, v in layout.items()})
+        lay = ParallelDims(**layout)
         microbatch = ROWS // lay.dp // (2 if lay.pp > 1 else 1)
         e = estimate(fp, lay, Workload(seq_len=T, rollouts_per_step=ROWS, micro_batch_rows=microbatch), cpu)
         params = e.memory["base weights"] + e.memory["adapter + grads + optimizer"] / 16 * 4
@@ -216,8 +217,6 @@ def test_scale_examples_load_validate_and_fit(example, model, gpus, gpu):
     assert rows // dims.dp // dims.pp_microbatches == 1  # the 1-row microbatches the plan assumes
     lora = cfg.lora
     training = Training(lora_rank=lora.rank, expert_rank=lora.rank_for_experts(args.top_k), targets=tuple(lora.targets))
-    layout = Layout(dp=dims.dp, tp=dims.tp, ep=dims.ep, pp=dims.pp, cp=dims.cp, fsdp=dims.fsdp, sp=dims.sp,
-                    activation_checkpointing=dims.activation_checkpoint_every == 1)
-    e = estimate(Footprint(args, training), layout, Workload(seq_len=cfg.rollout.max_model_len, rollouts_per_step=rows),
+    e = estimate(Footprint(args, training), dims, Workload(seq_len=cfg.rollout.max_model_len, rollouts_per_step=rows),
                  CLUSTERS[gpu])
     assert e.memory_total <= CLUSTERS[gpu].memory_gib * 2**30 * 0.9, {k: v / 2**30 for k, v in e.memory.items()}

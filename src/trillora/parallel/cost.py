@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ..models.args import ModelArgs
+from .dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -45,27 +46,14 @@ CLUSTERS = {
 }
 
 
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    ep: int = 1
-    pp: int = 1
-    cp: int = 1
-    fsdp: bool = True
-    sp: bool = False
-    activation_checkpointing: bool = False
-    pp_schedule: str = "1f1b"
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    def short(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("tp", self.tp), ("ep", self.ep))
-                 if v > 1]
-        flags = [f for f, on in (("fsdp", self.fsdp), ("sp", self.sp), ("ac", self.activation_checkpointing)) if on]
-        return "×".join(parts or ["1"]) + (" +" + "+".join(flags) if flags else "")
+def short(layout: ParallelDims) -> str:
+    """pp2×dp16×cp2×ep16 +fsdp+ac: the degrees above 1 and the switches that are on."""
+    parts = [f"{k}{v}" for k, v in (("pp", layout.pp), ("dp", layout.dp), ("cp", layout.cp), ("tp", layout.tp),
+                                     ("ep", layout.ep)) if v > 1]
+    flags = [f for f, on in (("fsdp", layout.fsdp and layout.dp * layout.cp > 1), ("sp", layout.sp),
+                             ("ac", layout.activation_checkpoint_every))
+             if on]
+    return "×".join(parts or ["1"]) + (" +" + "+".join(flags) if flags else "")
 
 
 @dataclass(frozen=True)
@@ -131,7 +119,7 @@ class Footprint:
     def total(self) -> int:
         return sum(self.buckets.values())
 
-    def stage_places(self, layout: Layout) -> list[set]:
+    def stage_places(self, layout: ParallelDims) -> list[set]:
         from .pipeline import split_layers
 
         ranges = split_layers(self.args.num_layers, layout.pp)
@@ -140,7 +128,7 @@ class Footprint:
         stages[-1].add("head")
         return stages
 
-    def rank_numel(self, layout: Layout, places: set, trainable: bool, experts: bool | None = None) -> float:
+    def rank_numel(self, layout: ParallelDims, places: set, trainable: bool, experts: bool | None = None) -> float:
         """Elements of (trainable or frozen) parameters one rank of a stage holding `places` keeps
         (`experts`: only routed-expert tensors, only the others, or both when None)."""
         total = 0.0
@@ -153,13 +141,13 @@ class Footprint:
             total += share / (shard_group(layout, expert) if layout.fsdp else 1)
         return total
 
-    def unit_numel(self, places: set, layout: Layout, experts: bool | None = None) -> tuple[float, float]:
+    def unit_numel(self, places: set, layout: ParallelDims, experts: bool | None = None) -> tuple[float, float]:
         """(frozen, trainable) elements of a stage's FSDP units before sharding (what all-gathers rebuild)."""
         flat = replace(layout, fsdp=False)
         return self.rank_numel(flat, places, False, experts), self.rank_numel(flat, places, True, experts)
 
 
-def shard_group(layout: Layout, expert: bool) -> int:
+def shard_group(layout: ParallelDims, expert: bool) -> int:
     """Ranks a parameter is sharded over by FSDP (replicas of it): dp × cp, or for an expert
     shard its replicas edp × cp (1: a single owner, left out of FSDP)."""
     return (layout.dp // layout.ep) * layout.cp if expert else layout.dp * layout.cp
@@ -224,7 +212,7 @@ def first_trained_layer(args: ModelArgs, training: Training) -> int:
 
 @dataclass
 class Estimate:
-    layout: Layout
+    layout: ParallelDims
     memory: dict[str, float] = field(default_factory=dict)  # bytes per device by part
     comm: dict[str, float] = field(default_factory=dict)  # bytes per device per step by collective
     compute_s: float = 0.0
@@ -240,7 +228,7 @@ class Estimate:
         return (self.compute_s + self.comm_s) * (1 + self.bubble)
 
 
-def estimate(fp: Footprint, layout: Layout, work: Workload, cluster: Cluster) -> Estimate:
+def estimate(fp: Footprint, layout: ParallelDims, work: Workload, cluster: Cluster) -> Estimate:
     """Memory, traffic and time of one optimizer step under `layout` (the worst pipeline stage)."""
     args, training = fp.args, fp.training
     est = Estimate(layout)
@@ -272,7 +260,7 @@ def estimate(fp: Footprint, layout: Layout, work: Workload, cluster: Cluster) ->
         if layout.pp > 1 else 1
     if layout.pp_schedule == "gpipe" and layout.pp > 1:
         in_flight = max(1, work.rollouts_per_step // (layout.dp * work.micro_batch_rows))
-    if layout.activation_checkpointing:  # layer inputs kept, one layer recomputed at a time
+    if layout.activation_checkpoint_every:  # layer inputs kept, one layer recomputed at a time
         saved = in_flight * len(kinds) * tokens * args.hidden_size + tokens * layer + gathered_kv
     else:
         saved = in_flight * (tokens * sum(kinds) + len(kinds) * gathered_kv)
@@ -290,7 +278,7 @@ def estimate(fp: Footprint, layout: Layout, work: Workload, cluster: Cluster) ->
     # traffic per step per rank
     rows = work.rollouts_per_step / layout.dp  # rows this data-parallel rank trains
     step_tokens = rows * work.seq_len / layout.cp  # tokens through this rank per pass
-    fwd = 1 + (work.passes > 1) + work.kl + layout.activation_checkpointing  # forward passes of the training tokens
+    fwd = 1 + (work.passes > 1) + work.kl + bool(layout.activation_checkpoint_every)  # forward passes of the training tokens
     passes = work.passes
     act = cluster.act_bytes
     c = args.hidden_size
@@ -322,7 +310,7 @@ def estimate(fp: Footprint, layout: Layout, work: Workload, cluster: Cluster) ->
     flops_token = 2 * _activated_numel(fp) + 2 * args.num_layers * work.seq_len / 2 * args.num_heads * _qk_v(args)
     backward = 2 if training.full else 1
     total_flops = flops_token * work.rollouts_per_step * work.seq_len * (fwd + passes * backward)
-    est.compute_s = total_flops / (layout.world * cluster.peak_tflops * 1e12 * cluster.mfu)
+    est.compute_s = total_flops / (layout.world_size * cluster.peak_tflops * 1e12 * cluster.mfu)
     microbatches = max(1, rows // work.micro_batch_rows)
     est.bubble = (layout.pp - 1) / microbatches if layout.pp > 1 else 0.0
     if layout.pp_schedule in ("interleaved_zero_bubble", "zbv"):
@@ -353,7 +341,7 @@ def _activated_numel(fp: Footprint) -> float:
     return total
 
 
-def _bandwidth(collective: str, layout: Layout, cluster: Cluster) -> float:
+def _bandwidth(collective: str, layout: ParallelDims, cluster: Cluster) -> float:
     """GB/s of the group a collective runs on: intra-node when its ranks fit in one node
     (ranks are laid out pp, dp, cp, tp with tp fastest; ep is the fastest part of dp)."""
     stride_size = {"tp": (1, layout.tp), "cp K/V": (layout.tp, layout.cp),

@@ -116,6 +116,7 @@ def render(out: dict) -> None:
 
 
 def _short(layout: dict) -> str:
-    from .cost import Layout
+    from .cost import short
+    from .dims import ParallelDims
 
-    return Layout(**layout).short()
+    return short(ParallelDims(**layout))

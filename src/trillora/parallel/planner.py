@@ -10,14 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..models.args import ModelArgs
-from .cost import CLUSTERS, Cluster, Estimate, Footprint, Layout, Training, Workload, estimate
+from .cost import CLUSTERS, Cluster, Estimate, Footprint, Training, Workload, estimate, short
+from .dims import ParallelDims, ParallelError
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def valid_layouts(args: ModelArgs, world: int, cluster: Cluster, work: Workload) -> list[Layout]:
+def valid_layouts(args: ModelArgs, world: int, cluster: Cluster, work: Workload) -> list[ParallelDims]:
     """Every layout the engine can run on `world` ranks: tp within a node and dividing the heads
     (and kv heads for GQA), ep dividing dp and the experts, pp no more than the layers, cp a power
     of two that splits the sequence, dp splitting the rows; FSDP on, with and without sequence
@@ -40,7 +41,7 @@ def valid_layouts(args: ModelArgs, world: int, cluster: Cluster, work: Workload)
                         continue
                     for sp in ((False, True) if tp > 1 and pp == 1 else (False,)):
                         for ac in (False, True):
-                            out.append(Layout(dp=dp, tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, activation_checkpointing=ac))
+                            out.append(ParallelDims(dp=dp, tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, activation_checkpoint_every=int(ac)))
     return out
 
 
@@ -124,8 +125,6 @@ def auto_dims(args: ModelArgs, lora_cfg, world: int, seq_len: int, rows: int, mi
     trainer can run (model sizes divisible, rows splitting over dp and pipeline microbatches)."""
     import torch
 
-    from .dims import ParallelDims, ParallelError
-
     if device.type == "cuda":  # the device's own memory; link figures of an H100 node
         cluster = replace(CLUSTERS["h100"], memory_gib=torch.cuda.get_device_properties(device).total_memory / 2**30)
     else:
@@ -137,9 +136,7 @@ def auto_dims(args: ModelArgs, lora_cfg, world: int, seq_len: int, rows: int, mi
     for est in result.best:
         lay = est.layout
         per_rank = rows // (lay.dp * minibatches)  # rows one pipeline call trains: 1-row microbatches
-        dims = ParallelDims(dp=lay.dp, tp=lay.tp, ep=lay.ep, pp=lay.pp, cp=lay.cp, fsdp=lay.fsdp, sp=lay.sp,
-                            activation_checkpoint_every=int(lay.activation_checkpointing),
-                            pp_microbatches=per_rank if lay.pp > 1 else 0)
+        dims = replace(lay, pp_microbatches=per_rank if lay.pp > 1 else 0)
         try:
             dims.check_model(args)
         except ParallelError:
@@ -148,7 +145,7 @@ def auto_dims(args: ModelArgs, lora_cfg, world: int, seq_len: int, rows: int, mi
             return dims, est
     least = result.smallest
     raise ParallelError(f"parallel='auto': no layout of {world} ranks fits {cluster.memory_gib:.0f} GiB per device; "
-                        f"the leanest ({least.layout.short()}) needs {least.memory_total / 2**30:.1f} GiB")
+                        f"the leanest ({short(least.layout)}) needs {least.memory_total / 2**30:.1f} GiB")
 
 
 __all__ = ["auto_dims", "CLUSTERS", "Plan", "RolloutLayout", "lora_vs_full", "plan", "rollout_layout", "smallest_cluster",
