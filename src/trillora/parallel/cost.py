@@ -229,12 +229,33 @@ class Estimate:
 
 
 def estimate(fp: Footprint, layout: ParallelDims, work: Workload, cluster: Cluster) -> Estimate:
-    """Memory, traffic and time of one optimizer step under `layout` (the worst pipeline stage)."""
-    args, training = fp.args, fp.training
+    """Memory, traffic and time of one optimizer step under `layout`, on its fullest pipeline stage.
+    Activation checkpointing is counted as every layer's (any `activation_checkpoint_every` > 0)."""
     est = Estimate(layout)
     stages = fp.stage_places(layout)
-    worst = max(range(layout.pp), key=lambda s: fp.rank_numel(layout, stages[s], False) + fp.rank_numel(layout, stages[s], True))
+    worst = max(range(layout.pp), key=lambda s: sum(fp.rank_numel(layout, stages[s], t) for t in (False, True)))
     places = stages[worst]
+    layers_here = sorted(p for p in places if isinstance(p, int))
+    _memory(est, fp, layout, work, cluster, places, layers_here, worst)
+    _traffic(est, fp, layout, work, cluster, places, layers_here, worst)
+    _time(est, fp, layout, work, cluster)
+    return est
+
+
+def _forward_passes(layout: ParallelDims, work: Workload) -> int:
+    """Forward passes over the training tokens: old and reference logprobs, recompute, training."""
+    return 1 + (work.passes > 1) + work.kl + bool(layout.activation_checkpoint_every)
+
+
+def _kv_width(args: ModelArgs, tp: int) -> float:
+    """K and V elements per token that context parallelism gathers (MLA: expanded per head)."""
+    if args.kv_lora_rank:
+        return args.num_heads / tp * (args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim)
+    return 2 * args.num_kv_heads / tp * args.head_dim
+
+
+def _memory(est, fp, layout, work, cluster, places, layers_here, worst) -> None:
+    args, training = fp.args, fp.training
     frozen, trainable = fp.rank_numel(layout, places, False), fp.rank_numel(layout, places, True)
     if training.full:
         est.memory["weights + grads + optimizer"] = trainable * FULL_STATE_BYTES
@@ -246,22 +267,18 @@ def estimate(fp: Footprint, layout: ParallelDims, work: Workload, cluster: Clust
     # activations of one microbatch on this rank: m rows × t tokens
     tokens = work.micro_batch_rows * work.seq_len / layout.cp
     per = activation_elements(args, training, layout.tp)
-    layers_here = sorted(p for p in places if isinstance(p, int))
     first = first_trained_layer(args, training)  # autograd saves nothing upstream of the first trained weight
     kinds = [(per["attention"] if i > first or (i == first and _trains_attention(training)) else 0.0)
              + (per["moe"] if i in args.moe_layers else per["mlp"]) * (i >= first) for i in layers_here]
     if layout.sp:  # norms and the residual on a tp-th of the tokens
         kinds = [x - (1 - 1 / layout.tp) * 2 * args.hidden_size for x in kinds]
-    layer = max(kinds, default=0.0)
-    kv_width = (args.num_heads / layout.tp) * (args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim) \
-        if args.kv_lora_rank else 2 * args.num_kv_heads / layout.tp * args.head_dim  # K and V per token
-    gathered_kv = (layout.cp - 1) / layout.cp * work.seq_len * work.micro_batch_rows * kv_width  # per layer, cp > 1
-    in_flight = min(layout.pp - worst, max(1, work.rollouts_per_step // (layout.dp * work.micro_batch_rows))) \
-        if layout.pp > 1 else 1
-    if layout.pp_schedule == "gpipe" and layout.pp > 1:
-        in_flight = max(1, work.rollouts_per_step // (layout.dp * work.micro_batch_rows))
+    gathered_kv = (layout.cp - 1) / layout.cp * work.seq_len * work.micro_batch_rows * _kv_width(args, layout.tp)
+    microbatches = max(1, work.rollouts_per_step // (layout.dp * work.micro_batch_rows))
+    in_flight = 1  # microbatches whose activations a stage holds at once: 1F1B fills the pipeline, GPipe all
+    if layout.pp > 1:
+        in_flight = microbatches if layout.pp_schedule == "gpipe" else min(layout.pp - worst, microbatches)
     if layout.activation_checkpoint_every:  # layer inputs kept, one layer recomputed at a time
-        saved = in_flight * len(kinds) * tokens * args.hidden_size + tokens * layer + gathered_kv
+        saved = in_flight * len(kinds) * tokens * args.hidden_size + tokens * max(kinds, default=0.0) + gathered_kv
     else:
         saved = in_flight * (tokens * sum(kinds) + len(kinds) * gathered_kv)
     head = tokens * per["head"] * ("head" in places)
@@ -270,54 +287,61 @@ def estimate(fp: Footprint, layout: ParallelDims, work: Workload, cluster: Clust
     # few hidden-size gradients on a stage without the head
     est.memory["transient"] = max(2 * head * 4, 4 * tokens * args.hidden_size * cluster.act_bytes)
     if layout.fsdp and layout.dp * layout.cp > 1:  # FSDP keeps a gathered layer in use and the next one prefetched
+        weight = 2 if training.full else 4  # bytes of a trainable parameter as gathered
+
         def gathered(i: int) -> float:
             parts = [fp.unit_numel({i}, layout, e) for e in (False, True) if shard_group(layout, e) > 1]
-            return sum(frozen * training.base_bytes + train * 4 for frozen, train in parts)
+            return sum(f * training.base_bytes + t * weight for f, t in parts)
 
         est.memory["fsdp gathered layers"] = 2 * max((gathered(i) for i in layers_here), default=0.0)
-    # traffic per step per rank
+
+
+def _traffic(est, fp, layout, work, cluster, places, layers_here, worst) -> None:
+    """Bytes this rank puts on the wire per step, per collective, and the time they take."""
+    args, training = fp.args, fp.training
     rows = work.rollouts_per_step / layout.dp  # rows this data-parallel rank trains
-    step_tokens = rows * work.seq_len / layout.cp  # tokens through this rank per pass
-    fwd = 1 + (work.passes > 1) + work.kl + bool(layout.activation_checkpoint_every)  # forward passes of the training tokens
-    passes = work.passes
-    act = cluster.act_bytes
-    c = args.hidden_size
-    if layout.tp > 1:  # two all-reduces (or all-gather + reduce-scatter) per layer, forward and backward
-        est.comm["tp"] = 2 * (layout.tp - 1) / layout.tp * len(layers_here) * step_tokens * c * act * 2 * (fwd + passes)
-    moe_here = len([i for i in layers_here if i in args.moe_layers])
-    if layout.ep > 1:
-        est.comm["ep all-to-all"] = (layout.ep - 1) / layout.ep * moe_here * step_tokens * args.top_k * c * act * 2 * (fwd + passes)
+    tokens = rows * work.seq_len / layout.cp  # tokens through this rank per pass
+    calls = _forward_passes(layout, work) + work.passes  # forward passes and backward passes
+    act, c = cluster.act_bytes, args.hidden_size
+    if layout.tp > 1:  # two all-reduces (or all-gather + reduce-scatter) per layer and pass
+        est.comm["tp"] = 2 * (layout.tp - 1) / layout.tp * len(layers_here) * tokens * c * act * 2 * calls
+    if layout.ep > 1:  # dispatch and combine of every routed copy of a token
+        moe_here = len([i for i in layers_here if i in args.moe_layers])
+        est.comm["ep all-to-all"] = (layout.ep - 1) / layout.ep * moe_here * tokens * args.top_k * c * act * 2 * calls
     if layout.cp > 1:
-        est.comm["cp K/V"] = (layout.cp - 1) / layout.cp * len(layers_here) * rows * work.seq_len * kv_width * act * (fwd + passes)
-    if layout.pp > 1:
-        # activations forward, their gradients backward (a middle stage sends both ways)
-        est.comm["pp p2p"] = step_tokens * c * act * (fwd + passes) * (1 if worst in (0, layout.pp - 1) else 2)
+        est.comm["cp K/V"] = (layout.cp - 1) / layout.cp * len(layers_here) * rows * work.seq_len \
+            * _kv_width(args, layout.tp) * act * calls
+    if layout.pp > 1:  # activations forward, their gradients backward (a middle stage sends both ways)
+        est.comm["pp p2p"] = tokens * c * act * calls * (1 if worst in (0, layout.pp - 1) else 2)
     for expert in (False, True):  # dense tensors over dp × cp, expert shards over their edp × cp replicas
         g = shard_group(layout, expert)
         if g == 1:
             continue
         frozen, train = fp.unit_numel(places, layout, expert)
         weight_bytes = frozen * training.base_bytes + train * (2 if training.full else 4)
-        grad_bytes = train * 4 * passes  # gradients are reduced in fp32, once per backward
+        grad_bytes = train * 4 * work.passes  # gradients are reduced in fp32, once per backward
         if layout.fsdp:
-            _add(est.comm, "fsdp all-gather", (g - 1) / g * weight_bytes * (fwd + passes))
+            _add(est.comm, "fsdp all-gather", (g - 1) / g * weight_bytes * calls)
             _add(est.comm, "fsdp reduce-scatter", (g - 1) / g * grad_bytes)
         else:
             _add(est.comm, "dp all-reduce", 2 * (g - 1) / g * grad_bytes)
-    for name, nbytes in est.comm.items():
-        est.comm_s += nbytes / (_bandwidth(name, layout, cluster) * 1e9)
-    # compute: 2·N·tokens per forward; backward ≈ 1 forward for LoRA (no base weight gradients), 2 for full
+    est.comm_s = sum(nbytes / (_bandwidth(name, layout, cluster) * 1e9) for name, nbytes in est.comm.items())
+
+
+def _time(est, fp, layout, work, cluster) -> None:
+    """Compute: 2·N·tokens per forward (N: the matrix elements a token multiplies through, plus
+    causal attention); backward ≈ 1 forward for LoRA (no base weight gradients), 2 for full."""
+    args = fp.args
     flops_token = 2 * _activated_numel(fp) + 2 * args.num_layers * work.seq_len / 2 * args.num_heads * _qk_v(args)
-    backward = 2 if training.full else 1
-    total_flops = flops_token * work.rollouts_per_step * work.seq_len * (fwd + passes * backward)
-    est.compute_s = total_flops / (layout.world_size * cluster.peak_tflops * 1e12 * cluster.mfu)
-    microbatches = max(1, rows // work.micro_batch_rows)
+    backward = 2 if fp.training.full else 1
+    total = flops_token * work.rollouts_per_step * work.seq_len * (_forward_passes(layout, work) + work.passes * backward)
+    est.compute_s = total / (layout.world_size * cluster.peak_tflops * 1e12 * cluster.mfu)
+    microbatches = max(1, work.rollouts_per_step // (layout.dp * work.micro_batch_rows))
     est.bubble = (layout.pp - 1) / microbatches if layout.pp > 1 else 0.0
-    if layout.pp_schedule in ("interleaved_zero_bubble", "zbv"):
+    if layout.pp_schedule in ("interleaved_zero_bubble", "zbv"):  # weight gradients fill most of the bubble
         est.bubble /= 4
-    elif layout.pp_schedule == "interleaved_1f1b":
+    elif layout.pp_schedule == "interleaved_1f1b":  # two stages per rank halve it
         est.bubble /= 2
-    return est
 
 
 def _add(d: dict[str, float], key: str, value: float) -> None:
