@@ -56,6 +56,23 @@ def test_traffic_and_bubble_formulas_by_hand():
     assert fp.rank_numel(ParallelDims(dp=2), set(range(3)) | {"embed", "head"}, False) == full / 2
 
 
+def test_training_flops_by_hand():
+    """Attention: 2 · 3 layers · (T/2 = 5) · 4 heads · (16 + 16) = 3840 per token. Full-parameter
+    backward is two forwards; LoRA's is one forward plus the adapters' weight gradients."""
+    from trillora.parallel.cost import training_flops
+
+    args = from_hf_config(QWEN3_MOE, where="q")
+    lora_fp, full_fp = Footprint(args, TINY), Footprint(args, Training(full=True))
+    full, lo = training_flops(full_fp, 10), training_flops(lora_fp, 10)
+    routed = sum(n for (place, _, expert, train), n in full_fp.buckets.items() if expert) * 2 / 8
+    dense = sum(n for (place, _, expert, train), n in full_fp.buckets.items() if not expert and place != "embed")
+    assert full["forward"] == 2 * (routed + dense) + 3840
+    assert full["backward"] == 2 * full["forward"]
+    adapters = sum(n * (2 / 8 if expert else 1) for (_, _, expert, train), n in lora_fp.buckets.items() if train)
+    assert lo["forward"] == full["forward"] + 2 * adapters
+    assert lo["backward"] == lo["forward"] + 2 * adapters + 3840
+
+
 def test_valid_layouts_respect_the_engine_rules():
     args = resolve_args("qwen3-30b-a3b")
     work = Workload(seq_len=4096, rollouts_per_step=64)

@@ -328,13 +328,34 @@ def _traffic(est, fp, layout, work, cluster, places, layers_here, worst) -> None
     est.comm_s = sum(nbytes / (_bandwidth(name, layout, cluster) * 1e9) for name, nbytes in est.comm.items())
 
 
+def training_flops(fp: Footprint, seq_len: int) -> dict[str, float]:
+    """FLOPs per token of one training pass over rows of `seq_len` tokens, by direction.
+
+    Forward: 2 per weight a token multiplies through (routed experts: top-k of E; LoRA's A and
+    B included; the embedding is a lookup) plus causal attention, 2·(T/2)·H·(D_qk + D_v).
+    Backward: the input gradient costs a forward again; weight gradients another forward's
+    worth, but only for trained weights: all of them in full-parameter training, the
+    adapters alone under LoRA. Attention's backward ≈ 2 forwards."""
+    a = fp.args
+    frozen = trained = 0.0
+    for (place, _, expert, train), n in fp.buckets.items():
+        if place == "embed":
+            continue
+        n = n * a.top_k / a.num_experts if expert else n
+        if train:
+            trained += n
+        else:
+            frozen += n
+    attention = 2 * a.num_layers * (seq_len / 2) * a.num_heads * _qk_v(a)
+    forward = 2 * (frozen + trained) + attention
+    return {"forward": forward, "backward": 2 * (frozen + trained) + 2 * trained + 2 * attention}
+
+
 def _time(est, fp, layout, work, cluster) -> None:
-    """Compute: 2·N·tokens per forward (N: the matrix elements a token multiplies through, plus
-    causal attention); backward ≈ 1 forward for LoRA (no base weight gradients), 2 for full."""
-    args = fp.args
-    flops_token = 2 * _activated_numel(fp) + 2 * args.num_layers * work.seq_len / 2 * args.num_heads * _qk_v(args)
-    backward = 2 if fp.training.full else 1
-    total = flops_token * work.rollouts_per_step * work.seq_len * (_forward_passes(layout, work) + work.passes * backward)
+    """Compute at `cluster.mfu` of peak (`training_flops`), and the pipeline bubble."""
+    flops = training_flops(fp, work.seq_len)
+    per_token = flops["forward"] * _forward_passes(layout, work) + flops["backward"] * work.passes
+    total = per_token * work.rollouts_per_step * work.seq_len
     est.compute_s = total / (layout.world_size * cluster.peak_tflops * 1e12 * cluster.mfu)
     microbatches = max(1, work.rollouts_per_step // (layout.dp * work.micro_batch_rows))
     est.bubble = (layout.pp - 1) / microbatches if layout.pp > 1 else 0.0
@@ -352,17 +373,6 @@ def _qk_v(args: ModelArgs) -> float:
     if args.kv_lora_rank:
         return args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim
     return 2 * args.head_dim
-
-
-def _activated_numel(fp: Footprint) -> float:
-    """Matrix elements one token multiplies through (routed experts: top-k of E)."""
-    a = fp.args
-    total = 0.0
-    for (place, _, expert, _), n in fp.buckets.items():
-        if place == "embed":
-            continue
-        total += n * a.top_k / a.num_experts if expert else n
-    return total
 
 
 def _bandwidth(collective: str, layout: ParallelDims, cluster: Cluster) -> float:
