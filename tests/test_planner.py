@@ -144,7 +144,8 @@ def measure(family: str, dims) -> dict:
             (-token_logprobs(model, ids)[0].sum() / (ROWS * T)).backward()
     sent = par.grad_sync()
     return {"param_bytes": sum(p.numel() * p.element_size() for p in local), "peak": probe.report.peak_bytes,
-            "reduce_scatter": par.fsdp.reduce_scatter_in if par.fsdp else 0, "all_reduce": sent}
+            "reduce_scatter": par.fsdp.reduce_scatter_in if par.fsdp else 0, "all_reduce": sent,
+            "all_gather": par.fsdp.all_gather_out if par.fsdp else 0}
 
 
 def worker(rank, world, port, family, layouts, results, errors):
@@ -165,8 +166,9 @@ def worker(rank, world, port, family, layouts, results, errors):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_predictions_match_measurement_on_two_ranks(family):
-    """Per layout: parameter bytes per rank as predicted (to FSDP's padding), the reduced gradient
-    bytes exactly, and the activation peak per rank within 25% of the measured one."""
+    """Per layout: parameter bytes per rank as predicted (to FSDP's padding), the bytes FSDP gathers
+    and reduce-scatters and the bytes replicated data parallelism all-reduces as predicted, and
+    the activation peak per rank within 25% of the measured one."""
     layouts = [dict(dp=2), dict(dp=2, fsdp=False), dict(tp=2), dict(cp=2, fsdp=False), dict(pp=2), dict(dp=2, ep=2)]
     ctx = mp.get_context("spawn")
     results, errors = ctx.SimpleQueue(), ctx.SimpleQueue()
@@ -191,8 +193,9 @@ def test_predictions_match_measurement_on_two_ranks(family):
         activation = e.memory["activations"] + e.memory["transient"] + e.memory.get("fsdp gathered layers", 0)
         peak = max(m["peak"] for m in got)
         assert 0.75 <= activation / peak <= 1.25, (layout, activation, peak, e.memory)
-        if "fsdp reduce-scatter" in e.comm:  # counted: the full gradient buffer each rank reduce-scatters
+        if "fsdp reduce-scatter" in e.comm:  # counted: the full buffers each rank reduce-scatters and gathers
             assert max(m["reduce_scatter"] for m in got) == pytest.approx(e.comm["fsdp reduce-scatter"] * 2, rel=0.02)
+            assert max(m["all_gather"] for m in got) == pytest.approx(e.comm["fsdp all-gather"] * 2, rel=0.02)
         if "dp all-reduce" in e.comm:
             assert max(m["all_reduce"] for m in got) == e.comm["dp all-reduce"]
 

@@ -313,15 +313,21 @@ def _traffic(est, fp, layout, work, cluster, places, layers_here, worst) -> None
             * _kv_width(args, layout.tp) * act * calls
     if layout.pp > 1:  # activations forward, their gradients backward (a middle stage sends both ways)
         est.comm["pp p2p"] = tokens * c * act * calls * (1 if worst in (0, layout.pp - 1) else 2)
+    layers, root = {p for p in places if isinstance(p, int)}, {p for p in places if not isinstance(p, int)}
+    weight = 2 if training.full else 4  # bytes of a trainable parameter as gathered
     for expert in (False, True):  # dense tensors over dp × cp, expert shards over their edp × cp replicas
         g = shard_group(layout, expert)
         if g == 1:
             continue
         frozen, train = fp.unit_numel(places, layout, expert)
-        weight_bytes = frozen * training.base_bytes + train * (2 if training.full else 4)
         grad_bytes = train * 4 * work.passes  # gradients are reduced in fp32, once per backward
-        if layout.fsdp:
-            _add(est.comm, "fsdp all-gather", (g - 1) / g * weight_bytes * calls)
+        if layout.fsdp:  # layers gathered for every forward and backward; the root (embeddings, head)
+            # stays gathered from its forward through its backward
+            lf, lt = fp.unit_numel(layers, layout, expert)
+            rf, rt = fp.unit_numel(root, layout, expert)
+            gathered = (lf * training.base_bytes + lt * weight) * calls \
+                + (rf * training.base_bytes + rt * weight) * _forward_passes(layout, work)
+            _add(est.comm, "fsdp all-gather", (g - 1) / g * gathered)
             _add(est.comm, "fsdp reduce-scatter", (g - 1) / g * grad_bytes)
         else:
             _add(est.comm, "dp all-reduce", 2 * (g - 1) / g * grad_bytes)
