@@ -9,7 +9,9 @@ tokens, timed after a warm-up; its FLOPs come from `trillora.parallel.cost.train
 (2 per weight a token multiplies through, routed experts counted top-k of E, causal attention;
 backward: input gradients always, weight gradients only for what is trained). Shapes: a dense
 Qwen3 and a Qwen3-MoE of the same width, LoRA rank 16 on the default targets, and the MoE
-trained full-parameter for contrast. The table also shows what LoRA saves per token.
+trained full-parameter for contrast. The table also shows what LoRA saves per token, and a
+torch profiler summary of one step per shape (top operators by self time) is printed and kept
+in benchmarks/results/mfu_profile_*.txt.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def matmul_peak(repeats: int) -> float:
     return 2 * 2048**3 / min(times)
 
 
-def step_seconds(config: dict, full: bool, rows: int, seq_len: int, repeats: int) -> tuple[float, dict, float]:
+def step_seconds(config: dict, full: bool, rows: int, seq_len: int, repeats: int,
+                 profile_to: Path | None = None) -> tuple[float, dict, float]:
     from trillora import lora, rl
     from trillora.models import build_model, from_hf_config
     from trillora.parallel.cost import Footprint, Training, training_flops
@@ -70,6 +73,12 @@ def step_seconds(config: dict, full: bool, rows: int, seq_len: int, repeats: int
         model.zero_grad(set_to_none=True)
 
     step()  # warm-up
+    if profile_to is not None:  # where the step's time goes, by operator
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        profile_to.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -93,10 +102,12 @@ def main() -> None:
     with console.status("measuring the matmul peak"):
         peak = matmul_peak(a.repeats)
     rows = []
+    a.out.parent.mkdir(parents=True, exist_ok=True)
     with console.status("timing training steps") as status:
         for name, (config, full) in SHAPES.items():
             status.update(name)
-            seconds, flops, total = step_seconds(config, full, a.rows, a.seq_len, a.repeats)
+            profile_to = a.out.with_name(f"mfu_profile_{len(rows)}.txt")
+            seconds, flops, total = step_seconds(config, full, a.rows, a.seq_len, a.repeats, profile_to)
             rows.append(dict(shape=name, seconds=seconds, flops=total, forward_per_token=flops["forward"],
                              backward_per_token=flops["backward"], achieved=total / seconds, mfu=total / seconds / peak))
     t = Table(title=f"training step, {a.rows} × {a.seq_len} tokens, fp32; matmul peak {peak / 1e9:.0f} GFLOP/s")
@@ -109,8 +120,10 @@ def main() -> None:
     lora_row, full_row = rows[1], rows[2]
     console.print(f"LoRA vs full on the MoE: {lora_row['flops'] / full_row['flops']:.2f}× the FLOPs per step "
                   f"(no base weight gradients), {lora_row['seconds'] / full_row['seconds']:.2f}× the time")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"matmul_peak": peak, "rows": rows}, indent=2))
+    for i, r in enumerate(rows):  # the profiles stay with the results
+        console.print(f"[bold]where the time goes: {r['shape']}[/] ({a.out.with_name(f'mfu_profile_{i}.txt')})")
+        console.print("\n".join(a.out.with_name(f"mfu_profile_{i}.txt").read_text().splitlines()[:12]))
 
 
 if __name__ == "__main__":
