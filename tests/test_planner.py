@@ -112,6 +112,10 @@ def test_plan_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "trillora", "plan", "--model", "no-such-model"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "no-such-model" in bad.stderr
+    # 97 ranks: a prime above the 48 layers, and 5 rows per step allow dp = 1 only
+    odd = subprocess.run([sys.executable, "-m", "trillora", "plan", "--model", "qwen3-30b-a3b", "--gpus", "97",
+                          "--rollouts", "5"], capture_output=True, text=True, timeout=60)
+    assert odd.returncode == 2 and "no layout of 97 ranks" in odd.stderr
 
 
 # --- predictions against measurement (spawned gloo processes) ---------------------------------------

@@ -153,7 +153,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from .parallel import plan_report
 
-    out = plan_report.run(args)
+    try:
+        out = plan_report.run(args)
+    except ValueError as e:  # no layout divides this model / workload / world size
+        print(f"trillora plan: error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(out, indent=2))
     else:

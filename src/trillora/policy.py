@@ -65,7 +65,7 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperatur
                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of `targets` [B, T] under logits [B, T, V] (a vocabulary slice when `vocab_group`
     is set: trillora.parallel.vocab_parallel) and optionally the entropy."""
-    if temperature > 0:
+    if temperature > 0 and temperature != 1.0:  # x / 1 is x: skip a pass over [B, T, V]
         logits = logits / temperature
     if vocab_group is not None:
         from .parallel.vocab_parallel import vocab_parallel_logprobs

@@ -21,7 +21,7 @@ def divisors(n: int) -> list[int]:
 def valid_layouts(args: ModelArgs, world: int, cluster: Cluster, work: Workload) -> list[ParallelDims]:
     """Every layout the engine can run on `world` ranks: tp within a node and dividing the heads
     (and kv heads for GQA), ep dividing dp and the experts, pp no more than the layers, cp a power
-    of two that splits the sequence, dp splitting the rows; FSDP on, with and without sequence
+    of two, dp splitting the rows; FSDP on, with and without sequence
     parallelism and activation checkpointing."""
     out = []
     for tp in divisors(world):
@@ -31,7 +31,7 @@ def valid_layouts(args: ModelArgs, world: int, cluster: Cluster, work: Workload)
             if pp > args.num_layers:
                 continue
             for cp in divisors(world // (tp * pp)):
-                if cp & (cp - 1) or work.seq_len % (2 * cp):
+                if cp & (cp - 1):  # rows are padded to a multiple of 2·cp, so any length splits
                     continue
                 dp = world // (tp * pp * cp)
                 if work.rollouts_per_step % dp:
