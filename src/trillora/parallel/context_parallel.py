@@ -35,6 +35,11 @@ from ..models.attention import InnerAttention, attend
 from .block_attention import block_causal_attention, zigzag_plan
 
 
+def padded_length(length: int, cp: int) -> int:
+    """Rows are right-padded to a multiple of 2·cp so each rank gets two equal chunks."""
+    return -(-length // (2 * cp)) * (2 * cp)
+
+
 def local_positions(length: int, cp: int, rank: int) -> torch.Tensor:
     """Global positions rank `rank` holds of a sequence of `length` (a multiple of 2·cp): chunks r and 2cp-1-r."""
     if length % (2 * cp):
@@ -70,7 +75,7 @@ class ContextParallel:
         self.key_positions: torch.Tensor | None = None  # [T] positions of the gathered keys (rank order)
 
     def padded_length(self, length: int) -> int:
-        return -(-length // (2 * self.size)) * (2 * self.size)
+        return padded_length(length, self.size)
 
     def set_length(self, length: int, device: torch.device) -> int:
         """Fix the positions of this rank's tokens for rows of `length`; returns the padded length."""

@@ -35,6 +35,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from ..policy import logprobs_from_logits
+from .context_parallel import padded_length
 from .dims import ParallelDims, ParallelError
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -172,7 +173,7 @@ class Pipeline:
     def hidden_length(self, t: int) -> int:
         """Tokens per row that cross a stage boundary: all T, or this rank's share under cp."""
         cp = self.dims.cp
-        return t if cp == 1 else -(-t // (2 * cp)) * 2
+        return t if cp == 1 else padded_length(t, cp) // cp
 
     def _set_temperature(self, temperature: float) -> None:
         for m in self.modules:
