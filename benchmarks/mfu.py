@@ -1,9 +1,11 @@
 """Training efficiency: achieved FLOP/s of the RL training step against this machine's matmul peak.
 
-    python benchmarks/mfu.py [--rows 4] [--seq-len 512] [--repeats 3]
+    python benchmarks/mfu.py [--rows 4] [--seq-len 512] [--repeats 3] [--device cpu|cuda]
 
-The peak is measured here: the best of several fp32 2048×2048×2048 matrix products (the CPU
-path computes in fp32; bf16 products run at ~1 GFLOP/s on these cores). The step is the
+The peak is measured here: the best of several square matrix products in the step's dtype —
+fp32 2048³ on the CPU (bf16 products run at ~1 GFLOP/s on these cores), bf16 8192³ on a CUDA GPU,
+where the base weights are bf16 and the LoRA adapters fp32 as in training (defaults there:
+16 rows × 2048 tokens). The step is the
 trainer's training pass (logprobs and entropy, the policy loss, backward) on `rows × seq-len`
 tokens, timed after a warm-up; its FLOPs come from `trillora.parallel.cost.training_flops`
 (2 per weight a token multiplies through, routed experts counted top-k of E, causal attention;
@@ -37,19 +39,27 @@ SHAPES = {
 }
 
 
-def matmul_peak(repeats: int) -> float:
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(repeats: int, device: torch.device, dtype: torch.dtype) -> float:
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     a @ b
     times = []
     for _ in range(repeats * 3):
+        sync(device)
         t = time.perf_counter()
         a @ b
+        sync(device)
         times.append(time.perf_counter() - t)
-    return 2 * 2048**3 / min(times)
+    return 2 * n**3 / min(times)
 
 
-def step_seconds(config: dict, full: bool, rows: int, seq_len: int, repeats: int,
-                 profile_to: Path | None = None) -> tuple[float, dict, float]:
+def step_seconds(config: dict, full: bool, rows: int, seq_len: int, repeats: int, device: torch.device,
+                 dtype: torch.dtype, profile_to: Path | None = None) -> tuple[float, dict, float]:
     from trillora import lora, rl
     from trillora.models import build_model, from_hf_config
     from trillora.parallel.cost import Footprint, Training, training_flops
@@ -58,12 +68,13 @@ def step_seconds(config: dict, full: bool, rows: int, seq_len: int, repeats: int
     args = from_hf_config(config, where="benchmark")
     model = build_model(args, device="cpu")
     model.init_weights(std=0.02, generator=torch.Generator().manual_seed(0))
+    model.to(device=device, dtype=dtype)
     if not full:
-        lora.apply_lora(model, lora.LoraConfig(rank=16))
+        lora.apply_lora(model, lora.LoraConfig(rank=16))  # fp32 adapters on any base dtype
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, args.vocab_size, (rows, seq_len), generator=g)
-    mask = torch.ones(rows, seq_len - 1)
-    adv = torch.randn(rows, generator=g)
+    ids = torch.randint(0, args.vocab_size, (rows, seq_len), generator=g).to(device)
+    mask = torch.ones(rows, seq_len - 1, device=device)
+    adv = torch.randn(rows, generator=g).to(device)
 
     def step() -> None:
         logp, entropy = token_logprobs(model, ids, 1.0, with_entropy=True)
@@ -76,13 +87,18 @@ def step_seconds(config: dict, full: bool, rows: int, seq_len: int, repeats: int
     if profile_to is not None:  # where the step's time goes, by operator
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
             step()
-        profile_to.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+            sync(device)
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        profile_to.write_text(prof.key_averages().table(sort_by=key, row_limit=15))
     times = []
     for _ in range(repeats):
+        sync(device)
         t = time.perf_counter()
         step()
+        sync(device)
         times.append(time.perf_counter() - t)
     training = Training(lora_rank=16, full=full, base_bytes=4)
     flops = training_flops(Footprint(args, training), seq_len)
@@ -92,25 +108,33 @@ def step_seconds(config: dict, full: bool, rows: int, seq_len: int, repeats: int
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--rows", type=int, help="default 4 on the CPU, 16 on a GPU")
+    p.add_argument("--seq-len", type=int, help="default 512 on the CPU, 2048 on a GPU")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/mfu.json"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--out", type=Path, help="default benchmarks/results/mfu.json (mfu_cuda.json on a GPU)")
     a = p.parse_args()
+    device = torch.device(a.device)
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    a.rows, a.seq_len = a.rows or (16 if gpu else 4), a.seq_len or (2048 if gpu else 512)
+    a.out = a.out or Path(f"benchmarks/results/mfu{'_cuda' if gpu else ''}.json")
     torch.manual_seed(0)
     console = Console()
     with console.status("measuring the matmul peak"):
-        peak = matmul_peak(a.repeats)
+        peak = matmul_peak(a.repeats, device, dtype)
     rows = []
     a.out.parent.mkdir(parents=True, exist_ok=True)
     with console.status("timing training steps") as status:
         for name, (config, full) in SHAPES.items():
             status.update(name)
-            profile_to = a.out.with_name(f"mfu_profile_{len(rows)}.txt")
-            seconds, flops, total = step_seconds(config, full, a.rows, a.seq_len, a.repeats, profile_to)
+            profile_to = a.out.with_name(f"{a.out.stem}_profile_{len(rows)}.txt")
+            seconds, flops, total = step_seconds(config, full, a.rows, a.seq_len, a.repeats, device, dtype, profile_to)
             rows.append(dict(shape=name, seconds=seconds, flops=total, forward_per_token=flops["forward"],
                              backward_per_token=flops["backward"], achieved=total / seconds, mfu=total / seconds / peak))
-    t = Table(title=f"training step, {a.rows} × {a.seq_len} tokens, fp32; matmul peak {peak / 1e9:.0f} GFLOP/s")
+    where = torch.cuda.get_device_name(device) if gpu else "CPU"
+    t = Table(title=f"training step, {a.rows} × {a.seq_len} tokens, {str(dtype)[6:]} base on {where}; "
+                    f"matmul peak {peak / 1e9:.0f} GFLOP/s")
     for col in ("shape", "fwd MFLOP/token", "bwd MFLOP/token", "step", "achieved", "MFU"):
         t.add_column(col, justify="right")
     for r in rows:
@@ -120,10 +144,11 @@ def main() -> None:
     lora_row, full_row = rows[1], rows[2]
     console.print(f"LoRA vs full on the MoE: {lora_row['flops'] / full_row['flops']:.2f}× the FLOPs per step "
                   f"(no base weight gradients), {lora_row['seconds'] / full_row['seconds']:.2f}× the time")
-    a.out.write_text(json.dumps({"matmul_peak": peak, "rows": rows}, indent=2))
+    a.out.write_text(json.dumps({"device": where, "dtype": str(dtype), "matmul_peak": peak, "rows": rows}, indent=2))
     for i, r in enumerate(rows):  # the profiles stay with the results
-        console.print(f"[bold]where the time goes: {r['shape']}[/] ({a.out.with_name(f'mfu_profile_{i}.txt')})")
-        console.print("\n".join(a.out.with_name(f"mfu_profile_{i}.txt").read_text().splitlines()[:12]))
+        profile = a.out.with_name(f"{a.out.stem}_profile_{i}.txt")
+        console.print(f"[bold]where the time goes: {r['shape']}[/] ({profile})")
+        console.print("\n".join(profile.read_text().splitlines()[:12]))
 
 
 if __name__ == "__main__":

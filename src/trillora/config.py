@@ -188,10 +188,14 @@ class ParallelSection:
     """Rows per forward + backward on each data-parallel rank, gradients accumulated over a minibatch
     (0 = the whole minibatch at once; 1 under `auto`, as the planner assumes). Under pp the
     pipeline's own microbatches (`pp_microbatches`) play this part."""
+    share_prompts: bool = True
+    """Run each group's prompt once in the training passes, its G completions attending to its keys
+    (`trillora.policy.shared_prompt_logprobs`); used where a (micro)batch holds whole groups and
+    there is no pp, cp or sp. Off: whole rows, every prompt G times."""
 
     def engine_fields(self) -> dict:
         """The fields that are `ParallelDims`'s."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("auto", "micro_batch_rows")}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("auto", "micro_batch_rows", "share_prompts")}
 
     def validate(self) -> None:
         _check_positive("parallel.dp", self.dp, zero_ok=True)

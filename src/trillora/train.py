@@ -14,13 +14,14 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from . import lora, rl
 from .checkpoint import load_model, load_tokenizer
 from .config import ConfigError, TrainConfig, to_toml
 from .distributed import Distributed, launched, load_adapter_tensors
 from .evaluate import decode_completion, encode_prompt, evaluate
-from .policy import build_batch, token_logprobs
+from .policy import build_batch, shared_prompt_logprobs, token_logprobs
 from .rollout import LocalEngine, OpenAIEngine, SamplingParams
 from .tasks import make_task
 
@@ -87,6 +88,8 @@ class Trainer:
                                        top_k=r.top_k, stop_token_ids=stop)
         self.skipped_updates = 0
         self.micro_batch_rows = p.micro_batch_rows or (1 if p.auto else 0)
+        dims = self.dist.par.dims if self.dist is not None else None
+        self.share_prompts = p.share_prompts and r.group_size > 1 and (dims is None or (dims.pp, dims.cp, dims.sp) == (1, 1, False))
 
     @property
     def main(self) -> bool:
@@ -137,19 +140,22 @@ class Trainer:
         global_tokens, global_seqs = float(batch.num_tokens), float(batch.input_ids.shape[0])
         if self.dist is not None:  # this data-parallel rank's rows; losses stay normalised by the whole batch
             rows = self.dist.rows(batch.input_ids.shape[0])
+            share = (rows.stop - rows.start) % self.cfg.rollout.group_size == 0  # whole groups on this rank
             batch = dataclasses.replace(batch, input_ids=batch.input_ids[rows], completion_mask=batch.completion_mask[rows],
-                                        rollout_logprobs=batch.rollout_logprobs[rows])
+                                        rollout_logprobs=batch.rollout_logprobs[rows],
+                                        prompt_lengths=batch.prompt_lengths[rows] if share else None)
             advantages_B = advantages_B[rows]
-        ids, mask = batch.input_ids, batch.completion_mask
+        ids, mask, plen = batch.input_ids, batch.completion_mask, batch.prompt_lengths
+        clen = mask.sum(-1).long()  # [b] completion tokens per row
         pipeline = self.dist.par.pipeline if self.dist is not None else None
         passes = a.epochs * a.minibatches
         old = None
         if passes > 1:  # proximal policy for several passes: the policy before this update
-            old = self._logprobs(ids, temp)
+            old = self._logprobs(ids, plen, clen, temp)
         ref = None
         if a.kl_coef > 0:
             with lora.disable_adapter(model):
-                ref = self._logprobs(ids, temp)
+                ref = self._logprobs(ids, plen, clen, temp)
         weights, mismatch = self._mismatch(old, batch) if old is not None else (None, {})
         parts: list[dict[str, float]] = []  # metrics of each loss evaluation (minibatch or microbatch)
 
@@ -174,7 +180,7 @@ class Trainer:
                 if pipeline is None:  # micro-batches accumulate gradients (losses share one normaliser)
                     loss = 0.0
                     for micro in rows.split(self.micro_batch_rows or len(rows)):
-                        logp, entropy = token_logprobs(model, ids[micro], temp, with_entropy=True)
+                        logp, entropy = self._rows_logprobs(ids, plen, clen, micro, temp, with_entropy=True)
                         part = loss_of(logp, entropy, micro)
                         part.backward()
                         loss = loss + part.detach()
@@ -190,13 +196,21 @@ class Trainer:
         return {**per_token, "loss": loss_sum, **step_metrics}
 
     @torch.no_grad()
-    def _logprobs(self, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    def _logprobs(self, ids: torch.Tensor, plen: torch.Tensor | None, clen: torch.Tensor, temperature: float) -> torch.Tensor:
         """Per-token logprobs [b, T-1] under the current adapter state, without autograd state,
         through the same layout as training (the pipeline's stages under pp)."""
         pipeline = self.dist.par.pipeline if self.dist is not None else None
         if pipeline is not None:
             return pipeline.logprobs(ids, temperature)[0]
-        return token_logprobs(self.model, ids, temperature)[0]
+        return self._rows_logprobs(ids, plen, clen, torch.arange(ids.shape[0], device=ids.device), temperature)[0]
+
+    def _rows_logprobs(self, ids, plen, clen, rows: torch.Tensor, temperature: float, with_entropy: bool = False):
+        """Logprobs (and entropies) [b, T-1] of some rows of this rank's batch; each group's prompt
+        runs once when the rows are whole groups (`parallel.share_prompts`)."""
+        g = self.cfg.rollout.group_size
+        if self.share_prompts and plen is not None and len(rows) % g == 0 and int(rows[0]) % g == 0:
+            return shared_prompt_logprobs(self.model, ids[rows], plen[rows], clen[rows], g, temperature, with_entropy)
+        return token_logprobs(self.model, ids[rows], temperature, with_entropy=with_entropy)
 
     def _mismatch(self, trainer_logp, batch, rows=None):
         a = self.cfg.algorithm
@@ -259,21 +273,26 @@ class Trainer:
             for step in range(cfg.steps):
                 t0 = time.perf_counter()
                 lr = self._set_lr(step)
-                batch, rewards, flat = self.rollout(step)
+                with record_function("trillora.rollout"):
+                    batch, rewards, flat = self.rollout(step)
                 t1 = time.perf_counter()
-                advantages = rl.group_advantages(rewards, cfg.algorithm.advantage, cfg.algorithm.normalize_std).reshape(-1)
-                metrics = self.update(batch, advantages)
+                with record_function("trillora.update"):
+                    advantages = rl.group_advantages(rewards, cfg.algorithm.advantage, cfg.algorithm.normalize_std).reshape(-1)
+                    metrics = self.update(batch, advantages)
                 t2 = time.perf_counter()
-                metrics.update(self.sync_engine())
+                with record_function("trillora.sync"):
+                    metrics.update(self.sync_engine())
                 row = {"step": step + 1, "lr": lr, "reward_mean": float(rewards.mean()),
                        "groups_all_equal": float((rewards.std(-1) == 0).float().mean()),
                        "completion_len_mean": sum(len(c.token_ids) for c in flat) / len(flat),
                        "rollout_seconds": t1 - t0, "update_seconds": t2 - t1, **metrics}
                 if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                    t3 = time.perf_counter()
                     accuracy = self.evaluate(self.task, self.eval_problems)
                     row["eval_accuracy"] = accuracy
                     if self.retention:
                         row["retention_accuracy"] = self.evaluate(self.retention, self.retention_problems)
+                    row["eval_seconds"] = time.perf_counter() - t3  # inside step_seconds
                 row["step_seconds"] = time.perf_counter() - t0
                 log.write(json.dumps(row) + "\n")
                 log.flush()

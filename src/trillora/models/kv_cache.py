@@ -32,3 +32,36 @@ class KVCache:
 
     def advance(self, t: int) -> None:
         self.length += t
+
+    def expand(self, n: int) -> None:
+        """Each row becomes n consecutive rows (a prompt prefilled once, then sampled n times)."""
+        if n > 1:
+            self.k = [None if k is None else k.repeat_interleave(n, 0) for k in self.k]
+            self.v = [None if v is None else v.repeat_interleave(n, 0) for v in self.v]
+
+
+class SharedPrefixCache:
+    """Each group's prompt computed once and shown to all G of its completions, with autograd.
+
+    GRPO samples G completions per prompt, so a training forward over whole rows runs every
+    prompt G times. The first call (the P distinct prompts) keeps its keys and values; the
+    second (the B = P·G completions) attends to its group's prompt keys followed by its own.
+    Nothing is written in place, so gradients flow back into the one prompt pass.
+    """
+
+    def __init__(self, group_size: int):
+        self.group_size = group_size
+        self.length = 0
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.length == 0:  # the prompts: k [P, K, Tp, D]
+            self.k[layer], self.v[layer] = k, v
+            return k, v
+        g = self.group_size  # the completions: k [P·G, K, Tc, D] after their prompt's [Tp]
+        return (torch.cat([self.k[layer].repeat_interleave(g, 0), k], dim=2),
+                torch.cat([self.v[layer].repeat_interleave(g, 0), v], dim=2))
+
+    def advance(self, t: int) -> None:
+        self.length += t

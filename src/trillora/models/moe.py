@@ -95,7 +95,7 @@ class GroupedExperts(nn.Module):
 def dispatch_combine(experts: nn.Module, x_TC: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     """Sort the T·K (token, expert) pairs by expert, run the experts, weight and sum back per token."""
     sort = ExpertSort.build(indices_TK, experts.num_experts)
-    y_RC = experts(x_TC[sort.token], sort.counts)
+    y_RC = experts(x_TC.index_select(0, sort.token), sort.counts)  # backward: index_add, not a sorted index_put
     y_RC = y_RC * weights_TK.reshape(-1)[sort.order, None].to(y_RC.dtype)
     return torch.zeros_like(x_TC).index_add_(0, sort.token, y_RC.to(x_TC.dtype))
 

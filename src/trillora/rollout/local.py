@@ -85,9 +85,9 @@ class LocalEngine:
             self.generator.manual_seed(params.seed)
         rows = [p for p in prompts for _ in range(n)]
         b, width = len(rows), max(len(p) for p in rows)
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros(b, width, dtype=torch.long, device=self.device)
-        for i, p in enumerate(rows):  # left padding: every row's last prompt token is at the end
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):  # left padding: every row's last prompt token is at the end
             ids[i, width - len(p):] = torch.tensor(p, device=self.device)
             mask[i, width - len(p):] = 1
         stop = torch.tensor(params.stop_token_ids or [-1], device=self.device)
@@ -97,7 +97,10 @@ class LocalEngine:
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)
         recorder = record_routing(self.model) if params.return_routing else contextlib.nullcontext()
         with recorder as routes:
-            logits = self.model(ids, attention_mask=mask, cache=cache)[:, -1]
+            # each prompt is prefilled once; its keys, values and last logits then serve its n samples
+            logits = self.model(ids, attention_mask=mask, cache=cache)[:, -1].repeat_interleave(n, 0)  # [B, V]
+            cache.expand(n)
+            mask = mask.repeat_interleave(n, 0)
             for _ in range(params.max_new_tokens):
                 tok, lp = sample_next(logits, params.temperature, params.top_k, params.top_p, self.generator)
                 tok = tok.masked_fill(done, self.pad_id)
@@ -111,7 +114,7 @@ class LocalEngine:
                 logits = self.model(tok[:, None], attention_mask=mask, cache=cache)[:, -1]
         tok_BT = torch.stack(tokens, 1).tolist()
         lp_BT = torch.stack(logprobs, 1).float().tolist()
-        routed = _stack_routes(routes) if params.return_routing else None  # [B, T_in, L, K]
+        routed = _stack_routes(routes, n) if params.return_routing else None  # [B, T_in, L, K]
         out: list[Completion] = []
         for i, p in enumerate(rows):
             k = int(lengths[i])
@@ -124,6 +127,7 @@ class LocalEngine:
         return [out[j * n:(j + 1) * n] for j in range(len(prompts))]
 
 
-def _stack_routes(routes: dict[str, list[torch.Tensor]]) -> torch.Tensor:
-    per_layer = [torch.cat(calls, dim=1) for calls in routes.values()]  # each [B, T_in, K]
+def _stack_routes(routes: dict[str, list[torch.Tensor]], n: int) -> torch.Tensor:
+    """The first call of each layer is the prefill of the distinct prompts: repeated for their n rows."""
+    per_layer = [torch.cat([calls[0].repeat_interleave(n, 0), *calls[1:]], dim=1) for calls in routes.values()]  # [B, T_in, K]
     return torch.stack(per_layer, dim=2)

@@ -59,6 +59,7 @@ class JsonlTask(Task):
     name: str = "jsonl"
     _rows: list[dict] = field(default_factory=list, repr=False)
     _fn: Callable | None = field(default=None, repr=False)
+    _splits: dict[str, list[dict]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._rows = read_rows(Path(self.path), self.prompt_key)
@@ -71,7 +72,10 @@ class JsonlTask(Task):
         return self._problem(rng.choice(self._rows))
 
     def problems(self, split: str, n: int, seed: int) -> list[Problem]:
-        pool = [r for r in self._rows if in_eval_split(r[self.prompt_key], self.eval_fraction) == (split == "eval")]
+        if split not in self._splits:  # hashing every prompt once, not at every step
+            self._splits[split] = [r for r in self._rows
+                                   if in_eval_split(r[self.prompt_key], self.eval_fraction) == (split == "eval")]
+        pool = self._splits[split]
         if not pool:
             raise DatasetError(f"{self.path}: no rows fall in the {split!r} split")
         rng = random.Random(f"{self.name}:{split}:{seed}")

@@ -1,0 +1,78 @@
+"""The side-by-side benchmarks against TRL run for real (a few steps) and compare like with like.
+
+`make test` installs the `bench` extra and sets TRILLORA_REQUIRE_BENCH=1: a missing TRL then fails."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+if os.environ.get("TRILLORA_REQUIRE_BENCH") != "1":
+    pytest.importorskip("trl", reason="the bench extra (pip install -e '.[bench]'); make test installs it")
+
+
+def test_trl_side_takes_every_shared_setting_from_the_trillora_config(tmp_path):
+    from trl_side import grpo_config, peft_config
+
+    from trillora.config import load_config
+
+    cfg = load_config(None, ["rollout.prompts_per_step=16", "rollout.group_size=4", "rollout.max_new_tokens=9",
+                             "rollout.temperature=0.8", "rollout.top_p=0.9", "rollout.top_k=5", "optim.lr=0.001",
+                             "optim.warmup_steps=3", "optim.grad_clip=0.5", "algorithm.clip_high=0.3",
+                             "algorithm.kl_coef=0.01", "algorithm.normalize_std=false", "lora.rank=4", "lora.alpha=12",
+                             'lora.targets=["attention","experts"]'])
+    g = grpo_config(cfg, tmp_path, 7)
+    assert (g.per_device_train_batch_size, g.num_generations, g.gradient_accumulation_steps) == (64, 4, 1)
+    assert (g.max_completion_length, g.temperature, g.top_p, g.top_k) == (9, 0.8, 0.9, 5)
+    assert (g.learning_rate, g.warmup_steps, g.max_grad_norm, g.max_steps) == (0.001, 3, 0.5, 7)
+    assert (g.epsilon, g.epsilon_high, g.beta, g.loss_type, g.scale_rewards) == (0.2, 0.3, 0.01, "dapo", "none")
+    assert (g.adam_beta1, g.adam_beta2, g.num_iterations, g.router_aux_loss_coef) == (0.9, 0.99, 1, 0.0)
+    p = peft_config(cfg)
+    assert (p.r, p.lora_alpha) == (4, 12)
+    assert set(p.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert set(p.target_parameters) == {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    with pytest.raises(ValueError, match="no TRL mapping"):
+        peft_config(load_config(None, ['lora.targets=["router"]']))
+
+
+def test_time_to_gain_interpolates_between_evaluations():
+    from time_to_accuracy import time_to_gain
+
+    points = [(0, 0.0, 0.30), (10, 2.0, 0.40), (20, 4.0, 0.50)]
+    sec, steps = time_to_gain(points, 0.15)  # 0.45 is half way from 0.40 to 0.50
+    assert (sec, steps) == pytest.approx((3.0, 15.0))
+    assert math.isnan(time_to_gain(points, 0.5)[0])
+
+
+def test_grpo_step_benchmark_runs_both_sides(tmp_path):
+    out = tmp_path / "e2e.json"
+    subprocess.run([sys.executable, str(BENCH / "grpo_vs_trl.py"), "--steps", "2", "--warmup", "1", "--no-profile",
+                    "--out", str(out), "rollout.prompts_per_step=8"], check=True, capture_output=True, timeout=600)
+    r = json.loads(out.read_text())
+    for side in ("trillora", "trl"):
+        assert r[side]["steps_per_s"] > 0 and r[side]["tokens_per_s"] > 0
+    assert r["speedup_steps_per_s"] == pytest.approx(r["trillora"]["steps_per_s"] / r["trl"]["steps_per_s"])
+
+
+def test_time_to_accuracy_evaluates_both_sides_alike(tmp_path):
+    """Before training both sides are the same checkpoint under the same evaluator: the same accuracy,
+    TRL's through its PEFT adapter saved and loaded into trillora's model."""
+    out = tmp_path / "tta.json"
+    subprocess.run([sys.executable, str(BENCH / "time_to_accuracy.py"), "--steps", "2", "--eval-every", "1",
+                    "--out", str(out), "rollout.prompts_per_step=8", "task.eval_problems=64"],
+                   check=True, capture_output=True, timeout=600)
+    r = json.loads(out.read_text())
+    ours, theirs = r["trillora"][0]["points"], r["trl"][0]["points"]
+    assert [p[0] for p in ours] == [p[0] for p in theirs] == [0, 1, 2]
+    assert ours[0][2] == theirs[0][2]
+    assert all(t > 0 for _, t, _ in ours[1:] + theirs[1:])
+    assert out.with_suffix(".png").stat().st_size > 0
