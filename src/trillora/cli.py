@@ -12,10 +12,13 @@ import sys
 
 
 from .checkpoint import CheckpointError
+from .checkpoint.train_state import CheckpointCorrupt
 from .config import ConfigError as RunConfigError
 from .lora import AdapterError, LoraConfigError
 from .models import ConfigError
+from .resume import TrainingDiverged
 from .tasks import DatasetError
+from .tasks.guard import RewardError
 
 
 def lora_size(model_args, rank: int, rule: str) -> tuple[dict, int]:
@@ -126,6 +129,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if config is not None and "=" in config:  # `trillora train key=value ...` without a file
         overrides.insert(0, config)
         config = None
+    if args.resume:
+        overrides.append("resume=true")
     summary = train(load_config(config, overrides))
     if summary:  # under torchrun only rank 0 reports
         print(json.dumps({k: v for k, v in summary.items() if k != "adapter"}, indent=2))
@@ -185,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="RL through LoRA; with no arguments, the default job (tiny MoE + arithmetic)")
     p.add_argument("config", nargs="?", help="TOML config file (optional)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rollout.temperature=0.8")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint (resume=true)")
     p.set_defaults(func=cmd_train)
 
     for name, helptext in (("generate", "sample completions"), ("eval", "held-out accuracy on a task")):
@@ -225,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, RunConfigError, CheckpointError, AdapterError, LoraConfigError, DatasetError,
-            FileNotFoundError, KeyError) as e:
+            FileNotFoundError, KeyError, TrainingDiverged, CheckpointCorrupt, RewardError) as e:
+        if isinstance(e, RewardError) and e.__cause__ is not None:  # the user's code: show where it failed
+            import traceback
+
+            traceback.print_exception(e.__cause__, file=sys.stderr)
         print(f"trillora {args.command}: error: {e}", file=sys.stderr)
         return 2

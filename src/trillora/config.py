@@ -60,11 +60,19 @@ class TaskSection:
     """A second task scored before and after to check RL did not erase it; "" for none."""
     eval_problems: int = 512
     eval_samples: int = 2
+    reward_timeout: float = 30.0
+    """Seconds one reward call may take (0 = no limit); see `trillora.tasks.guard`."""
+    on_reward_error: str = "fail"
+    """A reward that raises, hangs or returns a non-finite value: "fail" stops the run with the
+    traceback (the last checkpoint stays), "zero" scores it 0 and counts it (`reward_failures`)."""
 
     def validate(self) -> None:
         from .tasks import TASKS
+        from .tasks.guard import ON_ERROR
 
         _check_choice("task.name", self.name, tuple(TASKS))
+        _check_choice("task.on_reward_error", self.on_reward_error, ON_ERROR)
+        _check_positive("task.reward_timeout", self.reward_timeout, zero_ok=True)
         if self.retention:
             _check_choice("task.retention", self.retention, tuple(TASKS))
         _check_positive("task.eval_problems", self.eval_problems)
@@ -157,8 +165,12 @@ class OptimSection:
     rounding (e.g. a different summation order across ranks) into a sizeable step; 1e-6 damps that."""
     grad_clip: float = 1.0
     warmup_steps: int = 5
+    max_nonfinite_in_a_row: int = 5
+    """An update whose loss or gradient is not finite is skipped (logged as `skipped_update`); after
+    this many in a row the run saves a checkpoint and stops (0 = never stop)."""
 
     def validate(self) -> None:
+        _check_positive("optim.max_nonfinite_in_a_row", self.max_nonfinite_in_a_row, zero_ok=True)
         _check_positive("optim.lr", self.lr)
         _check_positive("optim.eps", self.eps)
         _check_positive("optim.grad_clip", self.grad_clip, zero_ok=True)
@@ -219,6 +231,20 @@ class ParallelSection:
 
 
 @dataclass(kw_only=True, frozen=True)
+class CheckpointSection:
+    """Training checkpoints under `runs/<name>/checkpoints/` (`trillora.checkpoint.train_state`)."""
+
+    every: int = 25
+    """Save every this many steps (0 = only at the end); always at the end and on SIGTERM / Ctrl-C."""
+    keep: int = 3
+    """Complete checkpoints kept; older ones are deleted after a newer one is in place."""
+
+    def validate(self) -> None:
+        _check_positive("checkpoint.every", self.every, zero_ok=True)
+        _check_positive("checkpoint.keep", self.keep)
+
+
+@dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     name: str = "default"
     out_dir: str = "runs"
@@ -235,12 +261,19 @@ class TrainConfig:
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     optim: OptimSection = field(default_factory=OptimSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    resume: bool = False
+    """Continue from the newest complete checkpoint of this run (`--resume` on the command line);
+    without it a run starts afresh and moves an earlier run's checkpoints to `checkpoints.previous`."""
+    deterministic: bool = False
+    """Deterministic kernels only (`torch.use_deterministic_algorithms`); with a fixed seed an
+    interrupted and resumed run ends with the same adapter, bit for bit, as an uninterrupted one."""
 
     def validate(self) -> "TrainConfig":
         _check_positive("steps", self.steps)
         _check_positive("eval_every", self.eval_every)
         _check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        for section in (self.model, self.task, self.rollout, self.algorithm, self.optim, self.parallel):
+        for section in (self.model, self.task, self.rollout, self.algorithm, self.optim, self.parallel, self.checkpoint):
             section.validate()
         return self
 

@@ -16,8 +16,10 @@ def decode_completion(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def evaluate(engine: RolloutEngine, tokenizer, task: Task, problems: list[Problem], params: SamplingParams, n: int = 1) -> float:
-    """Mean reward over problems × n samples."""
+def evaluate(engine: RolloutEngine, tokenizer, task: Task, problems: list[Problem], params: SamplingParams, n: int = 1,
+             score=None) -> float:
+    """Mean reward over problems × n samples; `score(problem, text)` (default `task.reward`) scores one."""
+    score = score or task.reward
     groups = engine.generate([encode_prompt(tokenizer, p.prompt) for p in problems], n, params)
-    scores = [task.reward(p, decode_completion(tokenizer, c.token_ids)) for p, g in zip(problems, groups) for c in g]
+    scores = [score(p, decode_completion(tokenizer, c.token_ids)) for p, g in zip(problems, groups) for c in g]
     return sum(scores) / max(1, len(scores))

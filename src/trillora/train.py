@@ -22,8 +22,10 @@ from .config import ConfigError, TrainConfig, to_toml
 from .distributed import Distributed, launched, load_adapter_tensors
 from .evaluate import decode_completion, encode_prompt, evaluate
 from .policy import build_batch, shared_prompt_logprobs, token_logprobs
+from .resume import RunCheckpoints, StopSignal, TrainingDiverged, console
 from .rollout import LocalEngine, OpenAIEngine, SamplingParams
 from .tasks import make_task
+from .tasks.guard import GuardedReward
 
 
 def resolve_model_path(path: str) -> Path:
@@ -46,6 +48,9 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
+        if cfg.deterministic:  # before any kernel runs; cuBLAS needs its workspace fixed for this
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
         self.device = pick_device(cfg.device)
         if launched() and self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -80,6 +85,9 @@ class Trainer:
         self.engine = self._make_engine() if self.main else None
         self.task = make_task(cfg.task.name, **cfg.task.options)
         self.retention = make_task(cfg.task.retention) if cfg.task.retention else None
+        t = cfg.task
+        self.reward = GuardedReward(self.task, t.reward_timeout, t.on_reward_error)  # user code: time-limited
+        self.retention_reward = GuardedReward(self.retention, t.reward_timeout, t.on_reward_error) if self.retention else None
         self.eval_problems = self.task.problems("eval", cfg.task.eval_problems, seed=cfg.seed)
         self.retention_problems = self.retention.problems("eval", cfg.task.eval_problems, seed=cfg.seed) if self.retention else []
         r = cfg.rollout
@@ -87,6 +95,7 @@ class Trainer:
         self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                        top_k=r.top_k, stop_token_ids=stop)
         self.skipped_updates = 0
+        self.nonfinite_in_a_row = 0
         self.micro_batch_rows = p.micro_batch_rows or (1 if p.auto else 0)
         dims = self.dist.par.dims if self.dist is not None else None
         self.share_prompts = p.share_prompts and r.group_size > 1 and (dims is None or (dims.pp, dims.cp, dims.sp) == (1, 1, False))
@@ -128,7 +137,7 @@ class Trainer:
         problems = self.task.problems("train", r.prompts_per_step, seed=self.cfg.seed * 1_000_003 + step)
         params = SamplingParams(**{**self.sampling.__dict__, "seed": self.cfg.seed * 1_000_003 + step})
         groups = self.engine.generate([encode_prompt(self.tokenizer, p.prompt) for p in problems], r.group_size, params)
-        rewards = torch.tensor([[self.task.reward(p, decode_completion(self.tokenizer, c.token_ids)) for c in g]
+        rewards = torch.tensor([[self.reward(p, decode_completion(self.tokenizer, c.token_ids)) for c in g]
                                 for p, g in zip(problems, groups)])  # [P, G]
         flat = [c for g in groups for c in g]
         batch = build_batch([c.prompt_ids for c in flat], [c.token_ids for c in flat], [c.logprobs for c in flat],
@@ -230,11 +239,26 @@ class Trainer:
             norm = torch.nn.utils.clip_grad_norm_(self.params, o.grad_clip if o.grad_clip > 0 else float("inf"))
         if not torch.isfinite(norm):  # a NaN never reaches the adapter or the engine
             self.skipped_updates += 1
+            self.nonfinite_in_a_row += 1
             self.opt.zero_grad(set_to_none=True)
             return {"grad_norm": float("nan"), "skipped_update": 1.0, **traffic}
+        self.nonfinite_in_a_row = 0
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return {"grad_norm": float(norm), **traffic}
+
+    def _diverged(self) -> bool:
+        k = self.cfg.optim.max_nonfinite_in_a_row
+        return k > 0 and self.nonfinite_in_a_row >= k
+
+    def _raise_diverged(self, step: int) -> None:
+        if self.dist:
+            self.dist.close()
+        raise TrainingDiverged(
+            f"the last {self.nonfinite_in_a_row} updates (to step {step}) had a non-finite loss or gradient and were "
+            f"skipped (optim.max_nonfinite_in_a_row={self.cfg.optim.max_nonfinite_in_a_row}); the adapter is unchanged "
+            f"since step {step - self.nonfinite_in_a_row} and saved in {self.cfg.run_dir / 'checkpoints'}. "
+            f"Lower optim.lr, check the rewards, or resume with resume=true")
 
     def _set_lr(self, step: int) -> float:
         o = self.cfg.optim
@@ -245,7 +269,8 @@ class Trainer:
 
     def evaluate(self, task, problems) -> float:
         params = SamplingParams(**{**self.sampling.__dict__, "seed": 4242})
-        return evaluate(self.engine, self.tokenizer, task, problems, params, n=self.cfg.task.eval_samples)
+        score = self.reward if task is self.task else self.retention_reward
+        return evaluate(self.engine, self.tokenizer, task, problems, params, n=self.cfg.task.eval_samples, score=score)
 
     # --- the run -------------------------------------------------------------------------
     def run(self, close_engine: bool = True) -> dict:
@@ -258,21 +283,30 @@ class Trainer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
         metrics_file = run_dir / "metrics.jsonl"
-        metrics_file.write_text("")
+        checkpoints, stop = RunCheckpoints(self), StopSignal(self.dist is not None, self.device)
         start = time.perf_counter()
-        eval_before = self.evaluate(self.task, self.eval_problems)
-        retention_before = self.evaluate(self.retention, self.retention_problems) if self.retention else None
-        accuracy = eval_before
-        with open(metrics_file, "a") as log:  # step 0: the starting point of the accuracy curves
-            log.write(json.dumps({"step": 0, "eval_accuracy": eval_before,
-                                  **({"retention_accuracy": retention_before} if self.retention else {})}) + "\n")
+        resumed = checkpoints.start()
+        if resumed is not None:  # the metrics so far come back with the checkpoint
+            metrics_file.write_text(checkpoints.metrics_of(resumed))
+            eval_before, retention_before = resumed.state["eval_before"], resumed.state["retention_before"]
+            accuracy, retention = resumed.state["accuracy"], resumed.state["retention_after"]
+        else:
+            metrics_file.write_text("")
+            eval_before = self.evaluate(self.task, self.eval_problems)
+            retention_before = self.evaluate(self.retention, self.retention_problems) if self.retention else None
+            accuracy, retention = eval_before, retention_before
+            with open(metrics_file, "a") as log:  # step 0: the starting point of the accuracy curves
+                log.write(json.dumps({"step": 0, "eval_accuracy": eval_before,
+                                      **({"retention_accuracy": retention_before} if self.retention else {})}) + "\n")
+        first = resumed.step if resumed is not None else 0
         columns = [TextColumn("[bold]RL[/]"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
-        with Progress(*columns) as bar, open(metrics_file, "a") as log:
-            job = bar.add_task("rl", total=cfg.steps, info="")
-            for step in range(cfg.steps):
+        with Progress(*columns) as bar, stop.installed():
+            job = bar.add_task("rl", total=cfg.steps, completed=first, info="")
+            for step in range(first, cfg.steps):
                 t0 = time.perf_counter()
                 lr = self._set_lr(step)
+                failures = self.reward.failures
                 with record_function("trillora.rollout"):
                     batch, rewards, flat = self.rollout(step)
                 t1 = time.perf_counter()
@@ -286,20 +320,34 @@ class Trainer:
                        "groups_all_equal": float((rewards.std(-1) == 0).float().mean()),
                        "completion_len_mean": sum(len(c.token_ids) for c in flat) / len(flat),
                        "rollout_seconds": t1 - t0, "update_seconds": t2 - t1, **metrics}
+                if self.reward.failures > failures:  # rewards scored 0 for an error (task.on_reward_error="zero")
+                    row["reward_failures"] = self.reward.failures - failures
                 if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                     t3 = time.perf_counter()
                     accuracy = self.evaluate(self.task, self.eval_problems)
                     row["eval_accuracy"] = accuracy
                     if self.retention:
-                        row["retention_accuracy"] = self.evaluate(self.retention, self.retention_problems)
+                        retention = row["retention_accuracy"] = self.evaluate(self.retention, self.retention_problems)
                     row["eval_seconds"] = time.perf_counter() - t3  # inside step_seconds
                 row["step_seconds"] = time.perf_counter() - t0
-                log.write(json.dumps(row) + "\n")
-                log.flush()
+                with open(metrics_file, "a") as log:
+                    log.write(json.dumps(row) + "\n")
                 bar.update(job, advance=1, info=f"reward {row['reward_mean']:.2f}  held-out acc {accuracy:.3f}  "
                                                 f"{row['step_seconds']:.2f}s/step")
-        eval_after = accuracy
-        retention_after = row.get("retention_accuracy")
+                stopping = stop.now()
+                diverged = self._diverged()
+                if checkpoints.due(step + 1, stopping or diverged):
+                    checkpoints.save(step + 1, {"eval_before": eval_before, "retention_before": retention_before,
+                                                "accuracy": accuracy, "retention_after": retention},
+                                     metrics_file)
+                if diverged:
+                    self._raise_diverged(step + 1)
+                if stopping:
+                    console.print(f"stopped at step {step + 1} of {cfg.steps}: resume with resume=true")
+                    if self.dist:
+                        self.dist.close()
+                    return {"stopped_at": step + 1}
+        eval_after, retention_after = accuracy, retention
         lora.save_adapter(self.full, run_dir / "adapter" / "per_expert", expert_layout="per_expert",
                           base_model=str(resolve_model_path(cfg.model.path)))
         lora.save_adapter(self.full, run_dir / "adapter" / "fused", expert_layout="fused",
@@ -312,6 +360,7 @@ class Trainer:
             "retention_before": retention_before, "retention_after": retention_after,
             "steps": cfg.steps, "seconds": time.perf_counter() - start,
             "skipped_updates": self.skipped_updates,
+            "reward_failures": self.reward.failures,
             "adapter": lora.adapter_stats(self.full),
             **({"parallel": dataclasses.asdict(self.dist.par.dims), "parallel_auto": cfg.parallel.auto,
                 "dp_grad_bytes_per_step": self.dist.par.grad_sync.bytes_per_step}
@@ -325,13 +374,25 @@ class Trainer:
         return summary
 
     def _follow(self) -> dict:
-        """A rank other than 0: the same collectives as rank 0's loop, nothing written."""
-        for step in range(self.cfg.steps):
-            self._set_lr(step)
-            batch, rewards, _ = self.rollout(step)
-            advantages = rl.group_advantages(rewards, self.cfg.algorithm.advantage, self.cfg.algorithm.normalize_std).reshape(-1)
-            self.update(batch, advantages)
-            self.sync_engine()
+        """A rank other than 0: the same collectives as rank 0's loop (checkpoints included), no files
+        but its own checkpoint tensors."""
+        checkpoints, stop = RunCheckpoints(self), StopSignal(True, self.device)
+        resumed = checkpoints.start()
+        with stop.installed():
+            for step in range(resumed.step if resumed is not None else 0, self.cfg.steps):
+                self._set_lr(step)
+                batch, rewards, _ = self.rollout(step)
+                advantages = rl.group_advantages(rewards, self.cfg.algorithm.advantage, self.cfg.algorithm.normalize_std).reshape(-1)
+                self.update(batch, advantages)
+                self.sync_engine()
+                stopping = stop.now()
+                diverged = self._diverged()
+                if checkpoints.due(step + 1, stopping or diverged):
+                    checkpoints.save(step + 1, {}, None)
+                if diverged:
+                    self._raise_diverged(step + 1)
+                if stopping:
+                    break
         self.dist.close()
         return {}
 

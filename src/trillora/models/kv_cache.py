@@ -52,12 +52,18 @@ class SharedPrefixCache:
     def __init__(self, group_size: int):
         self.group_size = group_size
         self.length = 0
+        self.prompts: int | None = None  # P, from the first call
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.length == 0:  # the prompts: k [P, K, Tp, D]
-            self.k[layer], self.v[layer] = k, v
+        # the call is told by its rows, not by the order of calls: activation checkpointing recomputes
+        # a prompt layer in backward, after the completions ran; the first keys stay the ones kept
+        # (they are in the graph the completions' gradients flow through)
+        if self.prompts is None or k.shape[0] == self.prompts:  # the prompts: k [P, K, Tp, D]
+            self.prompts = k.shape[0]
+            self.k.setdefault(layer, k)
+            self.v.setdefault(layer, v)
             return k, v
         g = self.group_size  # the completions: k [P·G, K, Tc, D] after their prompt's [Tp]
         return (torch.cat([self.k[layer].repeat_interleave(g, 0), k], dim=2),

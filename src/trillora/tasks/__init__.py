@@ -2,11 +2,13 @@
 
 from .arithmetic import ArithmeticTask
 from .base import Problem, Task, first_line
+from .code import CodeTask
 from .countdown import CountdownTask, evaluate
 from .jsonl import DatasetError, JsonlTask, load_reward_fn
 from .reversal import ReversalTask
 
-TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "reversal": ReversalTask, "jsonl": JsonlTask}
+TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "reversal": ReversalTask, "jsonl": JsonlTask,
+         "code": CodeTask}
 
 
 def make_task(name: str, **options) -> Task:
@@ -15,5 +17,5 @@ def make_task(name: str, **options) -> Task:
     return TASKS[name](**options)
 
 
-__all__ = ["TASKS", "ArithmeticTask", "CountdownTask", "DatasetError", "JsonlTask", "Problem", "ReversalTask", "Task",
+__all__ = ["TASKS", "ArithmeticTask", "CodeTask", "CountdownTask", "DatasetError", "JsonlTask", "Problem", "ReversalTask", "Task",
            "evaluate", "first_line", "load_reward_fn", "make_task"]

@@ -1,0 +1,224 @@
+"""Training checkpoints: everything a run needs to continue as if it had never stopped.
+
+A checkpoint is a folder `checkpoints/step-{N:06d}` holding, per rank, the local LoRA tensors,
+AdamW state and torch RNG state (`rank-{r}.safetensors`, so sharded layouts save without
+gathering and without pickle), and from rank 0 `state.json` (step, Python and NumPy RNG states,
+counters, the layout), `metrics.jsonl` up to that step, `config.toml`, the adapter in PEFT
+layout (`adapter/`, for people: vLLM and PEFT read it) and `manifest.json` (size and SHA-256 of
+every file). It is written into `.step-{N}.partial`, fsynced, and renamed into place; the
+`latest` file is rewritten (temp + rename) only after that. So a kill at any moment leaves
+either the previous checkpoint or the new one, never half of one: a `.partial` folder or a
+folder whose manifest does not match is reported and skipped.
+
+The learning-rate schedule and the data order are functions of the step (prompts are drawn
+from `seed` and the step index), so the step is their state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+LATEST = "latest"
+
+
+class CheckpointCorrupt(ValueError):
+    """A checkpoint folder that fails its manifest; the message names the file."""
+
+
+@dataclass
+class Found:
+    """The newest complete checkpoint (or None) and what was passed over on the way."""
+
+    path: Path | None
+    skipped: list[str] = field(default_factory=list)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:06d}"
+
+
+def partial_dir(root: Path, step: int) -> Path:
+    return root / f".step-{step:06d}.partial"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter or state tensor (DTensor shards under FSDP / tp / ep)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def rank_tensors(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's adapter, AdamW state and torch RNG, as flat safetensors names."""
+    out = {f"param.{name}": _local(p.detach()).cpu().contiguous() for name, p in params.items()}
+    index = {id(p): name for name, p in params.items()}
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                out[f"optim.{index[id(p)]}.{key}"] = _local(value).cpu().contiguous().clone()
+    out["rng.torch"] = torch.get_rng_state()
+    return out
+
+
+def restore_rank_tensors(tensors: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter],
+                         optimizer: torch.optim.Optimizer, where: Path) -> None:
+    """Put a rank file's tensors back in place, bit for bit; a missing or misshapen one names itself."""
+    with torch.no_grad():
+        for name, p in params.items():
+            key = f"param.{name}"
+            if key not in tensors:
+                raise CheckpointCorrupt(f"{where}: no tensor {key!r} (was the checkpoint written with other LoRA targets?)")
+            local = _local(p.data)
+            if tuple(tensors[key].shape) != tuple(local.shape):
+                raise CheckpointCorrupt(f"{where}: {key!r} has shape {tuple(tensors[key].shape)}, the model wants "
+                                        f"{tuple(local.shape)} (another rank, layout or LoRA rank?)")
+            local.copy_(tensors[key])
+    for name, p in params.items():
+        keys = [k for k in tensors if k.startswith(f"optim.{name}.")]
+        if not keys:
+            continue
+        state = optimizer.state[p]
+        for k in keys:
+            value = tensors[k].to(_local(p.data).device)
+            if hasattr(p.data, "to_local"):  # a sharded parameter keeps sharded state
+                from torch.distributed.tensor import DTensor
+
+                value = DTensor.from_local(value, p.data.device_mesh, p.data.placements, run_check=False,
+                                           shape=p.data.shape, stride=p.data.stride()) if value.dim() else value
+            state[k.rsplit(".", 1)[1]] = value
+    torch.set_rng_state(tensors["rng.torch"])
+
+
+def python_rng_state() -> dict:
+    state = {"python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]]}
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]
+    except ImportError:
+        pass
+    return state
+
+
+def restore_python_rng(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+def write_rank_file(root: Path, step: int, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+    part = partial_dir(root, step)
+    part.mkdir(parents=True, exist_ok=True)
+    path = part / f"rank-{rank}.safetensors"
+    save_file(tensors, str(path))
+    _fsync(path)
+
+
+def commit(root: Path, step: int, state: dict, files: dict[str, str], keep: int) -> Path:
+    """Rank 0, after every rank's file is written: the JSON files, the manifest, the rename,
+    the `latest` pointer, then the oldest checkpoints beyond `keep`."""
+    part = partial_dir(root, step)
+    (part / "state.json").write_text(json.dumps(state))
+    for name, text in files.items():
+        (part / name).write_text(text)
+    paths = sorted(p for p in part.rglob("*") if p.is_file())
+    for p in paths:
+        _fsync(p)
+    manifest = {str(p.relative_to(part)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in paths}
+    (part / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    _fsync(part / "manifest.json")
+    final = step_dir(root, step)
+    if final.exists():  # the same step written again (a resumed run that stopped at once)
+        shutil.rmtree(final)
+    os.rename(part, final)
+    _fsync(root)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(final.name + "\n")
+    _fsync(pointer)
+    os.replace(pointer, root / LATEST)
+    _fsync(root)
+    for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def verify(path: Path) -> None:
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise CheckpointCorrupt(f"{path}: no manifest.json")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointCorrupt(f"{manifest_path}: not JSON ({e.msg})") from None
+    for name, entry in manifest.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointCorrupt(f"{path}: {name} is missing")
+        if f.stat().st_size != entry["bytes"] or _sha256(f) != entry["sha256"]:
+            raise CheckpointCorrupt(f"{f}: does not match its manifest (truncated or changed)")
+
+
+def find_latest(root: Path) -> Found:
+    """The newest checkpoint that verifies, preferring what `latest` names; everything passed
+    over (half-written `.partial` folders, folders failing their manifest) is listed."""
+    found = Found(None)
+    if not root.is_dir():
+        return found
+    found.skipped += [f"{p}: half-written (the run stopped while saving it)" for p in sorted(root.glob(".step-*.partial"))]
+    candidates = sorted(root.glob("step-*"), reverse=True)
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+    for path in candidates:
+        try:
+            verify(path)
+        except CheckpointCorrupt as e:
+            found.skipped.append(str(e))
+            continue
+        found.path = path
+        break
+    return found
+
+
+def load(path: Path, rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(state.json, this rank's tensors) of a verified checkpoint."""
+    rank_file = path / f"rank-{rank}.safetensors"
+    if not rank_file.is_file():
+        raise CheckpointCorrupt(f"{path}: no {rank_file.name} (written by a run with fewer ranks?)")
+    return json.loads((path / "state.json").read_text()), load_file(str(rank_file))
+
+
+def clear_partials(root: Path) -> None:
+    for p in root.glob(".step-*.partial"):
+        shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,154 @@
+"""Checkpoints and resume: atomic folders, a `latest` pointer, damaged ones passed over, and a run
+killed with SIGKILL ten times ending with the same adapter, bit for bit, as one never killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trillora.checkpoint import train_state
+
+FAST = ["rollout.prompts_per_step=8", "rollout.group_size=4", "task.eval_problems=16", "task.eval_samples=1",
+        'task.retention=""', "deterministic=true"]
+
+
+def train(out_dir: Path, name: str, *overrides: str, ranks: int = 1, wait: bool = True):
+    args = ["-m", "trillora", "train", f"name={name}", f"out_dir={out_dir}", *FAST, *overrides]
+    if ranks > 1:
+        from engine_helpers import free_port
+
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(ranks), "--master-port",
+               str(free_port()), *args]
+    else:
+        cmd = [sys.executable, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    return err
+
+
+def adapter(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "adapter" / "fused" / "adapter_model.safetensors"))
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_checkpoints_every_k_keep_n_and_a_damaged_one_is_passed_over(tmp_path):
+    train(tmp_path, "run", "steps=6", "eval_every=3", "checkpoint.every=2", "checkpoint.keep=2")
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-000004", "step-000006"]
+    assert (root / "latest").read_text().strip() == "step-000006"
+    state = json.loads((root / "step-000006" / "state.json").read_text())
+    assert state["step"] == 6 and "python" in state["rng"] and state["layout"] == {"world": 1}
+    ckpt = load_file(str(root / "step-000006" / "rank-0.safetensors"))
+    assert any(k.endswith(".exp_avg_sq") for k in ckpt) and "rng.torch" in ckpt
+    assert (root / "step-000006" / "adapter" / "adapter_config.json").is_file()
+    assert len((root / "step-000006" / "metrics.jsonl").read_text().splitlines()) == 7  # step 0 + six steps
+
+    (root / ".step-000008.partial").mkdir()  # a save cut short
+    rank_file = root / "step-000006" / "rank-0.safetensors"
+    rank_file.write_bytes(rank_file.read_bytes()[:-100])  # a damaged newest checkpoint
+    found = train_state.find_latest(root)
+    assert found.path == root / "step-000004"
+    assert any("half-written" in s and ".step-000008.partial" in s for s in found.skipped)
+    assert any("rank-0.safetensors: does not match its manifest" in s for s in found.skipped)
+
+    err = train(tmp_path, "run", "steps=8", "eval_every=3", "checkpoint.every=2", "checkpoint.keep=2", "--resume")
+    assert "resuming from" in err and "step-000004" in err and "does not match its manifest" in err
+    assert not list(root.glob(".step-*.partial"))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(9))  # the metrics of steps 5 and 6 were rewritten, not doubled
+
+
+def test_a_fresh_run_moves_earlier_checkpoints_aside(tmp_path):
+    train(tmp_path, "run", "steps=2", "eval_every=2")
+    train(tmp_path, "run", "steps=1", "eval_every=1")
+    assert (tmp_path / "run" / "checkpoints.previous" / "step-000002").is_dir()
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")] == ["step-000001"]
+
+
+def test_sigterm_saves_and_stops_after_the_step(tmp_path):
+    proc = train(tmp_path, "run", "steps=400", "eval_every=400", "checkpoint.every=0", wait=False)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    found = train_state.find_latest(tmp_path / "run" / "checkpoints")
+    step = json.loads((found.path / "state.json").read_text())["step"]
+    assert 2 <= step < 400 and f"stopped at step {step} of 400" in err
+    assert len(metrics.read_text().splitlines()) == step + 1
+
+
+def test_sigkill_ten_times_then_resume_ends_bit_identical(tmp_path):
+    """The crash test: killed during rollouts, updates and checkpoint writes, resumed each time."""
+    steps = ["steps=24", "eval_every=8", "checkpoint.every=1", "checkpoint.keep=2"]
+    train(tmp_path, "whole", *steps)
+    rng = random.Random(0)
+    root = tmp_path / "killed" / "checkpoints"
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    moments = ["step", "step", "step", "write", "step", "write", "step", "write", "step", "write"]
+    kills = []
+    for moment in moments:
+        proc = train(tmp_path, "killed", *steps, "resume=true", wait=False)
+        done_before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        deadline = time.time() + 300
+        while proc.poll() is None and time.time() < deadline:
+            rows = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            if moment == "write" and rows > done_before and list(root.glob(".step-*.partial")):
+                break  # a checkpoint is being written right now
+            if moment == "step" and rows > done_before + 1:
+                time.sleep(rng.uniform(0.0, 0.15))  # somewhere in a rollout or an update
+                break
+            time.sleep(0.002)
+        if proc.poll() is not None:
+            break  # finished before this kill: nothing left to interrupt
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        found = train_state.find_latest(root)
+        if found.path is not None:
+            train_state.verify(found.path)  # what the next resume will pick is whole
+        kills.append((moment, json.loads((found.path / "state.json").read_text())["step"] if found.path else 0))
+    assert len(kills) == 10, kills
+    assert any(m == "write" for m, _ in kills) and kills[-1][1] < 24
+    train(tmp_path, "killed", *steps, "resume=true")
+    assert_same(adapter(tmp_path / "killed"), adapter(tmp_path / "whole"))
+    last = [load_file(str(tmp_path / r / "checkpoints" / "step-000024" / "rank-0.safetensors")) for r in ("whole", "killed")]
+    last[0].pop("rng.torch"), last[1].pop("rng.torch")
+    assert_same(*last)  # AdamW state too
+    one = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    two = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("loss"), r.get("eval_accuracy")) for r in one] == \
+           [(r["step"], r.get("loss"), r.get("eval_accuracy")) for r in two]
+
+
+@pytest.mark.parametrize("overrides", [("parallel.dp=2",), ("parallel.ep=2",), ("parallel.pp=2",)],
+                         ids=["dp2-fsdp", "dp2xep2", "pp2"])
+def test_resume_under_torchrun_equals_an_uninterrupted_run(tmp_path, overrides):
+    train(tmp_path, "whole", "steps=4", "eval_every=4", *overrides, ranks=2)
+    train(tmp_path, "split", "steps=2", "eval_every=4", *overrides, ranks=2)  # stops after 2 steps (a checkpoint)
+    assert (tmp_path / "split" / "checkpoints" / "step-000002" / "rank-1.safetensors").is_file()
+    err = train(tmp_path, "split", "steps=4", "eval_every=4", "resume=true", *overrides, ranks=2)
+    assert "resuming from" in err
+    assert_same(adapter(tmp_path / "split"), adapter(tmp_path / "whole"))
+    with pytest.raises(AssertionError, match="resume with the same torchrun size"):
+        train(tmp_path, "split", "steps=5", "eval_every=4", "resume=true")  # one process cannot take 2 ranks' shards
