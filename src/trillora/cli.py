@@ -143,7 +143,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"trillora serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     serve(ServeConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-                      adapter_root=args.adapter_root, precision=args.precision))
+                      adapter_root=args.adapter_root, precision=args.precision, max_connections=args.max_connections))
     return 0
 
 
@@ -218,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--adapter-root", default=None, help="folder adapters may be loaded from (load_lora_adapter)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16_weights", "bf16"))
+    p.add_argument("--max-connections", type=int, default=64, help="connections served at once; more wait")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plot", help="write the PNG plots of a run folder")

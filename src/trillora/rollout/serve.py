@@ -6,8 +6,9 @@ token-id prompts, n samples and per-token logprobs (tokens as `token_id:N`, as v
 endpoints `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, and `/health`.
 
 Safe by default: it binds 127.0.0.1, can require an API key, loads adapters only from
-inside `adapter_root`, bounds request bodies, and runs one generation at a time per
-engine (the engine is not thread-safe; requests queue on a lock).
+inside `adapter_root`, bounds request bodies, `n`, `max_tokens` and the connections served at
+once, and runs one generation at a time per engine (the engine is not thread-safe; requests
+queue on a lock).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     max_tokens_limit: int = 4096
     max_n: int = 64
+    max_connections: int = 64
+    """Connections served at once (one thread each); more wait in the listen queue, unrefused."""
+    idle_seconds: float = 30.0
+    """A kept-alive connection idle this long is closed, freeing its slot."""
     precision: str = "fp32"
 
 
@@ -199,6 +204,8 @@ def make_handler(server: ModelServer):
         def _send(self, status: HTTPStatus, payload: dict) -> None:
             data = json.dumps(payload).encode()
             self.send_response(status)
+            if self.close_connection:  # tell the client, so it opens a new connection for its next request
+                self.send_header("Connection", "close")
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -208,6 +215,7 @@ def make_handler(server: ModelServer):
             key = server.cfg.api_key
             if key is None or self.headers.get("Authorization") == f"Bearer {key}":
                 return True
+            self.close_connection = True  # an unread body must not be taken for the next request
             self._send(HTTPStatus.UNAUTHORIZED, {"error": {"message": "missing or wrong API key"}})
             return False
 
@@ -234,11 +242,12 @@ def make_handler(server: ModelServer):
                     left -= len(chunk)
                 self.close_connection = True
                 return self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": {"message": "request body too large"}})
+            raw = self.rfile.read(length)  # read before anything else, so the connection stays in step
             route = routes_post.get(self.path)
             if route is None:
                 return self._send(HTTPStatus.NOT_FOUND, {"error": {"message": f"no route {self.path}"}})
             try:
-                body = json.loads(self.rfile.read(length) or b"{}")
+                body = json.loads(raw or b"{}")
                 if not isinstance(body, dict):
                     raise RequestError(HTTPStatus.BAD_REQUEST, "the request body must be a JSON object")
                 self._send(HTTPStatus.OK, route(body))
@@ -250,10 +259,37 @@ def make_handler(server: ModelServer):
     return Handler
 
 
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` at once: the accept loop waits for a free
+    slot, so a burst queues in the kernel's listen backlog instead of spawning unbounded threads."""
+
+    daemon_threads = True
+    request_queue_size = 1024
+
+    def __init__(self, address, handler, max_connections: int):
+        self.slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        self.slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> None:
     server = ModelServer(cfg)
-    httpd = ThreadingHTTPServer((cfg.host, cfg.port), make_handler(server))
-    httpd.daemon_threads = True
+    handler = make_handler(server)
+    handler.timeout = cfg.idle_seconds  # socket timeout: idle keep-alive connections end
+    httpd = BoundedHTTPServer((cfg.host, cfg.port), handler, cfg.max_connections)
     print(f"trillora serve: {cfg.model} on http://{cfg.host}:{httpd.server_address[1]}", flush=True)
     if ready is not None:
         ready.set()
