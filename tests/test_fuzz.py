@@ -37,11 +37,18 @@ def test_jsonl_loader_fuzz(tmp_path, lines):
     path = tmp_path / "fuzz.jsonl"
     path.write_text("\n".join(line.replace("\n", " ") for line in lines) + "\n")
     try:
-        rows = read_rows(path, "prompt")
+        rows, lines, skipped = read_rows(path, "prompt")
     except DatasetError as e:
         assert str(e).startswith(str(path))
     else:
-        assert all(isinstance(r["prompt"], str) and r["prompt"] for r in rows)
+        assert all(isinstance(r["prompt"], str) and r["prompt"].strip() for r in rows) and not skipped
+        assert len(lines) == len(rows) and lines == sorted(lines)
+    try:  # skip-and-count: only an empty result may raise, and every skipped row names file and line
+        rows, _, skipped = read_rows(path, "prompt", bad_rows="skip")
+    except DatasetError as e:
+        assert str(e).startswith(f"{path}: no rows")
+    else:
+        assert all(s.startswith(f"{path}:") for s in skipped) and rows
 
 
 @settings(max_examples=300, deadline=None)

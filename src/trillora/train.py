@@ -85,6 +85,7 @@ class Trainer:
         self.engine = self._make_engine() if self.main else None
         self.task = make_task(cfg.task.name, **cfg.task.options)
         self.retention = make_task(cfg.task.retention) if cfg.task.retention else None
+        self._check_dataset()
         t = cfg.task
         self.reward = GuardedReward(self.task, t.reward_timeout, t.on_reward_error)  # user code: time-limited
         self.retention_reward = GuardedReward(self.retention, t.reward_timeout, t.on_reward_error) if self.retention else None
@@ -99,6 +100,17 @@ class Trainer:
         self.micro_batch_rows = p.micro_batch_rows or (1 if p.auto else 0)
         dims = self.dist.par.dims if self.dist is not None else None
         self.share_prompts = p.share_prompts and r.group_size > 1 and (dims is None or (dims.pp, dims.cp, dims.sp) == (1, 1, False))
+
+    def _check_dataset(self) -> None:
+        """Dataset prompts must leave room for the completion in the engine's context."""
+        if not hasattr(self.task, "limit_prompt_tokens"):
+            return
+        r = self.cfg.rollout
+        self.task.limit_prompt_tokens(lambda text: len(encode_prompt(self.tokenizer, text)), r.max_model_len - r.max_new_tokens,
+                                      f"rollout.max_model_len={r.max_model_len} - rollout.max_new_tokens={r.max_new_tokens}")
+        if self.task.skipped and self.main:
+            console.print(f"[yellow]{len(self.task.skipped)} dataset rows skipped[/] (bad_rows=\"skip\"); "
+                          f"first: {self.task.skipped[0]}")
 
     @property
     def main(self) -> bool:
@@ -361,6 +373,7 @@ class Trainer:
             "steps": cfg.steps, "seconds": time.perf_counter() - start,
             "skipped_updates": self.skipped_updates,
             "reward_failures": self.reward.failures,
+            "dataset_rows_skipped": len(getattr(self.task, "skipped", [])),
             "adapter": lora.adapter_stats(self.full),
             **({"parallel": dataclasses.asdict(self.dist.par.dims), "parallel_auto": cfg.parallel.auto,
                 "dp_grad_bytes_per_step": self.dist.par.grad_sync.bytes_per_step}
