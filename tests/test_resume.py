@@ -152,3 +152,18 @@ def test_resume_under_torchrun_equals_an_uninterrupted_run(tmp_path, overrides):
     assert_same(adapter(tmp_path / "split"), adapter(tmp_path / "whole"))
     with pytest.raises(AssertionError, match="resume with the same torchrun size"):
         train(tmp_path, "split", "steps=5", "eval_every=4", "resume=true")  # one process cannot take 2 ranks' shards
+
+
+def test_a_dead_rollout_server_fails_clearly_and_leaves_the_checkpoints_intact(tmp_path):
+    from engine_helpers import free_port
+
+    train(tmp_path, "run", "steps=2", "eval_every=2")
+    root = tmp_path / "run" / "checkpoints"
+    before = {p.name: p.read_bytes() for p in (root / "step-000002").rglob("*") if p.is_file()}
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = train(tmp_path, "run", "steps=4", "eval_every=2", "resume=true", "rollout.engine=openai", f'rollout.urls=["{url}"]',
+                 wait=False)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 2 and f"trillora train: error: {url}" in err and "Traceback" not in err
+    assert train_state.find_latest(root).path == root / "step-000002"
+    assert {p.name: p.read_bytes() for p in (root / "step-000002").rglob("*") if p.is_file()} == before

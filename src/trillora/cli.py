@@ -17,6 +17,7 @@ from .config import ConfigError as RunConfigError
 from .lora import AdapterError, LoraConfigError
 from .models import ConfigError
 from .resume import TrainingDiverged
+from .rollout.openai import EngineError
 from .tasks import DatasetError
 from .tasks.guard import RewardError
 
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, RunConfigError, CheckpointError, AdapterError, LoraConfigError, DatasetError,
-            FileNotFoundError, KeyError, TrainingDiverged, CheckpointCorrupt, RewardError) as e:
+            FileNotFoundError, KeyError, TrainingDiverged, CheckpointCorrupt, RewardError, EngineError) as e:
         if isinstance(e, RewardError) and e.__cause__ is not None:  # the user's code: show where it failed
             import traceback
 
