@@ -139,8 +139,14 @@ class AlgorithmSection:
     mismatch: str = "token_tis"
     mismatch_cap: float = 2.0
     mismatch_band: tuple[float, float] = (0.5, 2.0)
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal and sample more prompts to fill the batch (DAPO)."""
+    max_sampling_rounds: int = 3
+    """With dynamic sampling: rounds of `prompts_per_step` prompts per step at most; a batch still
+    short after them is filled with uninformative groups (zero advantage, no gradient)."""
 
     def validate(self) -> None:
+        _check_positive("algorithm.max_sampling_rounds", self.max_sampling_rounds)
         _check_choice("algorithm.advantage", self.advantage, ADVANTAGE_MODES)
         _check_choice("algorithm.aggregation", self.aggregation, AGGREGATIONS)
         _check_choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)

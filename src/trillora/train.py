@@ -145,12 +145,28 @@ class Trainer:
     def rollout(self, step: int):
         if not self.main:
             return self.dist.share(None)
-        r = self.cfg.rollout
-        problems = self.task.problems("train", r.prompts_per_step, seed=self.cfg.seed * 1_000_003 + step)
-        params = SamplingParams(**{**self.sampling.__dict__, "seed": self.cfg.seed * 1_000_003 + step})
-        groups = self.engine.generate([encode_prompt(self.tokenizer, p.prompt) for p in problems], r.group_size, params)
-        rewards = torch.tensor([[self.reward(p, decode_completion(self.tokenizer, c.token_ids)) for c in g]
-                                for p, g in zip(problems, groups)])  # [P, G]
+        r, a = self.cfg.rollout, self.cfg.algorithm
+        rounds = []  # (problems, groups, rewards [P, G]) of each sampling round
+        for k in range(a.max_sampling_rounds if a.dynamic_sampling else 1):
+            seed = self.cfg.seed * 1_000_003 + step if k == 0 else -((self.cfg.seed * 1_000_003 + step) * 16 + k)
+            problems = self.task.problems("train", r.prompts_per_step, seed=seed)
+            params = SamplingParams(**{**self.sampling.__dict__, "seed": seed})
+            groups = self.engine.generate([encode_prompt(self.tokenizer, p.prompt) for p in problems], r.group_size, params)
+            rewards = torch.tensor([[self.reward(p, decode_completion(self.tokenizer, c.token_ids)) for c in g]
+                                    for p, g in zip(problems, groups)])  # [P, G]
+            rounds.append((problems, groups, rewards))
+            if sum(int(rl.informative_groups(x[2]).sum()) for x in rounds) >= r.prompts_per_step:
+                break
+        sampled = torch.cat([x[2] for x in rounds])
+        self.rollout_stats = {"reward_mean": float(sampled.mean()),
+                              "groups_all_equal": float((~rl.informative_groups(sampled)).float().mean())}
+        if a.dynamic_sampling:  # the batch: informative groups first in sampling order, padded if short
+            chosen, padded = rl.fill_batch([x[2] for x in rounds], r.prompts_per_step)
+            groups = [rounds[k][1][i] for k, i in chosen]
+            rewards = torch.stack([rounds[k][2][i] for k, i in chosen])
+            uninformative = int((~rl.informative_groups(sampled)).sum())
+            self.rollout_stats.update(sampling_rounds=float(len(rounds)), groups_dropped=float(uninformative - padded),
+                                      groups_padded=float(padded))
         flat = [c for g in groups for c in g]
         batch = build_batch([c.prompt_ids for c in flat], [c.token_ids for c in flat], [c.logprobs for c in flat],
                             pad_id=self.tokenizer.pad_token_id or 0, device=self.device)
@@ -328,8 +344,7 @@ class Trainer:
                 t2 = time.perf_counter()
                 with record_function("trillora.sync"):
                     metrics.update(self.sync_engine())
-                row = {"step": step + 1, "lr": lr, "reward_mean": float(rewards.mean()),
-                       "groups_all_equal": float((rewards.std(-1) == 0).float().mean()),
+                row = {"step": step + 1, "lr": lr, **self.rollout_stats,
                        "completion_len_mean": sum(len(c.token_ids) for c in flat) / len(flat),
                        "rollout_seconds": t1 - t0, "update_seconds": t2 - t1, **metrics}
                 if self.reward.failures > failures:  # rewards scored 0 for an error (task.on_reward_error="zero")

@@ -2,6 +2,7 @@
 
 from .advantages import ADVANTAGE_MODES, group_advantages
 from .aggregation import AGGREGATIONS, aggregate
+from .dynamic_sampling import fill_batch, informative_groups
 from .kl import KL_ESTIMATORS, entropy_from_logits, kl_estimate
 from .loss import policy_loss
 from .mismatch import MISMATCH_MODES, masked_mean, mismatch_weights
@@ -13,7 +14,9 @@ __all__ = [
     "MISMATCH_MODES",
     "aggregate",
     "entropy_from_logits",
+    "fill_batch",
     "group_advantages",
+    "informative_groups",
     "kl_estimate",
     "masked_mean",
     "mismatch_weights",
