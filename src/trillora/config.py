@@ -139,6 +139,12 @@ class AlgorithmSection:
     mismatch: str = "token_tis"
     mismatch_cap: float = 2.0
     mismatch_band: tuple[float, float] = (0.5, 2.0)
+    router_replay: str = "off"
+    """Route training tokens to the experts the rollout chose: "all" passes (R3), only the "old"
+    logprob pass, or "off" (`trillora.replay`). Needs the engine's routing: rollout.engine="local"."""
+    routing_metrics: bool = False
+    """Record the rollout's routing and log how often the trainer routes elsewhere, without replay
+    (on whenever router_replay is)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal and sample more prompts to fill the batch (DAPO)."""
     max_sampling_rounds: int = 3
@@ -147,6 +153,7 @@ class AlgorithmSection:
 
     def validate(self) -> None:
         _check_positive("algorithm.max_sampling_rounds", self.max_sampling_rounds)
+        _check_choice("algorithm.router_replay", self.router_replay, ("off", "all", "old"))
         _check_choice("algorithm.advantage", self.advantage, ADVANTAGE_MODES)
         _check_choice("algorithm.aggregation", self.aggregation, AGGREGATIONS)
         _check_choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)

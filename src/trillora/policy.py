@@ -21,6 +21,8 @@ class TokenBatch:
     completion_mask: torch.Tensor  # [B, T-1]: 1 where target token t+1 is a completion token
     rollout_logprobs: torch.Tensor  # [B, T-1] engine logprobs aligned with the mask (0 elsewhere)
     prompt_lengths: torch.Tensor | None = None  # [B] tokens of each row's prompt
+    routes: torch.Tensor | None = None  # [B, T, L, K] experts the engine chose per input token (int16)
+    routes_valid: torch.Tensor | None = None  # [B, T] True where the engine fed that token (all but the last)
 
     @property
     def num_tokens(self) -> int:
@@ -28,7 +30,8 @@ class TokenBatch:
 
 
 def build_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]], pad_id: int = 0,
-                device: torch.device | str = "cpu") -> TokenBatch:
+                device: torch.device | str = "cpu", routes: list[torch.Tensor] | None = None) -> TokenBatch:
+    """`routes`: each completion's recorded routing [len(prompt) + len(completion) - 1, L, K], or None."""
     width = max(len(p) + len(c) for p, c in zip(prompts, completions))
     b = len(prompts)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
@@ -39,8 +42,17 @@ def build_batch(prompts: list[list[int]], completions: list[list[int]], logprobs
         # target position j predicts token j+1: completion token k sits at len(p)+k, predicted at len(p)+k-1
         mask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1
         lps[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32)
-    return TokenBatch(input_ids=ids.to(device), completion_mask=mask.to(device), rollout_logprobs=lps.to(device),
-                      prompt_lengths=torch.tensor([len(p) for p in prompts], device=device))
+    batch = TokenBatch(input_ids=ids.to(device), completion_mask=mask.to(device), rollout_logprobs=lps.to(device),
+                       prompt_lengths=torch.tensor([len(p) for p in prompts], device=device))
+    if routes is not None:
+        layers, k = routes[0].shape[1:]
+        table = torch.zeros(b, width, layers, k, dtype=torch.int16)
+        valid = torch.zeros(b, width, dtype=torch.bool)
+        for i, r in enumerate(routes):
+            table[i, : r.shape[0]] = r.to(torch.int16)
+            valid[i, : r.shape[0]] = True
+        batch.routes, batch.routes_valid = table.to(device), valid.to(device)
+    return batch
 
 
 def token_logprobs(model: CausalLM, input_ids: torch.Tensor, temperature: float = 1.0,

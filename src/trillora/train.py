@@ -6,6 +6,7 @@ Shape legend: P prompts per step, G group size, B = P·G rows, T tokens.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -22,6 +23,7 @@ from .config import ConfigError, TrainConfig, to_toml
 from .distributed import Distributed, launched, load_adapter_tensors
 from .evaluate import decode_completion, encode_prompt, evaluate
 from .policy import build_batch, shared_prompt_logprobs, token_logprobs
+from .replay import RouterReplay
 from .resume import RunCheckpoints, StopSignal, TrainingDiverged, console
 from .rollout import LocalEngine, OpenAIEngine, SamplingParams
 from .tasks import make_task
@@ -93,6 +95,9 @@ class Trainer:
         self.retention_problems = self.retention.problems("eval", cfg.task.eval_problems, seed=cfg.seed) if self.retention else []
         r = cfg.rollout
         stop = (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        self.routing = cfg.algorithm.router_replay != "off" or cfg.algorithm.routing_metrics
+        if self.routing:
+            self._check_routing()
         self.sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                        top_k=r.top_k, stop_token_ids=stop)
         self.skipped_updates = 0
@@ -100,6 +105,14 @@ class Trainer:
         self.micro_batch_rows = p.micro_batch_rows or (1 if p.auto else 0)
         dims = self.dist.par.dims if self.dist is not None else None
         self.share_prompts = p.share_prompts and r.group_size > 1 and (dims is None or (dims.pp, dims.cp, dims.sp) == (1, 1, False))
+
+    def _check_routing(self) -> None:
+        if self.cfg.rollout.engine == "openai":
+            raise ConfigError("algorithm.router_replay / routing_metrics need the experts the engine chose per token; "
+                              "rollout.engine='openai' does not return them: use rollout.engine='local' (or 'vllm' on a GPU)")
+        if self.dist is not None and (self.dist.par.dims.pp, self.dist.par.dims.cp, self.dist.par.dims.sp) != (1, 1, False):
+            raise ConfigError("algorithm.router_replay runs whole rows on each rank; it does not combine with "
+                              "parallel.pp, parallel.cp or parallel.sp yet")
 
     def _check_dataset(self) -> None:
         """Dataset prompts must leave room for the completion in the engine's context."""
@@ -150,7 +163,7 @@ class Trainer:
         for k in range(a.max_sampling_rounds if a.dynamic_sampling else 1):
             seed = self.cfg.seed * 1_000_003 + step if k == 0 else -((self.cfg.seed * 1_000_003 + step) * 16 + k)
             problems = self.task.problems("train", r.prompts_per_step, seed=seed)
-            params = SamplingParams(**{**self.sampling.__dict__, "seed": seed})
+            params = SamplingParams(**{**self.sampling.__dict__, "seed": seed, "return_routing": self.routing})
             groups = self.engine.generate([encode_prompt(self.tokenizer, p.prompt) for p in problems], r.group_size, params)
             rewards = torch.tensor([[self.reward(p, decode_completion(self.tokenizer, c.token_ids)) for c in g]
                                     for p, g in zip(problems, groups)])  # [P, G]
@@ -169,7 +182,8 @@ class Trainer:
                                       groups_padded=float(padded))
         flat = [c for g in groups for c in g]
         batch = build_batch([c.prompt_ids for c in flat], [c.token_ids for c in flat], [c.logprobs for c in flat],
-                            pad_id=self.tokenizer.pad_token_id or 0, device=self.device)
+                            pad_id=self.tokenizer.pad_token_id or 0, device=self.device,
+                            routes=[c.routed_experts for c in flat] if self.routing else None)
         return self.dist.share((batch, rewards, flat)) if self.dist else (batch, rewards, flat)
 
     def update(self, batch, advantages_B: torch.Tensor) -> dict[str, float]:
@@ -180,19 +194,24 @@ class Trainer:
             share = (rows.stop - rows.start) % self.cfg.rollout.group_size == 0  # whole groups on this rank
             batch = dataclasses.replace(batch, input_ids=batch.input_ids[rows], completion_mask=batch.completion_mask[rows],
                                         rollout_logprobs=batch.rollout_logprobs[rows],
-                                        prompt_lengths=batch.prompt_lengths[rows] if share else None)
+                                        prompt_lengths=batch.prompt_lengths[rows] if share else None,
+                                        routes=batch.routes[rows] if batch.routes is not None else None,
+                                        routes_valid=batch.routes_valid[rows] if batch.routes is not None else None)
             advantages_B = advantages_B[rows]
         ids, mask, plen = batch.input_ids, batch.completion_mask, batch.prompt_lengths
         clen = mask.sum(-1).long()  # [b] completion tokens per row
+        routing = RouterReplay(a.router_replay, batch.routes, batch.routes_valid) if batch.routes is not None else None
         pipeline = self.dist.par.pipeline if self.dist is not None else None
         passes = a.epochs * a.minibatches
+        everything = torch.arange(ids.shape[0], device=ids.device)
         old = None
         if passes > 1:  # proximal policy for several passes: the policy before this update
-            old = self._logprobs(ids, plen, clen, temp)
+            with self._routing(routing, everything, "old") as whole:
+                old = self._logprobs(ids, plen, clen, temp, whole)
         ref = None
         if a.kl_coef > 0:
-            with lora.disable_adapter(model):
-                ref = self._logprobs(ids, plen, clen, temp)
+            with lora.disable_adapter(model), self._routing(routing, everything, "reference") as whole:
+                ref = self._logprobs(ids, plen, clen, temp, whole)
         weights, mismatch = self._mismatch(old, batch) if old is not None else (None, {})
         parts: list[dict[str, float]] = []  # metrics of each loss evaluation (minibatch or microbatch)
 
@@ -212,14 +231,16 @@ class Trainer:
 
         loss_sum, step_metrics = 0.0, {}
         chunks = torch.arange(ids.shape[0], device=ids.device).chunk(a.minibatches)
-        for _ in range(a.epochs):
+        for epoch in range(a.epochs):
             for rows in chunks:
                 if pipeline is None:  # micro-batches accumulate gradients (losses share one normaliser)
                     loss = 0.0
                     for micro in rows.split(self.micro_batch_rows or len(rows)):
-                        logp, entropy = self._rows_logprobs(ids, plen, clen, micro, temp, with_entropy=True)
-                        part = loss_of(logp, entropy, micro)
-                        part.backward()
+                        # the routing context spans backward too: checkpointed layers replay again there
+                        with self._routing(routing, micro, "policy", measure=epoch == 0) as whole:
+                            logp, entropy = self._rows_logprobs(ids, plen, clen, micro, temp, True, whole)
+                            part = loss_of(logp, entropy, micro)
+                            part.backward()
                         loss = loss + part.detach()
                 else:  # forward and backward of the microbatches; the loss is computed on the last stage
                     loss = pipeline.train_step(ids[rows], lambda lp, ent, r, rows=rows: loss_of(lp, ent, rows[r]), temp)
@@ -228,24 +249,38 @@ class Trainer:
         if pipeline is not None:
             parts = pipeline.share_from_last(parts)
         per_token, tokens = token_weighted_mean(parts)
+        step_metrics.update(routing.metrics() if routing is not None else {})  # this rank's rows (rank 0 logs)
         if self.dist is not None:
             return self.dist.reduce_metrics(per_token, tokens, {"loss": loss_sum}, step_metrics)
         return {**per_token, "loss": loss_sum, **step_metrics}
 
+    @contextlib.contextmanager
+    def _routing(self, routing: RouterReplay | None, rows: torch.Tensor, kind: str, measure: bool = False):
+        """Around one pass over `rows`: router replay / routing measurement when on; yields whether
+        the pass must run whole rows (one forward call the recorded routing lines up with)."""
+        if routing is None or not routing.active(kind, measure):
+            yield False
+            return
+        with routing.around(self.model, rows, kind, measure):
+            yield True
+
     @torch.no_grad()
-    def _logprobs(self, ids: torch.Tensor, plen: torch.Tensor | None, clen: torch.Tensor, temperature: float) -> torch.Tensor:
+    def _logprobs(self, ids: torch.Tensor, plen: torch.Tensor | None, clen: torch.Tensor, temperature: float,
+                  whole_rows: bool = False) -> torch.Tensor:
         """Per-token logprobs [b, T-1] under the current adapter state, without autograd state,
         through the same layout as training (the pipeline's stages under pp)."""
         pipeline = self.dist.par.pipeline if self.dist is not None else None
         if pipeline is not None:
             return pipeline.logprobs(ids, temperature)[0]
-        return self._rows_logprobs(ids, plen, clen, torch.arange(ids.shape[0], device=ids.device), temperature)[0]
+        return self._rows_logprobs(ids, plen, clen, torch.arange(ids.shape[0], device=ids.device), temperature,
+                                   whole_rows=whole_rows)[0]
 
-    def _rows_logprobs(self, ids, plen, clen, rows: torch.Tensor, temperature: float, with_entropy: bool = False):
+    def _rows_logprobs(self, ids, plen, clen, rows: torch.Tensor, temperature: float, with_entropy: bool = False,
+                       whole_rows: bool = False):
         """Logprobs (and entropies) [b, T-1] of some rows of this rank's batch; each group's prompt
         runs once when the rows are whole groups (`parallel.share_prompts`)."""
         g = self.cfg.rollout.group_size
-        if self.share_prompts and plen is not None and len(rows) % g == 0 and int(rows[0]) % g == 0:
+        if self.share_prompts and not whole_rows and plen is not None and len(rows) % g == 0 and int(rows[0]) % g == 0:
             return shared_prompt_logprobs(self.model, ids[rows], plen[rows], clen[rows], g, temperature, with_entropy)
         return token_logprobs(self.model, ids[rows], temperature, with_entropy=with_entropy)
 
