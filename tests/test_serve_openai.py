@@ -141,3 +141,21 @@ def test_seeded_groups_are_reproducible_and_not_collapsed(server):
     assert a == b and len(a) == 6
     assert len({tuple(t) for t in a}) > 1  # the samples of a group differ
     engine.close()
+
+
+def test_asynchronous_rl_through_the_server_corrects_against_the_sampling_revision(server, tmp_path):
+    """Sampled one update behind (staleness 1) through a real server's adapter revisions: the rollout
+    logprobs are the older revision's, so the trainer sees a mismatch there and none on step 1."""
+    from trillora.config import load_config
+    from trillora.train import Trainer
+
+    url, root = server
+    cfg = load_config(None, [f"out_dir={tmp_path}", "name=async", "steps=3", "eval_every=3", "rollout.engine=\"openai\"",
+                             f"rollout.urls=[\"{url}\"]", f"rollout.api_key=\"{KEY}\"", f"rollout.sync_dir=\"{root / 'async'}\"",
+                             "rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_problems=16",
+                             "task.eval_samples=1", "task.retention=\"\"", "rollout.asynchronous=true",
+                             "rollout.max_staleness=1", "optim.lr=0.02", "optim.warmup_steps=1"])
+    Trainer(cfg).run()
+    rows = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [r["staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert rows[0]["mismatch_kl_k3"] < 1e-6 and all(r["mismatch_kl_k3"] > 1e-6 for r in rows[1:])

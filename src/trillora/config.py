@@ -104,6 +104,10 @@ class RolloutSection:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    asynchronous: bool = False
+    """Sample the next steps' batches in a thread while the trainer learns (`rollout.async_worker`)."""
+    max_staleness: int = 1
+    """With `asynchronous`: a batch is sampled by a policy at most this many updates old."""
 
     def validate(self) -> None:
         _check_choice("rollout.engine", self.engine, ("local", "vllm", "openai"))

@@ -26,6 +26,7 @@ from .policy import build_batch, shared_prompt_logprobs, token_logprobs
 from .replay import RouterReplay
 from .resume import RunCheckpoints, StopSignal, TrainingDiverged, console
 from .rollout import LocalEngine, OpenAIEngine, SamplingParams
+from .rollout.async_worker import RolloutWorker
 from .tasks import make_task
 from .tasks.guard import GuardedReward
 
@@ -95,6 +96,10 @@ class Trainer:
         self.retention_problems = self.retention.problems("eval", cfg.task.eval_problems, seed=cfg.seed) if self.retention else []
         r = cfg.rollout
         stop = (self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ()
+        self.worker: RolloutWorker | None = None  # the rollout thread, while `run` runs with rollout.asynchronous
+        if r.asynchronous and (launched() or cfg.algorithm.dynamic_sampling or r.max_staleness < 0):
+            raise ConfigError("rollout.asynchronous needs one process (not torchrun), no algorithm.dynamic_sampling, "
+                              f"and rollout.max_staleness >= 0 (got {r.max_staleness})")
         self.routing = cfg.algorithm.router_replay != "off" or cfg.algorithm.routing_metrics
         if self.routing:
             self._check_routing()
@@ -155,16 +160,27 @@ class Trainer:
         return self.engine.sync(self.full)
 
     # --- one step ------------------------------------------------------------------------
+    def _request(self, step: int, k: int = 0):
+        """Problems, prompt tokens, n and sampling parameters of sampling round k of a step."""
+        r = self.cfg.rollout
+        seed = self.cfg.seed * 1_000_003 + step if k == 0 else -((self.cfg.seed * 1_000_003 + step) * 16 + k)
+        problems = self.task.problems("train", r.prompts_per_step, seed=seed)
+        params = SamplingParams(**{**self.sampling.__dict__, "seed": seed, "return_routing": self.routing})
+        return problems, [encode_prompt(self.tokenizer, p.prompt) for p in problems], r.group_size, params
+
     def rollout(self, step: int):
         if not self.main:
             return self.dist.share(None)
         r, a = self.cfg.rollout, self.cfg.algorithm
         rounds = []  # (problems, groups, rewards [P, G]) of each sampling round
+        staleness = None
         for k in range(a.max_sampling_rounds if a.dynamic_sampling else 1):
-            seed = self.cfg.seed * 1_000_003 + step if k == 0 else -((self.cfg.seed * 1_000_003 + step) * 16 + k)
-            problems = self.task.problems("train", r.prompts_per_step, seed=seed)
-            params = SamplingParams(**{**self.sampling.__dict__, "seed": seed, "return_routing": self.routing})
-            groups = self.engine.generate([encode_prompt(self.tokenizer, p.prompt) for p in problems], r.group_size, params)
+            if self.worker is not None:  # sampled ahead by the rollout thread
+                sampled = self.worker.take(step)
+                problems, groups, staleness = sampled.request, sampled.groups, step - sampled.revision
+            else:
+                problems, prompts, n, params = self._request(step, k)
+                groups = self.engine.generate(prompts, n, params)
             rewards = torch.tensor([[self.reward(p, decode_completion(self.tokenizer, c.token_ids)) for c in g]
                                     for p, g in zip(problems, groups)])  # [P, G]
             rounds.append((problems, groups, rewards))
@@ -173,6 +189,8 @@ class Trainer:
         sampled = torch.cat([x[2] for x in rounds])
         self.rollout_stats = {"reward_mean": float(sampled.mean()),
                               "groups_all_equal": float((~rl.informative_groups(sampled)).float().mean())}
+        if staleness is not None:  # every sample of the batch came from the same adapter revision
+            self.rollout_stats["staleness"] = float(staleness)
         if a.dynamic_sampling:  # the batch: informative groups first in sampling order, padded if short
             chosen, padded = rl.fill_batch([x[2] for x in rounds], r.prompts_per_step)
             groups = [rounds[k][1][i] for k, i in chosen]
@@ -333,7 +351,8 @@ class Trainer:
     def evaluate(self, task, problems) -> float:
         params = SamplingParams(**{**self.sampling.__dict__, "seed": 4242})
         score = self.reward if task is self.task else self.retention_reward
-        return evaluate(self.engine, self.tokenizer, task, problems, params, n=self.cfg.task.eval_samples, score=score)
+        with self.worker.lock if self.worker is not None else contextlib.nullcontext():  # the engine is shared
+            return evaluate(self.engine, self.tokenizer, task, problems, params, n=self.cfg.task.eval_samples, score=score)
 
     # --- the run -------------------------------------------------------------------------
     def run(self, close_engine: bool = True) -> dict:
@@ -364,7 +383,10 @@ class Trainer:
         first = resumed.step if resumed is not None else 0
         columns = [TextColumn("[bold]RL[/]"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
-        with Progress(*columns) as bar, stop.installed():
+        if cfg.rollout.asynchronous:
+            self.worker = RolloutWorker(self.engine, self._request, first, cfg.steps, cfg.rollout.max_staleness)
+        closing = contextlib.closing(self.worker) if self.worker is not None else contextlib.nullcontext()
+        with Progress(*columns) as bar, stop.installed(), closing:
             job = bar.add_task("rl", total=cfg.steps, completed=first, info="")
             for step in range(first, cfg.steps):
                 t0 = time.perf_counter()
@@ -378,7 +400,7 @@ class Trainer:
                     metrics = self.update(batch, advantages)
                 t2 = time.perf_counter()
                 with record_function("trillora.sync"):
-                    metrics.update(self.sync_engine())
+                    metrics.update(self.worker.synced(self.sync_engine) if self.worker else self.sync_engine())
                 row = {"step": step + 1, "lr": lr, **self.rollout_stats,
                        "completion_len_mean": sum(len(c.token_ids) for c in flat) / len(flat),
                        "rollout_seconds": t1 - t0, "update_seconds": t2 - t1, **metrics}
