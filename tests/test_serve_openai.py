@@ -155,7 +155,14 @@ def test_asynchronous_rl_through_the_server_corrects_against_the_sampling_revisi
                              "rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_problems=16",
                              "task.eval_samples=1", "task.retention=\"\"", "rollout.asynchronous=true",
                              "rollout.max_staleness=1", "optim.lr=0.02", "optim.warmup_steps=1"])
-    Trainer(cfg).run()
+    trainer = Trainer(cfg)
+    trainer.run(close_engine=False)
     rows = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()][1:]
     assert [r["staleness"] for r in rows] == [0.0, 1.0, 1.0]
     assert rows[0]["mismatch_kl_k3"] < 1e-6 and all(r["mismatch_kl_k3"] > 1e-6 for r in rows[1:])
+    # two revisions stay loaded (a batch sampled from the older one may still be running), older ones go
+    served = {m["id"] for m in json.loads(urllib.request.urlopen(urllib.request.Request(
+        url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}), timeout=30).read())["data"]}
+    mine = {m for m in served if trainer.engine.tag in m}
+    assert mine == set(trainer.engine.loaded) and len(mine) == 2 and trainer.engine.model in mine
+    trainer.engine.close()

@@ -397,6 +397,8 @@ class Trainer:
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
         closing = contextlib.nullcontext()
         if cfg.rollout.asynchronous:
+            if hasattr(self.engine, "keep_revisions"):  # a server engine: revisions a stale batch may still use
+                self.engine.keep_revisions = cfg.rollout.max_staleness + 1
             self.worker = RolloutWorker(self.engine, self._request, first, cfg.steps, cfg.rollout.max_staleness)
             closing = contextlib.closing(self.worker)
         with Progress(*columns) as bar, stop.installed(), closing, self._shared_cores():

@@ -2,9 +2,11 @@
 
 A thread asks the engine for each step's completions in order, as soon as the engine's adapter
 revision (updates synced into it) is at least `step - staleness`: with staleness K a batch is
-sampled by a policy at most K updates old. Generation and weight syncs hold one lock, so the
-engine never samples from half-written weights; the trainer syncs after every update and the
-thread wakes. What the thread produced waits in a queue of at most K batches. Rewards are scored
+sampled by a policy at most K updates old. An engine whose sync rewrites weights in place (the
+local engine, merged syncs) samples under the same lock its syncs take, so it never samples from
+half-written weights; a server engine with adapter revisions keeps the last K+1 loaded and samples
+from a pinned revision outside the lock, so a sync can land while a batch is being sampled. The
+trainer syncs after every update and the thread wakes. What the thread produced waits in a queue of at most K batches. Rewards are scored
 by the trainer (its main thread, where reward time limits work), and each batch reports the
 revision it was sampled with; the mismatch correction already uses the sampler's own logprobs,
 i.e. the sampling revision's.
@@ -56,7 +58,11 @@ class RolloutWorker:
                 handle, prompts, n, params = self.request(step)
                 with self.lock:
                     revision = self.revision
-                    groups = self.engine.generate(prompts, n, params)
+                    pinned = self.engine.pinned() if hasattr(self.engine, "pinned") else None
+                    if pinned is None:  # weights changed in place by a sync: sample under the lock
+                        groups = self.engine.generate(prompts, n, params)
+                if pinned is not None:  # a server keeping this revision loaded: a sync may land meanwhile
+                    groups = pinned(prompts, n, params)
                 self._put(Sampled(step, handle, groups, revision))
         except BaseException as e:  # handed to the trainer, which raises it
             self._put(e)

@@ -67,6 +67,10 @@ class OpenAIEngine:
         self._next_url = itertools.cycle(self.urls)
         self.revision = 0
         self.tag = secrets.token_hex(3)  # revision names stay unique when several runs share a server
+        self.keep_revisions = 1
+        """Adapter revisions left loaded on the servers after a sync: more than one lets a batch that
+        started sampling before the sync finish on its own revision (asynchronous rollouts)."""
+        self.loaded: list[str] = []  # adapter revisions loaded on the servers, oldest first
 
     # --- HTTP ----------------------------------------------------------------------------
     def _post(self, url: str, path: str, body: dict) -> dict:
@@ -92,9 +96,9 @@ class OpenAIEngine:
         raise EngineError(f"{url}{path}: failed after {self.retries + 1} attempts: {last}")
 
     # --- protocol ------------------------------------------------------------------------
-    def _one(self, prompt: list[int], n: int, params: SamplingParams, url: str) -> list[Completion]:
+    def _one(self, prompt: list[int], n: int, params: SamplingParams, url: str, model: str) -> list[Completion]:
         body = {
-            "model": self.model, "prompt": prompt, "n": n, "max_tokens": params.max_new_tokens,
+            "model": model, "prompt": prompt, "n": n, "max_tokens": params.max_new_tokens,
             "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0,
             "return_tokens_as_token_ids": True, "stop_token_ids": list(params.stop_token_ids),
             "skip_special_tokens": False,
@@ -116,17 +120,28 @@ class OpenAIEngine:
                                           finish_reason="stop" if stopped else "length"))
         return completions
 
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                 model: str | None = None) -> list[list[Completion]]:
         """Without a seed: one request of n samples per prompt. With a seed: n requests of one sample, seeds
-        seed + i·n + j, because vLLM gives every sample of a seeded n>1 request the same tokens."""
+        seed + i·n + j, because vLLM gives every sample of a seeded n>1 request the same tokens. Every
+        request of the call names the same model (the revision current when it began, or `model`)."""
+        model = model or self.model
         jobs = []
         for i, p in enumerate(prompts):
             if params.seed is None:
-                jobs.append([self.pool.submit(self._one, p, n, params, next(self._next_url))])
+                jobs.append([self.pool.submit(self._one, p, n, params, next(self._next_url), model)])
                 continue
             jobs.append([self.pool.submit(self._one, p, 1, SamplingParams(**{**params.__dict__, "seed": params.seed + i * n + j}),
-                                          next(self._next_url)) for j in range(n)])
+                                          next(self._next_url), model) for j in range(n)])
         return [[c for f in fs for c in f.result()] for fs in jobs]
+
+    def pinned(self):
+        """A view that samples from the current revision even if a sync loads a newer one meanwhile
+        (adapter sync keeping `keep_revisions` > 1); None when the engine cannot do that."""
+        if self.sync_mode != "adapter" or self.keep_revisions < 2:
+            return None
+        model = self.model
+        return lambda prompts, n, params: self.generate(prompts, n, params, model=model)
 
     def sync(self, model: nn.Module) -> dict[str, float]:
         """Adapter-only sync: a new revision loaded by every server, the previous one unloaded."""
@@ -142,12 +157,14 @@ class OpenAIEngine:
         path = save_adapter(model, self.sync_dir / name, expert_layout="per_expert", base_model=self.base_model)
         for url in self.urls:
             self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path.resolve())})
-        previous, self.model = self.model, name
+        self.model = name
+        self.loaded.append(name)
         size = sum(f.stat().st_size for f in path.iterdir())
-        if previous != self.base_model:
+        while len(self.loaded) > self.keep_revisions:  # the oldest revisions no batch samples from any more
+            old = self.loaded.pop(0)
             for url in self.urls:
-                self._post(url, "/v1/unload_lora_adapter", {"lora_name": previous})
-            shutil.rmtree(self.sync_dir / previous, ignore_errors=True)
+                self._post(url, "/v1/unload_lora_adapter", {"lora_name": old})
+            shutil.rmtree(self.sync_dir / old, ignore_errors=True)
         return {"sync_bytes": float(size), "sync_seconds": time.perf_counter() - start}
 
     def _sync_merged(self, model: nn.Module, start: float) -> dict[str, float]:
