@@ -96,8 +96,12 @@ def restore_rank_tensors(tensors: dict[str, torch.Tensor], params: dict[str, tor
                 raise CheckpointCorrupt(f"{where}: {key!r} has shape {tuple(tensors[key].shape)}, the model wants "
                                         f"{tuple(local.shape)} (another rank, layout or LoRA rank?)")
             local.copy_(tensors[key])
+    states: dict[str, list[str]] = {}  # parameter name -> its optimizer state keys, in one pass over the file
+    for k in tensors:
+        if k.startswith("optim."):
+            states.setdefault(k[len("optim."):].rsplit(".", 1)[0], []).append(k)
     for name, p in params.items():
-        keys = [k for k in tensors if k.startswith(f"optim.{name}.")]
+        keys = states.get(name, [])
         if not keys:
             continue
         state = optimizer.state[p]
@@ -151,7 +155,8 @@ def commit(root: Path, step: int, state: dict, files: dict[str, str], keep: int)
         (part / name).write_text(text)
     paths = sorted(p for p in part.rglob("*") if p.is_file())
     for p in paths:
-        _fsync(p)
+        if not p.name.startswith("rank-"):  # the rank files were synced by their writers
+            _fsync(p)
     manifest = {str(p.relative_to(part)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in paths}
     (part / "manifest.json").write_text(json.dumps(manifest, indent=1))
     _fsync(part / "manifest.json")
