@@ -78,7 +78,7 @@ def profile_side(side: str, overrides: list[str], work: Path, steps: int = 4) ->
     from torch.profiler import ProfilerActivity, profile
 
     if side == "trillora":
-        from trillora.train import Trainer
+        from trillora.trainer import Trainer
 
         Trainer(bench_config(2, work / "warm", overrides)).run()
         trainer = Trainer(bench_config(steps, work / "prof", overrides))

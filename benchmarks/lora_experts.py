@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from trillora import lora
-from trillora.info import human, human_bytes, resolve_args
+from trillora.cli.info import human, human_bytes
+from trillora.models.params import resolve_args
 from trillora.lora.layers import add_adapter
 from trillora.models import build_model
 from trillora.models.moe import GroupedExperts, dispatch_combine

@@ -26,7 +26,8 @@ from rich.table import Table
 from trillora import lora
 from trillora.checkpoint import load_model, save_model
 from trillora.config import TrainConfig
-from trillora.info import human_bytes, resolve_args
+from trillora.cli.info import human_bytes
+from trillora.models.params import resolve_args
 from trillora.lora.apply import lora_modules
 from trillora.models import build_model, from_hf_config
 from trillora.rollout import LocalEngine

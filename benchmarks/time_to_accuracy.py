@@ -66,7 +66,7 @@ def run_trl(work: Path, seed: int, steps: int, every: int, overrides: list[str])
     from trillora import lora
     from trillora.config import load_config
     from trillora.tasks.base import in_eval_split
-    from trillora.train import Trainer
+    from trillora.trainer import Trainer
 
     cfg = load_config(None, side_args(work, seed, steps, every, overrides))
     judge = Trainer(cfg)  # trillora's model, engine and held-out problems, used only to evaluate TRL's adapters
@@ -139,7 +139,7 @@ def main() -> None:
     import trl_side  # noqa: F401  (quiets TRL's vLLM version warning)
     import trl
 
-    from trillora.train import resolve_model_path
+    from trillora.checkpoint import resolve_model_path
 
     work = Path(tempfile.mkdtemp(prefix="time-to-accuracy-"))
     shutil.copytree(resolve_model_path("tiny-moe"), work / "checkpoint")

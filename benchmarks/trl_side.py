@@ -23,7 +23,7 @@ import torch
 from transformers import TrainerCallback
 
 from trillora.config import TrainConfig
-from trillora.train import resolve_model_path
+from trillora.checkpoint import resolve_model_path
 
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM")  # TRL uses no vLLM here
 

@@ -23,11 +23,12 @@ from rich.table import Table
 from trillora import lora, rl
 from trillora.checkpoint import load_model, load_tokenizer
 from trillora.config import TrainConfig
-from trillora.evaluate import encode_prompt
-from trillora.policy import build_batch, token_logprobs
+from trillora.tasks.prompts import encode_prompt
+from trillora.trainer.batch import build_batch
+from trillora.trainer.logprobs import token_logprobs
 from trillora.rollout import LocalEngine, SamplingParams
 from trillora.tasks import make_task
-from trillora.tiny import shipped_path
+from trillora.checkpoint import resolve_model_path
 
 
 def score(model, groups) -> tuple[dict, float]:
@@ -47,7 +48,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_mismatch.json"))
     a = p.parse_args()
-    path = shipped_path()
+    path = resolve_model_path("tiny-moe")
     tok = load_tokenizer(path)
     model = load_model(path)
     if a.adapter:

@@ -10,7 +10,8 @@ import urllib.request
 
 import torch
 
-from trillora.policy import build_batch, token_logprobs
+from trillora.trainer.batch import build_batch
+from trillora.trainer.logprobs import token_logprobs
 
 
 def free_port() -> int:

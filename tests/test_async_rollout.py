@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from trillora.config import ConfigError, load_config
-from trillora.train import Trainer
+from trillora.trainer import Trainer
+from conftest import SMALL_RUN
 
-COMMON = ["steps=5", "eval_every=5", "rollout.prompts_per_step=4", "rollout.group_size=4", 'task.retention=""',
-          "task.eval_problems=8", "task.eval_samples=1"]
+COMMON = [*SMALL_RUN, "steps=5", "eval_every=5"]
 
 
 def run(tmp_path, name, *overrides):

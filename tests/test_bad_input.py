@@ -9,7 +9,7 @@ import pytest
 
 from trillora.config import load_config
 from trillora.tasks import DatasetError, JsonlTask
-from trillora.train import Trainer
+from trillora.trainer import Trainer
 
 REWARD = "trillora.tasks.rewards:exact_match"
 

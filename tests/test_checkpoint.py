@@ -153,9 +153,9 @@ def test_generate_cli_runs_on_tiny(tiny):
 def test_shipped_tiny_moe_loads_in_transformers_with_same_logits():
     import transformers
 
-    from trillora.tiny import shipped_path
+    from trillora.checkpoint import resolve_model_path
 
-    path = shipped_path()
+    path = resolve_model_path("tiny-moe")
     ours = trillora.load_model(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
     tok = trillora.load_tokenizer(path)

@@ -7,7 +7,7 @@ import json
 import pytest
 import transformers
 
-from trillora.info import shipped_config
+from trillora.models.params import shipped_config
 from trillora.models import ConfigError, from_hf_config, load_hf_config
 
 

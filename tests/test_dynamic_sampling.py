@@ -9,7 +9,8 @@ import torch
 
 from trillora import rl
 from trillora.config import load_config
-from trillora.train import Trainer
+from trillora.trainer import Trainer
+from conftest import SMALL_RUN
 
 
 def test_fill_batch_takes_informative_groups_in_sampling_order_then_pads():
@@ -22,16 +23,16 @@ def test_fill_batch_takes_informative_groups_in_sampling_order_then_pads():
 
 
 def test_trainer_drops_uninformative_groups_and_refills(tmp_path):
-    common = [f"out_dir={tmp_path}", "rollout.prompts_per_step=8", "rollout.group_size=4", 'task.retention=""',
+    common = [f"out_dir={tmp_path}", *SMALL_RUN, "rollout.prompts_per_step=8",
               "task.eval_problems=8"]
-    plain = Trainer(load_config(None, common))
-    _, rewards, _ = plain.rollout(0)
-    assert "groups_dropped" not in plain.rollout_stats
+    plain = Trainer(load_config(None, common)).sampler.sample(0)
+    rewards = plain.rewards
+    assert "groups_dropped" not in plain.stats
     assert not rl.informative_groups(rewards).all()  # the tiny model gets some groups all right or all wrong
     dynamic = Trainer(load_config(None, [*common, "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=4"]))
-    batch, rewards, flat = dynamic.rollout(0)
-    s = dynamic.rollout_stats
-    assert batch.input_ids.shape[0] == len(flat) == 32 and rewards.shape == (8, 4)
+    batch = dynamic.sampler.sample(0)
+    s, rewards = batch.stats, batch.rewards
+    assert batch.tokens.num_rows == len(batch.completions) == 32 and rewards.shape == (8, 4)
     assert s["groups_dropped"] > 0 and s["sampling_rounds"] >= 2
     assert int((~rl.informative_groups(rewards)).sum()) == s["groups_padded"]
     summary = Trainer(load_config(None, [*common, "algorithm.dynamic_sampling=true", "steps=2", "eval_every=2",
@@ -39,5 +40,5 @@ def test_trainer_drops_uninformative_groups_and_refills(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "dyn" / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == 2 and all("groups_dropped" in r and "sampling_rounds" in r for r in rows[1:])
     one_round = Trainer(load_config(None, [*common, "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=1"]))
-    _, rewards, _ = one_round.rollout(0)
-    assert one_round.rollout_stats["groups_padded"] == int((~rl.informative_groups(rewards)).sum()) > 0
+    batch = one_round.sampler.sample(0)
+    assert batch.stats["groups_padded"] == int((~rl.informative_groups(batch.rewards)).sum()) > 0

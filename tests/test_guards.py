@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 
 import trillora.rl
 from trillora.config import load_config
-from trillora.resume import TrainingDiverged
-from trillora.train import Trainer
+from trillora.errors import TrainingDiverged
+from trillora.trainer import Trainer
+from conftest import SMALL_RUN
 
-COMMON = ["rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_problems=8", "task.eval_samples=1",
-          'task.retention=""', "eval_every=100", "checkpoint.every=1", "checkpoint.keep=20"]
+COMMON = [*SMALL_RUN, "eval_every=100", "checkpoint.every=1", "checkpoint.keep=20"]
 
 
 def poison(monkeypatch, bad_steps: set[int]):
@@ -36,9 +36,9 @@ def run(tmp_path, monkeypatch, bad_steps, *overrides):
     trainer = Trainer(load_config(None, [f"out_dir={tmp_path}", "name=g", *COMMON, *overrides]))
     real_update = trainer.update
 
-    def update(batch, advantages):
+    def update(batch):
         calls["step"] += 1
-        return real_update(batch, advantages)
+        return real_update(batch)
 
     trainer.update = update
     synced = []

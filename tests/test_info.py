@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from trillora.info import SHIPPED, count_params, resolve_args
+from trillora.models.params import SHIPPED, count_params, resolve_args
 
 
 def hand_count(a) -> tuple[int, int]:
@@ -70,7 +70,7 @@ def test_sizes_bf16_and_fp8():
 
 
 def test_info_cli_on_bare_config(tmp_path):
-    from trillora.info import shipped_config
+    from trillora.models.params import shipped_config
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(shipped_config("kimi-k2")))

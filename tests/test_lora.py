@@ -265,7 +265,7 @@ def test_targets_by_role_and_glob():
 def test_kimi_k2_rank_128_adapter_sizes():
     """The seed's setting, rank 128 on dense and expert layers of the real Kimi K2 config (meta device):
     8.0% of the base with rank 128 on every expert, 1.06% with expert rank 128 / top-8 = 16."""
-    from trillora.info import resolve_args
+    from trillora.models.params import resolve_args
     from trillora.models import build_model
 
     def stats(**cfg):

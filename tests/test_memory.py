@@ -8,7 +8,7 @@ import torch
 def test_memory_probe_measures_what_backward_keeps():
     """A hand-countable graph: y = relu(x @ w) saves x (w excluded) and y's relu output; the peak
     holds x@w and its relu at once (2 × 4 MiB) plus the gradient buffers of backward."""
-    from trillora.memory import MemoryProbe
+    from trillora.parallel.memory_probe import MemoryProbe
 
     w = torch.randn(1024, 1024, requires_grad=True)
     x = torch.randn(1024, 1024)

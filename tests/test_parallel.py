@@ -25,7 +25,7 @@ from engine_helpers import free_port
 from hf_models import DEEPSEEK_V3, QWEN3_MOE
 from trillora import lora
 from trillora.models import build_model, from_hf_config
-from trillora.policy import token_logprobs
+from trillora.trainer.logprobs import token_logprobs
 from trillora.parallel import ParallelDims, ParallelError, build_meshes, parallelize
 from trillora.parallel.data_parallel import expert_parameter_names
 
@@ -348,16 +348,16 @@ def test_torchrun_train_matches_single_process(tmp_path, single_run, layout):
 
 def test_parallel_config_derives_dp_and_needs_a_launch(tmp_path):
     from trillora.config import ConfigError, load_config
-    from trillora.train import Trainer
+    from trillora.trainer import Trainer
 
     cfg = load_config(None, ["parallel.tp=2", "parallel.ep=2", f"out_dir={tmp_path}"])
-    assert cfg.parallel.dims(4) == ParallelDims(dp=2, tp=2, ep=2)
+    assert cfg.parallel.for_world(4) == ParallelDims(dp=2, tp=2, ep=2)
     with pytest.raises(ConfigError, match="parallel.tp=2 × pp=1 × cp=1 = 2 does not divide the 3 ranks"):
-        cfg.parallel.dims(3)
+        cfg.parallel.for_world(3)
     deep = load_config(None, ["parallel.pp=2", "parallel.cp=2", "parallel.tp=2", f"out_dir={tmp_path}"])
-    assert deep.parallel.dims(16) == ParallelDims(dp=2, pp=2, cp=2, tp=2)
+    assert deep.parallel.for_world(16) == ParallelDims(dp=2, pp=2, cp=2, tp=2)
     with pytest.raises(ConfigError, match="ep=2 must divide parallel.dp=1"):
-        cfg.parallel.dims(2)
+        cfg.parallel.for_world(2)
     with pytest.raises(ConfigError, match="needs a distributed launch: torchrun"):
         Trainer(cfg)
     with pytest.raises(ConfigError, match="pp=2 cp=1 needs a distributed launch"):
@@ -366,7 +366,7 @@ def test_parallel_config_derives_dp_and_needs_a_launch(tmp_path):
 
 def test_in_process_vllm_is_refused_under_torchrun(tmp_path, monkeypatch):
     from trillora.config import ConfigError, load_config
-    from trillora.train import Trainer
+    from trillora.trainer import Trainer
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets; refused before any process group starts
     with pytest.raises(ConfigError, match="under torchrun serve vLLM and use rollout.engine='openai'"):
@@ -394,7 +394,7 @@ def test_activation_checkpointing_in_one_process_changes_nothing_but_memory(tmp_
     from safetensors.torch import load_file
 
     from trillora.config import load_config
-    from trillora.train import Trainer
+    from trillora.trainer import Trainer
 
     common = [f"out_dir={tmp_path}", "steps=1", "eval_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
               "task.eval_problems=8", "task.eval_samples=1", "task.retention=\"\"", "optim.lr=0.01"]

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from engine_helpers import free_port
 from hf_models import DEEPSEEK_V3, QWEN3_MOE
-from trillora.info import resolve_args
+from trillora.models.params import resolve_args
 from trillora.models import from_hf_config
 from trillora.parallel import ParallelDims
 from trillora.parallel.cost import CLUSTERS, Footprint, Training, Workload, activation_elements, estimate
@@ -127,10 +127,10 @@ def measure(family: str, dims) -> dict:
     """This rank's parameter bytes, measured activation peak, and counted collective bytes for
     one forward + backward of ROWS × T tokens (each data-parallel rank takes its share)."""
     from trillora import lora
-    from trillora.memory import MemoryProbe
+    from trillora.parallel.memory_probe import MemoryProbe
     from trillora.models import build_model
     from trillora.parallel import build_meshes, parallelize
-    from trillora.policy import token_logprobs
+    from trillora.trainer.logprobs import token_logprobs
 
     args = from_hf_config({"qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}[family], where=family)
     model = build_model(args, device="cpu")
@@ -235,7 +235,7 @@ def test_scale_examples_load_validate_and_fit(example, model, gpus, gpu):
 
     cfg = load_config(Path(__file__).parent.parent / "examples" / example)
     args = resolve_args(model)
-    dims = cfg.parallel.dims(gpus)
+    dims = cfg.parallel.for_world(gpus)
     dims.check_model(args)
     rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     assert rows // dims.dp // dims.pp_microbatches == 1  # the 1-row microbatches the plan assumes

@@ -8,8 +8,10 @@ import torch
 
 from hf_models import CONFIGS
 from trillora import lora, rl
-from trillora.models import build_model, from_hf_config, record_routing
-from trillora.policy import build_batch, token_logprobs
+from trillora.models import build_model, from_hf_config
+from trillora.rollout.routing import record_routing
+from trillora.trainer.batch import build_batch
+from trillora.trainer.logprobs import token_logprobs
 from trillora.rollout import LocalEngine, SamplingParams
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 6], [11]]

@@ -11,10 +11,13 @@ import torch
 from hf_models import CONFIGS
 from trillora import lora
 from trillora.config import ConfigError, load_config
-from trillora.models import build_model, compare_routing, from_hf_config, record_routing
-from trillora.policy import build_batch, token_logprobs
+from trillora.models import build_model, from_hf_config
+from trillora.rollout.routing import record_routing
+from trillora.trainer.router_replay import compare_routing
+from trillora.trainer.batch import build_batch
+from trillora.trainer.logprobs import token_logprobs
 from trillora.rollout import LocalEngine, SamplingParams
-from trillora.train import Trainer
+from trillora.trainer import Trainer
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
@@ -56,11 +59,9 @@ def test_replay_needs_matching_shapes(rollout):
 
 
 @pytest.mark.parametrize("mode", ["off", "all", "old"])
-def test_trainer_logs_routing_mismatch_per_layer(tmp_path, mode):
-    cfg = load_config(None, [f"out_dir={tmp_path}", f"name={mode}", "steps=2", "eval_every=2", "rollout.prompts_per_step=4",
-                             "rollout.group_size=4", 'task.retention=""', "task.eval_problems=8", "algorithm.minibatches=2",
-                             f"algorithm.router_replay={json.dumps(mode)}", "algorithm.routing_metrics=true",
-                             "parallel.activation_checkpoint_every=1"])
+def test_trainer_logs_routing_mismatch_per_layer(tmp_path, small_config, mode):
+    cfg = small_config("algorithm.minibatches=2", f"algorithm.router_replay={json.dumps(mode)}",
+                       "algorithm.routing_metrics=true", "parallel.activation_checkpoint_every=1", name=mode)
     Trainer(cfg).run()
     rows = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()[1:]]
     for r in rows:

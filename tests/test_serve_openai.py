@@ -14,10 +14,10 @@ import torch
 
 from trillora import lora
 from trillora.checkpoint import load_model
-from trillora.evaluate import encode_prompt
+from trillora.tasks.prompts import encode_prompt
 from trillora.rollout import EngineError, OpenAIEngine, SamplingParams
 from engine_helpers import free_port, trainer_logprobs, wait_for_health
-from trillora.tiny import shipped_path
+from trillora.checkpoint import resolve_model_path
 
 KEY = "test-key"
 
@@ -75,10 +75,10 @@ def test_completions_and_refusals(server):
 
 def test_openai_engine_logprobs_and_adapter_sync(server, tmp_path):
     url, root = server
-    model = load_model(shipped_path())
+    model = load_model(resolve_model_path("tiny-moe"))
     from trillora import load_tokenizer
 
-    tok = load_tokenizer(shipped_path())
+    tok = load_tokenizer(resolve_model_path("tiny-moe"))
     prompts = [encode_prompt(tok, "123+456="), encode_prompt(tok, "rev hello=")]
     params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5, stop_token_ids=(tok.eos_token_id,))
     engine = OpenAIEngine(url, model="tiny-moe", sync_dir=root / "sync", api_key=KEY)
@@ -97,7 +97,7 @@ def test_openai_engine_logprobs_and_adapter_sync(server, tmp_path):
     after = [c for g in engine.generate(prompts, 4, params) for c in g]
     ours, theirs = trainer_logprobs(model, after)
     assert (ours - theirs).abs().max() < 1e-4  # the server now runs the trainer's adapter
-    base_again, _ = trainer_logprobs(load_model(shipped_path()), after)
+    base_again, _ = trainer_logprobs(load_model(resolve_model_path("tiny-moe")), after)
     assert (base_again - theirs).abs().max() > 1e-2  # and it is not the base any more
     first = engine.model
     engine.sync(model)
@@ -118,7 +118,7 @@ def test_unreachable_server_fails_clearly():
 
 def test_rl_steps_through_the_server(server, tmp_path):
     from trillora.config import load_config
-    from trillora.train import Trainer
+    from trillora.trainer import Trainer
 
     url, root = server
     cfg = load_config(None, [f"out_dir={tmp_path}", "name=http", "steps=2", "eval_every=2", "rollout.engine=\"openai\"",
@@ -147,7 +147,7 @@ def test_asynchronous_rl_through_the_server_corrects_against_the_sampling_revisi
     """Sampled one update behind (staleness 1) through a real server's adapter revisions: the rollout
     logprobs are the older revision's, so the trainer sees a mismatch there and none on step 1."""
     from trillora.config import load_config
-    from trillora.train import Trainer
+    from trillora.trainer import Trainer
 
     url, root = server
     cfg = load_config(None, [f"out_dir={tmp_path}", "name=async", "steps=3", "eval_every=3", "rollout.engine=\"openai\"",

@@ -3,6 +3,8 @@ gradients as the whole-row forward, on both model families; and the trainer's up
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,8 +12,9 @@ from hf_models import CONFIGS
 from trillora import lora, rl
 from trillora.config import load_config
 from trillora.models import build_model, from_hf_config
-from trillora.policy import build_batch, shared_prompt_logprobs, token_logprobs
-from trillora.train import Trainer
+from trillora.trainer.batch import build_batch
+from trillora.trainer.logprobs import shared_prompt_logprobs, token_logprobs
+from trillora.trainer import Trainer
 
 
 def _model(name):
@@ -72,10 +75,10 @@ def test_rows_of_a_group_must_share_their_prompt():
 def test_trainer_update_with_and_without_shared_prompts(tmp_path, monkeypatch):
     """One RL update on the same rollout batch: same loss, grad norm and metrics either way
     (several passes and a KL term, so the old and reference passes go through it too)."""
-    import trillora.train
+    import trillora.trainer.update
 
     calls = []
-    monkeypatch.setattr(trillora.train, "shared_prompt_logprobs",
+    monkeypatch.setattr(trillora.trainer.update, "shared_prompt_logprobs",
                         lambda *a, **k: calls.append(1) or shared_prompt_logprobs(*a, **k))
     results = []
     for share in (True, False):
@@ -83,10 +86,10 @@ def test_trainer_update_with_and_without_shared_prompts(tmp_path, monkeypatch):
                                  "rollout.prompts_per_step=4", "rollout.group_size=4", "algorithm.minibatches=2",
                                  "algorithm.kl_coef=0.05", 'lora.targets=["attention","experts"]'])
         trainer = Trainer(cfg)
-        assert trainer.share_prompts is share
-        batch, rewards, _ = trainer.rollout(0)
-        advantages = rl.group_advantages(rewards, "grpo", True).reshape(-1)
-        results.append(trainer.update(batch, advantages))
+        assert trainer.update.share_prompts is share
+        batch = trainer.sampler.sample(0)
+        advantages = rl.group_advantages(batch.rewards, "grpo", True).reshape(-1)
+        results.append(trainer.update(dataclasses.replace(batch.tokens, advantages=advantages)))
         assert len(calls) == 4  # shared: old + reference + 2 minibatches; whole rows add none
     shared, whole = results
     for key in ("loss", "grad_norm", "entropy", "kl_ref", "approx_kl_old", "clip_frac", "is_weight_mean"):

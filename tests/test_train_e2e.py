@@ -11,8 +11,8 @@ import torch
 from trillora import lora
 from trillora.checkpoint import load_model
 from trillora.config import load_config
-from trillora.tiny import shipped_path
-from trillora.train import Trainer
+from trillora.checkpoint import resolve_model_path
+from trillora.trainer import Trainer
 
 SMALL = ["rollout.prompts_per_step=8", "rollout.group_size=4", "task.eval_problems=64", "task.eval_samples=1"]
 
@@ -45,7 +45,7 @@ def test_run_writes_everything_and_reward_rises(tmp_path):
     with torch.no_grad():
         want = trainer.model(ids)
     for layout in ("per_expert", "fused"):
-        fresh = load_model(shipped_path())
+        fresh = load_model(resolve_model_path("tiny-moe"))
         lora.load_adapter(fresh, run_dir / "adapter" / layout)
         with torch.no_grad():
             assert (fresh(ids) - want).abs().max() < 1e-4

@@ -25,7 +25,8 @@ from trillora.checkpoint import load_model
 from trillora.rollout import OpenAIEngine, SamplingParams
 from trillora.rollout.vllm import VLLMEngine, choose_sync
 from trillora.rollout.vllm_sync import merged_tensors
-from trillora.tiny import shipped_path, write_random_checkpoint
+from trillora.checkpoint import resolve_model_path
+from trillora.tiny import write_random_checkpoint
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [30, 31]]
 SAMPLED = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, stop_token_ids=(2,))
@@ -54,10 +55,10 @@ def dense_path(tmp_path_factory):
 def test_merged_sync_reaches_vllm_on_moe(tmp_path):
     """MoE on CPU: vLLM cannot apply LoRA, so every adapted tensor (attention, routed experts,
     router) is merged and written into the running engine."""
-    model = load_model(shipped_path())
+    model = load_model(resolve_model_path("tiny-moe"))
     lora.apply_lora(model, lora.LoraConfig(rank=4, targets=("attention", "experts", "router")))
     assert choose_sync(model) == "merged"
-    engine = VLLMEngine(shipped_path(), model, max_model_len=64)
+    engine = VLLMEngine(resolve_model_path("tiny-moe"), model, max_model_len=64)
     try:
         before = agree(engine, model)  # B = 0: the base
         assert [c.finish_reason for c in before].count("stop") >= 1  # the stop token ends and is kept
@@ -66,7 +67,7 @@ def test_merged_sync_reaches_vllm_on_moe(tmp_path):
             randomize(model, seed)
             cost = engine.sync(model)
             after = agree(engine, model)
-            base, theirs = trainer_logprobs(load_model(shipped_path()), after)
+            base, theirs = trainer_logprobs(load_model(resolve_model_path("tiny-moe")), after)
             assert (base - theirs).abs().max() > 1e-2  # vLLM runs the adapter, not the base
         # what was sent: the tensors the adapter changes and their fused siblings, nothing else
         sent = merged_tensors(model)
@@ -100,10 +101,10 @@ def test_adapter_sync_on_dense(dense_path, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal; on GPU vLLM returns routing")
 def test_routing_return_refused_clearly_on_cpu():
-    model = load_model(shipped_path())
+    model = load_model(resolve_model_path("tiny-moe"))
     lora.apply_lora(model, lora.LoraConfig(rank=2, targets=("experts",)))
     with pytest.raises(RuntimeError, match="V2 model runner"):
-        VLLMEngine(shipped_path(), model, max_model_len=64, return_routing=True)
+        VLLMEngine(resolve_model_path("tiny-moe"), model, max_model_len=64, return_routing=True)
 
 
 def rl_config(tmp_path, *extra):
@@ -124,7 +125,7 @@ def moved(before, after, model) -> None:
 
 
 def test_rl_steps_with_vllm_in_process(tmp_path):
-    from trillora.train import Trainer
+    from trillora.trainer import Trainer
 
     trainer = Trainer(rl_config(tmp_path, "rollout.engine=\"vllm\"", "rollout.max_model_len=128"))
     try:
@@ -165,9 +166,9 @@ def stop(proc) -> None:
 
 def test_rl_steps_against_vllm_server_merged(tmp_path):
     """MoE on a vLLM OpenAI server: merged tensors through /collective_rpc into our worker extension."""
-    from trillora.train import Trainer
+    from trillora.trainer import Trainer
 
-    proc, url = start_vllm_server(shipped_path(), "--worker-extension-cls", "trillora.rollout.vllm_sync.WeightSyncExtension",
+    proc, url = start_vllm_server(resolve_model_path("tiny-moe"), "--worker-extension-cls", "trillora.rollout.vllm_sync.WeightSyncExtension",
                                   env={"VLLM_SERVER_DEV_MODE": "1"})
     try:
         probe = OpenAIEngine(url, model="tiny")
@@ -186,7 +187,7 @@ def test_rl_steps_against_vllm_server_merged(tmp_path):
 
 def test_rl_steps_against_vllm_server_adapter(dense_path, tmp_path):
     """A dense model on a vLLM OpenAI server: adapter revisions through the dynamic LoRA endpoints."""
-    from trillora.train import Trainer
+    from trillora.trainer import Trainer
 
     proc, url = start_vllm_server(dense_path, "--enable-lora", "--max-lora-rank", "8",
                                   env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})

@@ -8,11 +8,11 @@ from trillora import lora
 from trillora.checkpoint import hf_state_dict, load_model
 from trillora.rollout.vllm import choose_sync
 from trillora.rollout.vllm_sync import _group, merged_tensors
-from trillora.tiny import shipped_path
+from trillora.checkpoint import resolve_model_path
 
 
 def adapted(**cfg):
-    model = load_model(shipped_path())
+    model = load_model(resolve_model_path("tiny-moe"))
     lora.apply_lora(model, lora.LoraConfig(rank=2, **cfg))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -26,7 +26,7 @@ def test_only_q_proj_sends_its_fused_siblings_unchanged():
     sent = merged_tensors(model)
     prefix = "model.layers.1.self_attn."
     assert sorted(sent) == [prefix + "k_proj.weight", prefix + "q_proj.weight", prefix + "v_proj.weight"]
-    base = hf_state_dict(load_model(shipped_path()), "per_expert")
+    base = hf_state_dict(load_model(resolve_model_path("tiny-moe")), "per_expert")
     assert torch.equal(sent[prefix + "k_proj.weight"], base[prefix + "k_proj.weight"])  # sibling: base, as is
     q = model.get_submodule(prefix + "q_proj")
     expected = base[prefix + "q_proj.weight"] + q.lora_scaling * q.lora_B @ q.lora_A
@@ -43,7 +43,7 @@ def test_experts_go_per_expert_and_merged_equals_the_adapted_forward():
     assert sorted(groups) == [f"model.layers.{i}.mlp.experts" for i in range(4)]
     assert all(len(g["gate"]) == len(g["up"]) == len(g["down"]) == 8 for g in groups.values())
     # writing what was sent into a fresh base reproduces the adapted model's logits
-    plain = load_model(shipped_path())
+    plain = load_model(resolve_model_path("tiny-moe"))
     with torch.no_grad():
         for name, m in plain.named_modules():
             if name.endswith(".mlp.experts"):

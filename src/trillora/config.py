@@ -17,17 +17,23 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from .errors import ConfigError
 from .lora.config import LoraConfig
-from .rl import ADVANTAGE_MODES, AGGREGATIONS, KL_ESTIMATORS, MISMATCH_MODES
+from .parallel.dims import ParallelDims
+from .rl.advantages import AdvantageMode
+from .rl.aggregation import Aggregation
+from .rl.kl import KLEstimator
+from .rl.mismatch import MismatchMode
+from .rollout.types import EngineName, Precision, SyncMode
+from .tasks.guard import OnRewardError
+
+RouterReplayMode = Literal["off", "all", "old"]
+"""Which training passes route tokens to the experts the rollout chose (`trillora.trainer.router_replay`)."""
 
 
 FFN_TARGETS = ("mlp", "shared_experts", "experts")
-
-
-class ConfigError(ValueError):
-    """A run configuration that cannot be used; the message names the key."""
 
 
 def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -44,11 +50,8 @@ def _check_positive(key: str, value: float, zero_ok: bool = False) -> None:
 class ModelSection:
     path: str = "tiny-moe"
     """A Hugging Face checkpoint folder, or `tiny-moe` for the model shipped with trillora."""
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"
     """Trainer weights; the CPU computes in fp32 (bf16 matrix products are ~150x slower there)."""
-
-    def validate(self) -> None:
-        _check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -62,16 +65,14 @@ class TaskSection:
     eval_samples: int = 2
     reward_timeout: float = 30.0
     """Seconds one reward call may take (0 = no limit); see `trillora.tasks.guard`."""
-    on_reward_error: str = "fail"
+    on_reward_error: OnRewardError = "fail"
     """A reward that raises, hangs or returns a non-finite value: "fail" stops the run with the
     traceback (the last checkpoint stays), "zero" scores it 0 and counts it (`reward_failures`)."""
 
     def validate(self) -> None:
         from .tasks import TASKS
-        from .tasks.guard import ON_ERROR
 
         _check_choice("task.name", self.name, tuple(TASKS))
-        _check_choice("task.on_reward_error", self.on_reward_error, ON_ERROR)
         _check_positive("task.reward_timeout", self.reward_timeout, zero_ok=True)
         if self.retention:
             _check_choice("task.retention", self.retention, tuple(TASKS))
@@ -81,10 +82,10 @@ class TaskSection:
 
 @dataclass(kw_only=True, frozen=True)
 class RolloutSection:
-    engine: str = "local"
+    engine: EngineName = "local"
     """`local`: the built-in engine in this process; `vllm`: vLLM's LLM in this process;
     `openai`: OpenAI-compatible servers at `urls` (vLLM, SGLang, `trillora serve`)."""
-    sync: str = "auto"
+    sync: SyncMode = "auto"
     """Weight sync after each update. `adapter`: a new LoRA revision; `merged`: base + B·A of the
     tensors the adapter changes. auto: adapter, except merged for vLLM on MoE without GPU LoRA."""
     urls: tuple[str, ...] = ()
@@ -93,7 +94,7 @@ class RolloutSection:
     api_key: str = ""
     sync_dir: str = ""
     """Where adapters are written for the servers to load; defaults to <run dir>/sync."""
-    precision: str = "auto"
+    precision: Precision = "auto"
     """local engine weights: auto (bf16 on GPU, bf16-rounded fp32 on CPU), fp32, bf16_weights, bf16.
     vllm: auto (bf16 on GPU, fp32 on CPU), fp32, bf16."""
     max_model_len: int = 1024
@@ -110,13 +111,10 @@ class RolloutSection:
     """With `asynchronous`: a batch is sampled by a policy at most this many updates old."""
 
     def validate(self) -> None:
-        _check_choice("rollout.engine", self.engine, ("local", "vllm", "openai"))
         if self.engine == "openai" and not self.urls:
             raise ConfigError("rollout.engine='openai' needs rollout.urls (e.g. [\"http://127.0.0.1:8000\"])")
-        _check_choice("rollout.sync", self.sync, ("auto", "adapter", "merged"))
         if self.engine == "local" and self.sync not in ("auto", "merged"):
             raise ConfigError(f"rollout.sync={self.sync!r} with rollout.engine='local': the local engine syncs merged weights")
-        _check_choice("rollout.precision", self.precision, ("auto", "fp32", "bf16_weights", "bf16"))
         if self.engine == "vllm" and self.precision == "bf16_weights":
             raise ConfigError("rollout.precision='bf16_weights' is for the local engine; vllm takes auto, fp32 or bf16")
         for key in ("prompts_per_step", "group_size", "max_new_tokens", "max_model_len"):
@@ -125,27 +123,33 @@ class RolloutSection:
             raise ConfigError(f"rollout.temperature={self.temperature} is invalid; RL samples need > 0")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.top_p} is invalid; must be in (0, 1]")
+        _check_positive("rollout.max_staleness", self.max_staleness, zero_ok=True)
 
 
 @dataclass(kw_only=True, frozen=True)
 class AlgorithmSection:
-    advantage: str = "grpo"
+    advantage: AdvantageMode = "grpo"
     normalize_std: bool = True
     clip_low: float = 0.2
     clip_high: float = 0.28
-    aggregation: str = "token_mean"
+    aggregation: Aggregation = "token_mean"
     epochs: int = 1
-    """Optimisation passes over each batch; >1 (or minibatches > 1) computes old logprobs first."""
+    """Passes over each batch; with epochs × minibatches > 1 the policy moves within the batch, so
+    the logprobs before the first step are computed first (the proximal policy of the clip)."""
     minibatches: int = 1
+    """Each pass over the batch is cut into this many minibatches with one AdamW step each (PPO's
+    minibatches: verl's ppo_mini_batch_size, TRL's steps_per_generation); `parallel.micro_batch_rows`
+    accumulates gradients within one."""
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
+    kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
-    mismatch: str = "token_tis"
+    mismatch: MismatchMode = "token_tis"
     mismatch_cap: float = 2.0
     mismatch_band: tuple[float, float] = (0.5, 2.0)
-    router_replay: str = "off"
+    router_replay: RouterReplayMode = "off"
     """Route training tokens to the experts the rollout chose: "all" passes (R3), only the "old"
-    logprob pass, or "off" (`trillora.replay`). Needs the engine's routing: rollout.engine="local"."""
+    logprob pass, or "off" (`trillora.trainer.router_replay`). Needs the engine's routing:
+    rollout.engine="local" (or "vllm" on a GPU)."""
     routing_metrics: bool = False
     """Record the rollout's routing and log how often the trainer routes elsewhere, without replay
     (on whenever router_replay is)."""
@@ -157,11 +161,6 @@ class AlgorithmSection:
 
     def validate(self) -> None:
         _check_positive("algorithm.max_sampling_rounds", self.max_sampling_rounds)
-        _check_choice("algorithm.router_replay", self.router_replay, ("off", "all", "old"))
-        _check_choice("algorithm.advantage", self.advantage, ADVANTAGE_MODES)
-        _check_choice("algorithm.aggregation", self.aggregation, AGGREGATIONS)
-        _check_choice("algorithm.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _check_choice("algorithm.mismatch", self.mismatch, MISMATCH_MODES)
         _check_positive("algorithm.epochs", self.epochs)
         _check_positive("algorithm.minibatches", self.minibatches)
         for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
@@ -194,22 +193,11 @@ class OptimSection:
 
 
 @dataclass(kw_only=True, frozen=True)
-class ParallelSection:
-    """Layout under torchrun; the fields of `trillora.parallel.ParallelDims` (meaning documented
-    there), except that dp = 0 means whatever is left of the world after tp × pp × cp."""
+class ParallelSection(ParallelDims):
+    """Layout under torchrun: the fields of `trillora.parallel.ParallelDims` (documented there; dp = 0,
+    the default here, is whatever the world leaves after tp × pp × cp), and how the trainer uses it."""
 
     dp: int = 0
-    tp: int = 1
-    ep: int = 1
-    pp: int = 1
-    cp: int = 1
-    fsdp: bool = True
-    sp: bool = False
-    vocab_parallel: bool = False
-    activation_checkpoint_every: int = 0
-    pp_schedule: str = "1f1b"
-    pp_microbatches: int = 0
-    pp_stage_layers: tuple[int, ...] = ()
     auto: bool = False
     """Let the planner pick dp, tp, ep, pp, cp, sp and activation checkpointing for the world size
     (`parallel = "auto"` in TOML is the same); the other degrees are then ignored."""
@@ -219,32 +207,11 @@ class ParallelSection:
     pipeline's own microbatches (`pp_microbatches`) play this part."""
     share_prompts: bool = True
     """Run each group's prompt once in the training passes, its G completions attending to its keys
-    (`trillora.policy.shared_prompt_logprobs`); used where a (micro)batch holds whole groups and
-    there is no pp, cp or sp. Off: whole rows, every prompt G times."""
-
-    def engine_fields(self) -> dict:
-        """The fields that are `ParallelDims`'s."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("auto", "micro_batch_rows", "share_prompts")}
+    (`trillora.trainer.logprobs.shared_prompt_logprobs`); used where a (micro)batch holds whole groups
+    and there is no pp, cp or sp. Off: whole rows, every prompt G times."""
 
     def validate(self) -> None:
-        _check_positive("parallel.dp", self.dp, zero_ok=True)
-        _check_positive("parallel.micro_batch_rows", self.micro_batch_rows, zero_ok=True)
-        for key in ("tp", "ep", "pp", "cp"):
-            _check_positive(f"parallel.{key}", getattr(self, key))
-
-    def dims(self, world: int):
-        from .parallel import ParallelDims, ParallelError
-
-        rest = self.tp * self.pp * self.cp
-        if world % rest:
-            raise ConfigError(f"parallel.tp={self.tp} × pp={self.pp} × cp={self.cp} = {rest} does not divide the "
-                              f"{world} ranks of this job")
-        try:
-            dims = ParallelDims(**{**self.engine_fields(), "dp": self.dp or world // rest})
-            dims.check_world(world)
-        except ParallelError as e:
-            raise ConfigError(str(e)) from None
-        return dims
+        _check_positive("parallel.micro_batch_rows", self.micro_batch_rows, zero_ok=True)  # the degrees: __post_init__
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -268,7 +235,7 @@ class TrainConfig:
     steps: int = 150
     seed: int = 0
     eval_every: int = 25
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     model: ModelSection = field(default_factory=ModelSection)
     lora: LoraConfig = field(default_factory=lambda: LoraConfig(rank=8, alpha=16.0, targets=FFN_TARGETS))
     """The default job adapts the feed-forward side (dense MLPs, shared and routed experts): on the tiny
@@ -289,9 +256,15 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         _check_positive("steps", self.steps)
         _check_positive("eval_every", self.eval_every)
-        _check_choice("device", self.device, ("auto", "cpu", "cuda"))
-        for section in (self.model, self.task, self.rollout, self.algorithm, self.optim, self.parallel, self.checkpoint):
+        for section in (self.task, self.rollout, self.algorithm, self.optim, self.parallel, self.checkpoint):
             section.validate()
+        a, r = self.algorithm, self.rollout
+        if (a.router_replay != "off" or a.routing_metrics) and r.engine == "openai":
+            raise ConfigError("algorithm.router_replay / routing_metrics need the experts the engine chose per token; "
+                              "rollout.engine='openai' does not return them: use rollout.engine='local' (or 'vllm' on a GPU)")
+        if r.asynchronous and a.dynamic_sampling:
+            raise ConfigError("rollout.asynchronous samples each step's batch ahead, so it takes no "
+                              "algorithm.dynamic_sampling (which samples more when a batch falls short)")
         return self
 
     @property
@@ -304,6 +277,11 @@ class TrainConfig:
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Check `value` against a field's annotation; ints are accepted for floats, lists for tuples."""
     origin = typing.get_origin(annotation)
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is invalid; allowed: {', '.join(map(str, allowed))}")
+        return value
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
         if value is None and type(None) in options:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .errors import MissingPath, TrilloraError
+
 PANELS = (
     ("reward", ("reward_mean",), "train reward (mean over the batch)"),
     ("accuracy", ("eval_accuracy", "retention_accuracy"), "held-out accuracy (sampled at the rollout temperature)"),
@@ -14,7 +16,17 @@ PANELS = (
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    path = Path(path)
+    if not path.is_file():
+        raise MissingPath(f"{path} does not exist: is {path.parent} a run folder (runs/<name>)?")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise TrilloraError(f"{path}:{i}: not JSON ({e.msg})") from None
+    return rows
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:

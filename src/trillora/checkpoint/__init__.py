@@ -1,9 +1,19 @@
-"""Hugging Face checkpoint I/O (safetensors only: no pickle anywhere)."""
+"""Hugging Face checkpoint I/O (safetensors only: no pickle anywhere), training state, atomic writes."""
 
 from .fp8 import dequantize_blockwise, quantize_blockwise
-from .hf import CheckpointError, hf_state_dict, load_model, load_tokenizer, load_weights, save_model
+from .hf import (
+    SHIPPED_MODELS,
+    CheckpointError,
+    hf_state_dict,
+    load_model,
+    load_tokenizer,
+    load_weights,
+    resolve_model_path,
+    save_model,
+)
 
 __all__ = [
+    "SHIPPED_MODELS",
     "CheckpointError",
     "dequantize_blockwise",
     "hf_state_dict",
@@ -11,5 +21,6 @@ __all__ = [
     "load_tokenizer",
     "load_weights",
     "quantize_blockwise",
+    "resolve_model_path",
     "save_model",
 ]

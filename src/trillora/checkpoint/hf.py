@@ -9,29 +9,35 @@ as transformers 5 holds them); both land in the same stacked parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import json
 import re
 import shutil
 from collections import defaultdict
+from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..atomic import atomic_folder
+from ..errors import MissingPath, TrilloraError
 from ..models import CausalLM, ModelArgs, build_model, load_hf_config
+from .atomic import AtomicFolder
 from .fp8 import dequantize_blockwise
 
 INDEX = "model.safetensors.index.json"
+ExpertLayout = Literal["per_expert", "fused"]
+"""Stacked experts on disk: one tensor per expert and projection as released (vLLM's adapter names
+too), or fused `gate_up_proj` / `down_proj` as transformers 5 (and PEFT's `target_parameters`) hold them."""
+EXPERT_LAYOUTS: tuple[str, ...] = get_args(ExpertLayout)
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _IGNORED = re.compile(r"\.rotary_emb\.inv_freq$")  # derived buffer some old checkpoints carry
 
 
-class CheckpointError(ValueError):
+class CheckpointError(TrilloraError, ValueError):
     """A checkpoint folder that cannot be loaded; the message names the file or key."""
 
 
@@ -131,13 +137,25 @@ def load_weights(model: CausalLM, path: str | Path, block: int | None = None) ->
     filler.check_complete(path)
 
 
+SHIPPED_MODELS = ("tiny-moe",)
+"""Checkpoints inside the package, loadable by name (no download)."""
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """A checkpoint folder, or the folder of a model shipped with trillora (`tiny-moe`)."""
+    if str(path) in SHIPPED_MODELS:
+        return Path(str(resources.files("trillora").joinpath(f"assets/{path}")))
+    return Path(path)
+
+
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> CausalLM:
-    """A model from a Hugging Face folder (config.json + safetensors), weights in `dtype` on `device`."""
-    path = Path(path)
+    """A model from a Hugging Face folder (config.json + safetensors), weights in `dtype` on `device`;
+    `tiny-moe` loads the shipped one."""
+    path = resolve_model_path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: not a checkpoint folder")
+        raise MissingPath(f"{path}: not a checkpoint folder")
     args, _ = load_hf_config(path)
     model = build_model(args, device="meta", dtype=dtype)
     model.to_empty(device=device)
@@ -170,8 +188,8 @@ def expert_tensors_per_expert(name: str, t: torch.Tensor) -> Iterator[tuple[str,
 
 def hf_state_dict(model: CausalLM, expert_layout: str = "fused") -> dict[str, torch.Tensor]:
     """The model's tensors under Hugging Face names; `per_expert` splits stacked experts as released."""
-    if expert_layout not in ("fused", "per_expert"):
-        raise ValueError(f"expert_layout={expert_layout!r}; allowed: 'fused', 'per_expert'")
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout={expert_layout!r}; allowed: {', '.join(EXPERT_LAYOUTS)}")
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         if model.args.tie_word_embeddings and name == "lm_head.weight":
@@ -203,8 +221,7 @@ def save_model(
             size = 0
         shards[-1][name] = t
         size += nbytes
-    tmp, commit = atomic_folder(path)
-    try:
+    with AtomicFolder(path) as tmp:
         if len(shards) == 1:
             save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
         else:
@@ -219,10 +236,6 @@ def save_model(
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if tokenizer_from is not None:
             copy_tokenizer(Path(tokenizer_from), tmp)
-        commit()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 
@@ -255,7 +268,7 @@ def load_tokenizer(path: str | Path):
     """The checkpoint's own tokenizer, through transformers; names the folder when files are missing."""
     from transformers import AutoTokenizer
 
-    path = Path(path)
+    path = resolve_model_path(path)
     if not any((path / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise CheckpointError(f"{path}: no tokenizer files (expected tokenizer.json, tokenizer.model or vocab.json)")
     return AutoTokenizer.from_pretrained(str(path))

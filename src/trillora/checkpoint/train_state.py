@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -27,10 +26,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .atomic import AtomicFolder, atomic_write_text, fsync_path
+from ..errors import TrilloraError
+
 LATEST = "latest"
 
 
-class CheckpointCorrupt(ValueError):
+class CheckpointCorrupt(TrilloraError, ValueError):
     """A checkpoint folder that fails its manifest; the message names the file."""
 
 
@@ -48,14 +50,6 @@ def step_dir(root: Path, step: int) -> Path:
 
 def partial_dir(root: Path, step: int) -> Path:
     return root / f".step-{step:06d}.partial"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -143,33 +137,24 @@ def write_rank_file(root: Path, step: int, rank: int, tensors: dict[str, torch.T
     part.mkdir(parents=True, exist_ok=True)
     path = part / f"rank-{rank}.safetensors"
     save_file(tensors, str(path))
-    _fsync(path)
+    fsync_path(path)
 
 
 def commit(root: Path, step: int, state: dict, files: dict[str, str], keep: int) -> Path:
     """Rank 0, after every rank's file is written: the JSON files, the manifest, the rename,
     the `latest` pointer, then the oldest checkpoints beyond `keep`."""
-    part = partial_dir(root, step)
+    folder = AtomicFolder(step_dir(root, step), staging=partial_dir(root, step))
+    part = folder.path
+    for p in part.glob("rank-*.safetensors"):  # synced by their writers (every rank its own)
+        folder.synced.add(p)
     (part / "state.json").write_text(json.dumps(state))
     for name, text in files.items():
         (part / name).write_text(text)
     paths = sorted(p for p in part.rglob("*") if p.is_file())
-    for p in paths:
-        if not p.name.startswith("rank-"):  # the rank files were synced by their writers
-            _fsync(p)
     manifest = {str(p.relative_to(part)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in paths}
     (part / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    _fsync(part / "manifest.json")
-    final = step_dir(root, step)
-    if final.exists():  # the same step written again (a resumed run that stopped at once)
-        shutil.rmtree(final)
-    os.rename(part, final)
-    _fsync(root)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(final.name + "\n")
-    _fsync(pointer)
-    os.replace(pointer, root / LATEST)
-    _fsync(root)
+    final = folder.commit()  # the same step written again (a resumed run that stopped at once) is replaced
+    atomic_write_text(root / LATEST, final.name + "\n")
     for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from ..errors import ConfigError
 
 ROLES = ("attention", "mlp", "shared_experts", "experts", "router", "lm_head")
 DEFAULT_TARGETS = ("attention", "mlp", "shared_experts", "experts")
@@ -28,7 +29,7 @@ EXPERT_RANK_RULES = ("same", "divide_by_top_k")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class LoraConfigError(ValueError):
+class LoraConfigError(ConfigError):
     """A LoRA setting out of range; the message names the key and the allowed values."""
 
 

@@ -22,22 +22,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..atomic import atomic_folder
+from ..checkpoint.atomic import AtomicFolder
+from ..checkpoint.hf import EXPERT_LAYOUTS
 from .apply import apply_lora, lora_modules
 from .config import LoraConfig
 from .layers import LoraGroupedExperts, LoraMixin, LoraRouterMixin
+from ..errors import TrilloraError
 
 PREFIX = "base_model.model."
-LAYOUTS = ("per_expert", "fused")
 
 
-class AdapterError(ValueError):
+class AdapterError(TrilloraError, ValueError):
     """An adapter folder that does not fit the model; the message names the key or file."""
 
 
@@ -72,8 +72,8 @@ def _expert_tensors(name: str, m: LoraGroupedExperts, layout: str) -> dict[str, 
 
 def adapter_tensors(model: torch.nn.Module, layout: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, PEFT adapter_config) for the model's adapters in `layout`."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"expert_layout={layout!r}; allowed: {', '.join(LAYOUTS)}")
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout={layout!r}; allowed: {', '.join(EXPERT_LAYOUTS)}")
     tensors: dict[str, torch.Tensor] = {}
     modules, parameters, ranks = set(), set(), {}
     base_rank = model.lora_config.rank
@@ -129,16 +129,11 @@ def save_adapter(
         raise AdapterError(f"adapter has non-finite values in {bad[0]} (+{len(bad) - 1} more); not saved")
     config["base_model_name_or_path"] = base_model
     path = Path(path)
-    tmp, commit = atomic_folder(path)
-    try:
+    with AtomicFolder(path) as tmp:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         ours = {**dataclasses.asdict(model.lora_config), "expert_layout": expert_layout}
         (tmp / "trillora_adapter.json").write_text(json.dumps(ours, indent=2))
-        commit()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
 
 

@@ -2,7 +2,7 @@
 
 from .args import ConfigError, ModelArgs, from_hf_config, load_hf_config
 from .kv_cache import KVCache
-from .moe import compare_routing, record_routing, set_grouped_gemm
+from .moe import MoE, set_grouped_gemm
 from .registry import build_model
 from .transformer import CausalLM
 
@@ -14,7 +14,6 @@ __all__ = [
     "build_model",
     "from_hf_config",
     "load_hf_config",
-    "compare_routing",
-    "record_routing",
+    "MoE",
     "set_grouped_gemm",
 ]

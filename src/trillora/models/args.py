@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError, MissingPath
+
 # model_type -> family. Kimi K2 ships `model_type: kimi_k2` with the DeepSeek-V3 architecture.
 FAMILIES: dict[str, str] = {
     "qwen3_moe": "qwen3_moe",
@@ -26,10 +28,6 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
-
-
-class ConfigError(ValueError):
-    """A config.json the loader cannot use; the message names the file and key."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -246,7 +244,7 @@ def load_hf_config(path: str | Path) -> tuple[ModelArgs, dict[str, Any]]:
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():
-        raise FileNotFoundError(f"no config.json at {file}")
+        raise MissingPath(f"no config.json at {file}")
     try:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as e:

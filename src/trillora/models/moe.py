@@ -11,8 +11,6 @@ expert LoRA matmul) then runs as one grouped GEMM over the sorted rows.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -171,7 +169,9 @@ class SigmoidRouter(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router + routed experts (+ shared experts). `record` collects the chosen experts when set."""
+    """Router + routed experts (+ shared experts). The router is its own module (`gate`), called
+    once per forward on the flattened tokens, so its choice can be observed or replaced from
+    outside with a forward hook (`trillora.rollout.routing`, `trillora.trainer.router_replay`)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -179,78 +179,15 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
         if args.n_shared_experts:
             self.shared_experts = SwiGLU(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
-        self.record: list[torch.Tensor] | None = None
-        self.reference: RoutingReference | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x_TC = x.reshape(-1, shape[-1])
         weights_TK, indices_TK = self.gate(x_TC)
-        if self.reference is not None:  # compare with (and maybe replay) the rollout's routing
-            indices_TK, replayed = self.reference.apply(indices_TK)
-            if replayed:
-                weights_TK = self.gate.weights_for(x_TC, indices_TK)
-        if self.record is not None:
-            self.record.append(indices_TK.detach().view(*shape[:-1], -1))
         out = dispatch_combine(self.experts, x_TC, indices_TK, weights_TK).view(shape)
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         return out
-
-
-class RoutingReference:
-    """The experts another engine chose for each token of one forward call ([T, K], e.g. recorded at
-    rollout), compared with this router's own choice and, when `replay`, used instead of it: the
-    gate weights are then this router's scores renormalised over the recorded experts.
-
-    Counts tokens (where `valid`) whose chosen set differs. The counts are taken on the first call
-    only: activation checkpointing calls the layer again in backward."""
-
-    def __init__(self, indices_TK: torch.Tensor, valid_T: torch.Tensor, replay: bool):
-        self.indices, self.valid, self.replay = indices_TK, valid_T.bool(), replay
-        self.differ, self.tokens, self.counted = 0, 0, False
-
-    def apply(self, own_TK: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        ref = self.indices.to(own_TK.device, torch.long)
-        if ref.shape != own_TK.shape:
-            raise ValueError(f"recorded routing {tuple(ref.shape)} does not match this call's {tuple(own_TK.shape)}")
-        if not self.counted:
-            differ = (own_TK.sort(-1).values != ref.sort(-1).values).any(-1) & self.valid.to(own_TK.device)
-            self.differ, self.tokens, self.counted = int(differ.sum()), int(self.valid.sum()), True
-        return (ref, True) if self.replay else (own_TK, False)
-
-
-@contextlib.contextmanager
-def compare_routing(model: nn.Module, indices_BTLK: torch.Tensor, valid_BT: torch.Tensor,
-                    replay: bool) -> Iterator[list[RoutingReference]]:
-    """For one forward call over [B, T] tokens: each MoE layer l compares its routing with
-    `indices_BTLK[:, :, l]` (and replays it when `replay`); yields the per-layer references."""
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    if indices_BTLK.shape[2] != len(moes):
-        raise ValueError(f"recorded routing covers {indices_BTLK.shape[2]} MoE layers; the model has {len(moes)}")
-    refs = [RoutingReference(indices_BTLK[:, :, i].reshape(-1, indices_BTLK.shape[-1]), valid_BT.reshape(-1), replay)
-            for i in range(len(moes))]
-    for m, r in zip(moes, refs):
-        m.reference = r
-    try:
-        yield refs
-    finally:
-        for m in moes:
-            m.reference = None
-
-
-@contextlib.contextmanager
-def record_routing(model: nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
-    """Collect, per MoE module name, the expert indices [B, T, K] chosen in each forward call."""
-    records: dict[str, list[torch.Tensor]] = {}
-    moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
-    for name, m in moes:
-        m.record = records.setdefault(name, [])
-    try:
-        yield records
-    finally:
-        for _, m in moes:
-            m.record = None
 
 
 def set_grouped_gemm(model: nn.Module, enabled: bool) -> None:

@@ -5,7 +5,7 @@ adapters, and each parameter is placed by the same rules `parallelize` uses (the
 parallel plan of `tensor_parallel.tp_plan`, experts split over ep, FSDP over dp × cp, layers
 cut into pipeline stages by `pipeline.split_layers`). So the weight, gradient and optimizer
 bytes a rank holds are counted, not estimated. Activations follow what our modules save for
-backward, term by term (`activation_elements`; checked against `trillora.memory` measurements
+backward, term by term (`activation_elements`; checked against `trillora.parallel.memory_probe` measurements
 within 25% in the tests). Communication is the bytes each rank puts on the wire per step for
 every collective the engine issues; time is compute at an achievable fraction of peak plus
 communication without overlap (an upper bound), times the pipeline bubble.

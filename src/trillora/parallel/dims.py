@@ -12,19 +12,22 @@ are summed over dp × cp ("dp_cp") and expert gradients over edp × cp ("edp_cp"
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
+from ..errors import ConfigError
 
 
-class ParallelError(ValueError):
+class ParallelError(ConfigError):
     """A layout that cannot work; the message names the product or divisibility that fails."""
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     dp: int = 1
+    """Data-parallel replicas; 0 = what is left of the world after pp × cp × tp (`for_world`)."""
     tp: int = 1
     ep: int = 1
     pp: int = 1
@@ -37,7 +40,7 @@ class ParallelDims:
     """With tp: the head split over the vocabulary, logprobs combined without full logits."""
     activation_checkpoint_every: int = 0
     """Recompute every k-th decoder layer in backward instead of storing its activations (0 = off)."""
-    pp_schedule: str = "1f1b"
+    pp_schedule: PipelineSchedule = "1f1b"
     """Pipeline schedule: one of `PP_SCHEDULES` (interleaved and zero-bubble ones run 2 stages per rank)."""
     pp_microbatches: int = 0
     """Microbatches per pipeline step (0 = the number of stages, the fewest that fill the pipeline)."""
@@ -46,10 +49,12 @@ class ParallelDims:
     a first stage of embeddings only, a last one of norm and head); () = as even as possible."""
 
     def __post_init__(self) -> None:
-        for key in ("dp", "tp", "ep", "pp", "cp"):
+        for key in ("tp", "ep", "pp", "cp"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ParallelError(f"parallel.{key}={value!r}; must be an integer >= 1")
+        if not isinstance(self.dp, int) or self.dp < 0:
+            raise ParallelError(f"parallel.dp={self.dp!r}; must be an integer >= 1 (0 = the rest of the world)")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ParallelError(f"parallel.pp_schedule={self.pp_schedule!r}; allowed: {', '.join(PP_SCHEDULES)}")
         if not isinstance(self.pp_microbatches, int) or self.pp_microbatches < 0:
@@ -65,7 +70,7 @@ class ParallelDims:
         if not isinstance(self.activation_checkpoint_every, int) or self.activation_checkpoint_every < 0:
             raise ParallelError(f"parallel.activation_checkpoint_every={self.activation_checkpoint_every!r}; "
                                 "must be an integer >= 0 (0 = off, 1 = every layer)")
-        if self.dp % self.ep:
+        if self.dp and self.dp % self.ep:
             raise ParallelError(f"parallel.ep={self.ep} must divide parallel.dp={self.dp}: expert-parallel ranks are "
                                 f"data-parallel ranks (expert data parallel = dp / ep)")
 
@@ -85,6 +90,16 @@ class ParallelDims:
     def edp(self) -> int:
         """Replicas of each expert shard."""
         return self.dp // self.ep
+
+    def for_world(self, world: int) -> "ParallelDims":
+        """These degrees on `world` ranks, dp = 0 resolved to what pp × cp × tp leave."""
+        rest = self.tp * self.pp * self.cp
+        if world % rest:
+            raise ParallelError(f"parallel.tp={self.tp} × pp={self.pp} × cp={self.cp} = {rest} does not divide the "
+                                f"{world} ranks of this job")
+        dims = ParallelDims(**{f.name: getattr(self, f.name) for f in fields(ParallelDims)} | {"dp": self.dp or world // rest})
+        dims.check_world(world)
+        return dims
 
     def check_world(self, world: int) -> None:
         if world != self.world_size:
@@ -115,9 +130,11 @@ class ParallelDims:
                                 "the shared matrix; use pp=1")
 
 
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
 # name -> "single" (one stage per rank) or "multi" (two: interleaved loop, or V for zbv)
 PP_SCHEDULES = {"gpipe": "single", "1f1b": "single", "interleaved_1f1b": "multi",
                 "interleaved_zero_bubble": "multi", "zbv": "multi"}
+assert tuple(PP_SCHEDULES) == get_args(PipelineSchedule)
 
 
 @dataclass

@@ -5,12 +5,16 @@ split (each rank keeps its stages' layers), expert parallel (slices stacked expe
 all-to-all hooks), tensor parallel (`parallelize_module` over the plan), context parallel
 (attention gathers K/V, the backbone takes this rank's tokens), activation checkpointing
 (inside the FSDP units), then FSDP2 over dp × cp. The model code is not touched.
+
+At world size 1 without a process group there are no meshes: every plan is the identity except
+activation checkpointing, and the gradient sync does nothing, so one process takes the same path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch import nn
 
 from .data_parallel import GradientSync
@@ -25,7 +29,9 @@ from .tensor_parallel import apply_tensor_parallel
 
 @dataclass
 class Parallelized:
-    meshes: Meshes
+    dims: ParallelDims
+    meshes: Meshes | None
+    """None in one process without a process group (nothing to communicate over)."""
     grad_sync: GradientSync
     tp_plan: dict[str, object] = field(default_factory=dict)
     ep_plans: dict[str, ExpertParallel] = field(default_factory=dict)
@@ -34,10 +40,6 @@ class Parallelized:
     pipeline: Pipeline | None = None
     """This rank's pipeline stages (None without pp): run the model through it, not `model(...)`."""
     context: ContextParallel | None = None
-
-    @property
-    def dims(self) -> ParallelDims:
-        return self.meshes.dims
 
     def expert_bytes(self) -> int:
         return sum(p.bytes_sent for p in self.ep_plans.values())
@@ -58,19 +60,29 @@ class Parallelized:
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = None) -> Parallelized:
     if getattr(model, "lora_config", None) is None:
         raise ParallelError("apply LoRA before parallelize(): adapters are placed with their base layers")
+    if dims.dp < 1:
+        raise ParallelError(f"parallel.dp={dims.dp}: resolve it for the world first (ParallelDims.for_world)")
     dims.check_model(model.args)
-    meshes = meshes or build_meshes(dims)
+    if meshes is None and (dims.world_size > 1 or dist.is_initialized()):
+        meshes = build_meshes(dims)
+
+    def group(name: str):
+        return meshes.group(name) if meshes is not None else None
+
+    def rank(name: str) -> int:
+        return meshes.rank(name) if meshes is not None else 0
+
     device = next(model.parameters()).device
-    pipeline = Pipeline(model, dims, meshes.group("pp"), meshes.rank("pp"), device) if dims.pp > 1 else None
-    ep_plans = apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
-    tp_plan = apply_tensor_parallel(model, meshes.mesh("tp"), dims.sp, dims.vocab_parallel)
-    context = apply_context_parallel(model, meshes.group("cp"), meshes.rank("cp"), dims.cp)
+    pipeline = Pipeline(model, dims, group("pp"), rank("pp"), device) if dims.pp > 1 else None
+    ep_plans = apply_expert_parallel(model, group("ep"), rank("ep"), dims.ep)
+    tp_plan = apply_tensor_parallel(model, meshes.mesh("tp") if meshes is not None else None, dims.sp, dims.vocab_parallel)
+    context = apply_context_parallel(model, group("cp"), rank("cp"), dims.cp)
     for stage in pipeline.modules if pipeline is not None else []:  # stages compute logprobs themselves
         stage.vocab_group, stage.context = getattr(model, "vocab_parallel_group", None), context
     apply_activation_checkpointing(model, dims.activation_checkpoint_every)
-    fsdp = apply_fsdp(model, meshes, roots=pipeline.modules if pipeline else None) if dims.fsdp else None
+    fsdp = apply_fsdp(model, meshes, roots=pipeline.modules if pipeline else None) if dims.fsdp and meshes else None
     # with FSDP the data-parallel reductions are its reduce-scatters; what is left is tp's partial sums
     dp, edp = (1, 1) if fsdp is not None else (dims.dp * dims.cp, dims.edp * dims.cp)
-    sync = GradientSync(model, meshes.group("dp_cp"), meshes.group("edp_cp"), dp, edp)
+    sync = GradientSync(model, group("dp_cp"), group("edp_cp"), dp, edp)
     model.parallel = dims
-    return Parallelized(meshes, sync, tp_plan, ep_plans, fsdp, pipeline, context)
+    return Parallelized(dims, meshes, sync, tp_plan, ep_plans, fsdp, pipeline, context)

@@ -34,7 +34,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from ..policy import logprobs_from_logits
+from .vocab_parallel import head_logprobs
 from .context_parallel import padded_length
 from .dims import ParallelDims, ParallelError
 
@@ -108,7 +108,7 @@ class StageModule(nn.Module):
             return h
         logits = self.lm_head(self.model.norm(h)).float()  # [b, T or t, V]
         logits, targets = (logits[:, :-1], tokens[:, 1:]) if cp is None else (logits, cp.next_tokens(tokens))
-        logp, entropy = logprobs_from_logits(logits, targets, self.temperature, self.vocab_group, True)
+        logp, entropy = head_logprobs(logits, targets, self.temperature, self.vocab_group, True)
         if cp is not None:  # whole rows on every cp rank
             logp, entropy = cp.gather(logp, t - 1), cp.gather(entropy, t - 1)
         return torch.stack([logp, entropy], dim=-1)  # [b, T-1, 2]

@@ -96,7 +96,7 @@ def rollout_layout(args: ModelArgs, gpus: int, cluster: Cluster, weight_bytes: i
     """The inference engine's layout: the smallest tensor-parallel group (within a node, then
     pipeline across nodes) whose weight shard leaves at least a quarter of the memory for the KV
     cache; the rest of the GPUs are data-parallel replicas (more concurrent rollouts)."""
-    from ..info import count_params
+    from ..models.params import count_params
 
     total = count_params(args).total * weight_bytes
     budget = cluster.memory_gib * 2**30 * (1 - cluster.reserve)

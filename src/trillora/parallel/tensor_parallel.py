@@ -146,11 +146,11 @@ def _has(model: nn.Module, name: str) -> bool:
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
                           vocab_parallel: bool = False) -> dict[str, object]:
     plan = tp_plan(model, sequence_parallel, vocab_parallel)
-    if tp_mesh.size() > 1:
+    if tp_mesh is not None and tp_mesh.size() > 1:
         parallelize_module(model, tp_mesh, plan)
         for m in model.modules():
             if isinstance(m, MLAttention):
                 _share_k_rope(m, tp_mesh.get_group())
-        if vocab_parallel:  # trillora.policy.token_logprobs combines the slices over this group
+        if vocab_parallel:  # trillora.trainer.logprobs.token_logprobs combines the slices over this group
             model.vocab_parallel_group = tp_mesh.get_group()
     return plan

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..rl.logprobs import logprobs_from_logits, scale_by_temperature
+
 
 class _SumOverRanks(torch.autograd.Function):
     @staticmethod
@@ -54,3 +56,12 @@ def vocab_parallel_logprobs(
         pz = _sum((e * z).sum(-1), group=group) / sumexp  # Σ p·z
         entropy = lse - pz
     return logp, entropy
+
+
+def head_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_group=None,
+                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprobs (and entropies) [B, T] of `targets` from the head's logits [B, T, V], whole or,
+    with `vocab_group`, this rank's vocabulary slice combined over the group."""
+    if vocab_group is None:
+        return logprobs_from_logits(logits, targets, temperature, with_entropy)
+    return vocab_parallel_logprobs(scale_by_temperature(logits, temperature), targets, vocab_group, with_entropy)

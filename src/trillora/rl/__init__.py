@@ -4,6 +4,7 @@ from .advantages import ADVANTAGE_MODES, group_advantages
 from .aggregation import AGGREGATIONS, aggregate
 from .dynamic_sampling import fill_batch, informative_groups
 from .kl import KL_ESTIMATORS, entropy_from_logits, kl_estimate
+from .logprobs import logprobs_from_logits, scale_by_temperature
 from .loss import policy_loss
 from .mismatch import MISMATCH_MODES, masked_mean, mismatch_weights
 
@@ -18,6 +19,8 @@ __all__ = [
     "group_advantages",
     "informative_groups",
     "kl_estimate",
+    "logprobs_from_logits",
+    "scale_by_temperature",
     "masked_mean",
     "mismatch_weights",
     "policy_loss",

@@ -5,9 +5,12 @@ Shape legend: P prompts, G samples per prompt (the group).
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
-ADVANTAGE_MODES = ("grpo", "dr_grpo", "loo")
+AdvantageMode = Literal["grpo", "dr_grpo", "loo"]
+ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
 
 
 def group_advantages(rewards_PG: torch.Tensor, mode: str = "grpo", normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:

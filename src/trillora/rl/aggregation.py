@@ -6,9 +6,12 @@ Shape legend: B sequences, T tokens; mask [B, T] is 1 on completion tokens.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
 
 
 def aggregate(

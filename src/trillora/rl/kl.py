@@ -9,9 +9,12 @@ With log ratio d = logp - ref_logp of tokens sampled from the policy:
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KLEstimator = Literal["k1", "k2", "k3"]
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:

@@ -11,9 +11,12 @@ Shape legend: B sequences, T tokens; mask [B, T] is 1 on completion tokens.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
-MISMATCH_MODES = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask", "geo_mask")
+MismatchMode = Literal["none", "token_tis", "seq_tis", "token_mask", "seq_mask", "geo_mask"]
+MISMATCH_MODES: tuple[str, ...] = get_args(MismatchMode)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

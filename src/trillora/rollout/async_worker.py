@@ -58,7 +58,7 @@ class RolloutWorker:
                 handle, prompts, n, params = self.request(step)
                 with self.lock:
                     revision = self.revision
-                    pinned = self.engine.pinned() if hasattr(self.engine, "pinned") else None
+                    pinned = self.engine.pinned()
                     if pinned is None:  # weights changed in place by a sync: sample under the lock
                         groups = self.engine.generate(prompts, n, params)
                 if pinned is not None:  # a server keeping this revision loaded: a sync may land meanwhile

@@ -18,15 +18,17 @@ import torch
 from torch import nn
 
 from ..lora.apply import lora_modules
-from ..models import KVCache, build_model, record_routing
+from ..models import KVCache, build_model
+from .routing import record_routing
 from ..models.transformer import CausalLM
 from .sampling import sample_next
-from .types import Completion, SamplingParams
+from .types import Completion, PRECISIONS, SamplingParams
 
-PRECISIONS = ("auto", "fp32", "bf16_weights", "bf16")
 
 
 class LocalEngine:
+    returns_routing = True
+
     def __init__(self, model: CausalLM, precision: str = "auto", device: str | torch.device | None = None, pad_id: int = 0):
         if precision not in PRECISIONS:
             raise ValueError(f"rollout precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
@@ -41,6 +43,9 @@ class LocalEngine:
         self._copy_all(model)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
+
+    def pinned(self) -> None:
+        return None  # a sync rewrites these weights in place
 
     # --- weights -------------------------------------------------------------------------
     def _store(self, dest: torch.Tensor, value: torch.Tensor) -> int:

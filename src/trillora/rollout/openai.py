@@ -27,9 +27,10 @@ from pathlib import Path
 from torch import nn
 
 from .types import Completion, SamplingParams
+from ..errors import TrilloraError
 
 
-class EngineError(RuntimeError):
+class EngineError(TrilloraError, RuntimeError):
     """A server that keeps failing; the message names the URL and the last error."""
 
 
@@ -42,6 +43,8 @@ def _body(raw: bytes) -> dict:
 
 
 class OpenAIEngine:
+    returns_routing = False  # the OpenAI API has no field for the routed experts
+
     def __init__(
         self,
         urls: list[str] | str,
@@ -53,6 +56,7 @@ class OpenAIEngine:
         retries: int = 3,
         backoff: float = 0.5,
         sync: str = "adapter",
+        keep_revisions: int = 1,
     ):
         if sync not in ("adapter", "merged"):
             raise ValueError(f"OpenAIEngine sync {sync!r}; allowed: 'adapter', 'merged'")
@@ -67,7 +71,7 @@ class OpenAIEngine:
         self._next_url = itertools.cycle(self.urls)
         self.revision = 0
         self.tag = secrets.token_hex(3)  # revision names stay unique when several runs share a server
-        self.keep_revisions = 1
+        self.keep_revisions = keep_revisions
         """Adapter revisions left loaded on the servers after a sync: more than one lets a batch that
         started sampling before the sync finish on its own revision (asynchronous rollouts)."""
         self.loaded: list[str] = []  # adapter revisions loaded on the servers, oldest first

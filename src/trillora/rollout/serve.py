@@ -54,8 +54,7 @@ class ModelServer:
     """The engines (base + one per loaded adapter) and the request logic, independent of HTTP."""
 
     def __init__(self, cfg: ServeConfig):
-        from ..checkpoint import load_model, load_tokenizer
-        from ..train import resolve_model_path
+        from ..checkpoint import load_model, load_tokenizer, resolve_model_path
 
         self.cfg = cfg
         path = resolve_model_path(cfg.model)
@@ -81,8 +80,7 @@ class ModelServer:
 
     def load_adapter(self, body: dict) -> dict:
         from .. import lora
-        from ..checkpoint import load_model
-        from ..train import resolve_model_path
+        from ..checkpoint import load_model, resolve_model_path
 
         name, given = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(given, str):

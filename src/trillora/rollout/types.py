@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 from torch import nn
+
+
+EngineName = Literal["local", "vllm", "openai"]
+"""`local`: the built-in engine in this process; `vllm`: vLLM's LLM in this process; `openai`:
+OpenAI-compatible servers (vLLM, SGLang, `trillora serve`)."""
+SyncMode = Literal["auto", "adapter", "merged"]
+Precision = Literal["auto", "fp32", "bf16_weights", "bf16"]
+"""Rollout weights: bf16 on GPU / bf16-rounded fp32 on CPU (`auto`), fp32, bf16-rounded fp32, bf16."""
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -53,10 +62,17 @@ class Completion:
 
 
 class RolloutEngine(Protocol):
+    returns_routing: bool
+    """Whether `SamplingParams.return_routing` is honoured (the routed experts of every token)."""
+
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
         """n completions for each prompt (token ids), grouped by prompt."""
 
     def sync(self, model: nn.Module) -> dict[str, float]:
         """Bring the engine's weights up to date with the trainer's; returns what it cost."""
+
+    def pinned(self):
+        """A `generate` bound to the current weights that a sync does not disturb (an engine keeping
+        several adapter revisions loaded), or None when syncs rewrite the weights in place."""
 
     def close(self) -> None: ...

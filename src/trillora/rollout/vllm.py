@@ -69,7 +69,7 @@ class VLLMEngine:
         self.sync_mode = choose_sync(model, sync)
         self.sync_dir = Path(sync_dir) if sync_dir is not None else Path(tempfile.mkdtemp(prefix="trillora-vllm-"))
         self.sync_dir.mkdir(parents=True, exist_ok=True)
-        self.return_routing = return_routing
+        self.returns_routing = return_routing
         if _cpu():
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: sync passes tensors directly
@@ -97,6 +97,9 @@ class VLLMEngine:
             raise
         self.revision = 0
         self.lora = None  # the LoRARequest in use (adapter sync)
+
+    def pinned(self) -> None:
+        return None  # one revision at a time: a sync replaces what generate uses
 
     # --- sync ----------------------------------------------------------------------------
     def sync(self, model: nn.Module) -> dict[str, float]:
@@ -140,7 +143,7 @@ class VLLMEngine:
 
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        if params.return_routing and not self.return_routing:
+        if params.return_routing and not self.returns_routing:
             raise ValueError("return_routing needs VLLMEngine(return_routing=True)")
         inputs, sampling = [], []
         for i, p in enumerate(prompts):

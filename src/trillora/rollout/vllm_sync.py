@@ -25,6 +25,7 @@ from torch import nn
 
 from ..checkpoint.hf import expert_tensors_per_expert
 from ..lora.apply import lora_modules
+from ..errors import TrilloraError
 
 SIBLINGS = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
             "v_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj"),
@@ -55,7 +56,7 @@ def merged_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # --- worker side ---------------------------------------------------------------------------
-class SyncError(RuntimeError):
+class SyncError(TrilloraError, RuntimeError):
     """A tensor the running vLLM model has no place for; the message names it."""
 
 

@@ -9,6 +9,8 @@ in `trillora.tasks.sandbox`, which runs it in a separate, limited process.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import contextlib
 import math
 import signal
@@ -16,13 +18,17 @@ import threading
 from dataclasses import dataclass
 
 from .base import Problem, Task
+from ..errors import TrilloraError
 
-ON_ERROR = ("fail", "zero")
+OnRewardError = Literal["fail", "zero"]
+ON_ERROR: tuple[str, ...] = get_args(OnRewardError)
 
 
-class RewardError(RuntimeError):
+class RewardError(TrilloraError, RuntimeError):
     """A reward function that raised, hung or returned a non-number; the message names the task
     and the prompt, the cause carries the traceback."""
+
+    show_cause = True  # the CLI prints the user's traceback (file and line) before the message
 
 
 class RewardTimeout(Exception):

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .base import Problem, Task, in_eval_split
+from ..errors import TrilloraError
 
 
-class DatasetError(ValueError):
+class DatasetError(TrilloraError, ValueError):
     """A malformed dataset row; the message names the file and line."""
 
 

@@ -23,12 +23,13 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from ..errors import TrilloraError
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(TrilloraError, RuntimeError):
     """This machine cannot isolate the network for a child process."""
 
 

@@ -6,8 +6,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, replace
 
-from .cost import CLUSTERS, Estimate, Footprint, Training, Workload
-from .planner import Plan, lora_vs_full, plan, rollout_layout, smallest_cluster
+import json
+import sys
+
+from ..models.params import resolve_args
+from ..parallel.cost import CLUSTERS, Estimate, Footprint, Training, Workload, short
+from ..parallel.dims import ParallelDims
+from ..parallel.planner import Plan, lora_vs_full, plan, rollout_layout, smallest_cluster
+from .info import human
 
 GIB = 2**30
 
@@ -37,8 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> dict:
-    from ..info import resolve_args
-
     args = resolve_args(a.model)
     cluster = CLUSTERS[a.gpu]
     training = Training(lora_rank=a.lora_rank, expert_rank=a.expert_rank, full=a.full,
@@ -64,8 +68,6 @@ def run(a: argparse.Namespace) -> dict:
 def render(out: dict) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from ..info import human
 
     console = Console()
     c, w = out["cluster"], out["workload"]
@@ -116,7 +118,17 @@ def render(out: dict) -> None:
 
 
 def _short(layout: dict) -> str:
-    from .cost import short
-    from .dims import ParallelDims
-
     return short(ParallelDims(**layout))
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    try:
+        out = run(a)
+    except ValueError as e:  # no layout divides this model / workload / world size
+        print(f"trillora plan: error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(out, indent=2))
+    else:
+        render(out)
+    return 0 if out.get("fits") else 1

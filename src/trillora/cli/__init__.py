@@ -1,7 +1,7 @@
 """`trillora` command line: `train`, `eval`, `generate`, `serve`, `info`, `plan`, `plot`.
 
-Each subcommand is a thin function over the library; errors that are the
-user's to fix (a bad path, an unsupported config) print one line, not a traceback.
+Each subcommand is a thin function over the library. Errors that are the user's to fix
+(`trillora.errors.TrilloraError`: a bad path, key or value) print one line, not a traceback.
 """
 
 from __future__ import annotations
@@ -9,122 +9,62 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import typing
 
-
-from .checkpoint import CheckpointError
-from .checkpoint.train_state import CheckpointCorrupt
-from .config import ConfigError as RunConfigError
-from .lora import AdapterError, LoraConfigError
-from .models import ConfigError
-from .resume import TrainingDiverged
-from .rollout.openai import EngineError
-from .tasks import DatasetError
-from .tasks.guard import RewardError
-
-
-def lora_size(model_args, rank: int, rule: str) -> tuple[dict, int]:
-    """Adapter size on the default targets (attention, dense MLP, shared and routed experts), on the meta device."""
-    from . import lora
-    from .models import build_model
-
-    cfg = lora.LoraConfig(rank=rank, expert_rank_rule=rule)
-    model = build_model(model_args, device="meta")
-    lora.apply_lora(model, cfg)
-    return lora.adapter_stats(model), cfg.rank_for_experts(model_args.top_k)
-
-
-def cmd_info(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from .info import count_params, human, human_bytes, resolve_args, structure
-
-    model_args = resolve_args(args.model)
-    counts = count_params(model_args)
-    embed = model_args.vocab_size * model_args.hidden_size
-    if args.json:
-        print(json.dumps({
-            "model_type": model_args.model_type,
-            "total_params": counts.total,
-            "activated_params": counts.activated,
-            "activated_params_without_embedding": counts.activated - embed,
-            "routed_expert_params": counts.routed_experts,
-            "bytes_bf16": counts.bytes_bf16(),
-            "bytes_fp8": counts.bytes_fp8(),
-            "structure": dict(structure(model_args)),
-            **({"lora": lora_size(model_args, args.lora_rank, args.expert_rank_rule)[0]} if args.lora_rank else {}),
-        }, indent=2))
-        return 0
-    table = Table(title=f"trillora info: {args.model}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
-    for label, value in structure(model_args):
-        table.add_row(label, value)
-    table.add_row("total parameters", f"{human(counts.total)} ({counts.total:,})")
-    table.add_row("activated / token", f"{human(counts.activated)} ({human(counts.activated - embed)} without the input embedding)")
-    table.add_row("routed experts", f"{human(counts.routed_experts)} ({100 * counts.routed_experts / counts.total:.1f}% of all)")
-    table.add_row("weights at bf16", human_bytes(counts.bytes_bf16()))
-    table.add_row("weights at fp8", human_bytes(counts.bytes_fp8()) + " (128×128 block scales, norms/embeddings bf16)")
-    if args.lora_rank:
-        stats, expert_rank = lora_size(model_args, args.lora_rank, args.expert_rank_rule)
-        table.add_row(
-            f"LoRA rank {args.lora_rank}",
-            f"{human(stats['adapter_params'])} params, {human_bytes(stats['adapter_bytes'])} fp32 "
-            f"({100 * stats['fraction']:.2f}% of the base; expert rank {expert_rank})",
-        )
-    Console().print(table)
-    return 0
+from ..errors import TrilloraError
+from ..rollout.types import Precision
 
 
 def _policy(model_path: str, adapter: str | None):
     """Model (+ adapter) and tokenizer; `tiny-moe` names the shipped checkpoint."""
-    from . import lora
-    from .checkpoint import load_model, load_tokenizer
-    from .train import resolve_model_path
+    from .. import lora
+    from ..checkpoint import load_model, load_tokenizer
 
-    path = resolve_model_path(model_path)
-    model = load_model(path)
+    model = load_model(model_path)
     if adapter:
         lora.load_adapter(model, adapter)
-    return model, load_tokenizer(path)
+    return model, load_tokenizer(model_path)
+
+
+def _sampling(tokenizer, args: argparse.Namespace):
+    from ..rollout import SamplingParams
+
+    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                          stop_token_ids=stop)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .evaluate import decode_completion, encode_prompt
-    from .rollout import LocalEngine, SamplingParams
+    from ..rollout import LocalEngine
+    from ..tasks.prompts import decode_completion, encode_prompt
 
     model, tokenizer = _policy(args.model, args.adapter)
     engine = LocalEngine(model, precision="fp32")
-    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, stop_token_ids=stop)
-    for c in engine.generate([encode_prompt(tokenizer, args.prompt)], args.n, params)[0]:
+    for c in engine.generate([encode_prompt(tokenizer, args.prompt)], args.n, _sampling(tokenizer, args))[0]:
         print(args.prompt + decode_completion(tokenizer, c.token_ids))
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .evaluate import evaluate
-    from .rollout import LocalEngine, SamplingParams
-    from .tasks import make_task
+    from ..config import parse_override
+    from ..rollout import LocalEngine
+    from ..tasks import make_task
+    from ..trainer.evaluate import evaluate
 
     model, tokenizer = _policy(args.model, args.adapter)
     engine = LocalEngine(model, precision="fp32")
-    from .config import parse_override
-
     options = {".".join(keys): value for keys, value in map(parse_override, args.option)}  # values read as TOML
     task = make_task(args.task, **options)
     problems = task.problems("eval", args.problems, seed=args.seed)
-    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, stop_token_ids=stop)
-    acc = evaluate(engine, tokenizer, task, problems, params, n=args.samples)
+    acc = evaluate(engine, tokenizer, task, problems, _sampling(tokenizer, args), n=args.samples)
     print(json.dumps({"task": args.task, "accuracy": acc, "problems": args.problems, "samples": args.samples,
                       "temperature": args.temperature}))
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .train import train
+    from ..config import load_config
+    from ..trainer import train
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:  # `trillora train key=value ...` without a file
@@ -139,7 +79,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .rollout.serve import ServeConfig, serve
+    from ..rollout.serve import ServeConfig, serve
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"trillora serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
@@ -149,29 +89,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from .plots import plot_run
+    from ..plots import plot_run
 
     for path in plot_run(args.run_dir):
         print(path)
     return 0
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from .parallel import plan_report
-
-    try:
-        out = plan_report.run(args)
-    except ValueError as e:  # no layout divides this model / workload / world size
-        print(f"trillora plan: error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        plan_report.render(out)
-    return 0 if out.get("fits") else 1
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from ..lora.config import EXPERT_RANK_RULES
+    from . import info, plan
+
     parser = argparse.ArgumentParser(prog="trillora", description="RL on Mixture-of-Experts models through LoRA")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -179,14 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="shipped name (kimi-k2, deepseek-v3, qwen3-30b-a3b, qwen3-235b-a22b), config.json or folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--lora-rank", type=int, default=0, help="also size a LoRA adapter of this rank")
-    p.add_argument("--expert-rank-rule", default="same", choices=("same", "divide_by_top_k"))
-    p.set_defaults(func=cmd_info)
+    p.add_argument("--expert-rank-rule", default="same", choices=EXPERT_RANK_RULES)
+    p.set_defaults(func=info.cmd_info)
 
     p = sub.add_parser("plan", help="parallel layout, memory and traffic per GPU for a model, workload and cluster")
-    from .parallel.plan_report import add_arguments
-
-    add_arguments(p)
-    p.set_defaults(func=cmd_plan)
+    plan.add_arguments(p)
+    p.set_defaults(func=plan.cmd_plan)
 
     p = sub.add_parser("train", help="RL through LoRA; with no arguments, the default job (tiny MoE + arithmetic)")
     p.add_argument("config", nargs="?", help="TOML config file (optional)")
@@ -218,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     p.add_argument("--adapter-root", default=None, help="folder adapters may be loaded from (load_lora_adapter)")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16_weights", "bf16"))
+    p.add_argument("--precision", default="fp32", choices=[c for c in typing.get_args(Precision) if c != "auto"])
     p.add_argument("--max-connections", type=int, default=64, help="connections served at once; more wait")
     p.set_defaults(func=cmd_serve)
 
@@ -232,9 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, RunConfigError, CheckpointError, AdapterError, LoraConfigError, DatasetError,
-            FileNotFoundError, KeyError, TrainingDiverged, CheckpointCorrupt, RewardError, EngineError) as e:
-        if isinstance(e, RewardError) and e.__cause__ is not None:  # the user's code: show where it failed
+    except TrilloraError as e:
+        if e.__cause__ is not None and getattr(e, "show_cause", False):  # the user's code: show where it failed
             import traceback
 
             traceback.print_exception(e.__cause__, file=sys.stderr)

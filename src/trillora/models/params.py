@@ -1,4 +1,4 @@
-"""Parameter counts and sizes of a model from its config alone.
+"""Parameter counts and sizes of a model from its config alone; the configs shipped with trillora.
 
 The model is built on the meta device, so a 1T-parameter config costs no
 memory; counts come from the real module tree, not a separate formula that
@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from .models import ModelArgs, build_model, from_hf_config, load_hf_config
-from .models.moe import GroupedExperts
+from ..errors import ConfigError, MissingPath
+from .args import ModelArgs, from_hf_config, load_hf_config
+from .moe import GroupedExperts
+from .registry import build_model
 
 SHIPPED = ("kimi-k2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b")
 FP8_BLOCK = 128
@@ -23,7 +25,7 @@ def shipped_config(name: str) -> dict:
     """A config.json shipped with trillora (facts from the public model cards)."""
     key = name.lower().replace("_", "-")
     if key not in SHIPPED:
-        raise KeyError(f"no shipped config {name!r}; shipped: {', '.join(SHIPPED)}")
+        raise ConfigError(f"no shipped config {name!r}; shipped: {', '.join(SHIPPED)}")
     return json.loads(resources.files("trillora.configs").joinpath(f"{key}.json").read_text())
 
 
@@ -34,8 +36,8 @@ def resolve_args(spec: str | Path) -> ModelArgs:
         return load_hf_config(path)[0]
     try:
         return from_hf_config(shipped_config(str(spec)), where=f"shipped config {spec}")
-    except KeyError:
-        raise FileNotFoundError(
+    except ConfigError:
+        raise MissingPath(
             f"{spec}: neither a config.json / checkpoint folder nor a shipped config ({', '.join(SHIPPED)})"
         ) from None
 
@@ -79,49 +81,3 @@ def count_params(args: ModelArgs) -> ParamCounts:
         embeddings=embeddings,
         matrix_weights=matrix,
     )
-
-
-def structure(args: ModelArgs) -> list[tuple[str, str]]:
-    """(label, value) rows describing the architecture for `trillora info`."""
-    attention = (
-        f"MLA (q_lora {args.q_lora_rank}, kv_lora {args.kv_lora_rank}, nope {args.qk_nope_head_dim}, "
-        f"rope {args.qk_rope_head_dim}, v {args.v_head_dim}), {args.num_heads} heads"
-        if args.family == "deepseek_v3"
-        else f"GQA {args.num_heads} q / {args.num_kv_heads} kv heads × {args.head_dim}, q/k RMSNorm"
-    )
-    rows = [
-        ("model type", f"{args.model_type} (family {args.family})"),
-        ("layers", f"{args.num_layers} ({len(args.moe_layers)} MoE, {args.num_layers - len(args.moe_layers)} dense)"),
-        ("hidden / vocab", f"{args.hidden_size} / {args.vocab_size}"),
-        ("attention", attention),
-        ("rope", f"{args.rope.kind}, theta {args.rope.theta:g}"
-         + (f", factor {args.rope.factor:g} over {args.rope.original_max_position}" if args.rope.kind == "yarn" else "")),
-    ]
-    if args.is_moe:
-        router = (
-            f"sigmoid + bias, groups {args.topk_group}/{args.n_group}, scale {args.routed_scaling_factor:g}"
-            if args.router == "sigmoid"
-            else "softmax" + (", renormalised top-k" if args.norm_topk_prob else "")
-        )
-        rows += [
-            ("experts", f"{args.num_experts} routed (top-{args.top_k}, hidden {args.moe_intermediate_size})"
-             + (f" + {args.n_shared_experts} shared" if args.n_shared_experts else "")),
-            ("router", router),
-        ]
-    if args.num_mtp_layers:
-        rows.append(("MTP layers", f"{args.num_mtp_layers} (skipped on load)"))
-    return rows
-
-
-def human(n: float, unit: str = "") -> str:
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f}{suffix}{unit}"
-    return f"{n:.0f}{unit}"
-
-
-def human_bytes(n: int) -> str:
-    for scale, suffix in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if n >= scale:
-            return f"{n / scale:.2f} {suffix}"
-    return f"{n} B"

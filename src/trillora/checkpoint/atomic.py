@@ -1,0 +1,88 @@
+"""All-or-nothing writes: a folder (checkpoint, adapter, model) or a small file is either the old
+one or the new one, never half of either, whatever moment the process dies at.
+
+Every writer in trillora goes through here: files go into a staging folder beside the
+destination, are fsynced, and the folder is renamed over the destination (the old one moved
+aside first and removed after); the parent folder is fsynced so the rename itself survives a
+power cut.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or a folder's entries') bytes to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AtomicFolder:
+    """`with AtomicFolder(dest) as tmp:` write into `tmp`; it replaces `dest` when the block ends
+    normally and is removed when it raises. (Or `folder.path` ... `folder.commit()` by hand.)
+
+    `staging` names the staging folder instead of a random one: several processes (the ranks of
+    one job) can then write into the same folder before one of them commits it, and a run that
+    finds it after a crash knows it is half-written."""
+
+    def __init__(self, dest: str | Path, staging: str | Path | None = None):
+        self.dest = Path(dest)
+        self.dest.parent.mkdir(parents=True, exist_ok=True)
+        if staging is None:
+            self.path = Path(tempfile.mkdtemp(prefix=f".{self.dest.name}.tmp-", dir=self.dest.parent))
+        else:
+            self.path = Path(staging)
+            self.path.mkdir(parents=True, exist_ok=True)
+        self.synced: set[Path] = set()
+
+    def fsync(self, file: Path) -> None:
+        """Flush one staged file now (a writer that flushes its own file spares `commit` the work)."""
+        fsync_path(file)
+        self.synced.add(Path(file))
+
+    def commit(self) -> Path:
+        for f in sorted(self.path.rglob("*")):
+            if f.is_file() and f not in self.synced:
+                fsync_path(f)
+        for d in [*sorted((p for p in self.path.rglob("*") if p.is_dir()), reverse=True), self.path]:
+            fsync_path(d)
+        old = None
+        if self.dest.exists():
+            old = self.dest.with_name(f".{self.dest.name}.old-{os.getpid()}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(self.dest, old)
+        os.rename(self.path, self.dest)
+        fsync_path(self.dest.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.dest
+
+    def abandon(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, kind, value, tb) -> None:
+        """Commit when the body finished; otherwise nothing of it is left behind."""
+        if kind is None:
+            self.commit()
+        else:
+            self.abandon()
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Replace a small file in one step (temp file, fsync, rename, fsync of the folder)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(path.parent)

@@ -1,0 +1,26 @@
+"""Per-token log-probabilities (and entropies) of chosen tokens from logits.
+
+Shape legend: B rows, T positions, V vocabulary. (A vocabulary split over tensor-parallel ranks
+is combined in `trillora.parallel.vocab_parallel`, on logits scaled here.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def scale_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T, the distribution the sampler drew from (T = 0, greedy, is reported at T = 1)."""
+    if temperature > 0 and temperature != 1.0:  # x / 1 is x: skip a pass over [B, T, V]
+        return logits / temperature
+    return logits
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature)[target] for logits [B, T, V] and targets [B, T]: [B, T]
+    (and the entropy [B, T])."""
+    logp_all = scale_by_temperature(logits, temperature).log_softmax(-1)  # [B, T, V]
+    logp = logp_all.gather(-1, targets[..., None])[..., 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    return logp, entropy

@@ -1,0 +1,82 @@
+"""The embedded tiny MoE: a Qwen3-MoE-architecture model with its own character tokenizer,
+pretrained here (supervised, on generated data: `trillora.tiny.pretrain`), shipped inside the
+package and loaded by name (`load_model("tiny-moe")`).
+
+    python -m trillora.tiny build [OUT]     # pretrain and write the shipped checkpoint
+    python -m trillora.tiny random OUT      # random weights, same architecture (tests)
+
+This module holds what defines the model: its architecture, its tokenizer, and random
+checkpoints of the same shapes for tests.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import save_model
+from ..models import build_model, from_hf_config
+
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+TINY_QWEN3_MOE = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    max_position_embeddings=512,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+)
+
+
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+            "moe_intermediate_size")
+TINY_QWEN3 = {**{k: v for k, v in TINY_QWEN3_MOE.items() if k not in MOE_KEYS},
+              "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+"""The same shapes without experts: vLLM on CPU applies LoRA to dense models only."""
+
+
+def build_tokenizer():
+    """One token per character: arithmetic and short words need nothing more, and it is exact."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + tuple(CHARS))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def write_random_checkpoint(out: str | Path, seed: int = 0, std: float = 0.05, dense: bool = False) -> Path:
+    tokenizer = build_tokenizer()
+    config = dict(
+        TINY_QWEN3 if dense else TINY_QWEN3_MOE,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = build_model(from_hf_config(config, where="tiny config"), device="cpu")
+    model.init_weights(std=std, generator=torch.Generator().manual_seed(seed))
+    out = save_model(model, out)
+    tokenizer.save_pretrained(out)
+    return out

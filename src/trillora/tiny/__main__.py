@@ -1,0 +1,39 @@
+"""`python -m trillora.tiny build [OUT]` / `python -m trillora.tiny random OUT`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..checkpoint import resolve_model_path
+from . import __doc__ as DOC, write_random_checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trillora.tiny", description=DOC,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="pretrain the tiny MoE and write it (default: the shipped folder)")
+    b.add_argument("out", type=Path, nargs="?", default=None)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--max-steps", type=int, default=6000)
+    r = sub.add_parser("random", help="random weights, same architecture and tokenizer")
+    r.add_argument("out", type=Path)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--dense", action="store_true", help="no experts (a dense Qwen3 of the same shapes)")
+    args = parser.parse_args(argv)
+    if args.command == "random":
+        print(write_random_checkpoint(args.out, seed=args.seed, dense=args.dense))
+        return 0
+    from .pretrain import pretrain
+
+    out = args.out or resolve_model_path("tiny-moe")
+    report = pretrain(out, seed=args.seed, max_steps=args.max_steps)
+    (Path(out) / "pretrain_report.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}: {report['steps']} steps, {report['seconds']:.0f} s, last eval {report['history'][-1:]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

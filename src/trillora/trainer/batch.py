@@ -1,0 +1,66 @@
+"""The trainer's batch: sampled rows as tensors, and the slices of it each rank and pass trains on.
+
+Rows are right-padded prompt + completion; position t of every [B, T-1] tensor is the prediction
+of token t+1. Shape legend: B rows, T tokens, L MoE layers, K experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(kw_only=True)
+class TokenBatch:
+    input_ids: torch.Tensor  # [B, T] prompt + completion, right-padded
+    completion_mask: torch.Tensor  # [B, T-1]: 1 where target token t+1 is a completion token
+    rollout_logprobs: torch.Tensor  # [B, T-1] engine logprobs aligned with the mask (0 elsewhere)
+    prompt_lengths: torch.Tensor | None = None  # [B] tokens of each row's prompt
+    routes: torch.Tensor | None = None  # [B, T, L, K] experts the engine chose per input token (int16)
+    routes_valid: torch.Tensor | None = None  # [B, T] True where the engine fed that token (all but the last)
+    advantages: torch.Tensor | None = None  # [B] each row's advantage (group-relative, set after the rewards)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+    @property
+    def num_rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: torch.Tensor) -> "TokenBatch":
+        """The batch of `rows` (indices [b]): every per-row field sliced alike, whatever fields exist."""
+        if len(rows) == self.num_rows and torch.equal(rows.cpu(), torch.arange(self.num_rows)):
+            return self
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return TokenBatch(**{k: v[rows.to(v.device)] if torch.is_tensor(v) else v for k, v in fields.items()})
+
+
+def build_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]], pad_id: int = 0,
+                device: torch.device | str = "cpu", routes: list[torch.Tensor] | None = None) -> TokenBatch:
+    """`routes`: each completion's recorded routing [len(prompt) + len(completion) - 1, L, K], or None."""
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    b = len(prompts)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(b, width - 1)
+    lps = torch.zeros(b, width - 1)
+    for i, (p, c, lp) in enumerate(zip(prompts, completions, logprobs)):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+        # target position j predicts token j+1: completion token k sits at len(p)+k, predicted at len(p)+k-1
+        mask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1
+        lps[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32)
+    batch = TokenBatch(input_ids=ids.to(device), completion_mask=mask.to(device), rollout_logprobs=lps.to(device),
+                       prompt_lengths=torch.tensor([len(p) for p in prompts], device=device))
+    if routes is not None:
+        layers, k = routes[0].shape[1:]
+        table = torch.zeros(b, width, layers, k, dtype=torch.int16)
+        valid = torch.zeros(b, width, dtype=torch.bool)
+        for i, r in enumerate(routes):
+            table[i, : r.shape[0]] = r.to(torch.int16)
+            valid[i, : r.shape[0]] = True
+        batch.routes, batch.routes_valid = table.to(device), valid.to(device)
+    return batch
+
+

@@ -1,0 +1,101 @@
+"""The trainer's side of checkpoints: when to save, what goes in, how a run picks up again.
+
+Every rank writes its own tensors (adapter shards, AdamW state, torch RNG); rank 0 adds the
+run's JSON state, metrics, config and a PEFT-layout adapter and commits the folder
+(`checkpoint.train_state`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+from .. import lora
+from ..checkpoint import train_state
+from ..config import to_toml
+from ..errors import ConfigError
+
+
+@dataclasses.dataclass
+class Resumed:
+    """What the loop needs from a checkpoint to go on."""
+
+    step: int
+    state: dict
+
+
+class RunCheckpoints:
+    """`trainer`: the `Trainer` whose model, optimizer, counters and engine a checkpoint holds."""
+
+    def __init__(self, trainer):
+        self.t = trainer
+        self.root: Path = trainer.cfg.run_dir / "checkpoints"
+        self.rank = trainer.world.rank
+        self.console = trainer.console
+        self.saved_step = -1
+
+    # --- starting ------------------------------------------------------------------------
+    def start(self) -> Resumed | None:
+        """Fresh run: an earlier run's checkpoints step aside. `resume`: load the newest complete one."""
+        t = self.t
+        if not t.cfg.resume:
+            if t.world.main and self.root.exists():
+                previous = self.root.with_name("checkpoints.previous")
+                shutil.rmtree(previous, ignore_errors=True)
+                self.root.rename(previous)
+                self.console.print(f"a new run: the earlier checkpoints are now in {previous} (resume=true continues a run)")
+            t.world.barrier()
+            return None
+        found = train_state.find_latest(self.root)
+        if t.world.main:
+            for what in found.skipped:
+                self.console.print(f"[yellow]checkpoint skipped[/]: {what}")
+        if found.path is None:
+            if t.world.main:
+                self.console.print(f"resume=true but {self.root} holds no complete checkpoint: starting from step 0")
+            t.world.barrier()
+            return None
+        state, tensors = train_state.load(found.path, self.rank)
+        if state["layout"] != t.world.layout():
+            raise ConfigError(f"{found.path} was written by a run with layout {state['layout']}; this run has "
+                              f"{t.world.layout()}: resume with the same torchrun size and parallel settings")
+        params = dict(lora.lora_parameters(t.model))
+        train_state.restore_rank_tensors(tensors, params, t.opt, found.path / f"rank-{self.rank}.safetensors")
+        train_state.restore_python_rng(state["rng"])
+        t.update.skipped_updates, t.update.nonfinite_in_a_row = state["skipped_updates"], state["nonfinite_in_a_row"]
+        t.reward.failures = state["reward_failures"]
+        t.world.barrier()
+        if t.world.main:
+            train_state.clear_partials(self.root)
+            self.console.print(f"resuming from {found.path} (step {state['step']})")
+        t.sync_engine()  # the engine samples with the restored adapter (a collective under torchrun)
+        self.saved_step = state["step"]
+        return Resumed(step=state["step"], state=state)
+
+    # --- saving --------------------------------------------------------------------------
+    def due(self, step: int, stopping: bool) -> bool:
+        every = self.t.cfg.checkpoint.every
+        return stopping or step == self.t.cfg.steps or (every > 0 and step % every == 0)
+
+    def save(self, step: int, run_state: dict, metrics_file: Path | None) -> Path | None:
+        """All ranks: write this rank's file; rank 0 then commits the checkpoint of `step` done steps."""
+        t = self.t
+        params = dict(lora.lora_parameters(t.model))
+        train_state.write_rank_file(self.root, step, self.rank, train_state.rank_tensors(params, t.opt))
+        t.world.barrier()
+        path = None
+        if t.world.main:
+            part = train_state.partial_dir(self.root, step)
+            lora.save_adapter(t.full, part / "adapter", expert_layout="per_expert")  # synced after the step
+            state = {"step": step, "rng": train_state.python_rng_state(), "skipped_updates": t.update.skipped_updates,
+                     "nonfinite_in_a_row": t.update.nonfinite_in_a_row, "reward_failures": t.reward.failures,
+                     "layout": t.world.layout(), **run_state}
+            files = {"config.toml": to_toml(t.cfg), "metrics.jsonl": metrics_file.read_text() if metrics_file else ""}
+            path = train_state.commit(self.root, step, state, files, t.cfg.checkpoint.keep)
+        t.world.barrier()
+        self.saved_step = step
+        return path
+
+    def metrics_of(self, resumed: Resumed) -> str:
+        return (train_state.step_dir(self.root, resumed.step) / "metrics.jsonl").read_text()

@@ -1,0 +1,248 @@
+"""The RL loop, the same on every rank: sample → advantages → update → engine sync → log, checkpoint.
+
+    for step:  rollout = world.share(sampler.sample(step))    rank 0 samples, every rank gets it
+               advantages = rl.group_advantages(rewards)      once, for every rank
+               metrics = update(batch)                        minibatches, AdamW steps (`update`)
+               engine.sync(world.unsharded(model))            every rank joins the adapter gather
+               log, evaluate (rank 0); checkpoint (all ranks)
+
+The math lives in `trillora.rl`; the parts of a step in the modules named after them.
+Shape legend: P prompts per step, G group size, B = P·G rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+import time
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from torch.profiler import record_function
+
+from .. import lora, rl
+from ..checkpoint import load_model, load_tokenizer, resolve_model_path
+from ..checkpoint.hf import EXPERT_LAYOUTS
+from ..config import TrainConfig, to_toml
+from ..errors import TrainingDiverged
+from ..tasks import make_task
+from ..tasks.guard import GuardedReward
+from ..tasks.prompts import encode_prompt
+from .checkpoints import RunCheckpoints
+from .engine import check_engine, make_engine
+from .evaluate import evaluate
+from .sampler import Sampler
+from .signals import StopSignal
+from .update import PolicyUpdate
+from .world import World, launched, pick_device
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.console = Console(stderr=True, soft_wrap=True)  # paths stay on one line
+        torch.manual_seed(cfg.seed)
+        if cfg.deterministic:  # before any kernel runs; cuBLAS needs its workspace fixed for this
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        check_engine(cfg)
+        self.device = pick_device(cfg.device)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.model = load_model(cfg.model.path, dtype=dtype, device=self.device)
+        lora.apply_lora(self.model, cfg.lora)
+        # `full`: the unsharded model the engine and the export read (the model itself in one process)
+        self.full = copy.deepcopy(self.model) if launched() else self.model
+        self.world = World.start(self.model, cfg, self.device)
+        if not self.world.main:
+            self.full = None
+        o = cfg.optim
+        params = [p for _, p in lora.lora_parameters(self.model)]
+        self.opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.update = PolicyUpdate(self.model, self.opt, self.world, cfg)
+        t = cfg.task
+        self.task = make_task(t.name, **t.options)
+        self.retention = make_task(t.retention) if t.retention else None
+        self._check_dataset()
+        self.reward = GuardedReward(self.task, t.reward_timeout, t.on_reward_error)  # user code: time-limited
+        self.retention_reward = GuardedReward(self.retention, t.reward_timeout, t.on_reward_error) if self.retention else None
+        self.eval_problems = self.task.problems("eval", t.eval_problems, seed=cfg.seed)
+        self.retention_problems = self.retention.problems("eval", t.eval_problems, seed=cfg.seed) if self.retention else []
+        routing = cfg.algorithm.router_replay != "off" or cfg.algorithm.routing_metrics
+        pad = self.tokenizer.pad_token_id or 0
+        self.engine = make_engine(cfg, self.full, self.device, pad, routing) if self.world.main else None
+        self.sampler = Sampler(cfg, self.engine, self.tokenizer, self.task, self.reward, self.device, routing)
+
+    def _check_dataset(self) -> None:
+        """Dataset prompts must leave room for the completion in the engine's context."""
+        if not hasattr(self.task, "limit_prompt_tokens"):
+            return
+        r = self.cfg.rollout
+        self.task.limit_prompt_tokens(lambda text: len(encode_prompt(self.tokenizer, text)), r.max_model_len - r.max_new_tokens,
+                                      f"rollout.max_model_len={r.max_model_len} - rollout.max_new_tokens={r.max_new_tokens}")
+        if self.task.skipped and self.world.main:
+            self.console.print(f"[yellow]{len(self.task.skipped)} dataset rows skipped[/] (bad_rows=\"skip\"); "
+                               f"first: {self.task.skipped[0]}")
+
+    def sync_engine(self) -> dict[str, float]:
+        """Bring the engine up to date (every rank joins the adapter gather; rank 0 syncs)."""
+        full = self.world.unsharded(self.model, self.full)
+        return self.engine.sync(full) if self.world.main else {}
+
+    def _set_lr(self, step: int) -> float:
+        o = self.cfg.optim
+        lr = o.lr * min(1.0, (step + 1) / max(1, o.warmup_steps))
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def evaluate(self, task, problems) -> float:
+        params = dataclasses.replace(self.sampler.params, seed=4242)
+        score = self.reward if task is self.task else self.retention_reward
+        worker = self.sampler.worker
+        with worker.lock if worker is not None else contextlib.nullcontext():  # the engine is shared
+            return evaluate(self.engine, self.tokenizer, task, problems, params, n=self.cfg.task.eval_samples, score=score)
+
+    def _evaluate_all(self) -> tuple[float, float | None]:
+        accuracy = self.evaluate(self.task, self.eval_problems)
+        return accuracy, self.evaluate(self.retention, self.retention_problems) if self.retention else None
+
+    def step(self, step: int) -> dict[str, float]:
+        """One RL step on every rank; rank 0's row of metrics (others get the update's)."""
+        t0 = time.perf_counter()
+        lr = self._set_lr(step)
+        failures = self.reward.failures
+        with record_function("trillora.rollout"):
+            rollout = self.world.share(self.sampler.sample(step) if self.world.main else None)
+        t1 = time.perf_counter()
+        with record_function("trillora.update"):
+            a = self.cfg.algorithm
+            advantages = rl.group_advantages(rollout.rewards, a.advantage, a.normalize_std).reshape(-1)  # [B]
+            metrics = self.update(dataclasses.replace(rollout.tokens, advantages=advantages))
+        t2 = time.perf_counter()
+        with record_function("trillora.sync"):
+            worker = self.sampler.worker
+            metrics.update(worker.synced(self.sync_engine) if worker is not None else self.sync_engine())
+        row = {"step": step + 1, "lr": lr, **rollout.stats, "rollout_seconds": t1 - t0, "update_seconds": t2 - t1,
+               **metrics}
+        if self.reward.failures > failures:  # rewards scored 0 for an error (task.on_reward_error="zero")
+            row["reward_failures"] = self.reward.failures - failures
+        row["step_seconds"] = time.perf_counter() - t0
+        return row
+
+    # --- the run -------------------------------------------------------------------------
+    def run(self, close_engine: bool = True) -> dict:
+        """Train `cfg.steps` steps; `close_engine=False` leaves the rollout engine up for inspection."""
+        cfg, world, main = self.cfg, self.world, self.world.main
+        metrics_file = cfg.run_dir / "metrics.jsonl"
+        if main:
+            cfg.run_dir.mkdir(parents=True, exist_ok=True)
+            (cfg.run_dir / "config.toml").write_text(to_toml(cfg))
+        checkpoints, stop = RunCheckpoints(self), StopSignal(world, self.console)
+        start = time.perf_counter()
+        resumed = checkpoints.start()
+        state = {}  # the accuracies so far, kept in checkpoints (rank 0)
+        if resumed is not None:  # the metrics so far come back with the checkpoint
+            state = {k: resumed.state[k] for k in ("eval_before", "retention_before", "accuracy", "retention_after")}
+            if main:
+                metrics_file.write_text(checkpoints.metrics_of(resumed))
+        elif main:
+            before, retention = self._evaluate_all()
+            state = {"eval_before": before, "retention_before": retention, "accuracy": before, "retention_after": retention}
+            metrics_file.write_text(json.dumps({"step": 0, "eval_accuracy": before,  # the start of the accuracy curves
+                                                **({"retention_accuracy": retention} if self.retention else {})}) + "\n")
+        first = resumed.step if resumed is not None else 0
+        columns = [TextColumn("[bold]RL[/]"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
+        worker = self.sampler.start_worker(first, cfg.steps) if cfg.rollout.asynchronous else None
+        with (Progress(*columns, disable=not main) as bar, stop.installed(),
+              contextlib.closing(worker) if worker is not None else contextlib.nullcontext(), self._shared_cores()):
+            job = bar.add_task("rl", total=cfg.steps, completed=first, info="")
+            for step in range(first, cfg.steps):
+                row = self.step(step)
+                if main:
+                    self._log(row, step, state, metrics_file, bar, job)
+                stopping, diverged = stop.now(), self.update.diverged()
+                if checkpoints.due(step + 1, stopping or diverged):
+                    checkpoints.save(step + 1, state, metrics_file if main else None)
+                if diverged:
+                    world.close()
+                    raise self._diverged(step + 1)
+                if stopping:
+                    if main:
+                        self.console.print(f"stopped at step {step + 1} of {cfg.steps}: resume with resume=true")
+                    world.close()
+                    return {"stopped_at": step + 1} if main else {}
+        summary = self._finish(state, start) if main else {}
+        if close_engine and self.engine is not None:
+            self.engine.close()
+        world.close()
+        return summary
+
+    def _log(self, row: dict, step: int, state: dict, metrics_file, bar, job) -> None:
+        """Rank 0: evaluate when due, append the step's row, move the progress bar."""
+        if (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps:
+            t3 = time.perf_counter()
+            state["accuracy"], retention = self._evaluate_all()
+            row["eval_accuracy"] = state["accuracy"]
+            if self.retention:
+                state["retention_after"] = row["retention_accuracy"] = retention
+            row["eval_seconds"] = time.perf_counter() - t3
+            row["step_seconds"] += row["eval_seconds"]
+        with open(metrics_file, "a") as log:
+            log.write(json.dumps(row) + "\n")
+        bar.update(job, advance=1, info=f"reward {row['reward_mean']:.2f}  held-out acc {state['accuracy']:.3f}  "
+                                        f"{row['step_seconds']:.2f}s/step")
+
+    def _finish(self, state: dict, start: float) -> dict:
+        """Rank 0 at the end: both adapter layouts, the plots, summary.json."""
+        cfg = self.cfg
+        base = str(resolve_model_path(cfg.model.path))
+        for layout in EXPERT_LAYOUTS:
+            lora.save_adapter(self.full, cfg.run_dir / "adapter" / layout, expert_layout=layout, base_model=base)
+        from ..plots import plot_run
+
+        plot_run(cfg.run_dir)
+        dims = self.world.dims
+        summary = {
+            "eval_before": state["eval_before"], "eval_after": state["accuracy"],
+            "retention_before": state["retention_before"], "retention_after": state["retention_after"],
+            "steps": cfg.steps, "seconds": time.perf_counter() - start,
+            "skipped_updates": self.update.skipped_updates,
+            "reward_failures": self.reward.failures,
+            "dataset_rows_skipped": len(getattr(self.task, "skipped", [])),
+            "adapter": lora.adapter_stats(self.full),
+            **({"parallel": dataclasses.asdict(dims), "parallel_auto": cfg.parallel.auto,
+                "dp_grad_bytes_per_step": self.world.par.grad_sync.bytes_per_step} if self.world.size > 1 else {}),
+        }
+        (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _diverged(self, step: int) -> TrainingDiverged:
+        u = self.update
+        return TrainingDiverged(
+            f"the last {u.nonfinite_in_a_row} updates (to step {step}) had a non-finite loss or gradient and were "
+            f"skipped (optim.max_nonfinite_in_a_row={self.cfg.optim.max_nonfinite_in_a_row}); the adapter is unchanged "
+            f"since step {step - u.nonfinite_in_a_row} and saved in {self.cfg.run_dir / 'checkpoints'}. "
+            f"Lower optim.lr, check the rewards, or resume with resume=true")
+
+    @contextlib.contextmanager
+    def _shared_cores(self):
+        """With a rollout thread on the CPU, sampling and training share the cores: each gets half
+        the intra-op threads (both at full count oversubscribe: 2.2x slower per sample, measured)."""
+        before = torch.get_num_threads()
+        if self.cfg.rollout.asynchronous and self.cfg.rollout.max_staleness > 0 and self.device.type == "cpu":
+            torch.set_num_threads(max(1, before // 2))  # max_staleness 0: no overlap
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+
+def train(cfg: TrainConfig) -> dict:
+    return Trainer(cfg).run()
+

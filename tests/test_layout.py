@@ -1,0 +1,108 @@
+"""The package layout pinned: imports run one way (models ← lora ← parallel ← trainer; rl and tasks
+stand alone), no source file grows past ~400 lines, and the CLI needs to know one error class."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "trillora"
+MAX_LINES = 400
+
+EVERYTHING = {"errors", "rl", "tasks", "models", "checkpoint", "lora", "parallel", "rollout", "config", "plots", "trainer",
+              "tiny", "cli"}
+ALLOWED = {
+    "errors": set(),
+    "rl": {"errors"},
+    "tasks": {"errors"},
+    "models": {"errors"},
+    "checkpoint": {"errors", "models"},
+    "lora": {"errors", "models", "checkpoint"},
+    "parallel": {"errors", "models", "lora", "rl"},
+    "rollout": {"errors", "models", "lora", "checkpoint"},
+    "config": {"errors", "lora", "parallel", "rl", "rollout", "tasks"},
+    "plots": {"errors"},
+    "trainer": EVERYTHING - {"cli", "tiny"},
+    "tiny": EVERYTHING - {"cli"},
+    "cli": EVERYTHING,
+    "__init__": {"checkpoint", "models"},
+    "__main__": {"cli"},
+}
+"""Which top-level parts of trillora each part may import (lazily inside functions included)."""
+
+
+def imported_parts(path: Path) -> set[str]:
+    """Top-level trillora parts a module imports, relative imports resolved."""
+    rel = path.relative_to(SRC).with_suffix("")
+    package = ["trillora", *rel.parts[:-1]]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            target = base + (node.module.split(".") if node.module else [])
+            if target[:1] == ["trillora"]:
+                out |= set(target[1:2]) if len(target) > 1 else {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("trillora.")}
+    return {p.removesuffix(".py") for p in out}
+
+
+def part_of(path: Path) -> str:
+    rel = path.relative_to(SRC)
+    return rel.parts[0].removesuffix(".py")
+
+
+def test_the_import_resolver_sees_relative_and_lazy_imports(tmp_path):
+    assert imported_parts(SRC / "trainer" / "loop.py") >= {"rl", "lora", "checkpoint", "config"}
+    assert "lora" in imported_parts(SRC / "parallel" / "cost.py")  # imported inside a function
+    assert imported_parts(SRC / "rl" / "loss.py") <= {"rl"}
+
+
+def test_imports_run_one_way():
+    wrong = []
+    for path in sorted(SRC.rglob("*.py")):
+        part = part_of(path)
+        for other in imported_parts(path) - {part}:
+            if other not in ALLOWED[part]:
+                wrong.append(f"{path.relative_to(SRC)} imports trillora.{other}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_models_export_no_rl_names():
+    """Router replay and routing records are hooks applied from outside; a MoE block holds no RL state."""
+    import trillora.models as models
+    from hf_models import CONFIGS
+    from trillora.models import MoE, from_hf_config
+
+    assert not {n for n in models.__all__ if "routing" in n or "replay" in n}
+    block = MoE(from_hf_config(CONFIGS["qwen3_moe"]))
+    assert {k for k in vars(block) if not k.startswith("_")} <= {"training"}
+
+
+def test_no_source_file_is_over_400_lines():
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def test_every_user_facing_error_is_a_trillora_error():
+    """The CLI catches `TrilloraError` once; each class a user can meet derives from it."""
+    from trillora.checkpoint import CheckpointError
+    from trillora.checkpoint.train_state import CheckpointCorrupt
+    from trillora.config import ConfigError as RunConfigError
+    from trillora.errors import ConfigError, MissingPath, TrainingDiverged, TrilloraError
+    from trillora.lora import AdapterError, LoraConfigError
+    from trillora.models import ConfigError as ModelConfigError
+    from trillora.parallel import ParallelError
+    from trillora.rollout import EngineError
+    from trillora.rollout.vllm_sync import SyncError
+    from trillora.tasks import DatasetError
+    from trillora.tasks.guard import RewardError
+    from trillora.tasks.sandbox import SandboxUnavailable
+
+    assert RunConfigError is ModelConfigError is ConfigError
+    for cls in (CheckpointError, CheckpointCorrupt, ConfigError, MissingPath, TrainingDiverged, AdapterError,
+                LoraConfigError, ParallelError, EngineError, SyncError, DatasetError, RewardError, SandboxUnavailable):
+        assert issubclass(cls, TrilloraError), cls
+    classes = [n.name for p in SRC.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, ast.ClassDef) and n.name.endswith(("Error", "Corrupt", "Diverged", "Unavailable"))]
+    assert len(classes) == len(set(classes)), "an error class is defined twice"
