@@ -13,6 +13,7 @@ import trillora.rl
 from trillora.config import load_config
 from trillora.errors import TrainingDiverged
 from trillora.trainer import Trainer
+from trillora.trainer.update import PolicyUpdate
 from conftest import SMALL_RUN
 
 COMMON = [*SMALL_RUN, "eval_every=100", "checkpoint.every=1", "checkpoint.keep=20"]
@@ -33,14 +34,14 @@ def poison(monkeypatch, bad_steps: set[int]):
 
 def run(tmp_path, monkeypatch, bad_steps, *overrides):
     calls = poison(monkeypatch, bad_steps)
-    trainer = Trainer(load_config(None, [f"out_dir={tmp_path}", "name=g", *COMMON, *overrides]))
-    real_update = trainer.update
+    real_update = PolicyUpdate.__call__
 
-    def update(batch):
+    def update(self, batch):
         calls["step"] += 1
-        return real_update(batch)
+        return real_update(self, batch)
 
-    trainer.update = update
+    monkeypatch.setattr(PolicyUpdate, "__call__", update)
+    trainer = Trainer(load_config(None, [f"out_dir={tmp_path}", "name=g", *COMMON, *overrides]))
     synced = []
     real_sync = trainer.engine.sync
     trainer.engine.sync = lambda model: synced.append(all(torch.isfinite(p).all() for _, p in
