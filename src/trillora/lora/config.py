@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
+
 from ..errors import ConfigError
 
 ROLES = ("attention", "mlp", "shared_experts", "experts", "router", "lm_head")
 DEFAULT_TARGETS = ("attention", "mlp", "shared_experts", "experts")
-INITS = ("kaiming", "gaussian")
-EXPERT_RANK_RULES = ("same", "divide_by_top_k")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LoraInit = Literal["kaiming", "gaussian"]
+ExpertRankRule = Literal["same", "divide_by_top_k"]
+AdapterDtype = Literal["float32", "bfloat16", "float16"]
+INITS: tuple[str, ...] = get_args(LoraInit)
+EXPERT_RANK_RULES: tuple[str, ...] = get_args(ExpertRankRule)
+DTYPES = {name: getattr(torch, name) for name in get_args(AdapterDtype)}
 
 
 class LoraConfigError(ConfigError):
@@ -43,17 +48,17 @@ class LoraConfig:
     """Rank-stabilised scaling alpha / sqrt(rank) (Kalajdzievski 2023, arXiv:2312.03732)."""
     dropout: float = 0.0
     """Dropout on the adapter's input, training only."""
-    init: str = "kaiming"
+    init: LoraInit = "kaiming"
     """A initialised kaiming-uniform (as PEFT) or gaussian(0, 1/rank); B always starts at zero."""
     targets: tuple[str, ...] = DEFAULT_TARGETS
     patterns: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     expert_rank: int | None = None
     """Explicit rank for routed-expert adapters."""
-    expert_rank_rule: str = "same"
+    expert_rank_rule: ExpertRankRule = "same"
     """`same`: expert rank = rank; `divide_by_top_k`: rank // top_k, so a token's experts add up to about one
     rank-r update. Expert adapters keep the dense scaling (alpha / rank) whatever their own rank."""
-    dtype: str = "float32"
+    dtype: AdapterDtype = "float32"
     """Adapter parameter dtype, independent of the (frozen) base's dtype."""
     seed: int = 0
 

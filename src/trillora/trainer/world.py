@@ -18,6 +18,7 @@ loop never asks which case it is in (nanochat's single path, degenerating to one
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -125,8 +126,6 @@ class World:
 
     def layout(self) -> dict:
         """As state.json holds it (JSON lists, not tuples), so a reloaded one compares equal."""
-        import json
-
         return json.loads(json.dumps({"world": self.size, "dims": dataclasses.asdict(self.dims)} if self.size > 1
                                      else {"world": 1}))
 
