@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..tasks.trajectory import Sample
+
 
 @dataclass(kw_only=True)
 class TokenBatch:
@@ -38,22 +40,33 @@ class TokenBatch:
         return TokenBatch(**{k: v[rows.to(v.device)] if torch.is_tensor(v) else v for k, v in fields.items()})
 
 
-def build_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]], pad_id: int = 0,
-                device: torch.device | str = "cpu", routes: list[torch.Tensor] | None = None) -> TokenBatch:
-    """`routes`: each completion's recorded routing [len(prompt) + len(completion) - 1, L, K], or None."""
-    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
-    b = len(prompts)
+def batch_from_samples(samples: list[Sample], pad_id: int = 0, device: torch.device | str = "cpu") -> TokenBatch:
+    """Training rows of token sequences with loss masks (`trillora.tasks.trajectory`), right-padded."""
+    width = max(len(s.tokens) for s in samples)
+    b = len(samples)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     mask = torch.zeros(b, width - 1)
     lps = torch.zeros(b, width - 1)
-    for i, (p, c, lp) in enumerate(zip(prompts, completions, logprobs)):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
-        # target position j predicts token j+1: completion token k sits at len(p)+k, predicted at len(p)+k-1
-        mask[i, len(p) - 1 : len(p) - 1 + len(c)] = 1
-        lps[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(lp, dtype=torch.float32)
-    batch = TokenBatch(input_ids=ids.to(device), completion_mask=mask.to(device), rollout_logprobs=lps.to(device),
-                       prompt_lengths=torch.tensor([len(p) for p in prompts], device=device))
+    for i, s in enumerate(samples):
+        if not len(s.tokens) == len(s.mask) == len(s.logprobs):
+            raise ValueError(f"sample {i}: {len(s.tokens)} tokens, {len(s.mask)} mask values, {len(s.logprobs)} logprobs")
+        n = len(s.tokens)
+        ids[i, :n] = torch.tensor(s.tokens, dtype=torch.long)
+        # target position j predicts token j+1: a trained token at k is predicted at k-1
+        mask[i, : n - 1] = torch.tensor(s.mask[1:], dtype=torch.float32)
+        lps[i, : n - 1] = torch.tensor(s.logprobs[1:], dtype=torch.float32)
+    return TokenBatch(input_ids=ids.to(device), completion_mask=mask.to(device), rollout_logprobs=lps.to(device),
+                      prompt_lengths=torch.tensor([s.prompt_length for s in samples], device=device))
+
+
+def build_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]], pad_id: int = 0,
+                device: torch.device | str = "cpu", routes: list[torch.Tensor] | None = None) -> TokenBatch:
+    """Single-turn rows (prompt, completion, its logprobs). `routes`: each completion's recorded routing
+    [len(prompt) + len(completion) - 1, L, K], or None."""
+    batch = batch_from_samples([Sample.single_turn(p, c, lp) for p, c, lp in zip(prompts, completions, logprobs)],
+                               pad_id, device)
     if routes is not None:
+        b, width = batch.input_ids.shape
         layers, k = routes[0].shape[1:]
         table = torch.zeros(b, width, layers, k, dtype=torch.int16)
         valid = torch.zeros(b, width, dtype=torch.bool)
@@ -64,3 +77,10 @@ def build_batch(prompts: list[list[int]], completions: list[list[int]], logprobs
     return batch
 
 
+def completion_spans(batch: TokenBatch, rows: torch.Tensor) -> torch.Tensor:
+    """[b] positions from each row's prompt end to its last trained token: the completion a shared-
+    prompt pass runs (observation tokens between a multi-turn sample's actions included)."""
+    mask = batch.completion_mask[rows]  # [b, T-1]
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    last = (positions * (mask > 0)).amax(-1)  # [b] one past the last trained target position
+    return (last - (batch.prompt_lengths[rows].to(mask.device) - 1)).clamp(min=0).long()

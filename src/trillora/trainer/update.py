@@ -22,7 +22,7 @@ import torch
 
 from .. import lora, rl
 from ..errors import ConfigError
-from .batch import TokenBatch
+from .batch import TokenBatch, completion_spans
 from .logprobs import shared_prompt_logprobs, token_logprobs
 from .router_replay import RouterReplay
 from .world import World
@@ -180,9 +180,8 @@ class PolicyUpdate:
         g, ids = self.group_size, local.input_ids
         if (self.share_prompts and whole_groups and not whole_rows and local.prompt_lengths is not None
                 and len(rows) % g == 0 and int(rows[0]) % g == 0):
-            clen = local.completion_mask[rows].sum(-1).long()  # [b] completion tokens per row
-            return shared_prompt_logprobs(self.model, ids[rows], local.prompt_lengths[rows], clen, g, self.temperature,
-                                          with_entropy)
+            return shared_prompt_logprobs(self.model, ids[rows], local.prompt_lengths[rows], completion_spans(local, rows),
+                                          g, self.temperature, with_entropy)
         return token_logprobs(self.model, ids[rows], self.temperature, with_entropy=with_entropy)
 
     def _mismatch(self, trainer_logp: torch.Tensor, local: TokenBatch, rows: torch.Tensor | None = None):

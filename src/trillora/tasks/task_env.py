@@ -1,0 +1,40 @@
+"""Every single-turn task as an env: the prompt is the observation, one completion the action,
+the task's reward the step's reward. The built-in tasks and JSONL datasets run on the env path
+unchanged this way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .base import Problem, Task
+from .env import Env, EnvGroupBuilder, StepResult
+from .prompts import decode_completion, encode_prompt
+
+
+class TaskEnv(Env):
+    def __init__(self, task: Task, problem: Problem, tokenizer, score: Callable[[Problem, str], float] | None = None):
+        """`score(problem, text)`: the reward (default `task.reward`; the trainer passes its guarded one)."""
+        self.task, self.problem, self.tokenizer = task, problem, tokenizer
+        self.score = score or task.reward
+
+    def initial_observation(self) -> tuple[list[int], list[int]]:
+        eos = self.tokenizer.eos_token_id
+        return encode_prompt(self.tokenizer, self.problem.prompt), ([eos] if eos is not None else [])
+
+    def step(self, action: list[int]) -> StepResult:
+        reward = self.score(self.problem, decode_completion(self.tokenizer, action))
+        return StepResult(reward=float(reward), episode_done=True, next_observation=[], next_stop_condition=[])
+
+
+class TaskGroupBuilder(EnvGroupBuilder):
+    """`group_size` envs of one problem: a GRPO group."""
+
+    def __init__(self, task: Task, problem: Problem, tokenizer, group_size: int,
+                 score: Callable[[Problem, str], float] | None = None):
+        self.task, self.problem, self.tokenizer, self.group_size, self.score = task, problem, tokenizer, group_size, score
+
+    def make_envs(self) -> list[Env]:
+        return [TaskEnv(self.task, self.problem, self.tokenizer, self.score) for _ in range(self.group_size)]
+
+    def logging_tags(self) -> list[str]:
+        return [self.task.name]

@@ -1,0 +1,126 @@
+"""Episodes of many envs at once, through one rollout engine.
+
+Every live episode advances one turn per engine call: the engine gets the current observation of
+each (token ids, as the env gave them) and samples one action each, in one batch; each env then
+steps. An episode ends when its env says so, after `max_turns`, or when its next turn would not
+fit the engine's context (`max_model_len`: observation + `max_new_tokens`), which is counted.
+Envs are user code: a call that raises or hangs (`env_timeout`) stops the run naming the env and
+the turn (`on_error="fail"`), or ends that episode with what it has (`"zero"`), counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+
+from .. import rl
+from ..errors import TrilloraError
+from ..rollout.types import RolloutEngine, SamplingParams
+from ..tasks.env import Env, EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition, resolve
+from ..tasks.guard import OnRewardError, time_limit
+from ..tasks.trajectory import Sample, merge_trajectory
+
+
+class EnvError(TrilloraError, RuntimeError):
+    """An env that raised or hung; the message names the env and the turn, the cause has the traceback."""
+
+    show_cause = True
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 8
+    max_model_len: int = 1024
+    env_timeout: float = 30.0
+    on_error: OnRewardError = "fail"
+
+
+def _call(env: Env, what: str, turn: int, limits: EpisodeLimits, *args):
+    try:
+        with time_limit(limits.env_timeout):
+            return resolve(getattr(env, what)(*args))
+    except Exception as e:  # RewardTimeout (a hang) included
+        if limits.on_error == "fail":
+            raise EnvError(f"{type(env).__name__}.{what} failed at turn {turn}: {type(e).__name__}: {e}") from e
+        return e
+
+
+def run_episodes(engine: RolloutEngine, envs: list[Env], params: SamplingParams, limits: EpisodeLimits) -> list[Trajectory]:
+    """One trajectory per env, in order. `params.seed` (if set) seeds each turn's call reproducibly."""
+    n = len(envs)
+    obs: list[list[int]] = [[] for _ in range(n)]
+    stop: list[tuple[int, ...]] = [() for _ in range(n)]
+    turns: list[list[Transition]] = [[] for _ in range(n)]
+    ended: dict[int, str] = {}
+    for i, env in enumerate(envs):
+        first = _call(env, "initial_observation", 0, limits)
+        if isinstance(first, BaseException):
+            ended[i] = "error"
+            continue
+        obs[i], stop[i] = list(first[0]), tuple(first[1])
+    for turn in range(limits.max_turns):
+        live = [i for i in range(n) if i not in ended]
+        for i in live:
+            if len(obs[i]) + params.max_new_tokens > limits.max_model_len:
+                ended[i] = "context"
+        by_stop: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for i in live:
+            if i not in ended:
+                by_stop[stop[i]].append(i)
+        if not by_stop:
+            break
+        for k, (stops, idx) in enumerate(sorted(by_stop.items())):
+            seed = None if params.seed is None else params.seed + 1_000_003 * (turn + 1) + k
+            call = dataclasses.replace(params, stop_token_ids=stops, seed=seed)
+            for i, group in zip(idx, engine.generate([obs[i] for i in idx], 1, call)):
+                c = group[0]
+                result = _call(envs[i], "step", turn, limits, list(c.token_ids))
+                if isinstance(result, BaseException):
+                    turns[i].append(Transition(obs[i], list(c.token_ids), list(c.logprobs), 0.0, True, {"env_error": 1.0}))
+                    ended[i] = "error"
+                    continue
+                turns[i].append(Transition(obs[i], list(c.token_ids), list(c.logprobs), float(result.reward),
+                                           bool(result.episode_done), dict(result.metrics)))
+                if result.episode_done:
+                    ended[i] = "done"
+                obs[i], stop[i] = list(result.next_observation), tuple(result.next_stop_condition)
+    return [Trajectory(turns[i], obs[i], ended.get(i, "max_turns")) for i in range(n)]
+
+
+def run_groups(engine: RolloutEngine, builders: list[EnvGroupBuilder], params: SamplingParams,
+               limits: EpisodeLimits) -> list[TrajectoryGroup]:
+    """The envs of every group run together (one engine call per turn for all), then each builder
+    adds its group rewards."""
+    groups = [list(resolve(b.make_envs())) for b in builders]
+    trajectories = run_episodes(engine, [e for g in groups for e in g], params, limits)
+    out, start = [], 0
+    for builder, envs in zip(builders, groups):
+        mine = trajectories[start:start + len(envs)]
+        start += len(envs)
+        extra = resolve(builder.compute_group_rewards(mine))
+        out.append(TrajectoryGroup(mine, [float(r) for r, _ in extra], [dict(m) for _, m in extra]))
+    return out
+
+
+def episode_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """Per step: turns per episode, how episodes ended, env errors."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    n = max(len(trajectories), 1)
+    out = {"turns_mean": sum(len(t.transitions) for t in trajectories) / n}
+    for reason in ("done", "max_turns", "context", "error"):
+        out[f"episodes_{reason}"] = float(sum(t.stop_reason == reason for t in trajectories))
+    return out
+
+
+def training_samples(groups: list[TrajectoryGroup], advantage: str, normalize_std: bool) -> tuple[list[Sample], list[float]]:
+    """Every trajectory's merged sequences, each with its trajectory's group-relative advantage."""
+    samples, advantages = [], []
+    for g in groups:
+        adv_G = rl.group_advantages(torch.tensor([g.total_rewards()]), advantage, normalize_std)[0]  # [G]
+        for t, a in zip(g.trajectories, adv_G.tolist()):
+            for s in merge_trajectory(t):
+                samples.append(s)
+                advantages.append(a)
+    return samples, advantages

@@ -1,0 +1,193 @@
+"""The env API and trajectories into training: the merge rule and masks on hand-built trajectories,
+episodes of many envs advancing one engine call per turn, the engine's own logprobs kept per token
+(checked against the trainer's recomputation), and the bad-input cases of user envs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trillora import lora
+from trillora.checkpoint import load_model, load_tokenizer
+from trillora.rollout import LocalEngine, SamplingParams
+from trillora.tasks import ArithmeticTask
+from trillora.tasks.env import Env, EnvGroupBuilder, StepResult, Trajectory, Transition
+from trillora.tasks.task_env import TaskGroupBuilder
+from trillora.tasks.trajectory import Sample, merge_trajectory
+from trillora.trainer.batch import batch_from_samples, build_batch, completion_spans
+from trillora.trainer.episodes import EnvError, EpisodeLimits, episode_metrics, run_episodes, run_groups, training_samples
+from trillora.trainer.logprobs import token_logprobs
+
+
+def test_merge_keeps_one_sequence_while_the_prefix_property_holds():
+    t = [Transition([1, 2], [3, 4], [-0.1, -0.2], 0.0, False),
+         Transition([1, 2, 3, 4, 5], [6], [-0.3], 0.0, False),  # extends: observation token 5 (mask 0), action 6
+         Transition([9, 5, 6], [7, 8], [-0.4, -0.5], 1.0, True)]  # history rewritten: a new sequence
+    first, second = merge_trajectory(Trajectory(t, []))
+    assert first == Sample([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 0, 1], [0.0, 0.0, -0.1, -0.2, 0.0, -0.3], 2)
+    assert second == Sample([9, 5, 6, 7, 8], [0, 0, 0, 1, 1], [0.0, 0.0, 0.0, -0.4, -0.5], 3)
+    batch = batch_from_samples([first, second], pad_id=0)
+    # position j predicts token j+1: trained targets sit one to the left of the trained tokens
+    assert batch.completion_mask.tolist() == [[0, 1, 1, 0, 1], [0, 0, 1, 1, 0]]
+    assert batch.rollout_logprobs[0].tolist() == pytest.approx([0.0, -0.1, -0.2, 0.0, -0.3])
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5, 6], [9, 5, 6, 7, 8, 0]]
+    assert completion_spans(batch, torch.arange(2)).tolist() == [4, 2]  # prompt end to last trained token
+    with pytest.raises(ValueError, match="turn 0: 2 action tokens but 1 logprobs"):
+        merge_trajectory(Trajectory([Transition([1], [2, 3], [-1.0], 0.0, True)], []))
+
+
+def test_single_turn_rows_are_the_samples_of_one_turn():
+    prompts, completions, logprobs = [[1, 5, 6], [1, 7]], [[8, 9], [4]], [[-0.5, -0.25], [-1.0]]
+    a = build_batch(prompts, completions, logprobs)
+    b = batch_from_samples([Sample.single_turn(p, c, lp) for p, c, lp in zip(prompts, completions, logprobs)])
+    for field in ("input_ids", "completion_mask", "rollout_logprobs", "prompt_lengths"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    assert a.completion_mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+
+
+class Counting(Env):
+    """Multi-turn, chat-like: each observation is the history plus a feedback token; done after 3 turns."""
+
+    def __init__(self, start: int, turns: int = 3):
+        self.history, self.turns, self.left = [1, start], turns, turns
+
+    def initial_observation(self):
+        return list(self.history), []
+
+    def step(self, action):
+        self.left -= 1
+        self.history += list(action) + [10 + self.left]  # the env's reply, a token the policy does not train on
+        return StepResult(reward=float(len(action)), episode_done=self.left == 0, next_observation=list(self.history),
+                          next_stop_condition=[], metrics={"left": float(self.left)})
+
+
+class Counted:
+    """An engine wrapper that records each call's batch size."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def generate(self, prompts, n, params):
+        self.calls.append(len(prompts))
+        return self.engine.generate(prompts, n, params)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = load_model("tiny-moe")
+    lora.apply_lora(model, lora.LoraConfig(rank=4))
+    return model, load_tokenizer("tiny-moe")
+
+
+def test_episodes_advance_together_and_keep_the_engines_logprobs(tiny):
+    model, _ = tiny
+    engine = Counted(LocalEngine(model, precision="fp32"))
+    envs = [Counting(start=20 + i, turns=3 if i < 3 else 2) for i in range(5)]
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=7)
+    trajectories = run_episodes(engine, envs, params, EpisodeLimits(max_turns=5))
+    assert engine.calls == [5, 5, 3]  # every live episode in one call per turn; two finish after 2 turns
+    assert [len(t.transitions) for t in trajectories] == [3, 3, 3, 2, 2]
+    assert all(t.stop_reason == "done" for t in trajectories)
+    samples = [s for t in trajectories for s in merge_trajectory(t)]
+    assert len(samples) == 5  # the prefix property held: one sequence per episode
+    batch = batch_from_samples(samples)
+    with torch.no_grad():
+        trainer_logp = token_logprobs(model, batch.input_ids, 1.0)[0]
+    on = batch.completion_mask.bool()
+    assert int(on.sum()) == sum(len(tr.action) for t in trajectories for tr in t.transitions)
+    assert (trainer_logp - batch.rollout_logprobs)[on].abs().max() < 1e-4  # the engine's tokens and logprobs, per token
+    again = run_episodes(LocalEngine(model, precision="fp32"), [Counting(20 + i) for i in range(5)], params,
+                         EpisodeLimits(max_turns=5))
+    assert [t.transitions[0].action for t in again[:3]] == [t.transitions[0].action for t in trajectories[:3]]  # seeded
+
+
+def test_turn_and_context_limits_end_episodes_and_are_counted(tiny):
+    model, _ = tiny
+    engine = LocalEngine(model, precision="fp32")
+    params = SamplingParams(max_new_tokens=4, seed=1)
+    capped = run_episodes(engine, [Counting(20, turns=10)], params, EpisodeLimits(max_turns=2))
+    assert capped[0].stop_reason == "max_turns" and len(capped[0].transitions) == 2
+    # 2 tokens, then at most 4 + 1 per turn: the second turn's observation (<= 7) + 4 passes 10
+    short = run_episodes(engine, [Counting(20, turns=10)], params, EpisodeLimits(max_turns=8, max_model_len=10))
+    assert short[0].stop_reason == "context" and len(short[0].transitions) == 1
+    from trillora.tasks.env import TrajectoryGroup
+
+    metrics = episode_metrics([TrajectoryGroup(capped + short, [0.0, 0.0], [{}, {}])])
+    assert metrics["episodes_context"] == 1.0 and metrics["episodes_max_turns"] == 1.0 and metrics["turns_mean"] == 1.5
+
+
+class Raising(Counting):
+    def step(self, action):
+        raise KeyError("no such tool")
+
+
+class Hanging(Counting):
+    def step(self, action):
+        while True:
+            pass
+
+
+def test_an_env_that_raises_or_hangs_fails_naming_it_or_ends_its_episode(tiny):
+    model, _ = tiny
+    engine = LocalEngine(model, precision="fp32")
+    params = SamplingParams(max_new_tokens=2, seed=1)
+    with pytest.raises(EnvError, match=r"Raising.step failed at turn 0: KeyError: 'no such tool'"):
+        run_episodes(engine, [Counting(20), Raising(21)], params, EpisodeLimits())
+    with pytest.raises(EnvError, match=r"Hanging.step failed at turn 0: RewardTimeout"):
+        run_episodes(engine, [Hanging(21)], params, EpisodeLimits(env_timeout=0.2))
+    out = run_episodes(engine, [Counting(20), Raising(21), Hanging(22)], params,
+                       EpisodeLimits(env_timeout=0.2, on_error="zero"))
+    assert [t.stop_reason for t in out] == ["done", "error", "error"]
+    assert out[1].transitions[0].reward == 0.0 and out[1].transitions[0].metrics == {"env_error": 1.0}
+
+
+class AsyncCounting(Counting):
+    """The cookbook's envs are `async def`: they run as they are."""
+
+    async def initial_observation(self):
+        return Counting.initial_observation(self)
+
+    async def step(self, action):
+        return Counting.step(self, action)
+
+
+class Pairwise(EnvGroupBuilder):
+    """A group reward that sees the whole group: +1 to the trajectory with the most tokens."""
+
+    def __init__(self, start):
+        self.start = start
+
+    async def make_envs(self):
+        return [AsyncCounting(self.start), AsyncCounting(self.start)]
+
+    def compute_group_rewards(self, trajectories):
+        sizes = [sum(len(t.action) for t in tr.transitions) for tr in trajectories]
+        return [(1.0 if s == max(sizes) else 0.0, {"size": float(s)}) for s in sizes]
+
+
+def test_groups_of_async_envs_with_a_group_reward(tiny):
+    model, _ = tiny
+    groups = run_groups(LocalEngine(model, precision="fp32"), [Pairwise(20), Pairwise(30)],
+                        SamplingParams(max_new_tokens=3, seed=3), EpisodeLimits())
+    assert [len(g.trajectories) for g in groups] == [2, 2]
+    for g in groups:
+        assert max(g.group_rewards) == 1.0
+        assert g.total_rewards() == [t.total_reward + r for t, r in zip(g.trajectories, g.group_rewards)]
+    samples, advantages = training_samples(groups, "grpo", False)
+    assert len(samples) == 4
+    expected = [r - sum(g.total_rewards()) / 2 for g in groups for r in g.total_rewards()]  # GRPO without std
+    assert advantages == pytest.approx(expected)
+
+
+def test_every_task_is_a_single_turn_env(tiny):
+    model, tokenizer = tiny
+    task = ArithmeticTask(digits=2)
+    problems = task.problems("train", 3, seed=0)
+    groups = run_groups(LocalEngine(model, precision="fp32"), [TaskGroupBuilder(task, p, tokenizer, 4) for p in problems],
+                        SamplingParams(max_new_tokens=6, seed=5), EpisodeLimits())
+    for p, g in zip(problems, groups):
+        assert len(g.trajectories) == 4
+        for t in g.trajectories:
+            (turn,) = t.transitions
+            assert turn.episode_done and tokenizer.eos_token_id not in turn.action[:-1]  # the stop condition ends the turn
+            assert turn.reward == task.reward(p, tokenizer.decode(turn.action, skip_special_tokens=True))
