@@ -32,7 +32,7 @@ def test_trainer_drops_uninformative_groups_and_refills(tmp_path):
     dynamic = Trainer(load_config(None, [*common, "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=4"]))
     batch = dynamic.sampler.sample(0)
     s, rewards = batch.stats, batch.rewards
-    assert batch.tokens.num_rows == len(batch.completions) == 32 and rewards.shape == (8, 4)
+    assert batch.tokens.num_rows == len(batch.trajectory_of) == 32 and rewards.shape == (8, 4)
     assert s["groups_dropped"] > 0 and s["sampling_rounds"] >= 2
     assert int((~rl.informative_groups(rewards)).sum()) == s["groups_padded"]
     summary = Trainer(load_config(None, [*common, "algorithm.dynamic_sampling=true", "steps=2", "eval_every=2",

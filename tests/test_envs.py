@@ -68,7 +68,7 @@ class Counted:
         self.engine, self.calls = engine, []
 
     def generate(self, prompts, n, params):
-        self.calls.append(len(prompts))
+        self.calls.append(len(prompts) if n == 1 else (len(prompts), n))
         return self.engine.generate(prompts, n, params)
 
 
@@ -183,8 +183,10 @@ def test_every_task_is_a_single_turn_env(tiny):
     model, tokenizer = tiny
     task = ArithmeticTask(digits=2)
     problems = task.problems("train", 3, seed=0)
-    groups = run_groups(LocalEngine(model, precision="fp32"), [TaskGroupBuilder(task, p, tokenizer, 4) for p in problems],
+    engine = Counted(LocalEngine(model, precision="fp32"))
+    groups = run_groups(engine, [TaskGroupBuilder(task, p, tokenizer, 4) for p in problems],
                         SamplingParams(max_new_tokens=6, seed=5), EpisodeLimits())
+    assert engine.calls == [(3, 4)]  # a group's shared first observation: one prompt, n = 4 (prefilled once)
     for p, g in zip(problems, groups):
         assert len(g.trajectories) == 4
         for t in g.trajectories:

@@ -47,6 +47,8 @@ class Transition:
     reward: float
     episode_done: bool
     metrics: Metrics = field(default_factory=dict)
+    routed_experts: Any = field(default=None, repr=False)
+    """The engine's routing of this turn's tokens, when asked for (router replay)."""
 
 
 @dataclass

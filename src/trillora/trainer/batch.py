@@ -23,6 +23,9 @@ class TokenBatch:
     routes: torch.Tensor | None = None  # [B, T, L, K] experts the engine chose per input token (int16)
     routes_valid: torch.Tensor | None = None  # [B, T] True where the engine fed that token (all but the last)
     advantages: torch.Tensor | None = None  # [B] each row's advantage (group-relative, set after the rewards)
+    group_size: int | None = None
+    """Rows come in groups of this many consecutive rows sharing one prompt (a GRPO group of single-turn
+    samples), which lets the passes run each prompt once; None when they do not."""
 
     @property
     def num_tokens(self) -> int:
@@ -65,16 +68,20 @@ def build_batch(prompts: list[list[int]], completions: list[list[int]], logprobs
     [len(prompt) + len(completion) - 1, L, K], or None."""
     batch = batch_from_samples([Sample.single_turn(p, c, lp) for p, c, lp in zip(prompts, completions, logprobs)],
                                pad_id, device)
-    if routes is not None:
-        b, width = batch.input_ids.shape
-        layers, k = routes[0].shape[1:]
-        table = torch.zeros(b, width, layers, k, dtype=torch.int16)
-        valid = torch.zeros(b, width, dtype=torch.bool)
-        for i, r in enumerate(routes):
-            table[i, : r.shape[0]] = r.to(torch.int16)
-            valid[i, : r.shape[0]] = True
-        batch.routes, batch.routes_valid = table.to(device), valid.to(device)
-    return batch
+    return with_routes(batch, routes) if routes is not None else batch
+
+
+def with_routes(batch: TokenBatch, routes: list[torch.Tensor]) -> TokenBatch:
+    """The batch with each row's recorded routing [tokens fed to the engine, L, K] laid out as [B, T, L, K]."""
+    b, width = batch.input_ids.shape
+    layers, k = routes[0].shape[1:]
+    table = torch.zeros(b, width, layers, k, dtype=torch.int16)
+    valid = torch.zeros(b, width, dtype=torch.bool)
+    for i, r in enumerate(routes):
+        table[i, : r.shape[0]] = r.to(torch.int16)
+        valid[i, : r.shape[0]] = True
+    device = batch.input_ids.device
+    return dataclasses.replace(batch, routes=table.to(device), routes_valid=valid.to(device))
 
 
 def completion_spans(batch: TokenBatch, rows: torch.Tensor) -> torch.Tensor:

@@ -41,15 +41,22 @@ def _call(env: Env, what: str, turn: int, limits: EpisodeLimits, *args):
     try:
         with time_limit(limits.env_timeout):
             return resolve(getattr(env, what)(*args))
+    except TrilloraError:  # already says what failed (a guarded reward inside the env)
+        raise
     except Exception as e:  # RewardTimeout (a hang) included
         if limits.on_error == "fail":
             raise EnvError(f"{type(env).__name__}.{what} failed at turn {turn}: {type(e).__name__}: {e}") from e
         return e
 
 
-def run_episodes(engine: RolloutEngine, envs: list[Env], params: SamplingParams, limits: EpisodeLimits) -> list[Trajectory]:
-    """One trajectory per env, in order. `params.seed` (if set) seeds each turn's call reproducibly."""
+def run_episodes(engine: RolloutEngine, envs: list[Env], params: SamplingParams, limits: EpisodeLimits,
+                 group_of: list[int] | None = None) -> list[Trajectory]:
+    """One trajectory per env, in order. Envs of one group (`group_of[i]`, default each its own)
+    that see the same observation are sampled as one prompt with n samples, so the engine prefills
+    it once (a GRPO group's first turn). `params.seed` seeds the first call as it is and the later
+    ones derived from it, so a run is reproducible."""
     n = len(envs)
+    group_of = group_of if group_of is not None else list(range(n))
     obs: list[list[int]] = [[] for _ in range(n)]
     stop: list[tuple[int, ...]] = [() for _ in range(n)]
     turns: list[list[Transition]] = [[] for _ in range(n)]
@@ -61,32 +68,49 @@ def run_episodes(engine: RolloutEngine, envs: list[Env], params: SamplingParams,
             continue
         obs[i], stop[i] = list(first[0]), tuple(first[1])
     for turn in range(limits.max_turns):
-        live = [i for i in range(n) if i not in ended]
-        for i in live:
+        by_stop: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for i in range(n):
+            if i in ended:
+                continue
             if len(obs[i]) + params.max_new_tokens > limits.max_model_len:
                 ended[i] = "context"
-        by_stop: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        for i in live:
-            if i not in ended:
+            else:
                 by_stop[stop[i]].append(i)
         if not by_stop:
             break
-        for k, (stops, idx) in enumerate(sorted(by_stop.items())):
-            seed = None if params.seed is None else params.seed + 1_000_003 * (turn + 1) + k
+        for k, (stops, idx) in enumerate(by_stop.items()):
+            seed = params.seed if params.seed is None or (turn, k) == (0, 0) else params.seed * 8191 + turn * 127 + k
             call = dataclasses.replace(params, stop_token_ids=stops, seed=seed)
-            for i, group in zip(idx, engine.generate([obs[i] for i in idx], 1, call)):
-                c = group[0]
+            for i, c in _sample(engine, idx, obs, group_of, call):
                 result = _call(envs[i], "step", turn, limits, list(c.token_ids))
+                routes = c.routed_experts
                 if isinstance(result, BaseException):
-                    turns[i].append(Transition(obs[i], list(c.token_ids), list(c.logprobs), 0.0, True, {"env_error": 1.0}))
+                    turns[i].append(Transition(obs[i], list(c.token_ids), list(c.logprobs), 0.0, True, {"env_error": 1.0},
+                                               routes))
                     ended[i] = "error"
                     continue
                 turns[i].append(Transition(obs[i], list(c.token_ids), list(c.logprobs), float(result.reward),
-                                           bool(result.episode_done), dict(result.metrics)))
+                                           bool(result.episode_done), dict(result.metrics), routes))
                 if result.episode_done:
                     ended[i] = "done"
                 obs[i], stop[i] = list(result.next_observation), tuple(result.next_stop_condition)
     return [Trajectory(turns[i], obs[i], ended.get(i, "max_turns")) for i in range(n)]
+
+
+def _sample(engine: RolloutEngine, idx: list[int], obs: list[list[int]], group_of: list[int], params: SamplingParams):
+    """(env index, completion) for each of `idx`, in one engine call: consecutive envs of one group on
+    the same observation form a block; equal blocks go as unique prompts × n samples."""
+    blocks: list[list[int]] = []
+    for i in idx:
+        head = blocks[-1][0] if blocks else None
+        if head is not None and group_of[head] == group_of[i] and obs[head] == obs[i]:
+            blocks[-1].append(i)
+        else:
+            blocks.append([i])
+    if len({len(b) for b in blocks}) > 1:  # uneven blocks: one sample per env
+        blocks = [[i] for i in idx]
+    out = engine.generate([obs[b[0]] for b in blocks], len(blocks[0]), params)
+    return [(i, c) for b, group in zip(blocks, out) for i, c in zip(b, group)]
 
 
 def run_groups(engine: RolloutEngine, builders: list[EnvGroupBuilder], params: SamplingParams,
@@ -94,7 +118,8 @@ def run_groups(engine: RolloutEngine, builders: list[EnvGroupBuilder], params: S
     """The envs of every group run together (one engine call per turn for all), then each builder
     adds its group rewards."""
     groups = [list(resolve(b.make_envs())) for b in builders]
-    trajectories = run_episodes(engine, [e for g in groups for e in g], params, limits)
+    group_of = [k for k, g in enumerate(groups) for _ in g]
+    trajectories = run_episodes(engine, [e for g in groups for e in g], params, limits, group_of)
     out, start = [], 0
     for builder, envs in zip(builders, groups):
         mine = trajectories[start:start + len(envs)]

@@ -121,7 +121,8 @@ class Trainer:
         t1 = time.perf_counter()
         with record_function("trillora.update"):
             a = self.cfg.algorithm
-            advantages = rl.group_advantages(rollout.rewards, a.advantage, a.normalize_std).reshape(-1)  # [B]
+            advantages = rl.group_advantages(rollout.rewards, a.advantage, a.normalize_std).reshape(-1)  # [P·G]
+            advantages = advantages[rollout.trajectory_of.to(advantages.device)]  # [B]: each row its trajectory's
             metrics = self.update(dataclasses.replace(rollout.tokens, advantages=advantages))
         t2 = time.perf_counter()
         with record_function("trillora.sync"):

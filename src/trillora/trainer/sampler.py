@@ -1,9 +1,11 @@
-"""One step's rollouts: prompts → engine → rewards (→ dynamic sampling) → a `RolloutBatch`.
+"""One step's rollouts: env groups → episodes through the engine → rewards (→ dynamic sampling)
+→ a `RolloutBatch` of training rows.
 
-Runs on the rank that holds the engine. Rewards are user code and go through the task's
-guard (time limit, failure policy). With `rollout.asynchronous` a thread samples ahead
-(`trillora.rollout.async_worker`) and this module only scores what it produced.
-Shape legend: P prompts per step, G group size, B = P·G rows.
+Every task runs as envs (`trillora.tasks.task_env`: a single-turn task is a one-turn env), so
+the same path carries multi-turn envs. Runs on the rank that holds the engine. Rewards are user
+code and go through the task's guard (time limit, failure policy). With `rollout.asynchronous` a
+thread samples single-turn batches ahead (`trillora.rollout.async_worker`) and this module only
+scores what it produced. Shape legend: P groups (prompts) per step, G group size, B rows.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ from .. import rl
 from ..rollout import Completion, SamplingParams
 from ..rollout.async_worker import RolloutWorker
 from ..tasks import Problem, Task
+from ..tasks.env import Trajectory, TrajectoryGroup, Transition
 from ..tasks.guard import GuardedReward
 from ..tasks.prompts import decode_completion, encode_prompt
-from .batch import TokenBatch, build_batch
+from ..tasks.task_env import TaskGroupBuilder
+from ..tasks.trajectory import merge_trajectory
+from .batch import TokenBatch, batch_from_samples, with_routes
+from .episodes import EpisodeLimits, run_groups
 
 
 @dataclass
@@ -27,8 +33,9 @@ class RolloutBatch:
     """What one step trains on, and what the sampling saw."""
 
     tokens: TokenBatch
-    rewards: torch.Tensor  # [P, G]
-    completions: list[Completion]  # B, group by group
+    rewards: torch.Tensor  # [P, G] each trajectory's return
+    trajectory_of: torch.Tensor  # [B] the flat trajectory (p·G + g) each row comes from
+    groups: list[TrajectoryGroup]  # P
     stats: dict[str, float] = field(default_factory=dict)  # logged with the step
 
 
@@ -55,6 +62,8 @@ class Sampler:
                                      top_k=r.top_k, stop_token_ids=stop)
         self.worker: RolloutWorker | None = None
         """The rollout thread while a run samples ahead (`start_worker`)."""
+        self.limits = EpisodeLimits(max_turns=1, max_model_len=r.max_model_len, env_timeout=cfg.task.reward_timeout,
+                                    on_error=cfg.task.on_reward_error)
 
     def request(self, step: int, k: int = 0) -> Request:
         """The problems of a step's sampling round k: functions of the seed and the step only, so the
@@ -77,35 +86,60 @@ class Sampler:
 
     def sample(self, step: int) -> RolloutBatch:
         r, a = self.rollout, self.algorithm
-        rounds = []  # (problems, groups, rewards [P, G]) of each sampling round
+        rounds = []  # (groups, rewards [P, G]) of each sampling round
         staleness = None
         for k in range(a.max_sampling_rounds if a.dynamic_sampling else 1):
             if self.worker is not None:  # sampled ahead by the rollout thread
                 sampled = self.worker.take(step)
-                problems, groups, staleness = sampled.request.problems, sampled.groups, step - sampled.revision
+                groups, staleness = self._scored(sampled.request.problems, sampled.groups), step - sampled.revision
             else:
                 req = self.request(step, k)
-                problems, groups = req.problems, self.engine.generate(req.prompts, req.n, req.params)
-            rewards = torch.tensor([[self.reward(p, decode_completion(self.tokenizer, c.token_ids)) for c in g]
-                                    for p, g in zip(problems, groups)])  # [P, G]
-            rounds.append((problems, groups, rewards))
-            if sum(int(rl.informative_groups(x[2]).sum()) for x in rounds) >= r.prompts_per_step:
+                builders = [TaskGroupBuilder(self.task, p, self.tokenizer, req.n, self.reward) for p in req.problems]
+                groups = run_groups(self.engine, builders, req.params, self.limits)
+            rewards = torch.tensor([g.total_rewards() for g in groups])  # [P, G]
+            rounds.append((groups, rewards))
+            if sum(int(rl.informative_groups(x[1]).sum()) for x in rounds) >= r.prompts_per_step:
                 break
-        sampled = torch.cat([x[2] for x in rounds])
+        sampled = torch.cat([x[1] for x in rounds])
         stats = {"reward_mean": float(sampled.mean()),
                  "groups_all_equal": float((~rl.informative_groups(sampled)).float().mean())}
         if staleness is not None:  # every sample of the batch came from the same adapter revision
             stats["staleness"] = float(staleness)
         if a.dynamic_sampling:  # the batch: informative groups first in sampling order, padded if short
-            chosen, padded = rl.fill_batch([x[2] for x in rounds], r.prompts_per_step)
-            groups = [rounds[k][1][i] for k, i in chosen]
-            rewards = torch.stack([rounds[k][2][i] for k, i in chosen])
+            chosen, padded = rl.fill_batch([x[1] for x in rounds], r.prompts_per_step)
+            groups = [rounds[k][0][i] for k, i in chosen]
+            rewards = torch.stack([rounds[k][1][i] for k, i in chosen])
             uninformative = int((~rl.informative_groups(sampled)).sum())
             stats.update(sampling_rounds=float(len(rounds)), groups_dropped=float(uninformative - padded),
                          groups_padded=float(padded))
-        flat = [c for g in groups for c in g]
-        stats["completion_len_mean"] = sum(len(c.token_ids) for c in flat) / len(flat)
-        tokens = build_batch([c.prompt_ids for c in flat], [c.token_ids for c in flat], [c.logprobs for c in flat],
-                             pad_id=self.pad_id, device=self.device,
-                             routes=[c.routed_experts for c in flat] if self.routing else None)
-        return RolloutBatch(tokens, rewards, flat, stats)
+        return self._batch(groups, rewards, stats)
+
+    def _scored(self, problems: list[Problem], completions: list[list[Completion]]) -> list[TrajectoryGroup]:
+        """Completions sampled ahead as one-turn trajectories, scored on this (the main) thread."""
+        groups = []
+        for p, group in zip(problems, completions):
+            trajectories = [Trajectory([Transition(c.prompt_ids, c.token_ids, c.logprobs,
+                                                   self.reward(p, decode_completion(self.tokenizer, c.token_ids)), True,
+                                                   routed_experts=c.routed_experts)], []) for c in group]
+            groups.append(TrajectoryGroup(trajectories, [0.0] * len(group), [{} for _ in group]))
+        return groups
+
+    def _batch(self, groups: list[TrajectoryGroup], rewards: torch.Tensor, stats: dict) -> RolloutBatch:
+        """Training rows: every trajectory's merged sequences, in group order."""
+        samples, trajectory_of, routes = [], [], []
+        flat = [t for g in groups for t in g.trajectories]
+        for j, t in enumerate(flat):
+            for s in merge_trajectory(t):
+                samples.append(s)
+                trajectory_of.append(j)
+            routes += [x.routed_experts for x in t.transitions]
+        stats["completion_len_mean"] = sum(len(x.action) for t in flat for x in t.transitions) / len(flat)
+        tokens = batch_from_samples(samples, self.pad_id, self.device)
+        if len(samples) == len(flat):  # one row per trajectory: rows come in whole groups
+            tokens.group_size = len(groups[0].trajectories) if len({len(g.trajectories) for g in groups}) == 1 else None
+        if self.routing:
+            if len(routes) != len(samples) or any(x is None for x in routes):
+                raise ValueError("router replay needs one routed turn per training row (single-turn samples from an "
+                                 "engine that returns routing)")
+            tokens = with_routes(tokens, routes)
+        return RolloutBatch(tokens, rewards, torch.tensor(trajectory_of, device=self.device), groups, stats)

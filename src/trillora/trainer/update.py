@@ -52,7 +52,7 @@ class PolicyUpdate:
         self.model, self.opt, self.world = model, optimizer, world
         self.algorithm, self.optim = cfg.algorithm, cfg.optim
         r, p = cfg.rollout, cfg.parallel
-        self.temperature, self.group_size, self.norm_len = r.temperature, r.group_size, float(r.max_new_tokens)
+        self.temperature, self.norm_len = r.temperature, float(r.max_new_tokens)
         self.micro_batch_rows = p.micro_batch_rows or (1 if p.auto else 0)
         dims = world.dims
         whole_rows = (dims.pp, dims.cp, dims.sp) == (1, 1, False)  # each rank's forward sees whole rows
@@ -78,7 +78,7 @@ class PolicyUpdate:
     def split(self, batch: TokenBatch) -> tuple[TokenBatch, list[Minibatch], bool]:
         """This rank's batch, its minibatches, and whether every minibatch share holds whole groups
         (what sharing each group's prompt needs)."""
-        a, g = self.algorithm, self.group_size
+        a, g = self.algorithm, batch.group_size or 1
         shares, minibatches, start = [], [], 0
         for rows in torch.arange(batch.num_rows).chunk(a.minibatches):  # global rows of each minibatch
             mine = rows[self.world.rows(len(rows))]
@@ -177,8 +177,8 @@ class PolicyUpdate:
                        whole_rows: bool):
         """Logprobs (and entropies) [b, T-1] of some rows; each group's prompt runs once when the rows
         are whole groups (`parallel.share_prompts`)."""
-        g, ids = self.group_size, local.input_ids
-        if (self.share_prompts and whole_groups and not whole_rows and local.prompt_lengths is not None
+        g, ids = local.group_size, local.input_ids
+        if (self.share_prompts and g and whole_groups and not whole_rows and local.prompt_lengths is not None
                 and len(rows) % g == 0 and int(rows[0]) % g == 0):
             return shared_prompt_logprobs(self.model, ids[rows], local.prompt_lengths[rows], completion_spans(local, rows),
                                           g, self.temperature, with_entropy)
