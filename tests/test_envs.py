@@ -4,6 +4,8 @@ episodes of many envs advancing one engine call per turn, the engine's own logpr
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from trillora.tasks.task_env import TaskGroupBuilder
 from trillora.tasks.trajectory import Sample, merge_trajectory
 from trillora.trainer.batch import batch_from_samples, build_batch, completion_spans
 from trillora.trainer.episodes import EnvError, EpisodeLimits, episode_metrics, run_episodes, run_groups, training_samples
-from trillora.trainer.logprobs import token_logprobs
+from trillora.trainer.logprobs import shared_prompt_logprobs, token_logprobs
 
 
 def test_merge_keeps_one_sequence_while_the_prefix_property_holds():
@@ -193,3 +195,78 @@ def test_every_task_is_a_single_turn_env(tiny):
             (turn,) = t.transitions
             assert turn.episode_done and tokenizer.eos_token_id not in turn.action[:-1]  # the stop condition ends the turn
             assert turn.reward == task.reward(p, tokenizer.decode(turn.action, skip_special_tokens=True))
+
+
+def test_guessing_game_by_hand(tiny):
+    from trillora.tasks.guessing import GuessEnv
+
+    _, tokenizer = tiny
+    env = GuessEnv(secret=11, low=1, high=16, tokenizer=tokenizer)
+    obs, stop = env.initial_observation()
+    assert tokenizer.decode(obs, skip_special_tokens=True) == "guess 1-16:" and stop == [tokenizer.eos_token_id]
+
+    def act(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    first = env.step(act("5"))
+    assert (first.reward, first.episode_done) == (0.0, False)
+    assert first.next_observation[:len(obs)] == obs  # the game so far, extended: one training sequence
+    assert tokenizer.decode(first.next_observation, skip_special_tokens=True) == "guess 1-16:5 higher\n"
+    second = env.step(act("x"))
+    assert second.metrics["parse_error"] == 1.0
+    assert tokenizer.decode(second.next_observation, skip_special_tokens=True).endswith("x ?\n")
+    assert env.step(act("13")).next_observation[-7:] == tokenizer(" lower\n", add_special_tokens=False)["input_ids"]
+    done = env.step(act("11"))
+    assert (done.reward, done.episode_done) == (1.0, True)
+
+
+ENV_RUN = ('task.name="env"', "task.max_turns=3", "rollout.max_new_tokens=3", "rollout.prompts_per_step=2",
+           "rollout.group_size=2")
+
+
+def test_training_on_user_envs_from_a_module(small_config, tmp_path):
+    from trillora.trainer import Trainer
+
+    trainer = Trainer(small_config(*ENV_RUN, 'task.options={env = "env_fns:echo", first = 30}', name="echo"))
+    rollout = trainer.sampler.sample(0)
+    assert rollout.rewards.shape == (2, 2) and rollout.stats["turns_mean"] == 3.0 and rollout.stats["episodes_done"] == 4
+    batch = rollout.tokens
+    mask = batch.completion_mask
+    assert ((mask[:, 1:] - mask[:, :-1]) == 1).sum(-1).tolist() == [3, 3, 3, 3]  # three actions between env replies
+    # a group's envs share their first observation: its prompt runs once, replies and actions after it
+    assert batch.group_size == 2
+    rows = torch.arange(4)
+    with torch.no_grad():
+        whole = token_logprobs(trainer.model, batch.input_ids, 1.0)[0]
+        shared = shared_prompt_logprobs(trainer.model, batch.input_ids, batch.prompt_lengths,
+                                        completion_spans(batch, rows), 2, 1.0)[0]
+    assert (whole - shared)[mask.bool()].abs().max() < 1e-5
+    summary = trainer.run()
+    rows = [json.loads(x) for x in (tmp_path / "echo" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 2 and all(r["turns_mean"] == 3.0 and r["optimizer_steps"] == 1.0 for r in rows[1:])
+    assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[-1]
+
+
+def test_the_guessing_game_trains_from_its_example_config(tmp_path):
+    from trillora.config import load_config
+    from trillora.trainer import Trainer
+
+    cfg = load_config("examples/guessing.toml", [f"out_dir={tmp_path}", "steps=1", "eval_every=1", "task.eval_problems=4",
+                                                 "rollout.prompts_per_step=2"])
+    summary = Trainer(cfg).run()
+    assert summary["steps"] == 1 and 0.0 <= summary["eval_after"] <= 1.0
+
+
+@pytest.mark.parametrize("options,message", [
+    ("{}", "needs task.options.env"),
+    ('{env = "env_fns:missing"}', "env dataset 'env_fns:missing' cannot be imported"),
+    ('{env = "env_fns:not_a_dataset"}', "returned int, which has no get_batch"),
+])
+def test_bad_env_specs_name_the_culprit(small_config, options, message):
+    from trillora.errors import ConfigError
+    from trillora.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=message):
+        Trainer(small_config(*ENV_RUN, f"task.options={options}"))
+    with pytest.raises(ConfigError, match="does not combine yet with"):
+        small_config(*ENV_RUN, 'task.options={env = "env_fns:echo"}', "algorithm.dynamic_sampling=true")

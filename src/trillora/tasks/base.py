@@ -7,10 +7,14 @@ Problems are generated from a seed, and the held-out split is fixed by the probl
 from __future__ import annotations
 
 import hashlib
+import importlib
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..errors import ConfigError
 
 SPLITS = ("train", "eval")
 
@@ -25,6 +29,20 @@ class Problem:
 def in_eval_split(prompt: str, eval_fraction: float) -> bool:
     h = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big")
     return (h % 10_000) < eval_fraction * 10_000
+
+
+def load_callable(spec: str, what: str) -> Callable:
+    """User code named as 'module:function' (a reward, an env dataset), imported now so a typo fails at start."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ConfigError(f"{what} {spec!r} must be given as 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{what} {spec!r} cannot be imported: {e}") from None
+    if not callable(fn):
+        raise ConfigError(f"{what} {spec!r} is not callable")
+    return fn
 
 
 def first_line(completion: str) -> str:

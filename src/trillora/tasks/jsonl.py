@@ -3,15 +3,14 @@ function named `module:function` taking (completion: str, row: dict) -> float.""
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .base import Problem, Task, in_eval_split
 from ..errors import TrilloraError
+from .base import Problem, Task, in_eval_split, load_callable
 
 
 class DatasetError(TrilloraError, ValueError):
@@ -19,16 +18,7 @@ class DatasetError(TrilloraError, ValueError):
 
 
 def load_reward_fn(spec: str) -> Callable[[str, dict], float]:
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise ValueError(f"reward function {spec!r} must be given as 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward function {spec!r} cannot be imported: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"reward function {spec!r} is not callable")
-    return fn
+    return load_callable(spec, "reward function")
 
 
 BAD_ROWS = ("fail", "skip")

@@ -64,7 +64,8 @@ class RunCheckpoints:
         train_state.restore_rank_tensors(tensors, params, t.opt, found.path / f"rank-{self.rank}.safetensors")
         train_state.restore_python_rng(state["rng"])
         t.update.skipped_updates, t.update.nonfinite_in_a_row = state["skipped_updates"], state["nonfinite_in_a_row"]
-        t.reward.failures = state["reward_failures"]
+        if t.reward is not None:
+            t.reward.failures = state["reward_failures"]
         t.world.barrier()
         if t.world.main:
             train_state.clear_partials(self.root)
@@ -89,7 +90,7 @@ class RunCheckpoints:
             part = train_state.partial_dir(self.root, step)
             lora.save_adapter(t.full, part / "adapter", expert_layout="per_expert")  # synced after the step
             state = {"step": step, "rng": train_state.python_rng_state(), "skipped_updates": t.update.skipped_updates,
-                     "nonfinite_in_a_row": t.update.nonfinite_in_a_row, "reward_failures": t.reward.failures,
+                     "nonfinite_in_a_row": t.update.nonfinite_in_a_row, "reward_failures": t.reward_failures,
                      "layout": t.world.layout(), **run_state}
             files = {"config.toml": to_toml(t.cfg), "metrics.jsonl": metrics_file.read_text() if metrics_file else ""}
             path = train_state.commit(self.root, step, state, files, t.cfg.checkpoint.keep)

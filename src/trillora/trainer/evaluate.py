@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from ..rollout.types import RolloutEngine, SamplingParams
+from ..tasks.env import EnvGroupBuilder
 from ..tasks.base import Problem, Task
 from ..tasks.prompts import decode_completion, encode_prompt
+from .episodes import run_groups
 
 
 def evaluate(engine: RolloutEngine, tokenizer, task: Task, problems: list[Problem], params: SamplingParams, n: int = 1,
@@ -14,3 +16,11 @@ def evaluate(engine: RolloutEngine, tokenizer, task: Task, problems: list[Proble
     groups = engine.generate([encode_prompt(tokenizer, p.prompt) for p in problems], n, params)
     scores = [score(p, decode_completion(tokenizer, c.token_ids)) for p, g in zip(problems, groups) for c in g]
     return sum(scores) / max(1, len(scores))
+
+
+def evaluate_envs(engine: RolloutEngine, builders: list[EnvGroupBuilder], params: SamplingParams, limits) -> float:
+    """Mean return of held-out env groups' episodes (the success rate when an episode scores 0 or 1)."""
+    if not builders:
+        return 0.0
+    returns = [r for g in run_groups(engine, builders, params, limits) for r in g.total_rewards()]
+    return sum(returns) / len(returns)

@@ -30,11 +30,12 @@ from ..checkpoint.hf import EXPERT_LAYOUTS
 from ..config import TrainConfig, to_toml
 from ..errors import TrainingDiverged
 from ..tasks import make_task
+from ..tasks.env_dataset import load_env_dataset
 from ..tasks.guard import GuardedReward
 from ..tasks.prompts import encode_prompt
 from .checkpoints import RunCheckpoints
 from .engine import check_engine, make_engine
-from .evaluate import evaluate
+from .evaluate import evaluate, evaluate_envs
 from .sampler import Sampler
 from .signals import StopSignal
 from .update import PolicyUpdate
@@ -64,18 +65,28 @@ class Trainer:
         params = [p for _, p in lora.lora_parameters(self.model)]
         self.opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.update = PolicyUpdate(self.model, self.opt, self.world, cfg)
-        t = cfg.task
-        self.task = make_task(t.name, **t.options)
+        t, r = cfg.task, cfg.rollout
+        # a task (single-turn, built in or JSONL) or user envs (`task.name = "env"`), both sampled as envs
+        self.envs = load_env_dataset(t.options, tokenizer=self.tokenizer, batch_size=r.prompts_per_step,
+                                     group_size=r.group_size, eval_size=t.eval_problems, seed=cfg.seed) \
+            if t.name == "env" else None
+        self.task = make_task(t.name, **t.options) if self.envs is None else None
         self.retention = make_task(t.retention) if t.retention else None
         self._check_dataset()
-        self.reward = GuardedReward(self.task, t.reward_timeout, t.on_reward_error)  # user code: time-limited
+        # rewards are user code: time-limited, failures counted (an env's own steps are guarded as episodes run)
+        self.reward = GuardedReward(self.task, t.reward_timeout, t.on_reward_error) if self.task is not None else None
         self.retention_reward = GuardedReward(self.retention, t.reward_timeout, t.on_reward_error) if self.retention else None
-        self.eval_problems = self.task.problems("eval", t.eval_problems, seed=cfg.seed)
+        self.eval_problems = self.task.problems("eval", t.eval_problems, seed=cfg.seed) if self.task is not None else []
         self.retention_problems = self.retention.problems("eval", t.eval_problems, seed=cfg.seed) if self.retention else []
         routing = cfg.algorithm.router_replay != "off" or cfg.algorithm.routing_metrics
         pad = self.tokenizer.pad_token_id or 0
         self.engine = make_engine(cfg, self.full, self.device, pad, routing) if self.world.main else None
-        self.sampler = Sampler(cfg, self.engine, self.tokenizer, self.task, self.reward, self.device, routing)
+        self.sampler = Sampler(cfg, self.engine, self.tokenizer, self.task, self.reward, self.device, routing, self.envs)
+
+    @property
+    def reward_failures(self) -> int:
+        """Reward calls scored 0 for an error so far (`task.on_reward_error="zero"`)."""
+        return self.reward.failures if self.reward is not None else 0
 
     def _check_dataset(self) -> None:
         """Dataset prompts must leave room for the completion in the engine's context."""
@@ -108,14 +119,18 @@ class Trainer:
             return evaluate(self.engine, self.tokenizer, task, problems, params, n=self.cfg.task.eval_samples, score=score)
 
     def _evaluate_all(self) -> tuple[float, float | None]:
-        accuracy = self.evaluate(self.task, self.eval_problems)
+        if self.envs is not None:  # the mean return of the held-out groups' episodes
+            params = dataclasses.replace(self.sampler.params, seed=4242)
+            accuracy = evaluate_envs(self.engine, list(self.envs.eval_batch()), params, self.sampler.limits)
+        else:
+            accuracy = self.evaluate(self.task, self.eval_problems)
         return accuracy, self.evaluate(self.retention, self.retention_problems) if self.retention else None
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step on every rank; rank 0's row of metrics (others get the update's)."""
         t0 = time.perf_counter()
         lr = self._set_lr(step)
-        failures = self.reward.failures
+        failures = self.reward_failures
         with record_function("trillora.rollout"):
             rollout = self.world.share(self.sampler.sample(step) if self.world.main else None)
         t1 = time.perf_counter()
@@ -130,8 +145,8 @@ class Trainer:
             metrics.update(worker.synced(self.sync_engine) if worker is not None else self.sync_engine())
         row = {"step": step + 1, "lr": lr, **rollout.stats, "rollout_seconds": t1 - t0, "update_seconds": t2 - t1,
                **metrics}
-        if self.reward.failures > failures:  # rewards scored 0 for an error (task.on_reward_error="zero")
-            row["reward_failures"] = self.reward.failures - failures
+        if self.reward_failures > failures:  # rewards scored 0 for an error (task.on_reward_error="zero")
+            row["reward_failures"] = self.reward_failures - failures
         row["step_seconds"] = time.perf_counter() - t0
         return row
 
@@ -214,7 +229,7 @@ class Trainer:
             "retention_before": state["retention_before"], "retention_after": state["retention_after"],
             "steps": cfg.steps, "seconds": time.perf_counter() - start,
             "skipped_updates": self.update.skipped_updates,
-            "reward_failures": self.reward.failures,
+            "reward_failures": self.reward_failures,
             "dataset_rows_skipped": len(getattr(self.task, "skipped", [])),
             "adapter": lora.adapter_stats(self.full),
             **({"parallel": dataclasses.asdict(dims), "parallel_auto": cfg.parallel.auto,

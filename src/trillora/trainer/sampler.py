@@ -20,12 +20,13 @@ from ..rollout import Completion, SamplingParams
 from ..rollout.async_worker import RolloutWorker
 from ..tasks import Problem, Task
 from ..tasks.env import Trajectory, TrajectoryGroup, Transition
+from ..tasks.env_dataset import EnvDataset
 from ..tasks.guard import GuardedReward
 from ..tasks.prompts import decode_completion, encode_prompt
 from ..tasks.task_env import TaskGroupBuilder
 from ..tasks.trajectory import merge_trajectory
 from .batch import TokenBatch, batch_from_samples, with_routes
-from .episodes import EpisodeLimits, run_groups
+from .episodes import EpisodeLimits, episode_metrics, run_groups
 
 
 @dataclass
@@ -50,10 +51,11 @@ class Request:
 
 
 class Sampler:
-    def __init__(self, cfg, engine, tokenizer, task: Task, reward: GuardedReward, device: torch.device,
-                 routing: bool):
+    def __init__(self, cfg, engine, tokenizer, task: Task | None, reward: GuardedReward | None, device: torch.device,
+                 routing: bool, envs: EnvDataset | None = None):
+        """Samples `task`'s problems as one-turn envs, or the groups of `envs` (user envs, several turns)."""
         self.rollout, self.algorithm, self.seed = cfg.rollout, cfg.algorithm, cfg.seed
-        self.engine, self.tokenizer, self.task, self.reward = engine, tokenizer, task, reward
+        self.engine, self.tokenizer, self.task, self.reward, self.envs = engine, tokenizer, task, reward, envs
         self.device, self.routing = device, routing
         self.pad_id = tokenizer.pad_token_id or 0
         r = self.rollout
@@ -62,8 +64,8 @@ class Sampler:
                                      top_k=r.top_k, stop_token_ids=stop)
         self.worker: RolloutWorker | None = None
         """The rollout thread while a run samples ahead (`start_worker`)."""
-        self.limits = EpisodeLimits(max_turns=1, max_model_len=r.max_model_len, env_timeout=cfg.task.reward_timeout,
-                                    on_error=cfg.task.on_reward_error)
+        self.limits = EpisodeLimits(max_turns=cfg.task.max_turns if envs is not None else 1, max_model_len=r.max_model_len,
+                                    env_timeout=cfg.task.reward_timeout, on_error=cfg.task.on_reward_error)
 
     def request(self, step: int, k: int = 0) -> Request:
         """The problems of a step's sampling round k: functions of the seed and the step only, so the
@@ -92,6 +94,9 @@ class Sampler:
             if self.worker is not None:  # sampled ahead by the rollout thread
                 sampled = self.worker.take(step)
                 groups, staleness = self._scored(sampled.request.problems, sampled.groups), step - sampled.revision
+            elif self.envs is not None:  # the dataset's groups of the step (one round: no dynamic sampling)
+                params = dataclasses.replace(self.params, seed=self.seed * 1_000_003 + step, return_routing=self.routing)
+                groups = run_groups(self.engine, list(self.envs.get_batch(step)), params, self.limits)
             else:
                 req = self.request(step, k)
                 builders = [TaskGroupBuilder(self.task, p, self.tokenizer, req.n, self.reward) for p in req.problems]
@@ -112,6 +117,8 @@ class Sampler:
             uninformative = int((~rl.informative_groups(sampled)).sum())
             stats.update(sampling_rounds=float(len(rounds)), groups_dropped=float(uninformative - padded),
                          groups_padded=float(padded))
+        if self.envs is not None:
+            stats.update(episode_metrics(groups))
         return self._batch(groups, rewards, stats)
 
     def _scored(self, problems: list[Problem], completions: list[list[Completion]]) -> list[TrajectoryGroup]:
@@ -135,8 +142,11 @@ class Sampler:
             routes += [x.routed_experts for x in t.transitions]
         stats["completion_len_mean"] = sum(len(x.action) for t in flat for x in t.transitions) / len(flat)
         tokens = batch_from_samples(samples, self.pad_id, self.device)
-        if len(samples) == len(flat):  # one row per trajectory: rows come in whole groups
-            tokens.group_size = len(groups[0].trajectories) if len({len(g.trajectories) for g in groups}) == 1 else None
+        # one row per trajectory and one first observation per group: rows come in groups sharing a prompt
+        one_prompt = all(len({tuple(t.transitions[0].observation) if t.transitions else () for t in g.trajectories}) == 1
+                         for g in groups)
+        if len(samples) == len(flat) and one_prompt and len({len(g.trajectories) for g in groups}) == 1:
+            tokens.group_size = len(groups[0].trajectories)
         if self.routing:
             if len(routes) != len(samples) or any(x is None for x in routes):
                 raise ValueError("router replay needs one routed turn per training row (single-turn samples from an "
