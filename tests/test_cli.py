@@ -17,7 +17,8 @@ def trillora(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trillora", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-@pytest.mark.parametrize("recipe", [None, "examples/arithmetic.toml", "examples/countdown.toml", "examples/jsonl.toml"])
+@pytest.mark.parametrize("recipe", [None, "examples/arithmetic.toml", "examples/countdown.toml", "examples/jsonl.toml",
+                                    "examples/guessing.toml"])
 def test_train_recipes_smoke(tmp_path, recipe):
     args = ([recipe] if recipe else []) + [*SMALL, f"out_dir={tmp_path}", "name=smoke"]
     out = trillora("train", *args)
