@@ -67,6 +67,16 @@ def test_example_configs_load_and_build_their_tasks():
         options = dict(cfg.task.options)
         if "path" in options:
             options["path"] = str(root / options["path"])
+        if cfg.task.name == "env":  # user envs: the dataset loads and gives a step's groups of envs
+            from trillora.checkpoint import load_tokenizer
+            from trillora.tasks.env_dataset import load_env_dataset
+
+            r = cfg.rollout
+            envs = load_env_dataset(options, tokenizer=load_tokenizer(cfg.model.path), batch_size=r.prompts_per_step,
+                                    group_size=r.group_size, eval_size=cfg.task.eval_problems, seed=cfg.seed)
+            groups = envs.get_batch(0)
+            assert len(groups) == r.prompts_per_step and len(groups[0].make_envs()) == r.group_size, path.name
+            continue
         task = make_task(cfg.task.name, **options)
         problem = task.problems("train", 1, seed=0)[0]
         assert task.reward(problem, problem.answer) == 1.0, path.name

@@ -1,4 +1,6 @@
-"""Prompt sources and rewards."""
+"""Prompt sources and rewards, and the envs every task runs as."""
+
+from ..errors import ConfigError
 
 from .arithmetic import ArithmeticTask
 from .base import Problem, Task, first_line
@@ -13,7 +15,7 @@ TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "reversal": R
 
 def make_task(name: str, **options) -> Task:
     if name not in TASKS:
-        raise ValueError(f"task {name!r}; allowed: {', '.join(TASKS)}")
+        raise ConfigError(f"task {name!r}; allowed: {', '.join(TASKS)}")
     return TASKS[name](**options)
 
 
