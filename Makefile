@@ -32,9 +32,11 @@ demo: setup
 	$(BIN)/trillora train
 	@echo "plots: runs/default/overview.png  adapter: runs/default/adapter/"
 
-# Rebuild the shipped tiny MoE checkpoint (supervised pretraining on generated data, a few minutes).
+# Rebuild the shipped tiny MoE checkpoints (supervised pretraining on generated data, minutes each):
+# tiny-moe, and tiny-moe-chat (chat template, tool calls).
 tiny-moe: setup
 	$(BIN)/python -m trillora.tiny build
+	$(BIN)/python -m trillora.tiny build-chat
 
 test: $(VLLM_STAMP)
 	$(BIN)/ruff check src tests benchmarks

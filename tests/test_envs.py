@@ -103,6 +103,35 @@ def test_episodes_advance_together_and_keep_the_engines_logprobs(tiny):
     assert [t.transitions[0].action for t in again[:3]] == [t.transitions[0].action for t in trajectories[:3]]  # seeded
 
 
+def test_later_turns_prefill_only_what_they_add(tiny):
+    """The local engine keeps each episode's keys and values across turns: the same tokens and
+    logprobs as prefilling the whole history again, with the history not prefilled twice."""
+    from trillora.tasks.guessing import dataset
+
+    model, tok = tiny
+    ds = dataset(tok, batch_size=4, group_size=2, eval_size=0, seed=0)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, stop_token_ids=(tok.eos_token_id,))
+    runs = {}
+    for keep in (True, False):
+        engine = LocalEngine(model, precision="fp32")
+        engine.keep_kv = keep
+        groups = run_groups(engine, list(ds.get_batch(0)), params, EpisodeLimits(max_turns=4))
+        runs[keep] = ([t for g in groups for t in g.trajectories], engine.reused_tokens)
+    (kept, reused), (fresh, none) = runs[True], runs[False]
+    assert none == 0 and reused > 100
+    assert max(len(t.transitions) for t in kept) > 1
+    for a, b in zip(kept, fresh):
+        assert [x.action for x in a.transitions] == [x.action for x in b.transitions]
+        assert [x.observation for x in a.transitions] == [x.observation for x in b.transitions]
+        for x, y in zip(a.transitions, b.transitions):
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
+    engine = LocalEngine(model, precision="fp32")
+    engine.generate([[1, 5, 6]], 1, params)
+    engine.sync(model)  # new weights: the kept keys and values are stale
+    engine.generate([[1, 5, 6, 7, 8]], 1, params)
+    assert engine.reused_tokens == 0
+
+
 def test_turn_and_context_limits_end_episodes_and_are_counted(tiny):
     model, _ = tiny
     engine = LocalEngine(model, precision="fp32")
@@ -245,6 +274,18 @@ def test_training_on_user_envs_from_a_module(small_config, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "echo" / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == 2 and all(r["turns_mean"] == 3.0 and r["optimizer_steps"] == 1.0 for r in rows[1:])
     assert "eval_accuracy" in rows[0] and "eval_accuracy" in rows[-1]
+
+
+def test_user_envs_sample_ahead_asynchronously(small_config, tmp_path):
+    """With rollout.asynchronous the worker thread runs whole episodes one step ahead."""
+    from trillora.trainer import Trainer
+
+    cfg = small_config(*ENV_RUN, 'task.options={env = "env_fns:echo", first = 30}', "rollout.asynchronous=true",
+                       "rollout.max_staleness=1", "steps=3", "eval_every=3", name="ahead")
+    summary = Trainer(cfg).run()
+    rows = [json.loads(x) for x in (tmp_path / "ahead" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert summary["steps"] == 3 and [r["staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["turns_mean"] == 3.0 and r["episodes_done"] == 4 for r in rows)
 
 
 def test_the_guessing_game_trains_from_its_example_config(tmp_path):

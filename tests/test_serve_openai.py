@@ -131,6 +131,23 @@ def test_rl_steps_through_the_server(server, tmp_path):
     assert all(r["mismatch_kl_k3"] < 1e-6 for r in rows)  # fp32 server, same weights: no mismatch
 
 
+def test_multi_turn_episodes_through_the_server(server, tmp_path):
+    """A server engine takes each turn's whole context as token ids (no text round trip): the
+    guessing game's episodes train with the trainer scoring exactly the server's tokens."""
+    from trillora.config import load_config
+    from trillora.trainer import Trainer
+
+    url, root = server
+    cfg = load_config("examples/guessing.toml", [
+        f"out_dir={tmp_path}", "name=turns", "steps=2", "eval_every=2", "rollout.engine=\"openai\"",
+        f"rollout.urls=[\"{url}\"]", f"rollout.api_key=\"{KEY}\"", f"rollout.sync_dir=\"{root / 'turns'}\"",
+        "rollout.prompts_per_step=2", "rollout.group_size=4", "task.eval_problems=4", "task.max_turns=3"])
+    Trainer(cfg).run()
+    rows = [json.loads(line) for line in (tmp_path / "turns" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert all(r["turns_mean"] > 1.0 for r in rows)
+    assert all(r["mismatch_kl_k3"] < 1e-6 for r in rows)  # the server's tokens and logprobs, turn after turn
+
+
 def test_seeded_groups_are_reproducible_and_not_collapsed(server):
     url, _ = server
     engine = OpenAIEngine(url, model="tiny-moe", api_key=KEY)

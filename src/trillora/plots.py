@@ -30,7 +30,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
-    """One PNG per panel (reward, accuracy, mismatch KL, IS weights) plus an overview; returns the paths."""
+    """One PNG per panel (reward, accuracy, mismatch KL, IS weights) plus an overview, and for env runs
+    the episodes (turns, and what the envs count per episode: tool calls, parse errors); the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,8 +59,29 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+    if any("turns_mean" in r for r in rows):
+        written.append(_plot_episodes(plt, rows, run_dir / "episodes.png"))
     fig_all.tight_layout()
     overview = run_dir / "overview.png"
     fig_all.savefig(overview, dpi=110)
     plt.close(fig_all)
     return written + [overview]
+
+
+def _plot_episodes(plt, rows: list[dict], path: Path) -> Path:
+    """Turns per episode and every per-episode env counter (`env/...`), one line each."""
+    keys = ["turns_mean"] + sorted({k for r in rows for k in r if k.startswith("env/")})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in rows if key in r]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, label=key)
+    ax.set_title("per episode: turns and env counters")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

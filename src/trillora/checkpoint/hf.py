@@ -137,12 +137,12 @@ def load_weights(model: CausalLM, path: str | Path, block: int | None = None) ->
     filler.check_complete(path)
 
 
-SHIPPED_MODELS = ("tiny-moe",)
+SHIPPED_MODELS = ("tiny-moe", "tiny-moe-chat")
 """Checkpoints inside the package, loadable by name (no download)."""
 
 
 def resolve_model_path(path: str | Path) -> Path:
-    """A checkpoint folder, or the folder of a model shipped with trillora (`tiny-moe`)."""
+    """A checkpoint folder, or the folder of a model shipped with trillora (`tiny-moe`, `tiny-moe-chat`)."""
     if str(path) in SHIPPED_MODELS:
         return Path(str(resources.files("trillora").joinpath(f"assets/{path}")))
     return Path(path)

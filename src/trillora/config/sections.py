@@ -253,10 +253,9 @@ class TrainConfig:
         if (a.router_replay != "off" or a.routing_metrics) and r.engine == "openai":
             raise ConfigError("algorithm.router_replay / routing_metrics need the experts the engine chose per token; "
                               "rollout.engine='openai' does not return them: use rollout.engine='local' (or 'vllm' on a GPU)")
-        if self.task.name == "env" and (r.asynchronous or a.dynamic_sampling or a.router_replay != "off"
-                                        or a.routing_metrics):
-            raise ConfigError("task.name='env' does not combine yet with rollout.asynchronous, algorithm.dynamic_sampling "
-                              "or router replay (they sample single-turn batches)")
+        if self.task.name == "env" and (a.dynamic_sampling or a.router_replay != "off" or a.routing_metrics):
+            raise ConfigError("task.name='env' does not combine yet with algorithm.dynamic_sampling or router replay "
+                              "(they sample single-turn batches)")
         if r.asynchronous and a.dynamic_sampling:
             raise ConfigError("rollout.asynchronous samples each step's batch ahead, so it takes no "
                               "algorithm.dynamic_sampling (which samples more when a batch falls short)")

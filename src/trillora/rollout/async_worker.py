@@ -12,6 +12,10 @@ revision it was sampled with; the mismatch correction already uses the sampler's
 i.e. the sampling revision's.
 
 With staleness 0 the thread waits for every update: the synchronous loop, in a thread.
+
+Multi-turn envs sample ahead the same way: the request is then a job that runs a step's episodes
+on the engine it is given (env calls on this thread, where SIGALRM time limits do not reach:
+envs that may hang need their own limits, like the Python tool's sandbox).
 """
 
 from __future__ import annotations
@@ -22,21 +26,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .types import Completion, RolloutEngine, SamplingParams
+from .types import RolloutEngine, SamplingParams
 
 
 @dataclass
 class Sampled:
     step: int
     request: Any  # what the caller asked with (its problems)
-    groups: list[list[Completion]]
+    groups: list  # [P][n] Completions, or what an episode job returned
     revision: int  # updates the engine's weights included when it sampled this batch
 
 
 class RolloutWorker:
     def __init__(self, engine: RolloutEngine, request: Callable[[int], tuple[Any, list[list[int]], int, SamplingParams]],
                  first_step: int, last_step: int, staleness: int):
-        """`request(step)` -> (anything to hand back, prompts, n, sampling params) for that step."""
+        """`request(step)` -> (anything to hand back, prompts, n, sampling params) for that step; or
+        (anything, job, None, None) where `job(engine)` samples the step itself (episodes)."""
         if staleness < 0:
             raise ValueError(f"staleness={staleness}; must be >= 0")
         self.engine, self.request, self.staleness = engine, request, staleness
@@ -60,9 +65,9 @@ class RolloutWorker:
                     revision = self.revision
                     pinned = self.engine.pinned()
                     if pinned is None:  # weights changed in place by a sync: sample under the lock
-                        groups = self.engine.generate(prompts, n, params)
+                        groups = prompts(self.engine) if callable(prompts) else self.engine.generate(prompts, n, params)
                 if pinned is not None:  # a server keeping this revision loaded: a sync may land meanwhile
-                    groups = pinned(prompts, n, params)
+                    groups = prompts(_Pinned(pinned)) if callable(prompts) else pinned(prompts, n, params)
                 self._put(Sampled(step, handle, groups, revision))
         except BaseException as e:  # handed to the trainer, which raises it
             self._put(e)
@@ -97,3 +102,10 @@ class RolloutWorker:
             self.stopped = True
             self.changed.notify_all()
         self.thread.join(timeout=60)
+
+
+class _Pinned:
+    """One pinned revision of a server engine, as an engine for an episode job."""
+
+    def __init__(self, generate: Callable):
+        self.generate = generate

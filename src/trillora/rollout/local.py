@@ -43,6 +43,11 @@ class LocalEngine:
         self._copy_all(model)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
+        self._kept: _Kept | None = None
+        """The last call's keys and values: a prompt that extends one of its rows (a multi-turn
+        episode's next turn) prefills only its new tokens. Dropped when the weights change."""
+        self.reused_tokens = 0  # prompt tokens not prefilled again thanks to `_kept`
+        self.keep_kv = True
 
     def pinned(self) -> None:
         return None  # a sync rewrites these weights in place
@@ -71,6 +76,7 @@ class LocalEngine:
     def sync(self, model: nn.Module) -> dict[str, float]:
         """Write base + scaling·B·A into every tensor an adapter touches (merged sync)."""
         start, sent = time.perf_counter(), 0
+        self._kept = None  # keys and values of the old weights
         for name, m in lora_modules(model):
             for tensor_name, delta in m.delta().items():
                 base = getattr(m, tensor_name)
@@ -79,7 +85,7 @@ class LocalEngine:
         return {"sync_bytes": float(sent), "sync_seconds": time.perf_counter() - start}
 
     def close(self) -> None:
-        self.model = None
+        self.model, self._kept = None, None
 
     # --- sampling ------------------------------------------------------------------------
     @torch.no_grad()
@@ -89,23 +95,17 @@ class LocalEngine:
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
         rows = [p for p in prompts for _ in range(n)]
-        b, width = len(rows), max(len(p) for p in rows)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompts):  # left padding: every row's last prompt token is at the end
-            ids[i, width - len(p):] = torch.tensor(p, device=self.device)
-            mask[i, width - len(p):] = 1
+        b = len(rows)
         stop = torch.tensor(params.stop_token_ids or [-1], device=self.device)
-        cache = KVCache(len(self.model.model.layers), width + params.max_new_tokens)
         tokens, logprobs = [], []
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)
         recorder = record_routing(self.model) if params.return_routing else contextlib.nullcontext()
         with recorder as routes:
-            # each prompt is prefilled once; its keys, values and last logits then serve its n samples
-            logits = self.model(ids, attention_mask=mask, cache=cache)[:, -1].repeat_interleave(n, 0)  # [B, V]
-            cache.expand(n)
-            mask = mask.repeat_interleave(n, 0)
+            kept = self._continuing(prompts) if self.keep_kv and not params.return_routing else None
+            logits, cache, mask, width = (self._prefill(prompts, n, params) if kept is None
+                                          else self._extend(rows, [r for r in kept for _ in range(n)], params))
+            first = mask.shape[1]  # the column of the first sampled token
             for _ in range(params.max_new_tokens):
                 tok, lp = sample_next(logits, params.temperature, params.top_k, params.top_p, self.generator)
                 tok = tok.masked_fill(done, self.pad_id)
@@ -129,7 +129,74 @@ class LocalEngine:
                 r = routed[i, width - len(p): width - len(p) + len(p) + k - 1].cpu()
             out.append(Completion(prompt_ids=list(p), token_ids=tok_BT[i][:k], logprobs=lp_BT[i][:k],
                                   finish_reason="stop" if stopped else "length", routed_experts=r))
+        if not params.return_routing:
+            fed = torch.clamp(lengths, max=len(tokens) - 1)  # the last sampled token was never fed
+            valid = mask.clone()
+            valid[:, first:] = (torch.arange(mask.shape[1] - first, device=self.device)[None] < fed[:, None]).long()
+            self._kept = _Kept(cache, valid, {tuple(p + tok_BT[i][:int(fed[i])]): i for i, p in enumerate(rows)})
         return [out[j * n:(j + 1) * n] for j in range(len(prompts))]
+
+    def _prefill(self, prompts: list[list[int]], n: int, params: SamplingParams):
+        """Each prompt prefilled once; its keys, values and last logits then serve its n samples."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):  # left padding: every row's last prompt token is at the end
+            ids[i, width - len(p):] = torch.tensor(p, device=self.device)
+            mask[i, width - len(p):] = 1
+        cache = KVCache(len(self.model.model.layers), width + params.max_new_tokens)
+        logits = self.model(ids, attention_mask=mask, cache=cache)[:, -1].repeat_interleave(n, 0)  # [B, V]
+        cache.expand(n)
+        return logits, cache, mask.repeat_interleave(n, 0), width
+
+    def _continuing(self, prompts: list[list[int]]) -> list[int] | None:
+        """For each prompt, the row of the last call whose tokens it extends (the next turn of the same
+        episode), or None when any prompt starts something new."""
+        kept = self._kept
+        if kept is None:
+            return None
+        sizes = sorted({len(k) for k in kept.rows}, reverse=True)
+        found = []
+        for p in prompts:
+            row = next((kept.rows[key] for size in sizes if size < len(p)
+                        and (key := tuple(p[:size])) in kept.rows), None)
+            if row is None:
+                return None
+            found.append(row)
+        return found
+
+    def _extend(self, prompts: list[list[int]], rows: list[int], params: SamplingParams):
+        """Prefill only what each prompt adds to its kept row: the kept keys and values are gathered,
+        the additions go in left-padded (pads masked out mid-sequence; positions count real tokens)."""
+        kept, self._kept = self._kept, None
+        old = kept.mask.shape[1]
+        idx = torch.tensor(rows, device=self.device)
+        added = [p[len(key):] for p, key in zip(prompts, (kept.key_of[r] for r in rows))]
+        width = max(len(a) for a in added)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
+        new = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        for i, a in enumerate(added):
+            ids[i, width - len(a):] = torch.tensor(a, device=self.device)
+            new[i, width - len(a):] = 1
+        cache = KVCache(len(self.model.model.layers), old + width + params.max_new_tokens)
+        for layer, (k, v) in enumerate(zip(kept.cache.k, kept.cache.v)):
+            cache.k[layer] = k.new_empty(len(rows), k.shape[1], cache.max_len, k.shape[-1])
+            cache.v[layer] = v.new_empty(len(rows), v.shape[1], cache.max_len, v.shape[-1])
+            cache.k[layer][:, :, :old] = k[idx, :, :old]
+            cache.v[layer][:, :, :old] = v[idx, :, :old]
+        cache.length = old
+        mask = torch.cat([kept.mask[idx], new], dim=1)
+        self.reused_tokens += int(kept.mask[idx].sum())
+        logits = self.model(ids, attention_mask=mask, cache=cache)[:, -1]
+        return logits, cache, mask, old + width
+
+
+class _Kept:
+    """The last call's keys and values, kept for the next turn of the same episodes."""
+
+    def __init__(self, cache: KVCache, mask: torch.Tensor, rows: dict[tuple[int, ...], int]):
+        self.cache, self.mask, self.rows = cache, mask, rows  # mask [B, W]: columns holding real tokens
+        self.key_of = {r: k for k, r in rows.items()}
 
 
 def _stack_routes(routes: dict[str, list[torch.Tensor]], n: int) -> torch.Tensor:

@@ -24,6 +24,8 @@ class Problem:
     prompt: str
     answer: str
     data: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict] | None = field(default=None, hash=False)
+    """Chat messages, for a chat-formatted row: the prompt is their chat-template rendering."""
 
 
 def in_eval_split(prompt: str, eval_fraction: float) -> bool:
@@ -53,6 +55,8 @@ def first_line(completion: str) -> str:
 class Task(ABC):
     name: str = "task"
     eval_fraction: float = 0.1
+    chat: bool = False
+    """Prompts are chat messages (rendered with the tokenizer's chat template)."""
 
     @abstractmethod
     def sample(self, rng: random.Random) -> Problem:

@@ -15,6 +15,7 @@ import contextlib
 import math
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 from .base import Problem, Task
@@ -37,21 +38,29 @@ class RewardTimeout(Exception):
 
 @contextlib.contextmanager
 def time_limit(seconds: float):
-    """Raise RewardTimeout in the body after `seconds` (0: no limit; off the main thread: no limit)."""
+    """Raise RewardTimeout in the body after `seconds` (0: no limit; off the main thread: no limit).
+
+    Limits nest (a tool's inside its env's step): the inner one is cut to what the outer has left,
+    and the outer is re-armed with the rest when the inner ends."""
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
         yield
         return
+    outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
+    limit = min(seconds, outer_left) if outer_left > 0 else seconds
 
     def on_alarm(signum, frame):
-        raise RewardTimeout(f"no result after {seconds:g} s")
+        raise RewardTimeout(f"no result after {limit:g} s")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    start = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, limit)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer_left > 0:  # the outer limit keeps running: at least a moment, so it still fires
+            signal.setitimer(signal.ITIMER_REAL, max(outer_left - (time.monotonic() - start), 1e-3))
 
 
 @dataclass

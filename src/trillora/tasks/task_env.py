@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from .base import Problem, Task
 from .env import Env, EnvGroupBuilder, StepResult
-from .prompts import decode_completion, encode_prompt
+from .prompts import decode_completion, encode_problem, stop_tokens
 
 
 class TaskEnv(Env):
@@ -18,8 +18,8 @@ class TaskEnv(Env):
         self.score = score or task.reward
 
     def initial_observation(self) -> tuple[list[int], list[int]]:
-        eos = self.tokenizer.eos_token_id
-        return encode_prompt(self.tokenizer, self.problem.prompt), ([eos] if eos is not None else [])
+        return (encode_problem(self.tokenizer, self.problem),
+                list(stop_tokens(self.tokenizer, chat=self.problem.messages is not None)))
 
     def step(self, action: list[int]) -> StepResult:
         reward = self.score(self.problem, decode_completion(self.tokenizer, action))

@@ -2,7 +2,8 @@
 pretrained here (supervised, on generated data: `trillora.tiny.pretrain`), shipped inside the
 package and loaded by name (`load_model("tiny-moe")`).
 
-    python -m trillora.tiny build [OUT]     # pretrain and write the shipped checkpoint
+    python -m trillora.tiny build [OUT]       # pretrain and write the shipped checkpoint
+    python -m trillora.tiny build-chat [OUT]  # the chat variant with tool calls (`tiny-moe-chat`)
     python -m trillora.tiny random OUT      # random weights, same architecture (tests)
 
 This module holds what defines the model: its architecture, its tokenizer, and random
@@ -66,8 +67,46 @@ def build_tokenizer():
     )
 
 
-def write_random_checkpoint(out: str | Path, seed: int = 0, std: float = 0.05, dense: bool = False) -> Path:
+CHAT_SPECIALS = ("<|im_start|>", "<|im_end|>")
+TOOL_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if tools %}<|im_start|>system\ntools:"
+    "{%- for t in tools %} {{ t.function.name }}({{ t.function.parameters.properties.keys() | join(', ') }})"
+    "{%- endfor %}<|im_end|>{% endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'tool' -%}"
+    "<|im_start|>tool\n<tool_response>{{ m.content }}</tool_response><|im_end|>"
+    "{%- elif m.role == 'assistant' -%}"
+    "<|im_start|>assistant\n{{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] -%}"
+    "{%- set args = c.function.arguments -%}"
+    "<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ args if args is string else args | tojson }}}</tool_call>"
+    "{%- endfor -%}<|im_end|>"
+    "{%- else -%}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}"
+)
+"""The chat variant's template: Qwen's turn markers and Hermes tool calls, compact because every
+character is a token (tools listed by signature rather than as whole JSON schemas)."""
+
+
+def build_chat_tokenizer():
+    """The character tokenizer plus turn markers (special) and tool-call markers (as in Qwen3: not special)."""
     tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIALS)})
+    tokenizer.add_tokens(list(TOOL_MARKERS))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def write_random_checkpoint(out: str | Path, seed: int = 0, std: float = 0.05, dense: bool = False,
+                            chat: bool = False) -> Path:
+    tokenizer = build_chat_tokenizer() if chat else build_tokenizer()
     config = dict(
         TINY_QWEN3 if dense else TINY_QWEN3_MOE,
         vocab_size=len(tokenizer),

@@ -18,18 +18,29 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("out", type=Path, nargs="?", default=None)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-steps", type=int, default=6000)
+    c = sub.add_parser("build-chat", help="pretrain the chat variant with tool calls (default: the shipped tiny-moe-chat)")
+    c.add_argument("out", type=Path, nargs="?", default=None)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--max-steps", type=int, default=3000)
     r = sub.add_parser("random", help="random weights, same architecture and tokenizer")
     r.add_argument("out", type=Path)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--dense", action="store_true", help="no experts (a dense Qwen3 of the same shapes)")
+    r.add_argument("--chat", action="store_true", help="the chat variant's tokenizer and template")
     args = parser.parse_args(argv)
     if args.command == "random":
-        print(write_random_checkpoint(args.out, seed=args.seed, dense=args.dense))
+        print(write_random_checkpoint(args.out, seed=args.seed, dense=args.dense, chat=args.chat))
         return 0
-    from .pretrain import pretrain
+    if args.command == "build-chat":
+        from .chat import pretrain_chat
 
-    out = args.out or resolve_model_path("tiny-moe")
-    report = pretrain(out, seed=args.seed, max_steps=args.max_steps)
+        out = args.out or resolve_model_path("tiny-moe-chat")
+        report = pretrain_chat(out, seed=args.seed, max_steps=args.max_steps)
+    else:
+        from .pretrain import pretrain
+
+        out = args.out or resolve_model_path("tiny-moe")
+        report = pretrain(out, seed=args.seed, max_steps=args.max_steps)
     (Path(out) / "pretrain_report.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {out}: {report['steps']} steps, {report['seconds']:.0f} s, last eval {report['history'][-1:]}")
     return 0

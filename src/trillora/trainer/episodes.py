@@ -130,12 +130,23 @@ def run_groups(engine: RolloutEngine, builders: list[EnvGroupBuilder], params: S
 
 
 def episode_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
-    """Per step: turns per episode, how episodes ended, env errors."""
+    """Per step: turns per episode, how episodes ended, and each metric the envs report per turn
+    (tool calls, parse errors, ...) as its mean total per episode, `env/<name>`."""
     trajectories = [t for g in groups for t in g.trajectories]
     n = max(len(trajectories), 1)
     out = {"turns_mean": sum(len(t.transitions) for t in trajectories) / n}
     for reason in ("done", "max_turns", "context", "error"):
         out[f"episodes_{reason}"] = float(sum(t.stop_reason == reason for t in trajectories))
+    totals: dict[str, float] = defaultdict(float)
+    for t in trajectories:
+        for x in t.transitions:
+            for key, value in x.metrics.items():
+                totals[key] += float(value)
+    for g in groups:
+        for m in g.metrics:
+            for key, value in m.items():
+                totals[key] += float(value)
+    out.update({f"env/{key}": value / n for key, value in sorted(totals.items())})
     return out
 
 

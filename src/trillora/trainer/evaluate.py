@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..rollout.types import RolloutEngine, SamplingParams
 from ..tasks.env import EnvGroupBuilder
 from ..tasks.base import Problem, Task
-from ..tasks.prompts import decode_completion, encode_prompt
+from ..tasks.prompts import decode_completion, encode_problem
 from .episodes import run_groups
 
 
@@ -13,7 +13,7 @@ def evaluate(engine: RolloutEngine, tokenizer, task: Task, problems: list[Proble
              score=None) -> float:
     """Mean reward over problems × n samples; `score(problem, text)` (default `task.reward`) scores one."""
     score = score or task.reward
-    groups = engine.generate([encode_prompt(tokenizer, p.prompt) for p in problems], n, params)
+    groups = engine.generate([encode_problem(tokenizer, p) for p in problems], n, params)
     scores = [score(p, decode_completion(tokenizer, c.token_ids)) for p, g in zip(problems, groups) for c in g]
     return sum(scores) / max(1, len(scores))
 

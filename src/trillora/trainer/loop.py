@@ -32,7 +32,7 @@ from ..errors import TrainingDiverged
 from ..tasks import make_task
 from ..tasks.env_dataset import load_env_dataset
 from ..tasks.guard import GuardedReward
-from ..tasks.prompts import encode_prompt
+from ..tasks.prompts import encode_problem
 from .checkpoints import RunCheckpoints
 from .engine import check_engine, make_engine
 from .evaluate import evaluate, evaluate_envs
@@ -93,7 +93,7 @@ class Trainer:
         if not hasattr(self.task, "limit_prompt_tokens"):
             return
         r = self.cfg.rollout
-        self.task.limit_prompt_tokens(lambda text: len(encode_prompt(self.tokenizer, text)), r.max_model_len - r.max_new_tokens,
+        self.task.limit_prompt_tokens(lambda problem: len(encode_problem(self.tokenizer, problem)), r.max_model_len - r.max_new_tokens,
                                       f"rollout.max_model_len={r.max_model_len} - rollout.max_new_tokens={r.max_new_tokens}")
         if self.task.skipped and self.world.main:
             self.console.print(f"[yellow]{len(self.task.skipped)} dataset rows skipped[/] (bad_rows=\"skip\"); "

@@ -4,8 +4,8 @@
 Every task runs as envs (`trillora.tasks.task_env`: a single-turn task is a one-turn env), so
 the same path carries multi-turn envs. Runs on the rank that holds the engine. Rewards are user
 code and go through the task's guard (time limit, failure policy). With `rollout.asynchronous` a
-thread samples single-turn batches ahead (`trillora.rollout.async_worker`) and this module only
-scores what it produced. Shape legend: P groups (prompts) per step, G group size, B rows.
+thread samples ahead (`trillora.rollout.async_worker`): single-turn batches this module then scores,
+or a user env dataset's whole episodes. Shape legend: P groups (prompts) per step, G group size, B rows.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..tasks import Problem, Task
 from ..tasks.env import Trajectory, TrajectoryGroup, Transition
 from ..tasks.env_dataset import EnvDataset
 from ..tasks.guard import GuardedReward
-from ..tasks.prompts import decode_completion, encode_prompt
+from ..tasks.prompts import decode_completion, encode_problem, stop_tokens
 from ..tasks.task_env import TaskGroupBuilder
 from ..tasks.trajectory import merge_trajectory
 from .batch import TokenBatch, batch_from_samples, with_routes
@@ -59,7 +59,7 @@ class Sampler:
         self.device, self.routing = device, routing
         self.pad_id = tokenizer.pad_token_id or 0
         r = self.rollout
-        stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+        stop = stop_tokens(tokenizer, chat=task is not None and task.chat)
         self.params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                      top_k=r.top_k, stop_token_ids=stop)
         self.worker: RolloutWorker | None = None
@@ -74,12 +74,15 @@ class Sampler:
         seed = self.seed * 1_000_003 + step if k == 0 else -((self.seed * 1_000_003 + step) * 16 + k)
         problems = self.task.problems("train", r.prompts_per_step, seed=seed)
         params = dataclasses.replace(self.params, seed=seed, return_routing=self.routing)
-        return Request(problems, [encode_prompt(self.tokenizer, p.prompt) for p in problems], r.group_size, params)
+        return Request(problems, [encode_problem(self.tokenizer, p) for p in problems], r.group_size, params)
 
     def start_worker(self, first_step: int, last_step: int) -> RolloutWorker:
         r = self.rollout
 
         def ask(step: int):
+            if self.envs is not None:  # the step's episodes, run on the worker's thread
+                builders, params = list(self.envs.get_batch(step)), self._env_params(step)
+                return None, lambda engine: run_groups(engine, builders, params, self.limits), None, None
             req = self.request(step)
             return req, req.prompts, req.n, req.params
 
@@ -93,10 +96,11 @@ class Sampler:
         for k in range(a.max_sampling_rounds if a.dynamic_sampling else 1):
             if self.worker is not None:  # sampled ahead by the rollout thread
                 sampled = self.worker.take(step)
-                groups, staleness = self._scored(sampled.request.problems, sampled.groups), step - sampled.revision
+                groups = sampled.groups if self.envs is not None else self._scored(sampled.request.problems,
+                                                                                   sampled.groups)
+                staleness = step - sampled.revision
             elif self.envs is not None:  # the dataset's groups of the step (one round: no dynamic sampling)
-                params = dataclasses.replace(self.params, seed=self.seed * 1_000_003 + step, return_routing=self.routing)
-                groups = run_groups(self.engine, list(self.envs.get_batch(step)), params, self.limits)
+                groups = run_groups(self.engine, list(self.envs.get_batch(step)), self._env_params(step), self.limits)
             else:
                 req = self.request(step, k)
                 builders = [TaskGroupBuilder(self.task, p, self.tokenizer, req.n, self.reward) for p in req.problems]
@@ -120,6 +124,9 @@ class Sampler:
         if self.envs is not None:
             stats.update(episode_metrics(groups))
         return self._batch(groups, rewards, stats)
+
+    def _env_params(self, step: int) -> SamplingParams:
+        return dataclasses.replace(self.params, seed=self.seed * 1_000_003 + step, return_routing=self.routing)
 
     def _scored(self, problems: list[Problem], completions: list[list[Completion]]) -> list[TrajectoryGroup]:
         """Completions sampled ahead as one-turn trajectories, scored on this (the main) thread."""

@@ -1,0 +1,108 @@
+"""A calculator tool for products the model cannot work out alone (4-digit × 3-digit): success is
+calling `multiply` with the right factors and copying its result as the answer.
+
+    task.name = "env"
+    task.options = { env = "trillora.tasks.calculator:dataset" }
+
+A chat model's env: the question is a user message, the tool's schema goes in through the chat
+template, the calls are parsed in the tokenizer's tool format.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from ..errors import ConfigError
+from .base import in_eval_split
+from .env import EnvGroupBuilder
+from .renderer import ChatRenderer
+from .tools import ToolEnv
+
+_INTEGER = re.compile(r"-?\d+")
+EVAL_FRACTION = 0.1
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+def factors(rng: random.Random, digits: tuple[int, int]) -> tuple[int, int]:
+    return tuple(rng.randint(10 ** (d - 1), 10**d - 1) for d in digits)
+
+
+def question(a: int, b: int) -> str:
+    return f"{a}*{b}="
+
+
+def answer_score(text: str, product: int) -> float:
+    """1 when the answer's first integer is the product."""
+    found = _INTEGER.search(text)
+    return float(found is not None and int(found.group()) == product)
+
+
+def draw(rng: random.Random, digits: tuple[int, int], split: str) -> tuple[int, int]:
+    """Factors whose question falls in `split` (held-out by a hash of the question, as tasks do)."""
+    while True:
+        a, b = factors(rng, digits)
+        if in_eval_split(question(a, b), EVAL_FRACTION) == (split == "eval"):
+            return a, b
+
+
+def demonstration(a: int, b: int, call: bool) -> list[dict]:
+    """A worked conversation: through the tool, or a direct answer (for pretraining)."""
+    ask = {"role": "user", "content": question(a, b)}
+    if not call:
+        return [ask, {"role": "assistant", "content": str(a * b)}]
+    return [ask, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}]},
+        {"role": "tool", "tool_call_id": "call_0", "name": "multiply", "content": str(a * b)},
+        {"role": "assistant", "content": str(a * b)}]
+
+
+class CalculatorGroup(EnvGroupBuilder):
+    def __init__(self, renderer: ChatRenderer, a: int, b: int, group_size: int, max_tool_calls: int, tool_timeout: float):
+        self.renderer, self.a, self.b, self.group_size = renderer, a, b, group_size
+        self.max_tool_calls, self.tool_timeout = max_tool_calls, tool_timeout
+
+    def make_envs(self) -> list[ToolEnv]:
+        product = self.a * self.b
+        return [ToolEnv(self.renderer, [{"role": "user", "content": question(self.a, self.b)}], [multiply],
+                        lambda text: answer_score(text, product), self.max_tool_calls, self.tool_timeout)
+                for _ in range(self.group_size)]
+
+    def logging_tags(self) -> list[str]:
+        return ["calculator"]
+
+
+class CalculatorDataset:
+    def __init__(self, renderer: ChatRenderer, batch_size: int, group_size: int, eval_size: int, seed: int,
+                 digits: tuple[int, int], max_tool_calls: int, tool_timeout: float):
+        self.renderer, self.batch_size, self.group_size, self.eval_size, self.seed = (
+            renderer, batch_size, group_size, eval_size, seed)
+        self.digits, self.max_tool_calls, self.tool_timeout = digits, max_tool_calls, tool_timeout
+
+    def _groups(self, rng: random.Random, n: int, split: str, group_size: int) -> list[CalculatorGroup]:
+        return [CalculatorGroup(self.renderer, *draw(rng, self.digits, split), group_size, self.max_tool_calls,
+                                self.tool_timeout) for _ in range(n)]
+
+    def get_batch(self, index: int) -> list[CalculatorGroup]:
+        return self._groups(random.Random(f"calculator:train:{self.seed}:{index}"), self.batch_size, "train",
+                            self.group_size)
+
+    def eval_batch(self) -> list[CalculatorGroup]:
+        return self._groups(random.Random(f"calculator:eval:{self.seed}"), self.eval_size, "eval", 1)
+
+
+def dataset(tokenizer, batch_size: int, group_size: int, eval_size: int, seed: int, digits: list[int] = (4, 3),
+            tool_format: str | None = None, max_tool_calls: int = 2, tool_timeout: float = 5.0) -> CalculatorDataset:
+    if len(digits) != 2 or min(digits) < 1:
+        raise ConfigError(f"calculator digits must be two positive counts like [4, 3], got {list(digits)}")
+    return CalculatorDataset(ChatRenderer(tokenizer, tool_format), batch_size, group_size, eval_size, seed,
+                             (int(digits[0]), int(digits[1])), max_tool_calls, tool_timeout)

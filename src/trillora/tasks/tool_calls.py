@@ -1,0 +1,171 @@
+"""Tool calls out of an assistant turn's text, in the formats of the models trillora loads.
+
+Each model family was trained to write its calls its own way; the parser must match the one the
+model's chat template shows it, or every call reads as plain text:
+
+- `hermes` (Qwen3, Qwen2.5, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one
+  block per call;
+- `kimi_k2`: `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>functions.NAME:IDX
+  <|tool_call_argument_begin|>{json}<|tool_call_end|>`, then `<|tool_calls_section_end|>`;
+- `deepseek_v3`: `<｜tool▁calls▁begin｜>` then per call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`
+  and the arguments in a ```json fence, `<｜tool▁call▁end｜>`; V3.1's `NAME<｜tool▁sep｜>{json}` too.
+
+A call that is there but broken (bad JSON, no name, arguments that are not an object) is kept as
+an error rather than dropped, so the env can answer it and the metrics count it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from ..errors import ConfigError
+
+ToolFormat = Literal["hermes", "kimi_k2", "deepseek_v3"]
+TOOL_FORMATS: tuple[str, ...] = get_args(ToolFormat)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str = ""
+
+
+@dataclass
+class ParsedTurn:
+    """An assistant turn: its text without the calls, the calls that parsed, the ones that did not."""
+
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def _arguments(raw, where: str) -> tuple[dict | None, str | None]:
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            return None, f"{where}: arguments are not valid JSON ({e.msg})"
+    if not isinstance(raw, dict):
+        return None, f"{where}: arguments must be a JSON object, got {type(raw).__name__}"
+    return raw, None
+
+
+def _hermes(text: str) -> ParsedTurn:
+    calls, errors = [], []
+    for k, m in enumerate(re.finditer(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.S)):
+        body = m.group(1).strip()
+        where = f"tool call {k}"
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as e:
+            errors.append(f"{where}: not valid JSON ({e.msg})")
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            errors.append(f"{where}: needs an object with a string \"name\"")
+            continue
+        args, err = _arguments(obj.get("arguments", {}), where)
+        if err:
+            errors.append(err)
+        else:
+            calls.append(ToolCall(obj["name"], args, f"call_{k}"))
+    content = re.sub(r"<tool_call>.*?(?:</tool_call>|$)", "", text, flags=re.S).strip()
+    return ParsedTurn(content, calls, errors)
+
+
+_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(.*?)\s*<\|tool_call_argument_begin\|>(.*?)(?:<\|tool_call_end\|>|$)", re.S)
+
+
+def _kimi_k2(text: str) -> ParsedTurn:
+    head, sep, section = text.partition("<|tool_calls_section_begin|>")
+    if not sep:
+        return ParsedTurn(text.strip())
+    section = section.split("<|tool_calls_section_end|>", 1)[0]
+    calls, errors = [], []
+    for k, m in enumerate(_KIMI_CALL.finditer(section)):
+        call_id = m.group(1)
+        name = re.sub(r"^functions\.", "", call_id).rsplit(":", 1)[0]
+        args, err = _arguments(m.group(2).strip(), f"tool call {k} ({call_id})")
+        if err or not name:
+            errors.append(err or f"tool call {k}: no function name in {call_id!r}")
+        else:
+            calls.append(ToolCall(name, args, call_id))
+    if not calls and not errors:
+        errors.append("tool call section without a complete call")
+    return ParsedTurn(head.strip(), calls, errors)
+
+
+_DS_BEGIN, _DS_SEP, _DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+
+
+def _deepseek_v3(text: str) -> ParsedTurn:
+    head, sep, section = text.partition("<｜tool▁calls▁begin｜>")
+    if not sep:
+        return ParsedTurn(text.strip())
+    calls, errors = [], []
+    for k, block in enumerate(section.split(_DS_BEGIN)[1:]):
+        block = block.split(_DS_END, 1)[0]
+        kind, sep, rest = block.partition(_DS_SEP)
+        if not sep:
+            errors.append(f"tool call {k}: no {_DS_SEP}")
+            continue
+        fence = re.match(r"(.*?)\n```(?:json)?\n(.*?)\n?```", rest, re.S)
+        if kind.strip() == "function" and fence:  # V3: function<sep>NAME ```json ... ```
+            name, raw = fence.group(1).strip(), fence.group(2)
+        else:  # V3.1: NAME<sep>{json}
+            name, raw = kind.strip(), rest
+        args, err = _arguments(raw.strip(), f"tool call {k} ({name})")
+        if err or not name:
+            errors.append(err or f"tool call {k}: no function name")
+        else:
+            calls.append(ToolCall(name, args, f"call_{k}"))
+    if not calls and not errors:
+        errors.append("tool call section without a complete call")
+    return ParsedTurn(head.strip(), calls, errors)
+
+
+PARSERS = {"hermes": _hermes, "kimi_k2": _kimi_k2, "deepseek_v3": _deepseek_v3}
+
+_MARKERS = (("<|tool_calls_section_begin|>", "kimi_k2"), ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
+            ("<tool_call>", "hermes"))
+
+
+def parse_tool_calls(text: str, fmt: str) -> ParsedTurn:
+    return PARSERS[check_format(fmt)](text)
+
+
+def check_format(fmt: str) -> str:
+    if fmt not in PARSERS:
+        raise ConfigError(f"unknown tool-call format {fmt!r}; allowed: {', '.join(TOOL_FORMATS)}")
+    return fmt
+
+
+def detect_format(tokenizer, explicit: str | None = None) -> str:
+    """The format named, or the one whose marker tokens the tokenizer has (its vocabulary or chat template)."""
+    if explicit:
+        return check_format(explicit)
+    vocab = tokenizer.get_vocab()
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = template if isinstance(template, str) else " ".join(str(t) for t in template)
+    for marker, fmt in _MARKERS:
+        if marker in vocab or marker in template:
+            return fmt
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    raise ConfigError(f"cannot tell the tool-call format of tokenizer {name!r} (none of "
+                      f"{', '.join(m for m, _ in _MARKERS)} in its vocabulary or chat template); set "
+                      f"task.options.tool_format to one of: {', '.join(TOOL_FORMATS)}")
+
+
+def format_tool_call(call: ToolCall, fmt: str, index: int = 0) -> str:
+    """A call written the way `fmt`'s models write it (for pretraining data and tests)."""
+    args = json.dumps(call.arguments)
+    if fmt == "hermes":
+        return f'<tool_call>\n{{"name": "{call.name}", "arguments": {args}}}\n</tool_call>'
+    if fmt == "kimi_k2":
+        return (f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{call.name}:{index}"
+                f"<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>")
+    check_format(fmt)
+    return f"<｜tool▁calls▁begin｜>{_DS_BEGIN}function{_DS_SEP}{call.name}\n```json\n{args}\n```{_DS_END}<｜tool▁calls▁end｜>"

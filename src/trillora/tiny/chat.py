@@ -1,0 +1,117 @@
+"""Supervised pretraining of `tiny-moe-chat`: the tiny MoE's architecture with chat turns and tool calls.
+
+The mix: chat-formatted addition and reversal (the format, and the skills of `tiny-moe`), and
+4-digit × 3-digit products with the `multiply` tool offered, answered through the tool in a
+minority of examples (`call_fraction`) and directly (which it cannot compute) in the rest. So the
+model knows the call format and how to copy a tool's result, but mostly does not call: a weak,
+non-zero prior that RL on the calculator env (`examples/calculator.toml`) raises. Pretraining
+stops once sampled held-out success reaches `target_success`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import save_model
+from ..models import build_model, from_hf_config
+from ..tasks import calculator
+from ..tasks.tools import function_schema
+from . import TINY_QWEN3_MOE, build_chat_tokenizer
+
+TOOLS = [function_schema(calculator.multiply)]
+
+
+def chat_example(tokenizer, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int]]:
+    """(token ids, 1 where the token is the assistant's): each assistant turn from the end of its
+    generation prompt through its end-of-turn token."""
+    def encode(msgs, gen):
+        text = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    ids = encode(messages, False)
+    mask = [0] * len(ids)
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start, end = len(encode(messages[:k], True)), len(encode(messages[:k + 1], False))
+        mask[start:end] = [1] * (end - start)
+    return ids, mask
+
+
+def _example(rng: random.Random, call_fraction: float) -> tuple[list[dict], list[dict] | None]:
+    kind = rng.choices(["add", "reverse", "calculator"], [0.3, 0.15, 0.55])[0]
+    if kind == "calculator":
+        a, b = calculator.draw(rng, (4, 3), "train")
+        return calculator.demonstration(a, b, call=rng.random() < call_fraction), TOOLS
+    if kind == "add":
+        x, y = rng.randint(100, 999), rng.randint(100, 999)
+        return [{"role": "user", "content": f"{x}+{y}="}, {"role": "assistant", "content": str(x + y)}], None
+    word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
+    return [{"role": "user", "content": f"reverse {word}"}, {"role": "assistant", "content": word[::-1]}], None
+
+
+def calculator_eval(engine, tokenizer, n: int = 64) -> dict[str, float]:
+    """Held-out calculator episodes, sampled at temperature 1: success and how often the tool is called."""
+    from ..rollout import SamplingParams
+    from ..trainer.episodes import EpisodeLimits, run_groups
+
+    ds = calculator.dataset(tokenizer, batch_size=n, group_size=1, eval_size=n, seed=0)
+    params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=0)
+    groups = run_groups(engine, ds.eval_batch(), params, EpisodeLimits(max_turns=3, max_model_len=512))
+    trajectories = [t for g in groups for t in g.trajectories]
+    called = [any(tr.metrics.get("tool_calls", 0) > 0 for tr in t.transitions) for t in trajectories]
+    return {"success": sum(t.total_reward for t in trajectories) / n, "call_rate": sum(called) / n}
+
+
+def pretrain_chat(out: str | Path, seed: int = 0, batch: int = 64, max_steps: int = 3000, lr: float = 3e-3,
+                  call_fraction: float = 0.3, target_success: float = 0.15, min_steps: int = 300,
+                  eval_every: int = 50) -> dict:
+    from rich.progress import Progress
+
+    from ..rollout import LocalEngine
+
+    torch.manual_seed(seed)
+    tokenizer = build_chat_tokenizer()
+    config = dict(TINY_QWEN3_MOE, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = build_model(from_hf_config(config, where="tiny chat config"), device="cpu")
+    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    history, start, last = [], time.perf_counter(), {}
+    with Progress() as bar:
+        job = bar.add_task("pretraining tiny MoE (chat)", total=max_steps)
+        for step in range(1, max_steps + 1):
+            rows = [chat_example(tokenizer, *_example(rng, call_fraction)) for _ in range(batch)]
+            width = max(len(ids) for ids, _ in rows)
+            ids = torch.full((batch, width), tokenizer.pad_token_id)
+            target = torch.full((batch, width), -100)
+            for i, (row, mask) in enumerate(rows):
+                ids[i, :len(row)] = torch.tensor(row)
+                target[i, :len(row) - 1] = torch.tensor([t if m else -100 for t, m in zip(row[1:], mask[1:])])
+            for g in opt.param_groups:
+                g["lr"] = lr * min(1.0, step / 200) * 0.5 * (1 + math.cos(math.pi * step / max_steps))
+            logits = model(ids)  # [B, T, V]
+            loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1), ignore_index=-100)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            bar.update(job, advance=1, description=f"pretraining tiny MoE (chat)  loss {loss.item():.3f}  {last}")
+            if step % eval_every == 0:
+                model.eval()
+                last = {k: round(v, 3) for k, v in calculator_eval(LocalEngine(model, precision="fp32"), tokenizer).items()}
+                model.train()
+                history.append({"step": step, "loss": loss.item(), **last})
+                bar.console.log(history[-1])
+                if step >= min_steps and last["success"] >= target_success:
+                    break
+    model.eval()
+    out = save_model(model, out)
+    tokenizer.save_pretrained(out)
+    return {"steps": step, "seconds": time.perf_counter() - start, "call_fraction": call_fraction, "history": history}
