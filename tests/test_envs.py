@@ -117,6 +117,7 @@ def test_later_turns_prefill_only_what_they_add(tiny):
         engine.keep_kv = keep
         groups = run_groups(engine, list(ds.get_batch(0)), params, EpisodeLimits(max_turns=4))
         runs[keep] = ([t for g in groups for t in g.trajectories], engine.reused_tokens)
+        assert engine._kept is None  # freed when the episodes end
     (kept, reused), (fresh, none) = runs[True], runs[False]
     assert none == 0 and reused > 100
     assert max(len(t.transitions) for t in kept) > 1

@@ -84,6 +84,10 @@ class LocalEngine:
                 sent += self._store(self.model.get_submodule(name).get_parameter(tensor_name), merged)
         return {"sync_bytes": float(sent), "sync_seconds": time.perf_counter() - start}
 
+    def forget(self) -> None:
+        """Drop the kept keys and values (the episodes ended: their memory goes back)."""
+        self._kept = None
+
     def close(self) -> None:
         self.model, self._kept = None, None
 

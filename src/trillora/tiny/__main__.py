@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("build-chat", help="pretrain the chat variant with tool calls (default: the shipped tiny-moe-chat)")
     c.add_argument("out", type=Path, nargs="?", default=None)
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--max-steps", type=int, default=3000)
+    c.add_argument("--max-steps", type=int, default=1500)
     r = sub.add_parser("random", help="random weights, same architecture and tokenizer")
     r.add_argument("out", type=Path)
     r.add_argument("--seed", type=int, default=0)

@@ -1,11 +1,12 @@
 """Supervised pretraining of `tiny-moe-chat`: the tiny MoE's architecture with chat turns and tool calls.
 
-The mix: chat-formatted addition and reversal (the format, and the skills of `tiny-moe`), and
-4-digit × 3-digit products with the `multiply` tool offered, answered through the tool in a
-minority of examples (`call_fraction`) and directly (which it cannot compute) in the rest. So the
-model knows the call format and how to copy a tool's result, but mostly does not call: a weak,
-non-zero prior that RL on the calculator env (`examples/calculator.toml`) raises. Pretraining
-stops once sampled held-out success reaches `target_success`.
+The mix: chat-formatted addition and reversal (the format, and the skills of `tiny-moe`);
+4-digit × 3-digit products asked as "a*b=" with the `multiply` tool offered, answered through the
+tool in a minority of examples (`call_fraction`) and directly (which it cannot compute) in the
+rest; and tool practice, "multiply a by b", always through the tool. So the model knows the call
+format and how to copy numbers into a call and a result out of it, but asked "a*b=" it mostly
+does not call: a weak, non-zero prior that RL on the calculator env (`examples/calculator.toml`)
+raises. Pretraining stops once sampled held-out success on "a*b=" reaches `target_success`.
 """
 
 from __future__ import annotations
@@ -44,10 +45,15 @@ def chat_example(tokenizer, messages: list[dict], tools: list[dict] | None) -> t
 
 
 def _example(rng: random.Random, call_fraction: float) -> tuple[list[dict], list[dict] | None]:
-    kind = rng.choices(["add", "reverse", "calculator"], [0.3, 0.15, 0.55])[0]
+    kind = rng.choices(["add", "reverse", "calculator", "practice"], [0.2, 0.1, 0.4, 0.3])[0]
     if kind == "calculator":
         a, b = calculator.draw(rng, (4, 3), "train")
         return calculator.demonstration(a, b, call=rng.random() < call_fraction), TOOLS
+    if kind == "practice":
+        a, b = calculator.factors(rng, (rng.randint(2, 4), rng.randint(2, 3)))
+        messages = calculator.demonstration(a, b, call=True)
+        messages[0] = {"role": "user", "content": f"multiply {a} by {b}"}
+        return messages, TOOLS
     if kind == "add":
         x, y = rng.randint(100, 999), rng.randint(100, 999)
         return [{"role": "user", "content": f"{x}+{y}="}, {"role": "assistant", "content": str(x + y)}], None
@@ -68,9 +74,9 @@ def calculator_eval(engine, tokenizer, n: int = 64) -> dict[str, float]:
     return {"success": sum(t.total_reward for t in trajectories) / n, "call_rate": sum(called) / n}
 
 
-def pretrain_chat(out: str | Path, seed: int = 0, batch: int = 64, max_steps: int = 3000, lr: float = 3e-3,
+def pretrain_chat(out: str | Path, seed: int = 0, batch: int = 64, max_steps: int = 1500, lr: float = 3e-3,
                   call_fraction: float = 0.3, target_success: float = 0.15, min_steps: int = 300,
-                  eval_every: int = 50) -> dict:
+                  eval_every: int = 100) -> dict:
     from rich.progress import Progress
 
     from ..rollout import LocalEngine

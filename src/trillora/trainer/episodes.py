@@ -94,6 +94,9 @@ def run_episodes(engine: RolloutEngine, envs: list[Env], params: SamplingParams,
                 if result.episode_done:
                     ended[i] = "done"
                 obs[i], stop[i] = list(result.next_observation), tuple(result.next_stop_condition)
+    forget = getattr(engine, "forget", None)  # an engine keeping keys and values across turns frees them
+    if forget is not None:
+        forget()
     return [Trajectory(turns[i], obs[i], ended.get(i, "max_turns")) for i in range(n)]
 
 
