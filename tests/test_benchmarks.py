@@ -76,3 +76,18 @@ def test_time_to_accuracy_evaluates_both_sides_alike(tmp_path):
     assert ours[0][2] == theirs[0][2]
     assert all(t > 0 for _, t, _ in ours[1:] + theirs[1:])
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_agent_env_benchmark_trains_the_calculator_from_its_example(tmp_path):
+    """`trillora train examples/calculator.toml` as the benchmark runs it, one step: tool calls,
+    parse errors and turns are logged per episode, and the curves are plotted."""
+    out = tmp_path / "agent.json"
+    subprocess.run([sys.executable, str(BENCH / "agent_envs.py"), "--only", "calculator", "--out", str(out), "steps=2",
+                    "eval_every=2", "task.eval_problems=4", "rollout.prompts_per_step=2", "rollout.group_size=4"],
+                   check=True, capture_output=True, timeout=600)
+    r = json.loads(out.read_text())
+    calc = r["results"]["calculator"]
+    assert calc["steps"] == 2 and 0.0 <= calc["success_after"] <= 1.0
+    rows = r["curves"]["calculator"][1:]
+    assert all("env/tool_calls" in x and "env/parse_error" in x and x["turns_mean"] >= 1.0 for x in rows)
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -1,5 +1,6 @@
 """The built-in tool envs: the calculator and the Python tool (through the sandbox, attacked as a
-model's program would), and RL on the calculator with the shipped chat model."""
+model's program would). RL on the calculator from its example config runs in test_benchmarks.py
+(benchmarks/agent_envs.py, a step)."""
 
 from __future__ import annotations
 
@@ -71,16 +72,3 @@ def test_python_tool_contains_hostile_programs():
     assert python("while True: pass").startswith("error: the program was stopped (SIGXCPU)")
     assert python("import time\ntime.sleep(30)").startswith("error: the program was stopped (SIGKILL)")
     assert python("print(open('/proc/self/status').read().count('\\n') > 0)") == "True\n"
-
-
-def test_calculator_trains_from_its_example_config(tmp_path):
-    from trillora.config import load_config
-    from trillora.trainer import Trainer
-
-    cfg = load_config("examples/calculator.toml", [f"out_dir={tmp_path}", "steps=2", "eval_every=2",
-                                                   "task.eval_problems=4", "rollout.prompts_per_step=2",
-                                                   "rollout.group_size=4"])
-    summary = Trainer(cfg).run()
-    rows = [json.loads(x) for x in (tmp_path / "calculator" / "metrics.jsonl").read_text().splitlines()]
-    assert summary["steps"] == 2 and 0.0 <= summary["eval_after"] <= 1.0
-    assert all("env/tool_calls" in r and "env/parse_error" in r and r["turns_mean"] >= 1.0 for r in rows[1:])
