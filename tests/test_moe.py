@@ -109,3 +109,15 @@ def test_record_routing_shapes_and_replay_weights():
     x = torch.randn(5, args.hidden_size)
     w, idx = moe.gate(x)
     assert torch.allclose(moe.gate.weights_for(x, idx), w)
+
+
+def test_an_expert_shard_without_rows_stays_in_the_graph():
+    """Under expert parallelism a rank may receive no rows (a batch of identical prompts routes them
+    all to the other rank's experts): its empty product must still carry gradients, or the backward
+    all-to-all its peers wait in never runs."""
+    x = torch.zeros(0, 4, requires_grad=True)
+    w = torch.randn(3, 5, 4, requires_grad=True)
+    y = grouped_linear(x, w, torch.zeros(3, dtype=torch.long))
+    assert y.shape == (0, 5) and y.requires_grad
+    y.sum().backward()
+    assert x.grad.shape == (0, 4) and torch.equal(w.grad, torch.zeros_like(w))

@@ -56,8 +56,9 @@ def grouped_linear(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tens
     `grouped=False` is the exact per-expert loop, kept as the reference and as
     the fallback for shapes the grouped kernel does not accept.
     """
-    if x_RI.shape[0] == 0:
-        return x_RI.new_zeros(0, w_EOI.shape[1])
+    if x_RI.shape[0] == 0:  # an empty product, still in the graph: under expert parallelism a rank that
+        # received no rows must still run the backward all-to-all its peers wait for
+        return x_RI @ w_EOI[0].transpose(0, 1)
     if grouped and grouped_mm_ok(x_RI, w_EOI):
         offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
         return _contiguous_grad(torch._grouped_mm(x_RI.contiguous(), w_EOI.transpose(-2, -1), offs=offs))
