@@ -102,12 +102,14 @@ def _fits(value: Any, schema: dict) -> bool:
     return True
 
 
-def call_tool(functions: dict[str, Callable], call: ToolCall, timeout: float, max_output: int = 2000) -> tuple[str, str]:
-    """(the tool message's content, what happened: "ok" or one of the failure counters)."""
+def call_tool(functions: dict[str, Callable], call: ToolCall, timeout: float, max_output: int = 2000,
+              schemas: dict[str, dict] | None = None) -> tuple[str, str]:
+    """(the tool message's content, what happened: "ok" or one of the failure counters). `schemas`:
+    the tools' schemas by name when already built."""
     fn = functions.get(call.name)
     if fn is None:
         return f"error: unknown tool {call.name!r}; available: {', '.join(functions)}", "unknown_tool"
-    schema = function_schema(fn)["function"]["parameters"]
+    schema = (schemas[call.name] if schemas else function_schema(fn))["function"]["parameters"]
     try:
         inspect.signature(fn).bind(**call.arguments)
     except TypeError as e:
@@ -137,6 +139,7 @@ class ToolEnv(MessageEnv):
                  score: Callable[[str], float], max_tool_calls: int = 4, tool_timeout: float = 5.0):
         super().__init__(renderer, messages, [function_schema(f) for f in tools])
         self.functions = {f.__name__: f for f in tools}
+        self.schemas = {s["function"]["name"]: s for s in self.tools}
         self.score, self.max_tool_calls, self.tool_timeout = score, max_tool_calls, tool_timeout
         self.calls = 0
 
@@ -154,7 +157,7 @@ class ToolEnv(MessageEnv):
             return Reply(done=True, metrics=metrics)
         messages = [{"role": "tool", "content": f"error: {e}"} for e in parsed.errors]
         for call in parsed.tool_calls:
-            content, outcome = call_tool(self.functions, call, self.tool_timeout)
+            content, outcome = call_tool(self.functions, call, self.tool_timeout, schemas=self.schemas)
             if outcome != "ok":
                 metrics[outcome] += 1.0
             messages.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content})

@@ -11,7 +11,6 @@ raises. Pretraining stops once sampled held-out success on "a*b=" reaches `targe
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from pathlib import Path
@@ -80,6 +79,7 @@ def pretrain_chat(out: str | Path, seed: int = 0, batch: int = 64, max_steps: in
     from rich.progress import Progress
 
     from ..rollout import LocalEngine
+    from .pretrain import supervised_step
 
     torch.manual_seed(seed)
     tokenizer = build_chat_tokenizer()
@@ -100,14 +100,7 @@ def pretrain_chat(out: str | Path, seed: int = 0, batch: int = 64, max_steps: in
             for i, (row, mask) in enumerate(rows):
                 ids[i, :len(row)] = torch.tensor(row)
                 target[i, :len(row) - 1] = torch.tensor([t if m else -100 for t, m in zip(row[1:], mask[1:])])
-            for g in opt.param_groups:
-                g["lr"] = lr * min(1.0, step / 200) * 0.5 * (1 + math.cos(math.pi * step / max_steps))
-            logits = model(ids)  # [B, T, V]
-            loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1), ignore_index=-100)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            loss = supervised_step(model, opt, ids, target, lr, step, max_steps)
             bar.update(job, advance=1, description=f"pretraining tiny MoE (chat)  loss {loss.item():.3f}  {last}")
             if step % eval_every == 0:
                 model.eval()

@@ -31,6 +31,21 @@ def _examples(tasks, weights, rng: random.Random, n: int, seed: int):
     return out
 
 
+def supervised_step(model, opt, ids: torch.Tensor, target: torch.Tensor, lr: float, step: int,
+                    max_steps: int) -> torch.Tensor:
+    """One AdamW step on next-token cross-entropy where `target` is not -100 (200 warmup steps, then
+    cosine); the loss."""
+    for g in opt.param_groups:
+        g["lr"] = lr * min(1.0, step / 200) * 0.5 * (1 + math.cos(math.pi * step / max_steps))
+    logits = model(ids)  # [B, T, V]
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1), ignore_index=-100)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
 def pretrain(
     out: str | Path,
     seed: int = 0,
@@ -74,15 +89,7 @@ def pretrain(
             for i, (p, a) in enumerate(seqs):
                 ids[i, : len(p) + len(a)] = torch.tensor(p + a)
                 target[i, len(p) - 1 : len(p) + len(a) - 1] = torch.tensor(a)
-            warm = min(1.0, step / 200)
-            for g in opt.param_groups:
-                g["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / max_steps))
-            logits = model(ids)
-            loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), target.view(-1), ignore_index=-100)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            loss = supervised_step(model, opt, ids, target, lr, step, max_steps)
             bar.update(job, advance=1, description=f"pretraining tiny MoE  loss {loss.item():.3f}  add acc {acc:.2f}")
             if step % eval_every == 0:
                 model.eval()
