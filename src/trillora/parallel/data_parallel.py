@@ -9,6 +9,8 @@ routed to a rank's experts to that rank. Losses are normalised by global token c
 Under tensor parallel, an adapter matrix that is replicated across tp (A of a column-parallel
 layer, B of a row-parallel one) gets a partial gradient on each tp rank (DTensor marks it
 `Partial`): it is reduced over tp first, to the parameter's own placement.
+
+`global_grad_norm` is the clipping norm over all of it: each shard's squares counted once.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ from ..models.moe import GroupedExperts
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor; a plain tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def sharded_dims(t: torch.Tensor) -> list[int]:
+    """The mesh dimensions a DTensor is split over. FSDP over a tensor-parallel parameter shards
+    an already sharded dim and marks it `_StridedShard`, which is not `is_shard()`: anything
+    that is neither replicated nor a pending sum holds a part of the tensor."""
+    if not hasattr(t, "placements"):
+        return []
+    return [i for i, pl in enumerate(t.placements) if not (pl.is_replicate() or pl.is_partial())]
 
 
 def expert_parameter_names(model: nn.Module) -> set[str]:
@@ -61,3 +72,37 @@ class GradientSync:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         return sent
+
+
+@torch.no_grad()
+def global_grad_norm(model: nn.Module, par) -> torch.Tensor:
+    """The L2 norm of every LoRA gradient of the whole model, equal on every rank of `par`
+    (a `Parallelized`; call after the gradient sync): squares summed locally, then over every
+    mesh axis a gradient is split on (tp, FSDP's dp × cp), over ep for expert shards, and over
+    the pipeline stages."""
+    dims = par.dims
+    experts = expert_parameter_names(model)
+    buckets: dict[tuple, list] = {}  # mesh axis names -> [sum of squares, groups]
+    for name, p in lora_parameters(model):
+        if p.grad is None:
+            continue
+        g = p.grad
+        names, groups = [], []
+        for i in sharded_dims(g):
+            mesh = g.device_mesh
+            names.append(mesh.mesh_dim_names[i] if mesh.mesh_dim_names else str(i))
+            groups.append(mesh.get_group(i))
+        if name in experts and dims.ep > 1:
+            names.append("ep")
+            groups.append(par.meshes.group("ep"))
+        bucket = buckets.setdefault(tuple(names), [torch.zeros((), dtype=torch.float64), groups])
+        bucket[0] += local_tensor(g).double().square().sum()
+    total = torch.zeros((), dtype=torch.float64)
+    for key in sorted(buckets):  # names are the same on every rank of a stage, so the collectives line up
+        sq, groups = buckets[key]
+        for group in groups:
+            dist.all_reduce(sq, group=group)
+        total += sq
+    if dims.pp > 1:  # each pipeline rank holds other layers' adapters
+        dist.all_reduce(total, group=par.meshes.group("pp"))
+    return total.sqrt().float()

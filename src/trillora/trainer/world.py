@@ -30,7 +30,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..lora.apply import lora_parameters
 from ..parallel import ParallelDims, Parallelized, parallelize
-from ..parallel.data_parallel import expert_parameter_names, local_tensor
+from ..parallel.data_parallel import expert_parameter_names, global_grad_norm, local_tensor
 
 
 def launched() -> bool:
@@ -161,45 +161,13 @@ class World:
         if self.size == 1:
             params = [p for _, p in lora_parameters(model)]
             return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        norm = self._grad_norm(model)
+        norm = global_grad_norm(model, self.par)
         if math.isfinite(float(norm)) and max_norm > 0:
             coef = min(1.0, max_norm / (float(norm) + 1e-6))
             for _, p in lora_parameters(model):
                 if p.grad is not None:
                     local_tensor(p.grad).mul_(coef)
         return norm
-
-    def _grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """Squares summed over every mesh axis a gradient is sharded on (tp, dp under FSDP) and over
-        ep for expert shards, then over the pipeline stages."""
-        experts = expert_parameter_names(model)
-        buckets: dict[tuple, list] = {}
-        for name, p in lora_parameters(model):
-            if p.grad is None:
-                continue
-            g = p.grad
-            names, groups = [], []
-            if hasattr(g, "placements"):
-                mesh = g.device_mesh
-                for i, pl in enumerate(g.placements):
-                    if pl.is_shard():
-                        names.append(mesh.mesh_dim_names[i] if mesh.mesh_dim_names else str(i))
-                        groups.append(mesh.get_group(i))
-            if name in experts and self.dims.ep > 1:
-                names.append("ep")
-                groups.append(self.par.meshes.group("ep"))
-            key = tuple(names)  # mesh axis names: the same on every rank, so the collectives line up
-            bucket = buckets.setdefault(key, [torch.zeros((), dtype=torch.float64), groups])
-            bucket[0] += local_tensor(g).double().square().sum()
-        total = torch.zeros((), dtype=torch.float64)
-        for key in sorted(buckets):  # the same order on every rank of a pipeline stage
-            sq, groups = buckets[key]
-            for group in groups:
-                dist.all_reduce(sq, group=group)
-            total += sq
-        if self.dims.pp > 1:  # each pipeline rank holds other layers' adapters
-            dist.all_reduce(total, group=self.par.meshes.group("pp"))
-        return total.sqrt().float()
 
     # --- the adapter ------------------------------------------------------------------------
     @torch.no_grad()
