@@ -83,6 +83,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"trillora serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    if args.tinker:
+        from ..serve.tinker_http import serve_tinker
+        from ..serve.tinker_service import TinkerConfig
+
+        serve_tinker(TinkerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+                                  state_dir=args.state_dir, max_connections=args.max_connections,
+                                  max_clients=args.max_clients))
+        return 0
     serve(ServeConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                       adapter_root=args.adapter_root, precision=args.precision, max_connections=args.max_connections))
     return 0
@@ -138,11 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--samples", type=int, default=1)
             p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible completion server over the built-in engine")
+    p = sub.add_parser("serve", help="OpenAI-compatible completion server over the built-in engine; with --tinker "
+                                     "the Tinker training API (the tinker SDK and tinker-cookbook as clients)")
     p.add_argument("model", help="Hugging Face checkpoint folder, or tiny-moe")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (--tinker: 'X-API-Key: KEY')")
+    p.add_argument("--tinker", action="store_true", help="serve the Tinker REST API: LoRA training clients on one base")
+    p.add_argument("--state-dir", default="tinker-state", help="--tinker: where saved states and sampler weights go")
+    p.add_argument("--max-clients", type=int, default=16, help="--tinker: training clients held at once")
     p.add_argument("--adapter-root", default=None, help="folder adapters may be loaded from (load_lora_adapter)")
     p.add_argument("--precision", default="fp32", choices=[c for c in typing.get_args(Precision) if c != "auto"])
     p.add_argument("--max-connections", type=int, default=64, help="connections served at once; more wait")

@@ -49,6 +49,19 @@ class LocalEngine:
         self.reused_tokens = 0  # prompt tokens not prefilled again thanks to `_kept`
         self.keep_kv = True
 
+    @classmethod
+    def sharing(cls, model: CausalLM, pad_id: int = 0) -> "LocalEngine":
+        """An engine that samples with `model` itself: its own weights and precision, adapters
+        applied unmerged as they are at each call. No copy of the base: what a service keeping one
+        resident base for several adapters needs (it swaps the adapter in before `generate`)."""
+        engine = cls.__new__(cls)
+        engine.precision, engine.device, engine.pad_id = "shared", next(model.parameters()).device, pad_id
+        engine.model = model
+        engine.generator = torch.Generator(device=engine.device)
+        engine.generator.manual_seed(0)
+        engine._kept, engine.reused_tokens, engine.keep_kv = None, 0, True
+        return engine
+
     def pinned(self) -> None:
         return None  # a sync rewrites these weights in place
 
@@ -77,6 +90,8 @@ class LocalEngine:
         """Write base + scaling·B·A into every tensor an adapter touches (merged sync)."""
         start, sent = time.perf_counter(), 0
         self._kept = None  # keys and values of the old weights
+        if self.precision == "shared":
+            return {"sync_bytes": 0.0, "sync_seconds": time.perf_counter() - start}  # it samples with `model` itself
         for name, m in lora_modules(model):
             for tensor_name, delta in m.delta().items():
                 base = getattr(m, tensor_name)

@@ -1,0 +1,1 @@
+"""Servers over a resident model: the Tinker-compatible training service (`serve --tinker`)."""

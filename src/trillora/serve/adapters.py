@@ -1,0 +1,126 @@
+"""Several LoRA adapters on one resident copy of a base model.
+
+The base is loaded once, with adapter slots on every module a Tinker client may train
+(attention, dense MLP, shared and routed experts, the unembedding). Each training client owns
+an `Adapter`: its own parameters (any rank, any subset of those roles) and its own optimizer.
+Before a request runs, `ResidentBase.use` registers that adapter's parameters in the slots
+and switches the slots it does not train off; the base weights are never copied or touched.
+A `Revision` is a frozen copy of an adapter's tensors (what a sampler samples from).
+Requests run one at a time on the service's worker, so one set of slots serves every client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .. import lora
+from ..lora.apply import lora_modules
+from ..lora.layers import init_a
+
+TINKER_ROLES = {"train_attn": ("attention",), "train_mlp": ("mlp", "shared_experts", "experts"),
+                "train_unembed": ("lm_head",)}
+
+
+def roles_of(train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, ...]:
+    chosen = {"train_attn": train_attn, "train_mlp": train_mlp, "train_unembed": train_unembed}
+    return tuple(r for key, on in chosen.items() if on for r in TINKER_ROLES[key])
+
+
+@dataclass
+class Adapter:
+    """One training client's LoRA: {"module.lora_X": parameter} on the modules it trains."""
+
+    config: lora.LoraConfig
+    params: dict[str, nn.Parameter]
+    optimizer: torch.optim.Optimizer | None = None
+    steps: int = 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: p.detach() for k, p in self.params.items()}
+
+    def modules(self) -> set[str]:
+        return {k.rpartition(".")[0] for k in self.params}
+
+
+@dataclass
+class Revision:
+    """Frozen adapter tensors for sampling (None: the base alone)."""
+
+    config: lora.LoraConfig | None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class ResidentBase:
+    def __init__(self, model: nn.Module, alpha: float = 16.0):
+        self.model, self.alpha = model, alpha
+        slots = lora.LoraConfig(rank=1, alpha=alpha, targets=("attention", "mlp", "shared_experts", "experts", "lm_head"))
+        self.roles = lora.apply_lora(model, slots)  # {module name: role}
+        self.slots = dict(lora_modules(model))
+        for m in self.slots.values():
+            m.lora_enabled = False
+        self.model.requires_grad_(False)
+
+    def new_adapter(self, rank: int, roles: tuple[str, ...], seed: int = 0) -> Adapter:
+        """Fresh parameters (A random as `lora.init`, B zero) on the slots of `roles`."""
+        cfg = lora.LoraConfig(rank=rank, alpha=self.alpha, targets=roles, seed=seed)
+        generator = torch.Generator().manual_seed(seed)
+        params: dict[str, nn.Parameter] = {}
+        for name in sorted(self.slots):
+            if self.roles[name] not in roles:
+                continue
+            m = self.slots[name]
+            m.add_lora(rank, cfg.scaling(rank), 0.0, cfg.torch_dtype)  # registers new tensors in the slot
+            for pname in m.lora_names():
+                p = getattr(m, pname)
+                if pname.endswith("_A"):
+                    init_a(p, cfg.init, generator if p.device.type == "cpu" else None)
+                params[f"{name}.{pname}"] = p
+            m.lora_enabled = False
+        if not params:
+            raise ValueError(f"LoRA roles {roles} match no module of this model")
+        return Adapter(cfg, params)
+
+    def adapter_from(self, config: lora.LoraConfig, tensors: dict[str, torch.Tensor]) -> Adapter:
+        """An adapter holding copies of `tensors` (a saved state or a revision)."""
+        adapter = self.new_adapter(config.rank, config.targets, config.seed)
+        missing = set(adapter.params) ^ set(tensors)
+        if missing:
+            raise ValueError(f"saved adapter tensors do not fit this model: {sorted(missing)[:3]}")
+        with torch.no_grad():
+            for k, p in adapter.params.items():
+                if p.shape != tensors[k].shape:
+                    raise ValueError(f"saved adapter tensor {k}: shape {tuple(tensors[k].shape)}, want {tuple(p.shape)}")
+                p.copy_(tensors[k])
+        return adapter
+
+    @contextlib.contextmanager
+    def use(self, adapter: Adapter | Revision | None):
+        """The model with `adapter` in its slots (the other slots off); every slot off afterwards."""
+        tensors = adapter.params if isinstance(adapter, Adapter) else (adapter.tensors if adapter else {})
+        config = adapter.config if adapter is not None else None
+        try:
+            for name, m in self.slots.items():
+                names = [f"{name}.{p}" for p in ("lora_A", "lora_B", "lora_gate_A", "lora_gate_B", "lora_up_A",
+                                                 "lora_up_B", "lora_down_A", "lora_down_B")]
+                mine = [k for k in names if k in tensors]
+                if not mine:
+                    m.lora_enabled = False
+                    continue
+                for k in mine:
+                    t = tensors[k]
+                    setattr(m, k.rpartition(".")[2], t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False))
+                m.lora_rank = config.rank_for_experts(1) if self.roles[name] == "experts" else config.rank
+                m.lora_scaling = config.scaling(config.rank)
+                m.lora_enabled = True
+            yield self.model
+        finally:
+            for m in self.slots.values():
+                m.lora_enabled = False
+
+    @staticmethod
+    def revision(adapter: Adapter) -> Revision:
+        return Revision(adapter.config, {k: t.clone() for k, t in adapter.tensors().items()})

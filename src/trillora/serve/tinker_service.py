@@ -1,0 +1,372 @@
+"""What the Tinker-compatible service does, without HTTP: sessions, training clients (each a
+LoRA adapter with its own AdamW on one resident base), forward / forward_backward with the
+built-in losses, optimizer steps, saved states and sampler revisions, sampling.
+
+Every method here runs on the service's single worker (`tinker_http`), one request at a time,
+so the resident model's adapter slots are never shared by two requests. Bad requests raise
+`BadRequest` (HTTP 400/404 with the message); nothing half-applied is left behind.
+Shape legend: B datums, T tokens (padded), V vocabulary, N one datum's tokens, K top-k targets.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from .. import lora
+from ..checkpoint.atomic import AtomicFolder
+from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
+from ..rl.tinker_losses import LossInputError, check_loss, datum_loss
+from ..rollout.local import LocalEngine
+from ..rollout.types import SamplingParams
+from .adapters import Adapter, ResidentBase, Revision, roles_of
+from .wire import Datum
+
+NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class TinkerConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    state_dir: str = "tinker-state"
+    """Saved states and sampler weights live here, as tinker://<model_id>/<kind>/<name>."""
+    max_body_bytes: int = 64 << 20
+    max_rank: int = 256
+    max_samples: int = 64
+    max_tokens_limit: int = 4096
+    max_clients: int = 16
+    lora_alpha: float = 16.0
+    poll_seconds: float = 20.0
+    """How long retrieve_future holds a pending request before answering try_again."""
+    max_connections: int = 64
+    idle_seconds: float = 60.0
+
+
+@dataclass
+class Client:
+    model_id: str
+    adapter: Adapter
+    rank: int
+    roles: tuple[str, ...]
+
+
+@dataclass
+class Session:
+    session_id: str
+    models: dict[str, Client] = field(default_factory=dict)
+    samplers: dict[str, Revision] = field(default_factory=dict)
+
+
+class TinkerService:
+    def __init__(self, cfg: TinkerConfig):
+        from ..checkpoint import load_model, load_tokenizer, resolve_model_path
+
+        self.cfg = cfg
+        path = resolve_model_path(cfg.model)
+        self.tokenizer = load_tokenizer(path)
+        self.base = ResidentBase(load_model(path), alpha=cfg.lora_alpha)
+        self.vocab = self.base.model.args.vocab_size
+        self.engine = LocalEngine.sharing(self.base.model, pad_id=self.tokenizer.pad_token_id or 0)
+        self.sessions: dict[str, Session] = {}
+        self.lock = threading.Lock()  # the registry (sessions, clients, samplers), not the model
+        self.root = Path(cfg.state_dir)
+
+    # --- registry ------------------------------------------------------------------------
+    def create_session(self) -> str:
+        with self.lock:
+            sid = f"session-{len(self.sessions)}"
+            self.sessions[sid] = Session(sid)
+        return sid
+
+    def session(self, sid: str) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise BadRequest(f"unknown session_id {sid!r}", 404)
+        return s
+
+    def client(self, model_id: str) -> Client:
+        sid = model_id.split(":")[0]
+        c = self.sessions.get(sid, Session(sid)).models.get(model_id)
+        if c is None:
+            raise BadRequest(f"unknown model_id {model_id!r}", 404)
+        return c
+
+    def check_base_model(self, name: str | None) -> None:
+        if name is not None and name != self.cfg.model:
+            raise BadRequest(f"unknown base_model {name!r}; this server has {self.cfg.model!r}", 404)
+
+    def capabilities(self) -> dict:
+        return {"supported_models": [{"model_name": self.cfg.model, "trainable": True, "sampleable": True,
+                                      "max_context_length": self.base.model.args.max_position_embeddings}]}
+
+    # --- training clients ----------------------------------------------------------------
+    def create_model(self, sid: str, seq: int, base_model: str, lora_config: dict) -> dict:
+        self.check_base_model(base_model)
+        rank = lora_config.get("rank", 32)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= self.cfg.max_rank:
+            raise BadRequest(f"lora_config.rank={rank!r}; allowed: an integer in 1..{self.cfg.max_rank}")
+        roles = roles_of(bool(lora_config.get("train_attn", True)), bool(lora_config.get("train_mlp", True)),
+                         bool(lora_config.get("train_unembed", True)))
+        if not roles:
+            raise BadRequest("lora_config trains nothing: set one of train_attn, train_mlp, train_unembed")
+        seed = lora_config.get("seed") or 0
+        adapter = self.base.new_adapter(rank, roles, int(seed))
+        return self._register(sid, seq, Client("", adapter, rank, roles))
+
+    def _register(self, sid: str, seq: int, client: Client) -> dict:
+        session = self.session(sid)
+        with self.lock:
+            if sum(len(s.models) for s in self.sessions.values()) >= self.cfg.max_clients:
+                raise BadRequest(f"the server holds {self.cfg.max_clients} training clients (--max-clients)", 429)
+            client.model_id = f"{sid}:train:{seq}"
+            session.models[client.model_id] = client
+        return {"model_id": client.model_id, "type": "create_model"}
+
+    def info(self, model_id: str) -> dict:
+        c = self.client(model_id)
+        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": c.rank,
+                "model_name": self.cfg.model, "optimizer_config": {"type": "adamw"},
+                "model_data": {"arch": self.base.model.args.model_type, "model_name": self.cfg.model,
+                               "tokenizer_id": self.cfg.model}}
+
+    # --- forward / backward --------------------------------------------------------------
+    def forward_backward(self, model_id: str, loss_fn: str, config: dict, data: list[Datum], forward_only: bool):
+        """Per-datum target logprobs (as `target_tokens` is shaped) and {"loss:sum": ...}; gradients
+        accumulate in the client's adapter until its next optim_step (unless forward_only)."""
+        client = self.client(model_id)
+        tensors = self._check_data(loss_fn, config, data)
+        with self.base.use(client.adapter) as model, torch.set_grad_enabled(not forward_only):
+            logps = self._target_logprobs(model, data, tensors)
+            loss = sum((datum_loss(loss_fn, lp, t, config) for lp, t in zip(logps, tensors)), torch.zeros(()))
+            if not forward_only:
+                if not torch.isfinite(loss):
+                    raise BadRequest(f"the {loss_fn} loss is not finite ({float(loss)}): check logprobs and advantages")
+                loss.backward()
+        return [lp.detach().numpy() for lp in logps], {"loss:sum": float(loss.detach())}
+
+    def _check_data(self, loss_fn: str, config: dict, data: list[Datum]) -> list[dict[str, torch.Tensor]]:
+        if not data:
+            raise BadRequest("forward_backward needs at least one datum")
+        try:
+            check_loss(loss_fn, set.intersection(*(set(d.inputs) for d in data)), config)
+        except LossInputError as e:
+            raise BadRequest(str(e)) from None
+        out = []
+        for i, d in enumerate(data):
+            n = len(d.tokens)
+            if n == 0:
+                raise BadRequest(f"datum {i}: model_input has no tokens")
+            if max(d.tokens) >= self.vocab or min(d.tokens) < 0:
+                raise BadRequest(f"datum {i}: model_input token ids must be in 0..{self.vocab - 1}")
+            tensors = {}
+            for key, value in d.inputs.items():
+                if value.ndim == 0 or value.shape[0] != n:
+                    raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}, "
+                                     f"want {n} rows (one per model_input token)")
+                tensors[key] = torch.from_numpy(np.array(value))
+            targets = tensors["target_tokens"]
+            if targets.ndim > 2 or (targets.ndim == 2 and loss_fn != "cross_entropy"):
+                raise BadRequest(f"datum {i}: target_tokens of shape {list(targets.shape)}; [N] (or [N, K] for cross_entropy)")
+            if int(targets.min()) < 0 or int(targets.max()) >= self.vocab:
+                raise BadRequest(f"datum {i}: target_tokens must be in 0..{self.vocab - 1}")
+            for key, t in tensors.items():
+                if key != "target_tokens" and t.shape != targets.shape and not (t.ndim == 1 and targets.ndim == 1):
+                    raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] has shape {list(t.shape)}, "
+                                     f"target_tokens {list(targets.shape)}")
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] holds NaN or infinity")
+            out.append(tensors)
+        return out
+
+    def _target_logprobs(self, model, data: list[Datum], tensors) -> list[torch.Tensor]:
+        width = max(len(d.tokens) for d in data)
+        ids = torch.zeros(len(data), width, dtype=torch.long)  # [B, T] right-padded (causal: pads change nothing before them)
+        for i, d in enumerate(data):
+            ids[i, :len(d.tokens)] = torch.tensor(d.tokens)
+        logp = torch.log_softmax(model(ids).float(), dim=-1)  # [B, T, V]
+        out = []
+        for i, (d, t) in enumerate(zip(data, tensors)):
+            targets = t["target_tokens"].long()  # [N] or [N, K]
+            n = len(d.tokens)
+            out.append(logp[i, :n].gather(-1, targets.reshape(n, -1)).reshape(targets.shape))
+        return out
+
+    def optim_step(self, model_id: str, adam: dict) -> dict:
+        """One AdamW step (decoupled weight decay, as torch) on the accumulated gradients."""
+        client = self.client(model_id)
+        lr, b1, b2 = adam.get("learning_rate", 1e-4), adam.get("beta1", 0.9), adam.get("beta2", 0.95)
+        eps, wd, clip = adam.get("eps", 1e-12), adam.get("weight_decay", 0.0), adam.get("grad_clip_norm", 0.0)
+        for key, v, ok in (("learning_rate", lr, lr >= 0), ("beta1", b1, 0 <= b1 < 1), ("beta2", b2, 0 <= b2 < 1),
+                           ("eps", eps, eps >= 0), ("weight_decay", wd, wd >= 0), ("grad_clip_norm", clip, clip >= 0)):
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or not ok:
+                raise BadRequest(f"adam_params.{key}={v!r} is out of range")
+        a = client.adapter
+        params = list(a.params.values())
+        if a.optimizer is None:
+            a.optimizer = torch.optim.AdamW(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+        for g in a.optimizer.param_groups:
+            g.update(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        if not math.isfinite(norm):  # a NaN never reaches the adapter
+            a.optimizer.zero_grad(set_to_none=True)
+            raise BadRequest("the accumulated gradient is not finite; the step was dropped")
+        if clip > 0 and norm > clip:
+            for g in grads:
+                g.mul_(clip / (norm + 1e-6))
+        a.optimizer.step()
+        a.optimizer.zero_grad(set_to_none=True)
+        a.steps += 1
+        return {"metrics": {"grad_norm:mean": norm}}
+
+    # --- saved states --------------------------------------------------------------------
+    def _path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
+        if not NAME.match(name):
+            raise BadRequest(f"checkpoint name {name!r}: use 1-128 letters, digits, '.', '_' or '-'")
+        return f"tinker://{model_id}/{kind}/{name}", self.root / model_id.replace(":", "_") / kind / name
+
+    def _resolve(self, tinker_path: str) -> tuple[str, str, Path]:
+        m = re.fullmatch(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)", tinker_path or "")
+        if m is None:
+            raise BadRequest(f"path {tinker_path!r} is not tinker://<model_id>/weights|sampler_weights/<name>")
+        _, folder = self._path(m.group(1), m.group(2), m.group(3))
+        if not (folder / "adapter.safetensors").exists():
+            raise BadRequest(f"no saved weights at {tinker_path!r}", 404)
+        return m.group(1), m.group(2), folder
+
+    def save_state(self, model_id: str, name: str, optimizer: bool = True) -> dict:
+        client = self.client(model_id)
+        path, folder = self._path(model_id, "weights", name)
+        a = client.adapter
+        if a.optimizer is None:
+            a.optimizer = torch.optim.AdamW(list(a.params.values()))
+        meta = {"rank": client.rank, "roles": list(client.roles), "seed": a.config.seed, "steps": a.steps,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in a.optimizer.param_groups]}
+        with AtomicFolder(folder) as tmp:
+            save_file(rank_tensors(a.params, a.optimizer), str(tmp / "adapter.safetensors"))
+            (tmp / "state.json").write_text(json.dumps(meta))
+        return {"path": path, "type": "save_weights"}
+
+    def load_state(self, sid: str, seq: int, tinker_path: str, optimizer: bool) -> dict:
+        """A new training client from a saved state (with its AdamW moments when `optimizer`)."""
+        _, kind, folder = self._resolve(tinker_path)
+        if kind != "weights":
+            raise BadRequest(f"{tinker_path!r} holds sampler weights; load a tinker://.../weights/... state")
+        meta = json.loads((folder / "state.json").read_text())
+        tensors = load_file(str(folder / "adapter.safetensors"))
+        roles = tuple(meta["roles"])
+        adapter = self.base.adapter_from(lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=roles,
+                                                         seed=meta["seed"]),
+                                         {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")})
+        adapter.optimizer = torch.optim.AdamW(list(adapter.params.values()))
+        if optimizer:
+            restore_rank_tensors(tensors, adapter.params, adapter.optimizer, folder)
+            for g, saved in zip(adapter.optimizer.param_groups, meta["param_groups"]):
+                g.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+            adapter.steps = meta["steps"]
+        out = self._register(sid, seq, Client("", adapter, meta["rank"], roles))
+        return {"model_id": out["model_id"], "path": tinker_path, "type": "load_weights"}
+
+    def save_for_sampler(self, model_id: str, name: str | None, sid: str | None = None, sampler_seq: int = 0) -> dict:
+        """A frozen revision: named ones are written as tinker://.../sampler_weights/<name>; unnamed
+        ones become a sampling session at once."""
+        client = self.client(model_id)
+        revision = ResidentBase.revision(client.adapter)
+        if name is None:
+            return {"sampling_session_id": self._add_sampler(sid or model_id.split(":")[0], sampler_seq, revision)}
+        path, folder = self._path(model_id, "sampler_weights", name)
+        with AtomicFolder(folder) as tmp:
+            save_file({k: t.contiguous() for k, t in revision.tensors.items()}, str(tmp / "adapter.safetensors"))
+            (tmp / "state.json").write_text(json.dumps({"rank": client.rank, "roles": list(client.roles),
+                                                        "seed": client.adapter.config.seed}))
+        return {"path": path, "type": "save_weights_for_sampler"}
+
+    # --- sampling ------------------------------------------------------------------------
+    def _add_sampler(self, sid: str, seq: int, revision: Revision) -> str:
+        session = self.session(sid)
+        sampler_id = f"{sid}:sample:{seq}"
+        with self.lock:
+            session.samplers[sampler_id] = revision
+        return sampler_id
+
+    def create_sampler(self, sid: str, seq: int, model_path: str | None, base_model: str | None) -> str:
+        if model_path is None:
+            self.check_base_model(base_model)
+            return self._add_sampler(sid, seq, Revision(None))
+        _, _, folder = self._resolve(model_path)
+        meta = json.loads((folder / "state.json").read_text())
+        tensors = load_file(str(folder / "adapter.safetensors"))
+        tensors = {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")} or tensors
+        config = lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=tuple(meta["roles"]), seed=meta["seed"])
+        return self._add_sampler(sid, seq, Revision(config, tensors))
+
+    def sampler(self, sampler_id: str) -> Revision:
+        revision = self.sessions.get(sampler_id.split(":")[0], Session("")).samplers.get(sampler_id)
+        if revision is None:
+            raise BadRequest(f"unknown sampling_session_id {sampler_id!r}", 404)
+        return revision
+
+    def sample(self, sampler_id: str, prompt: list[int], n: int, params: dict, prompt_logprobs: bool):
+        """n sequences of (tokens, logprobs, stop reason), and the prompt's logprobs when asked."""
+        revision = self.sampler(sampler_id)
+        if not prompt or min(prompt) < 0 or max(prompt) >= self.vocab:
+            raise BadRequest(f"prompt token ids must be a non-empty list in 0..{self.vocab - 1}")
+        if not isinstance(n, int) or not 1 <= n <= self.cfg.max_samples:
+            raise BadRequest(f"num_samples={n!r}; allowed: 1..{self.cfg.max_samples}")
+        stop_ids, stop_strings = self._stops(params.get("stop"))
+        max_tokens = params.get("max_tokens") or 64
+        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.cfg.max_tokens_limit:
+            raise BadRequest(f"sampling_params.max_tokens={max_tokens!r}; allowed: 1..{self.cfg.max_tokens_limit}")
+        try:
+            sp = SamplingParams(max_new_tokens=max_tokens, temperature=float(params.get("temperature", 1.0)),
+                                top_p=float(params.get("top_p", 1.0)), top_k=max(0, int(params.get("top_k", -1))),
+                                stop_token_ids=stop_ids, seed=params.get("seed"))
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"sampling_params: {e}") from None
+        with self.base.use(revision) as model, torch.no_grad():
+            self.engine.forget()
+            out = self.engine.generate([prompt], n, sp)[0]
+            scored = None
+            if prompt_logprobs:
+                logp = torch.log_softmax(model(torch.tensor([prompt])).float(), -1)[0]  # [N, V]
+                scored = [math.nan] + logp[:-1].gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+        return [self._cut(c, stop_strings) for c in out], scored
+
+    def _stops(self, stop) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        eos = self.tokenizer.eos_token_id
+        if stop is None:
+            return ((eos,) if eos is not None else ()), ()
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, (str, int)) for s in stop):
+            raise BadRequest("sampling_params.stop must be a string, a list of strings or a list of token ids")
+        ids = tuple(s for s in stop if isinstance(s, int))
+        if any(not 0 <= i < self.vocab for i in ids):
+            raise BadRequest(f"sampling_params.stop token ids must be in 0..{self.vocab - 1}")
+        return ids, tuple(s for s in stop if isinstance(s, str) and s)
+
+    def _cut(self, c, stop_strings: tuple[str, ...]) -> tuple[list[int], list[float], str]:
+        """The completion up to and including the token that completes a stop string."""
+        tokens, logprobs, reason = c.token_ids, c.logprobs, c.finish_reason
+        if stop_strings:
+            for k in range(1, len(tokens) + 1):
+                if any(s in self.tokenizer.decode(tokens[:k]) for s in stop_strings):
+                    return tokens[:k], logprobs[:k], "stop"
+        return tokens, logprobs, reason

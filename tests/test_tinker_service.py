@@ -1,0 +1,206 @@
+"""`trillora serve --tinker` with the real `tinker` SDK as the client, on the shipped tiny chat MoE."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+from trillora.serve.tinker_http import TinkerServer, serve_tinker  # noqa: E402
+from trillora.serve.tinker_service import TinkerConfig  # noqa: E402
+
+MODEL = "tiny-moe-chat"
+KEY = "tml-test-key"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    cfg = TinkerConfig(model=MODEL, port=0, api_key=KEY, state_dir=str(tmp_path_factory.mktemp("state")),
+                       poll_seconds=2.0, max_body_bytes=1 << 20)
+    srv = TinkerServer(cfg)
+    ready = threading.Event()
+    threading.Thread(target=serve_tinker, args=(cfg, ready, srv), daemon=True).start()
+    ready.wait(60)
+    return srv
+
+
+@pytest.fixture(scope="module")
+def service_client(server):
+    return tinker.ServiceClient(base_url=f"http://127.0.0.1:{server.cfg.port}", api_key=KEY)
+
+
+def encode(server, text: str) -> list[int]:
+    return server.service.tokenizer.encode(text, add_special_tokens=False)
+
+
+def sft_datum(tokens: list[int], prompt_len: int) -> types.Datum:
+    weights = [0.0] * (prompt_len - 1) + [1.0] * (len(tokens) - prompt_len)
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
+
+
+def adapter_of(server, tc) -> dict[str, torch.Tensor]:
+    return {k: t.clone() for k, t in server.service.client(tc.model_id).adapter.tensors().items()}
+
+
+def test_supervised_steps_lower_the_loss_and_the_sampler_agrees_with_forward(server, service_client):
+    tc = service_client.create_lora_training_client(base_model=MODEL, rank=4).result()
+    info = tc.get_info()
+    assert info.model_data.model_name == MODEL and info.lora_rank == 4
+    tokens = encode(server, "123+456=579")
+    data = [sft_datum(tokens, 8)]
+    losses = []
+    for _ in range(4):
+        out = tc.forward_backward(data, "cross_entropy").result()
+        losses.append(out.metrics["loss:sum"])
+        tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    assert losses[-1] < losses[0]
+    assert len(out.loss_fn_outputs[0]["logprobs"].tolist()) == len(tokens) - 1
+    # the loss is -Σ w·logp of the returned logprobs
+    lp = np.array(out.loss_fn_outputs[0]["logprobs"].tolist())
+    w = np.array(data[0].loss_fn_inputs["weights"].tolist())
+    assert out.metrics["loss:sum"] == pytest.approx(-(w * lp).sum(), rel=1e-5)
+
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = encode(server, "123+456=")
+    res = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=3,
+                         sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)).result()
+    assert len(res.sequences) == 3
+    for seq in res.sequences:
+        assert len(seq.tokens) == len(seq.logprobs) >= 1 and seq.stop_reason in ("stop", "length")
+        # forward on prompt + sample, same adapter, fp32: the sampler's logprobs to 1e-4
+        full = prompt + seq.tokens
+        fwd = tc.forward([types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                                      loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy").result()
+        got = fwd.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1:]
+        np.testing.assert_allclose(got, seq.logprobs, atol=1e-4)
+    # a forward pass leaves no gradient behind: the next step equals one without it
+    assert all(p.grad is None for p in server.service.client(tc.model_id).adapter.params.values())
+
+
+def test_rl_losses_return_logprobs_and_their_documented_sums(server, service_client):
+    tc = service_client.create_lora_training_client(base_model=MODEL, rank=2, train_unembed=False).result()
+    tokens = encode(server, "12+34=46")
+    n = len(tokens) - 1
+    sampling = np.full(n, -1.0, dtype=np.float32)
+    adv = np.linspace(-1, 1, n).astype(np.float32)
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": sampling, "advantages": adv})
+    lp = np.array(tc.forward([datum], "importance_sampling").result().loss_fn_outputs[0]["logprobs"].tolist())
+    r = np.exp(lp - sampling)
+    want = {"importance_sampling": -(r * adv).sum(),
+            "ppo": -np.minimum(r * adv, np.clip(r, 0.8, 1.2) * adv).sum(),
+            "cispo": -(np.clip(r, 0.8, 1.2) * lp * adv).sum(),
+            "dro": -(lp * adv - 0.5 * 0.1 * (lp - sampling) ** 2).sum()}
+    for name, value in want.items():
+        out = tc.forward_backward([datum], name, loss_fn_config={"beta": 0.1} if name == "dro" else None).result()
+        assert out.metrics["loss:sum"] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+    step = tc.optim_step(types.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)).result()
+    assert step.metrics["grad_norm:mean"] > 0
+
+
+def test_resume_from_saved_state_continues_bit_for_bit(server, service_client):
+    tc = service_client.create_lora_training_client(base_model=MODEL, rank=4, seed=5).result()
+    data = [sft_datum(encode(server, "7+8=15"), 4), sft_datum(encode(server, "99+1=100"), 5)]
+
+    def step(client):
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=1e-2, weight_decay=0.01)).result()
+
+    step(tc)
+    path = tc.save_state("after-1").result().path
+    assert path == f"tinker://{tc.model_id}/weights/after-1"
+    step(tc)
+    step(tc)
+    resumed = service_client.create_training_client_from_state_with_optimizer(path).result()
+    step(resumed)
+    step(resumed)
+    a, b = adapter_of(server, tc), adapter_of(server, resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    fresh = service_client.create_training_client_from_state(path).result()  # weights only: Adam starts over
+    step(fresh)
+    step(fresh)
+    c = adapter_of(server, fresh)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_two_clients_at_once_train_as_each_alone(server, service_client):
+    """Each client's adapter and optimizer are its own although both run on one resident base."""
+    jobs = {"a": sft_datum(encode(server, "1+2=3"), 4), "b": sft_datum(encode(server, "50+50=100"), 6)}
+
+    def train(name, out):
+        tc = service_client.create_lora_training_client(base_model=MODEL, rank=3, seed=1).result()
+        for _ in range(3):
+            tc.forward_backward([jobs[name]], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        out[name] = adapter_of(server, tc)
+
+    together: dict = {}
+    threads = [threading.Thread(target=train, args=(k, together)) for k in jobs]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for name in jobs:
+        alone: dict = {}
+        train(name, alone)
+        assert all(torch.equal(together[name][k], alone[name][k]) for k in alone[name]), name
+    assert any(not torch.equal(together["a"][k], together["b"][k]) for k in together["a"])  # other data, other adapter
+
+
+def raw(server, method: str, path: str, body: bytes = b"", headers: dict | None = None):
+    conn = http.client.HTTPConnection("127.0.0.1", server.cfg.port, timeout=30)
+    conn.request(method, path, body=body, headers={"X-API-Key": KEY, "Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, data
+
+
+def post(server, path: str, payload: dict, **kw):
+    return raw(server, "POST", path, json.dumps(payload).encode(), **kw)
+
+
+def test_bad_requests_get_4xx_with_a_message(server, service_client):
+    status, body = post(server, "/api/v1/create_session", {"tags": [], "type": "create_session"})
+    sid = json.loads(body)["session_id"]
+    cases = [
+        (post(server, "/api/v1/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": "Qwen/Qwen3-8B",
+                                               "lora_config": {"rank": 4}}), 404, "unknown base_model 'Qwen/Qwen3-8B'"),
+        (post(server, "/api/v1/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": MODEL,
+                                               "lora_config": {"rank": 0}}), 400, "lora_config.rank=0"),
+        (post(server, "/api/v1/optim_step", {"model_id": "nobody:train:0", "seq_id": 1, "adam_params": {}}), 404,
+         "unknown model_id 'nobody:train:0'"),
+        (raw(server, "POST", "/api/v1/forward_backward", b"\x1a\x05\x0a", {"Content-Type": "application/x-protobuf"}),
+         400, "forward_backward body"),
+        (raw(server, "POST", "/api/v1/create_session", b"{not json"), 400, "invalid JSON"),
+        (raw(server, "POST", "/api/v1/create_session", b"x" * (2 << 20)), 413, "at most 1048576"),
+        (raw(server, "POST", "/api/v1/create_session", b"{}", {"X-API-Key": "tml-wrong"}), 401, "API key"),
+        (raw(server, "GET", "/api/v1/nothing"), 404, "no route GET /api/v1/nothing"),
+    ]
+    for (status, body), want_status, message in cases:
+        assert status == want_status and message in json.loads(body)["error"], (status, body)
+
+    tc = service_client.create_lora_training_client(base_model=MODEL, rank=2).result()
+    good = encode(server, "1+1=2")
+
+    def datum(**inputs):
+        return types.Datum(model_input=types.ModelInput.from_ints(good[:-1]), loss_fn_inputs=inputs)
+
+    bad = [
+        ([datum(target_tokens=good[1:-1])], "cross_entropy", None, "target_tokens'] has shape"),  # one short
+        ([datum(target_tokens=good[1:], weights=[1.0, 2.0])], "cross_entropy", None, "loss_fn_inputs['weights']"),
+        ([datum(target_tokens=good[1:])], "ppo", None, "'ppo' needs loss_fn_inputs logprobs, advantages"),
+        ([datum(target_tokens=good[1:])], "gspo", None, "unknown loss_fn 'gspo'"),
+        ([datum(target_tokens=[10 ** 6] * (len(good) - 1))], "cross_entropy", None, "target_tokens must be in"),
+    ]
+    for data, loss, config, message in bad:
+        with pytest.raises(tinker.BadRequestError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            tc.forward_backward(data, loss, loss_fn_config=config).result()
+    # the client is still fine afterwards
+    assert tc.forward_backward([datum(target_tokens=good[1:])], "cross_entropy").result().metrics["loss:sum"] > 0

@@ -1,0 +1,67 @@
+"""The hand-written protobuf codec against the `tinker` SDK's own encoders and decoders."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+from tinker.proto import request_conv, response_conv  # noqa: E402
+
+from trillora.serve import wire  # noqa: E402
+
+
+def sdk_request(data, loss_fn="ppo", config=None):
+    req = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn, loss_fn_config=config),
+        model_id="s:train:0", seq_id=3)
+    return request_conv.forward_backward_request_to_proto(req).SerializeToString()
+
+
+def test_forward_backward_requests_read_as_the_sdk_writes_them():
+    dense = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                        loss_fn_inputs={"target_tokens": [2, 3, 4], "logprobs": [-0.5, -1.5, -2.0],
+                                        "advantages": [1.0, 1.0, -3.25]})
+    two_chunks = types.Datum(model_input=types.ModelInput(chunks=[types.EncodedTextChunk(tokens=[7]),
+                                                                   types.EncodedTextChunk(tokens=[100000, 9])]),
+                             loss_fn_inputs={"target_tokens": torch.tensor([[1, 0], [0, 5], [2, 3]]),  # 2-D: may go sparse
+                                             "weights": torch.tensor([[1.0, 0.0], [0.0, 0.5], [0.0, 0.0]])})
+    got = wire.read_forward_backward(sdk_request([dense, two_chunks], config={"clip_low_threshold": 0.7, "mode": "x"}))
+    assert (got.model_id, got.seq_id, got.loss_fn, got.forward_only) == ("s:train:0", 3, "ppo", False)
+    assert got.loss_fn_config == {"clip_low_threshold": pytest.approx(0.7), "mode": "x"}
+    assert got.data[0].tokens == [1, 2, 3] and got.data[1].tokens == [7, 100000, 9]
+    assert got.data[0].inputs["target_tokens"].dtype == np.int64
+    np.testing.assert_array_equal(got.data[0].inputs["target_tokens"], [2, 3, 4])
+    np.testing.assert_allclose(got.data[0].inputs["advantages"], [1.0, 1.0, -3.25])
+    np.testing.assert_array_equal(got.data[1].inputs["target_tokens"], [[1, 0], [0, 5], [2, 3]])
+    np.testing.assert_allclose(got.data[1].inputs["weights"], [[1.0, 0.0], [0.0, 0.5], [0.0, 0.0]])
+
+
+def test_forward_backward_output_decodes_in_the_sdk():
+    body = wire.forward_backward_output({"logprobs": [np.array([-1.0, -2.0, -3.0]), np.array([-0.5])]},
+                                        {"loss:sum": 6.5}, 2)
+    out = response_conv.deserialize_forward_backward_output(body)
+    assert out.metrics == {"loss:sum": 6.5}
+    assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-1.0, -2.0, -3.0], [-0.5]]
+
+
+def test_sample_response_decodes_in_the_sdk():
+    body = wire.sample_response([([5, 6], [-0.1, -0.2], "length"), ([7], [-0.3], "stop")], [math.nan, -1.5, -2.5])
+    out = response_conv.deserialize_sample_response(body)
+    assert [s.tokens for s in out.sequences] == [[5, 6], [7]]
+    assert [s.stop_reason for s in out.sequences] == ["length", "stop"]
+    assert out.sequences[0].logprobs == pytest.approx([-0.1, -0.2])
+    assert out.prompt_logprobs[0] is None or math.isnan(out.prompt_logprobs[0])
+    assert out.prompt_logprobs[1:] == pytest.approx([-1.5, -2.5])
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"\x1a\x05\x0a\x03", "announced"),  # a datum claiming 5 bytes with 4 left
+    (b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff", "varint longer"),
+    (b"\x0b", "unsupported wire type 3"),
+])
+def test_broken_bodies_are_wire_errors(body, message):
+    with pytest.raises(wire.WireError, match=message):
+        wire.read_forward_backward(body)
