@@ -1,0 +1,121 @@
+"""tinker-cookbook's own loops, unchanged, against `trillora serve tiny-moe-chat --tinker`.
+
+    trillora serve tiny-moe-chat --tinker --api-key tml-local &
+    export TINKER_API_KEY=tml-local TINKER_BASE_URL=http://127.0.0.1:8000
+    python examples/tinker_cookbook_tiny.py sl log_path=runs/cookbook-sl batch_size=32 max_steps=60 learning_rate=3e-3
+    python examples/tinker_cookbook_tiny.py rl log_path=runs/cookbook-rl start_from=runs/cookbook-sl \
+        batch_size=8 group_size=8 max_tokens=12 max_steps=30 learning_rate=1e-3 loss_fn=importance_sampling
+
+The recipes (`tinker_cookbook.recipes.sl_loop` / `rl_loop`) run as their authors wrote them,
+with their own command line. What this file adds is what a machine without the internet and
+with a model the cookbook has never heard of needs:
+- the tiny model's tokenizer, through the cookbook's tokenizer registry;
+- a renderer for its ChatML template through the renderer registry (the cookbook's own
+  `qwen3_instruct` renders exactly that template); the recipes ask `model_info` which renderer
+  a model name takes, a table of hosted models, so that one lookup is answered for this model;
+- the recipes' datasets (GSM8K, No Robots, fetched from the Hub) replaced by 3-digit addition
+  in their columns: `question` / `answer` ("#### 579") for the RL loop, `messages` for the
+  supervised one, whose answers follow the RL loop's `\\boxed{}` instruction;
+- `start_from=<supervised log_path>`: the RL loop begins from the supervised run's final state
+  through the cookbook's own resume record (`checkpoints.jsonl`), batch 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import sys
+from pathlib import Path
+
+import chz
+import datasets
+from tinker_cookbook import model_info, renderers, tokenizer_utils
+
+MODEL = "tiny-moe-chat"
+RENDERER = "trillora-tiny-chat"
+SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."  # the RL loop's instruction
+
+
+@functools.cache
+def tokenizer():
+    from trillora.checkpoint import load_tokenizer, resolve_model_path
+
+    return load_tokenizer(resolve_model_path(MODEL))
+
+
+def register() -> None:
+    tokenizer_utils.register_tokenizer(MODEL, tokenizer)
+    renderers.register_renderer(RENDERER, lambda tok, image_processor=None: renderers.get_renderer("qwen3_instruct", tok))
+    recommended = model_info.get_recommended_renderer_name
+    model_info.get_recommended_renderer_name = lambda name: RENDERER if name.split(":")[0] == MODEL else recommended(name)
+    load = datasets.load_dataset
+
+    def local(path, *args, **kwargs):
+        if path == "openai/gsm8k":
+            rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a, b in _pairs(seed=1, n=4096)]
+            return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
+        if path == "HuggingFaceH4/no_robots":
+            rng = random.Random(3)
+            rows = [{"messages": [*_worked_example(rng), {"role": "user", "content": f"{a}+{b}={SUFFIX}"},
+                                  {"role": "assistant", "content": f"\\boxed{{{a + b}}}"}]} for a, b in _pairs(seed=2, n=4096)]
+            return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
+        return load(path, *args, **kwargs)
+
+    datasets.load_dataset = local
+
+
+WORDS = ["banana", "mississippi", "committee", "balloon", "bookkeeper", "assessment", "parallel", "tomorrow"]
+
+
+def _worked_example(rng: random.Random) -> list[dict]:
+    """A letter-counting exchange of our own before the question: the RL loop puts a long worked
+    example before each question, far longer than anything the tiny model saw in pretraining."""
+    word = rng.choice(WORDS)
+    letter = rng.choice(sorted(set(word)))
+    spelled = " ".join(f"{i}) {c}" for i, c in enumerate(word, 1))
+    where = [str(i) for i, c in enumerate(word, 1) if c == letter]
+    return [{"role": "user", "content": f"How many {letter}'s are in {word}?{SUFFIX}"},
+            {"role": "assistant", "content": f"Spelling it out letter by letter: {spelled}. The letter {letter} is at "
+                                             f"positions {', '.join(where)}. \\boxed{{{len(where)}}}"}]
+
+
+def _pairs(seed: int, n: int):
+    rng = random.Random(seed)
+    return [(rng.randint(100, 999), rng.randint(100, 999)) for _ in range(n)]
+
+
+def start_from(supervised_log: str, rl_log: str) -> None:
+    """Point the RL run's resume record at the supervised run's final state (batch 0)."""
+    records = [json.loads(line) for line in (Path(supervised_log) / "checkpoints.jsonl").read_text().splitlines()]
+    final = next(r for r in reversed(records) if r.get("state_path"))
+    Path(rl_log).mkdir(parents=True, exist_ok=True)
+    (Path(rl_log) / "checkpoints.jsonl").write_text(json.dumps({"name": "start", "batch": 0,
+                                                                "state_path": final["state_path"]}) + "\n")
+
+
+def main(argv: list[str]) -> None:
+    which, args = argv[0], argv[1:]
+    register()
+    args = [a if a.startswith("model_name=") else a for a in args]
+    if not any(a.startswith("model_name=") for a in args):
+        args.append(f"model_name={MODEL}")
+    base = [a for a in args if a.startswith("start_from=")]
+    args = [a for a in args if not a.startswith("start_from=")]
+    if which == "rl":
+        from tinker_cookbook.recipes import rl_loop as recipe
+
+        if base:
+            log = next(a.split("=", 1)[1] for a in args if a.startswith("log_path="))
+            start_from(base[0].split("=", 1)[1], log)
+    elif which == "sl":
+        from tinker_cookbook.recipes import sl_loop as recipe
+        if not any(a.startswith("train_on_what=") for a in args):
+            args.append("train_on_what=last_assistant_message")
+    else:
+        raise SystemExit(f"first argument: sl or rl, not {which!r}")
+    chz.nested_entrypoint(recipe.main, argv=args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
