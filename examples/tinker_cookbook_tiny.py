@@ -10,9 +10,9 @@ The recipes (`tinker_cookbook.recipes.sl_loop` / `rl_loop`) run as their authors
 with their own command line. What this file adds is what a machine without the internet and
 with a model the cookbook has never heard of needs:
 - the tiny model's tokenizer, through the cookbook's tokenizer registry;
-- a renderer for its ChatML template through the renderer registry (the cookbook's own
-  `qwen3_instruct` renders exactly that template); the recipes ask `model_info` which renderer
-  a model name takes, a table of hosted models, so that one lookup is answered for this model;
+- a renderer for its chat template (Qwen's turn markers, no newline between turns) through the
+  renderer registry; the recipes ask `model_info` which renderer a model name takes, a table of
+  hosted models, so that one lookup is answered for this model;
 - the recipes' datasets (GSM8K, No Robots, fetched from the Hub) replaced by 3-digit addition
   in their columns: `question` / `answer` ("#### 579") for the RL loop, `messages` for the
   supervised one, whose answers follow the RL loop's `\\boxed{}` instruction;
@@ -30,7 +30,9 @@ from pathlib import Path
 
 import chz
 import datasets
+import tinker
 from tinker_cookbook import model_info, renderers, tokenizer_utils
+from tinker_cookbook.renderers.base import RenderedMessage, Renderer, ensure_text, parse_response_for_stop_token
 
 MODEL = "tiny-moe-chat"
 RENDERER = "trillora-tiny-chat"
@@ -44,9 +46,39 @@ def tokenizer():
     return load_tokenizer(resolve_model_path(MODEL))
 
 
+class TinyChatRenderer(Renderer):
+    """`<bos><|im_start|>role\ncontent<|im_end|>` per message, as the model's own chat template."""
+
+    @property
+    def has_extension_property(self) -> bool:
+        return True  # each conversation's tokens extend the previous one's
+
+    @property
+    def _bos_tokens(self) -> list[int]:
+        return [self.tokenizer.bos_token_id]
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render_message(self, message, ctx) -> RenderedMessage:
+        header = tinker.EncodedTextChunk(tokens=self._encode(f"<|im_start|>{message['role']}\n"))
+        body = self._encode(ensure_text(message["content"])) + [self._end]
+        return RenderedMessage(header=header, output=[tinker.EncodedTextChunk(tokens=body)])
+
+    @property
+    def _end(self) -> int:
+        return self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def get_stop_sequences(self) -> list[int]:
+        return [self._end]
+
+    def parse_response(self, response: list[int]):
+        return parse_response_for_stop_token(response, self.tokenizer, self._end)
+
+
 def register() -> None:
     tokenizer_utils.register_tokenizer(MODEL, tokenizer)
-    renderers.register_renderer(RENDERER, lambda tok, image_processor=None: renderers.get_renderer("qwen3_instruct", tok))
+    renderers.register_renderer(RENDERER, lambda tok, image_processor=None: TinyChatRenderer(tok))
     recommended = model_info.get_recommended_renderer_name
     model_info.get_recommended_renderer_name = lambda name: RENDERER if name.split(":")[0] == MODEL else recommended(name)
     load = datasets.load_dataset

@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "trillora"
 MAX_LINES = 400
 
 EVERYTHING = {"errors", "rl", "tasks", "models", "checkpoint", "lora", "parallel", "rollout", "config", "plots", "trainer",
-              "tiny", "cli"}
+              "tiny", "serve", "cli"}
 ALLOWED = {
     "errors": set(),
     "rl": {"errors"},
@@ -22,8 +22,9 @@ ALLOWED = {
     "rollout": {"errors", "models", "lora", "checkpoint"},
     "config": {"errors", "lora", "parallel", "rl", "rollout", "tasks"},
     "plots": {"errors"},
-    "trainer": EVERYTHING - {"cli", "tiny"},
-    "tiny": EVERYTHING - {"cli"},
+    "trainer": EVERYTHING - {"cli", "tiny", "serve"},
+    "serve": {"errors", "models", "checkpoint", "lora", "parallel", "rl", "rollout"},
+    "tiny": EVERYTHING - {"cli", "serve"},
     "cli": EVERYTHING,
     "__init__": {"checkpoint", "models"},
     "__main__": {"cli"},

@@ -61,3 +61,21 @@ def test_cookbook_supervised_then_rl_loop_run_unchanged(server, tmp_path):
     metrics = rows(rl / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2] and all(0.0 <= m["reward/total"] <= 1.0 for m in metrics)
     assert rows(rl / "checkpoints.jsonl")[-1]["name"] == "final"
+
+
+def test_the_registered_renderer_writes_what_the_chat_template_writes():
+    sys.path.insert(0, str(EXAMPLE.parent))
+    import tinker_cookbook_tiny as example
+    from tinker_cookbook import renderers
+
+    example.register()
+    tok = example.tokenizer()
+    renderer = renderers.get_renderer(example.RENDERER, tok)
+    convo = [{"role": "user", "content": "How many a's are in banana?"}, {"role": "assistant", "content": "\\boxed{3}"},
+             {"role": "user", "content": "123+456="}]
+    want = tok.apply_chat_template(convo, add_generation_prompt=True, tokenize=False)
+    assert tok.decode(renderer.build_generation_prompt(convo).to_ints()) == want
+    tokens, weights = renderer.build_supervised_example([*convo, {"role": "assistant", "content": "\\boxed{579}"}])
+    full = tok.apply_chat_template([*convo, {"role": "assistant", "content": "\\boxed{579}"}], tokenize=False)
+    assert tok.decode(tokens.to_ints()) == full
+    assert tok.decode([t for t, w in zip(tokens.to_ints(), weights.tolist()) if w > 0]) == "\\boxed{579}<|im_end|>"

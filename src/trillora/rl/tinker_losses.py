@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import TrilloraError
+
 TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 REQUIRED_INPUTS = {
     "cross_entropy": ("target_tokens",),
@@ -38,7 +40,7 @@ CONFIG_KEYS = {
 DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # dro's beta has none: it must be given
 
 
-class LossInputError(ValueError):
+class LossInputError(TrilloraError, ValueError):
     """A loss name, input or config value the loss cannot use; the message names it."""
 
 

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .. import lora
+from ..errors import TrilloraError
 from ..checkpoint.atomic import AtomicFolder
 from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
 from ..rl.tinker_losses import LossInputError, check_loss, datum_loss
@@ -33,7 +34,9 @@ from .wire import Datum
 NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
-class BadRequest(Exception):
+class BadRequest(TrilloraError):
+    """A request the service refuses: the HTTP status and a message naming the culprit."""
+
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status

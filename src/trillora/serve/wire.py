@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import TrilloraError
+
 DTYPES = {1: np.float32, 2: np.int64, 3: np.int32, 4: "bfloat16"}  # tinker_public.DType
 DTYPE_CODES = {np.dtype(np.float32): 1, np.dtype(np.int64): 2, np.dtype(np.int32): 3}
 
 
-class WireError(ValueError):
+class WireError(TrilloraError, ValueError):
     """A body that is not the protobuf message it claims to be."""
 
 
