@@ -204,3 +204,26 @@ def test_bad_requests_get_4xx_with_a_message(server, service_client):
             tc.forward_backward(data, loss, loss_fn_config=config).result()
     # the client is still fine afterwards
     assert tc.forward_backward([datum(target_tokens=good[1:])], "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_named_sampler_weights_base_sampler_and_prompt_logprobs(server, service_client):
+    tc = service_client.create_lora_training_client(base_model=MODEL, rank=2).result()
+    tc.forward_backward([sft_datum(encode(server, "5+5=10"), 4)], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = tc.save_weights_for_sampler("rev-1").result().path
+    assert path == f"tinker://{tc.model_id}/sampler_weights/rev-1"
+    prompt = types.ModelInput.from_ints(encode(server, "5+5="))
+    tuned = service_client.create_sampling_client(model_path=path).result()
+    base = service_client.create_sampling_client(base_model=MODEL).result()
+    lp_tuned = tuned.compute_logprobs(prompt).result()
+    lp_base = base.compute_logprobs(prompt).result()
+    assert lp_tuned[0] is None and lp_base[0] is None and len(lp_tuned) == prompt.length
+    assert lp_tuned[1:] != pytest.approx(lp_base[1:], abs=1e-6)  # the revision is not the base
+    # the base sampler's prompt logprobs are the base model's own
+    model = server.service.base.model
+    ids = torch.tensor([prompt.to_ints()])
+    with torch.no_grad():
+        want = torch.log_softmax(model(ids).float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0].tolist()
+    assert lp_base[1:] == pytest.approx(want, abs=1e-5)
+    with pytest.raises(Exception, match="no saved weights"):
+        service_client.create_sampling_client(model_path=f"tinker://{tc.model_id}/sampler_weights/missing").result()
