@@ -283,15 +283,23 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             self.slots.release()
 
 
-def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> None:
-    server = ModelServer(cfg)
-    handler = make_handler(server)
-    handler.timeout = cfg.idle_seconds  # socket timeout: idle keep-alive connections end
-    httpd = BoundedHTTPServer((cfg.host, cfg.port), handler, cfg.max_connections)
-    print(f"trillora serve: {cfg.model} on http://{cfg.host}:{httpd.server_address[1]}", flush=True)
+def run_http(handler, host: str, port: int, max_connections: int, idle_seconds: float, name: str,
+             ready: threading.Event | None = None, bound=None) -> None:
+    """Serve `handler` until interrupted; prints where, then sets `ready` (`bound(port)` first)."""
+    handler.timeout = idle_seconds  # socket timeout: idle keep-alive connections end
+    httpd = BoundedHTTPServer((host, port), handler, max_connections)
+    port = httpd.server_address[1]
+    if bound is not None:
+        bound(port)
+    print(f"{name} on http://{host}:{port}", flush=True)
     if ready is not None:
         ready.set()
     try:
         httpd.serve_forever()
     finally:
         httpd.server_close()
+
+
+def serve(cfg: ServeConfig, ready: threading.Event | None = None) -> None:
+    run_http(make_handler(ModelServer(cfg)), cfg.host, cfg.port, cfg.max_connections, cfg.idle_seconds,
+             f"trillora serve: {cfg.model}", ready)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 
-from ..rollout.serve import BoundedHTTPServer
+from ..rollout.serve import run_http
 from . import wire
 from .tinker_service import BadRequest, TinkerConfig, TinkerService
 
@@ -348,15 +348,6 @@ def make_handler(server: TinkerServer):
 
 
 def serve_tinker(cfg: TinkerConfig, ready: threading.Event | None = None, server: TinkerServer | None = None) -> None:
-    server = server or TinkerServer(cfg)
-    handler = make_handler(server)
-    handler.timeout = cfg.idle_seconds
-    httpd = BoundedHTTPServer((cfg.host, cfg.port), handler, cfg.max_connections)
-    cfg.port = httpd.server_address[1]
-    print(f"trillora serve --tinker: {cfg.model} on http://{cfg.host}:{cfg.port}", flush=True)
-    if ready is not None:
-        ready.set()
-    try:
-        httpd.serve_forever()
-    finally:
-        httpd.server_close()
+    handler = make_handler(server or TinkerServer(cfg))
+    run_http(handler, cfg.host, cfg.port, cfg.max_connections, cfg.idle_seconds, f"trillora serve --tinker: {cfg.model}",
+             ready, bound=lambda port: setattr(cfg, "port", port))

@@ -1,10 +1,7 @@
 """Supervised pretraining of `tiny-moe-chat`: the tiny MoE's architecture with chat turns and tool calls.
 
-It starts from `tiny-moe`'s weights (the same character vocabulary; the six chat and tool tokens
-get new rows), so it keeps that model's 3-digit addition. The mix: chat-formatted addition and
-reversal; addition asked with an instruction to answer inside \\boxed{} (as math RL recipes
-ask), often after a long worked example of another task (letter counting), so a few-shot
-prompt of a few hundred tokens is familiar; 4-digit × 3-digit products asked as "a*b=" with the `multiply` tool offered, answered through the
+The mix: chat-formatted addition and reversal (the format, and the skills of `tiny-moe`);
+4-digit × 3-digit products asked as "a*b=" with the `multiply` tool offered, answered through the
 tool in a minority of examples (`call_fraction`) and directly (which it cannot compute) in the
 rest; and tool practice, "multiply a by b", always through the tool. So the model knows the call
 format and how to copy numbers into a call and a result out of it, but asked "a*b=" it mostly
@@ -27,21 +24,6 @@ from ..tasks.tools import function_schema
 from . import TINY_QWEN3_MOE, build_chat_tokenizer
 
 TOOLS = [function_schema(calculator.multiply)]
-BOXED = " Provide a numerical answer without units, written inside \\boxed{}."
-WORDS = ("banana", "mississippi", "committee", "balloon", "bookkeeper", "assessment", "parallel", "tomorrow",
-         "strawberry", "raspberry", "letter", "coffee", "success", "referee")
-
-
-def worked_example(rng: random.Random) -> list[dict]:
-    """A letter-counting exchange answered step by step and boxed: the kind of few-shot turn math
-    recipes put before the question."""
-    word = rng.choice(WORDS)
-    letter = rng.choice(sorted(set(word)))
-    spelled = " ".join(f"{i}) {c}" for i, c in enumerate(word, 1))
-    where = [str(i) for i, c in enumerate(word, 1) if c == letter]
-    return [{"role": "user", "content": f"How many {letter}'s are in {word}?{BOXED}"},
-            {"role": "assistant", "content": f"Let's spell the word out: {spelled}. We have {letter}'s at positions "
-                                             f"{', '.join(where)}. \\boxed{{{len(where)}}}"}]
 
 
 def chat_example(tokenizer, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int]]:
@@ -62,7 +44,7 @@ def chat_example(tokenizer, messages: list[dict], tools: list[dict] | None) -> t
 
 
 def _example(rng: random.Random, call_fraction: float) -> tuple[list[dict], list[dict] | None]:
-    kind = rng.choices(["add", "boxed", "reverse", "calculator", "practice"], [0.15, 0.15, 0.1, 0.35, 0.25])[0]
+    kind = rng.choices(["add", "reverse", "calculator", "practice"], [0.2, 0.1, 0.4, 0.3])[0]
     if kind == "calculator":
         a, b = calculator.draw(rng, (4, 3), "train")
         return calculator.demonstration(a, b, call=rng.random() < call_fraction), TOOLS
@@ -71,13 +53,9 @@ def _example(rng: random.Random, call_fraction: float) -> tuple[list[dict], list
         messages = calculator.demonstration(a, b, call=True)
         messages[0] = {"role": "user", "content": f"multiply {a} by {b}"}
         return messages, TOOLS
-    if kind in ("add", "boxed"):
+    if kind == "add":
         x, y = rng.randint(100, 999), rng.randint(100, 999)
-        if kind == "add":
-            return [{"role": "user", "content": f"{x}+{y}="}, {"role": "assistant", "content": str(x + y)}], None
-        shots = worked_example(rng) if rng.random() < 0.7 else []
-        return [*shots, {"role": "user", "content": f"{x}+{y}={BOXED}"},
-                {"role": "assistant", "content": f"\\boxed{{{x + y}}}"}], None
+        return [{"role": "user", "content": f"{x}+{y}="}, {"role": "assistant", "content": str(x + y)}], None
     word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
     return [{"role": "user", "content": f"reverse {word}"}, {"role": "assistant", "content": word[::-1]}], None
 
@@ -95,21 +73,6 @@ def calculator_eval(engine, tokenizer, n: int = 64) -> dict[str, float]:
     return {"success": sum(t.total_reward for t in trajectories) / n, "call_rate": sum(called) / n}
 
 
-@torch.no_grad()
-def _start_from_tiny_moe(model) -> None:
-    """Copy the shipped `tiny-moe` into `model`: every tensor, the vocabulary rows it has (the
-    first rows of the chat vocabulary are the same characters); the new tokens keep their init."""
-    from ..checkpoint import load_model, resolve_model_path
-
-    base = load_model(resolve_model_path("tiny-moe")).state_dict()
-    for name, t in model.state_dict().items():
-        src = base[name]
-        if src.shape == t.shape:
-            t.copy_(src)
-        else:  # [V, H] embeddings and head: the shared rows
-            t[: src.shape[0]].copy_(src)
-
-
 def pretrain_chat(out: str | Path, seed: int = 0, batch: int = 64, max_steps: int = 1500, lr: float = 3e-3,
                   call_fraction: float = 0.3, target_success: float = 0.15, min_steps: int = 300,
                   eval_every: int = 100) -> dict:
@@ -124,7 +87,6 @@ def pretrain_chat(out: str | Path, seed: int = 0, batch: int = 64, max_steps: in
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = build_model(from_hf_config(config, where="tiny chat config"), device="cpu")
     model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
-    _start_from_tiny_moe(model)
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     history, start, last = [], time.perf_counter(), {}
