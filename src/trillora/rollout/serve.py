@@ -231,13 +231,7 @@ def make_handler(server: ModelServer):
                 return
             length = int(self.headers.get("Content-Length") or 0)
             if length > server.cfg.max_body_bytes:
-                # drain a moderately oversized body so the client reads the 413 instead of a reset; drop the rest
-                left = min(length, 16 * server.cfg.max_body_bytes)
-                while left > 0:
-                    chunk = self.rfile.read(min(left, 1 << 16))
-                    if not chunk:
-                        break
-                    left -= len(chunk)
+                drain(self.rfile, length, server.cfg.max_body_bytes)
                 self.close_connection = True
                 return self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": {"message": "request body too large"}})
             raw = self.rfile.read(length)  # read before anything else, so the connection stays in step
@@ -255,6 +249,17 @@ def make_handler(server: ModelServer):
                 self._send(e.status, {"error": {"message": str(e)}})
 
     return Handler
+
+
+def drain(rfile, length: int, limit: int) -> None:
+    """Read and drop a moderately oversized body (up to 16 × `limit`), so the client reads the
+    413 instead of a reset; the rest is dropped with the connection."""
+    left = min(max(length, 0), 16 * limit)
+    while left > 0:
+        chunk = rfile.read(min(left, 1 << 16))
+        if not chunk:
+            break
+        left -= len(chunk)
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):

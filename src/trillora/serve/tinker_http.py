@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 
-from ..rollout.serve import run_http
+from ..rollout.serve import drain, run_http
 from . import wire
 from .tinker_service import BadRequest, TinkerConfig, TinkerService
 
@@ -322,12 +322,7 @@ def make_handler(server: TinkerServer):
                 self.close_connection = True
                 return self._error(HTTPStatus.BAD_REQUEST, "bad Content-Length")
             if length > cfg.max_body_bytes or length < 0:
-                left = min(max(length, 0), 16 * cfg.max_body_bytes)  # drain some, so the client reads the answer
-                while left > 0:
-                    chunk = self.rfile.read(min(left, 1 << 16))
-                    if not chunk:
-                        break
-                    left -= len(chunk)
+                drain(self.rfile, length, cfg.max_body_bytes)
                 self.close_connection = True
                 return self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                                    f"request body of {length} bytes; this server takes at most {cfg.max_body_bytes}")
