@@ -224,11 +224,15 @@ def worker(rank: int, world: int, port: int, family: str, layouts: list[dict], e
 
 def spawn(world: int, family: str, layouts: list[dict]) -> None:
     ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(worker, args=(world, free_port(), family, layouts, errors), nprocs=world, start_method="spawn")
-    except Exception as e:
-        raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
+    for attempt in range(3):  # free_port() only reserves nothing: another process may take it first
+        errors = ctx.SimpleQueue()
+        try:
+            mp.start_processes(worker, args=(world, free_port(), family, layouts, errors), nprocs=world, start_method="spawn")
+            return
+        except Exception as e:
+            message = errors.get() if not errors.empty() else str(e)
+            if "EADDRINUSE" not in message or attempt == 2:
+                raise AssertionError(message) from None
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -33,7 +33,8 @@ def server(tmp_path_factory):
     ready = threading.Event()
     threading.Thread(target=serve_tinker, args=(cfg, ready, srv), daemon=True).start()
     ready.wait(60)
-    return srv
+    yield srv
+    srv.httpd.shutdown()
 
 
 def recipe(server, *args: str) -> None:

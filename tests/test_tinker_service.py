@@ -28,12 +28,15 @@ def server(tmp_path_factory):
     ready = threading.Event()
     threading.Thread(target=serve_tinker, args=(cfg, ready, srv), daemon=True).start()
     ready.wait(60)
-    return srv
+    yield srv
+    srv.httpd.shutdown()
 
 
 @pytest.fixture(scope="module")
 def service_client(server):
-    return tinker.ServiceClient(base_url=f"http://127.0.0.1:{server.cfg.port}", api_key=KEY)
+    sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{server.cfg.port}", api_key=KEY)
+    yield sc
+    sc.close("success").result()  # stops its heartbeat thread, which would hold ephemeral ports for the rest of the run
 
 
 def encode(server, text: str) -> list[int]:

@@ -290,12 +290,13 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
 def run_http(handler, host: str, port: int, max_connections: int, idle_seconds: float, name: str,
              ready: threading.Event | None = None, bound=None) -> None:
-    """Serve `handler` until interrupted; prints where, then sets `ready` (`bound(port)` first)."""
+    """Serve `handler` until interrupted (or `httpd.shutdown()`); prints where, then sets `ready`
+    (`bound(httpd)` first: the port it got, a handle to stop it)."""
     handler.timeout = idle_seconds  # socket timeout: idle keep-alive connections end
     httpd = BoundedHTTPServer((host, port), handler, max_connections)
     port = httpd.server_address[1]
     if bound is not None:
-        bound(port)
+        bound(httpd)
     print(f"{name} on http://{host}:{port}", flush=True)
     if ready is not None:
         ready.set()

@@ -98,6 +98,11 @@ class TinkerServer:
         self.futures: dict[str, Future] = {}
         self.ids = itertools.count()
         self.lock = threading.Lock()
+        self.httpd = None  # the HTTP server once listening (`bound`)
+
+    def bound(self, httpd) -> None:
+        """The HTTP server is listening: its port (0 asked for any) and a handle to stop it."""
+        self.httpd, self.cfg.port = httpd, httpd.server_address[1]
 
     # --- futures -------------------------------------------------------------------------
     def start(self, fn, proto: bool = False, model_id: str | None = None, seq_id: int | None = None) -> dict:
@@ -343,6 +348,7 @@ def make_handler(server: TinkerServer):
 
 
 def serve_tinker(cfg: TinkerConfig, ready: threading.Event | None = None, server: TinkerServer | None = None) -> None:
-    handler = make_handler(server or TinkerServer(cfg))
+    server = server or TinkerServer(cfg)
+    handler = make_handler(server)
     run_http(handler, cfg.host, cfg.port, cfg.max_connections, cfg.idle_seconds, f"trillora serve --tinker: {cfg.model}",
-             ready, bound=lambda port: setattr(cfg, "port", port))
+             ready, bound=lambda httpd: server.bound(httpd))
