@@ -129,7 +129,6 @@ def start_from(supervised_log: str, rl_log: str) -> None:
 def main(argv: list[str]) -> None:
     which, args = argv[0], argv[1:]
     register()
-    args = [a if a.startswith("model_name=") else a for a in args]
     if not any(a.startswith("model_name=") for a in args):
         args.append(f"model_name={MODEL}")
     base = [a for a in args if a.startswith("start_from=")]

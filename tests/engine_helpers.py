@@ -42,3 +42,20 @@ def trainer_logprobs(model, completions, temperature: float = 1.0):
         logp, _ = token_logprobs(model, batch.input_ids, temperature)
     m = batch.completion_mask.bool()
     return logp[m], batch.rollout_logprobs[m]
+
+
+def tinker_server(state_dir, api_key: str, **cfg):
+    """`trillora serve tiny-moe-chat --tinker` on a free loopback port in a thread: yields the
+    TinkerServer (its `cfg.port` set), shut down afterwards."""
+    import threading
+
+    from trillora.serve.tinker_http import TinkerServer, serve_tinker
+    from trillora.serve.tinker_service import TinkerConfig
+
+    config = TinkerConfig(model="tiny-moe-chat", port=0, api_key=api_key, state_dir=str(state_dir), poll_seconds=2.0, **cfg)
+    server = TinkerServer(config)
+    ready = threading.Event()
+    threading.Thread(target=serve_tinker, args=(config, ready, server), daemon=True).start()
+    ready.wait(60)
+    yield server
+    server.httpd.shutdown()

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,7 @@ import pytest
 if os.environ.get("TRILLORA_REQUIRE_BENCH") != "1":
     pytest.importorskip("tinker_cookbook", reason="make test installs tinker-cookbook (see the Makefile)")
 
-from trillora.serve.tinker_http import TinkerServer, serve_tinker  # noqa: E402
-from trillora.serve.tinker_service import TinkerConfig  # noqa: E402
+from engine_helpers import tinker_server  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tinker_cookbook_tiny.py"
 KEY = "tml-cookbook"
@@ -27,14 +25,7 @@ KEY = "tml-cookbook"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    cfg = TinkerConfig(model="tiny-moe-chat", port=0, api_key=KEY, state_dir=str(tmp_path_factory.mktemp("state")),
-                       poll_seconds=2.0)
-    srv = TinkerServer(cfg)
-    ready = threading.Event()
-    threading.Thread(target=serve_tinker, args=(cfg, ready, srv), daemon=True).start()
-    ready.wait(60)
-    yield srv
-    srv.httpd.shutdown()
+    yield from tinker_server(tmp_path_factory.mktemp("state"), KEY)
 
 
 def recipe(server, *args: str) -> None:

@@ -13,8 +13,7 @@ import torch
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
-from trillora.serve.tinker_http import TinkerServer, serve_tinker  # noqa: E402
-from trillora.serve.tinker_service import TinkerConfig  # noqa: E402
+from engine_helpers import tinker_server  # noqa: E402
 
 MODEL = "tiny-moe-chat"
 KEY = "tml-test-key"
@@ -22,14 +21,7 @@ KEY = "tml-test-key"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    cfg = TinkerConfig(model=MODEL, port=0, api_key=KEY, state_dir=str(tmp_path_factory.mktemp("state")),
-                       poll_seconds=2.0, max_body_bytes=1 << 20)
-    srv = TinkerServer(cfg)
-    ready = threading.Event()
-    threading.Thread(target=serve_tinker, args=(cfg, ready, srv), daemon=True).start()
-    ready.wait(60)
-    yield srv
-    srv.httpd.shutdown()
+    yield from tinker_server(tmp_path_factory.mktemp("state"), KEY, max_body_bytes=1 << 20)
 
 
 @pytest.fixture(scope="module")

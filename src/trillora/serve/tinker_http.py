@@ -146,10 +146,11 @@ class TinkerServer:
             except wire.WireError as e:
                 raise BadRequest(f"forward_backward body: {e}") from None
             s.client(req.model_id)
-            s._check_data(req.loss_fn, req.loss_fn_config, req.data)
+            tensors = s.check_data(req.loss_fn, req.loss_fn_config, req.data)  # refused now, not in the future
 
             def run():
-                outputs, metrics = s.forward_backward(req.model_id, req.loss_fn, req.loss_fn_config, req.data, req.forward_only)
+                outputs, metrics = s.forward_backward(req.model_id, req.loss_fn, req.loss_fn_config, req.data, tensors,
+                                                      req.forward_only)
                 return wire.forward_backward_output({"logprobs": outputs}, metrics, len(req.data))
             return self._json(self.start(run, proto=True, model_id=req.model_id, seq_id=req.seq_id))
         try:
@@ -206,14 +207,10 @@ class TinkerServer:
     def _create_model(self, b: dict) -> dict:
         s, sid, seq = self.service, b.get("session_id", ""), b.get("model_seq_id", 0)
         s.session(sid)
-        s.check_base_model(b.get("base_model"))
-        lora_config = b.get("lora_config") or {}
-        rank = lora_config.get("rank", 32)
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= self.cfg.max_rank:
-            raise BadRequest(f"lora_config.rank={rank!r}; allowed: an integer in 1..{self.cfg.max_rank}")
+        rank, roles, seed = s.lora_settings(b.get("base_model"), b.get("lora_config") or {})
         if (b.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
             raise BadRequest(f"optimizer_config {b['optimizer_config']!r}; this server has type 'adamw'")
-        return self.start(lambda: s.create_model(sid, seq, b.get("base_model"), lora_config), model_id=f"{sid}:train:{seq}")
+        return self.start(lambda: s.create_model(sid, seq, rank, roles, seed), model_id=f"{sid}:train:{seq}")
 
     def _optim_step(self, b: dict) -> dict:
         s, mid = self.service, b.get("model_id", "")
@@ -226,7 +223,7 @@ class TinkerServer:
         s, mid = self.service, b.get("model_id", "")
         s.client(mid)
         name = b.get("path") or f"state-{next(self.ids)}"
-        s._path(mid, "weights", name)  # refuses a bad name now
+        s.state_path(mid, "weights", name)  # refuses a bad name now
         return self.start(lambda: s.save_state(mid, name), model_id=mid, seq_id=b.get("seq_id"))
 
     def _save_for_sampler(self, b: dict) -> dict:
@@ -234,13 +231,13 @@ class TinkerServer:
         s.client(mid)
         name = b.get("path")
         if name is not None:
-            s._path(mid, "sampler_weights", name)
+            s.state_path(mid, "sampler_weights", name)
         seq = b.get("sampling_session_seq_id") or 0
         return self.start(lambda: s.save_for_sampler(mid, name, mid.split(":")[0], seq), model_id=mid, seq_id=b.get("seq_id"))
 
     def _load_weights(self, b: dict) -> dict:
         s, path, optimizer = self.service, b.get("path", ""), bool(b.get("optimizer", False))
-        s._resolve(path)
+        s.resolve(path)
         if "model_id" in b:  # the legacy form: a new client under the same id is not what it asks
             raise BadRequest("load_weights into an existing client is not supported; use "
                              "create_training_client_from_state[_with_optimizer]")
@@ -275,7 +272,7 @@ class TinkerServer:
         return out
 
     def _weights_info(self, b: dict) -> dict:
-        _, _, folder = self.service._resolve(b.get("tinker_path", ""))
+        _, _, folder = self.service.resolve(b.get("tinker_path", ""))
         meta = json.loads((folder / "state.json").read_text())
         return {"base_model": self.cfg.model, "is_lora": True, "lora_rank": meta["rank"]}
 

@@ -120,7 +120,8 @@ class TinkerService:
                                       "max_context_length": self.base.model.args.max_position_embeddings}]}
 
     # --- training clients ----------------------------------------------------------------
-    def create_model(self, sid: str, seq: int, base_model: str, lora_config: dict) -> dict:
+    def lora_settings(self, base_model: str | None, lora_config: dict) -> tuple[int, tuple[str, ...], int]:
+        """(rank, roles, seed) of a create_model request, or BadRequest naming the field."""
         self.check_base_model(base_model)
         rank = lora_config.get("rank", 32)
         if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= self.cfg.max_rank:
@@ -129,9 +130,11 @@ class TinkerService:
                          bool(lora_config.get("train_unembed", True)))
         if not roles:
             raise BadRequest("lora_config trains nothing: set one of train_attn, train_mlp, train_unembed")
-        seed = lora_config.get("seed") or 0
-        adapter = self.base.new_adapter(rank, roles, int(seed))
-        return self._register(sid, seq, Client("", adapter, rank, roles))
+        return rank, roles, int(lora_config.get("seed") or 0)
+
+    def create_model(self, sid: str, seq: int, rank: int, roles: tuple[str, ...], seed: int) -> dict:
+        """A new training client (settings checked by `lora_settings`)."""
+        return self._register(sid, seq, Client("", self.base.new_adapter(rank, roles, seed), rank, roles))
 
     def _register(self, sid: str, seq: int, client: Client) -> dict:
         session = self.session(sid)
@@ -150,11 +153,12 @@ class TinkerService:
                                "tokenizer_id": self.cfg.model}}
 
     # --- forward / backward --------------------------------------------------------------
-    def forward_backward(self, model_id: str, loss_fn: str, config: dict, data: list[Datum], forward_only: bool):
+    def forward_backward(self, model_id: str, loss_fn: str, config: dict, data: list[Datum],
+                         tensors: list[dict[str, torch.Tensor]], forward_only: bool):
         """Per-datum target logprobs (as `target_tokens` is shaped) and {"loss:sum": ...}; gradients
-        accumulate in the client's adapter until its next optim_step (unless forward_only)."""
+        accumulate in the client's adapter until its next optim_step (unless forward_only).
+        `tensors`: each datum's loss inputs as `check_data` returned them."""
         client = self.client(model_id)
-        tensors = self._check_data(loss_fn, config, data)
         with self.base.use(client.adapter) as model, torch.set_grad_enabled(not forward_only):
             logps = self._target_logprobs(model, data, tensors)
             loss = sum((datum_loss(loss_fn, lp, t, config) for lp, t in zip(logps, tensors)), torch.zeros(()))
@@ -164,7 +168,7 @@ class TinkerService:
                 loss.backward()
         return [lp.detach().numpy() for lp in logps], {"loss:sum": float(loss.detach())}
 
-    def _check_data(self, loss_fn: str, config: dict, data: list[Datum]) -> list[dict[str, torch.Tensor]]:
+    def check_data(self, loss_fn: str, config: dict, data: list[Datum]) -> list[dict[str, torch.Tensor]]:
         if not data:
             raise BadRequest("forward_backward needs at least one datum")
         try:
@@ -240,23 +244,23 @@ class TinkerService:
         return {"metrics": {"grad_norm:mean": norm}}
 
     # --- saved states --------------------------------------------------------------------
-    def _path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
+    def state_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
         if not NAME.match(name):
             raise BadRequest(f"checkpoint name {name!r}: use 1-128 letters, digits, '.', '_' or '-'")
         return f"tinker://{model_id}/{kind}/{name}", self.root / model_id.replace(":", "_") / kind / name
 
-    def _resolve(self, tinker_path: str) -> tuple[str, str, Path]:
+    def resolve(self, tinker_path: str) -> tuple[str, str, Path]:
         m = re.fullmatch(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)", tinker_path or "")
         if m is None:
             raise BadRequest(f"path {tinker_path!r} is not tinker://<model_id>/weights|sampler_weights/<name>")
-        _, folder = self._path(m.group(1), m.group(2), m.group(3))
+        _, folder = self.state_path(m.group(1), m.group(2), m.group(3))
         if not (folder / "adapter.safetensors").exists():
             raise BadRequest(f"no saved weights at {tinker_path!r}", 404)
         return m.group(1), m.group(2), folder
 
     def save_state(self, model_id: str, name: str, optimizer: bool = True) -> dict:
         client = self.client(model_id)
-        path, folder = self._path(model_id, "weights", name)
+        path, folder = self.state_path(model_id, "weights", name)
         a = client.adapter
         if a.optimizer is None:
             a.optimizer = torch.optim.AdamW(list(a.params.values()))
@@ -269,7 +273,7 @@ class TinkerService:
 
     def load_state(self, sid: str, seq: int, tinker_path: str, optimizer: bool) -> dict:
         """A new training client from a saved state (with its AdamW moments when `optimizer`)."""
-        _, kind, folder = self._resolve(tinker_path)
+        _, kind, folder = self.resolve(tinker_path)
         if kind != "weights":
             raise BadRequest(f"{tinker_path!r} holds sampler weights; load a tinker://.../weights/... state")
         meta = json.loads((folder / "state.json").read_text())
@@ -294,7 +298,7 @@ class TinkerService:
         revision = ResidentBase.revision(client.adapter)
         if name is None:
             return {"sampling_session_id": self._add_sampler(sid or model_id.split(":")[0], sampler_seq, revision)}
-        path, folder = self._path(model_id, "sampler_weights", name)
+        path, folder = self.state_path(model_id, "sampler_weights", name)
         with AtomicFolder(folder) as tmp:
             save_file({k: t.contiguous() for k, t in revision.tensors.items()}, str(tmp / "adapter.safetensors"))
             (tmp / "state.json").write_text(json.dumps({"rank": client.rank, "roles": list(client.roles),
@@ -313,7 +317,7 @@ class TinkerService:
         if model_path is None:
             self.check_base_model(base_model)
             return self._add_sampler(sid, seq, Revision(None))
-        _, _, folder = self._resolve(model_path)
+        _, _, folder = self.resolve(model_path)
         meta = json.loads((folder / "state.json").read_text())
         tensors = load_file(str(folder / "adapter.safetensors"))
         tensors = {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")} or tensors
