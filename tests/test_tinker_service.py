@@ -178,6 +178,13 @@ def test_bad_requests_get_4xx_with_a_message(server, service_client):
         (raw(server, "POST", "/api/v1/create_session", b"{}", {"X-API-Key": "tml-wrong"}), 401, "API key"),
         (raw(server, "GET", "/api/v1/nothing"), 404, "no route GET /api/v1/nothing"),
     ]
+    cases += [  # paths: names become folders under --state-dir, nothing outside it is read or written
+        (post(server, "/api/v1/weights_info", {"tinker_path": "tinker://../weights/x"}), 400, "model id '..'"),
+        (post(server, "/api/v1/weights_info", {"tinker_path": "tinker://a:train:0/weights/.."}), 400, "checkpoint name '..'"),
+        (post(server, "/api/v1/weights_info", {"tinker_path": "tinker://a/../../etc/weights/x"}), 400, "is not tinker://"),
+        (post(server, "/api/v1/create_sampling_session", {"session_id": sid, "model_path": "/etc/passwd"}), 400,
+         "is not tinker://"),
+    ]
     for (status, body), want_status, message in cases:
         assert status == want_status and message in json.loads(body)["error"], (status, body)
 
@@ -197,6 +204,8 @@ def test_bad_requests_get_4xx_with_a_message(server, service_client):
     for data, loss, config, message in bad:
         with pytest.raises(tinker.BadRequestError, match=message.replace("[", r"\[").replace("]", r"\]")):
             tc.forward_backward(data, loss, loss_fn_config=config).result()
+    with pytest.raises(tinker.BadRequestError, match="checkpoint name '..'"):
+        tc.save_state("..").result()
     # the client is still fine afterwards
     assert tc.forward_backward([datum(target_tokens=good[1:])], "cross_entropy").result().metrics["loss:sum"] > 0
 

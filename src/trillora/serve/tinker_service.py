@@ -31,7 +31,8 @@ from ..rollout.types import SamplingParams
 from .adapters import Adapter, ResidentBase, Revision, roles_of
 from .wire import Datum
 
-NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")  # never "." or "..": names become folders
+MODEL_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._:-]{0,127}$")
 
 
 class BadRequest(TrilloraError):
@@ -246,8 +247,13 @@ class TinkerService:
     # --- saved states --------------------------------------------------------------------
     def state_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
         if not NAME.match(name):
-            raise BadRequest(f"checkpoint name {name!r}: use 1-128 letters, digits, '.', '_' or '-'")
-        return f"tinker://{model_id}/{kind}/{name}", self.root / model_id.replace(":", "_") / kind / name
+            raise BadRequest(f"checkpoint name {name!r}: use 1-128 letters, digits, '.', '_' or '-', not starting with '.'")
+        if not MODEL_ID.match(model_id):
+            raise BadRequest(f"model id {model_id!r} in a tinker:// path is not one this server writes")
+        folder = self.root / model_id.replace(":", "_") / kind / name
+        if self.root.resolve() not in folder.resolve().parents:  # a symlink planted under the state folder
+            raise BadRequest(f"tinker://{model_id}/{kind}/{name} leads outside the server's state folder", 403)
+        return f"tinker://{model_id}/{kind}/{name}", folder
 
     def resolve(self, tinker_path: str) -> tuple[str, str, Path]:
         m = re.fullmatch(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)", tinker_path or "")
