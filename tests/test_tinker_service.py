@@ -231,3 +231,36 @@ def test_named_sampler_weights_base_sampler_and_prompt_logprobs(server, service_
     assert lp_base[1:] == pytest.approx(want, abs=1e-5)
     with pytest.raises(Exception, match="no saved weights"):
         service_client.create_sampling_client(model_path=f"tinker://{tc.model_id}/sampler_weights/missing").result()
+
+
+def test_the_cli_serves_it(tmp_path):
+    """`trillora serve tiny-moe-chat --tinker` as written in the README: health, key checked, loopback only."""
+    import subprocess
+    import sys
+    import time
+
+    from engine_helpers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "trillora", "serve", "tiny-moe-chat", "--tinker", "--api-key", KEY,
+                             "--port", str(port), "--state-dir", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        conn = None
+        for _ in range(300):
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/api/v1/healthz")
+                assert json.loads(conn.getresponse().read()) == {"status": "ok"}
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the server did not come up")
+        conn.request("POST", "/api/v1/create_session", body=b"{}", headers={"X-API-Key": "tml-other"})
+        assert conn.getresponse().status == 401
+        conn.close()
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert f"on http://127.0.0.1:{port}" in out
