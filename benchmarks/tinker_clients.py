@@ -1,13 +1,16 @@
-"""Two Tinker training clients on one resident base: at once vs one after the other.
+"""Tinker training clients on one resident base: one after the other vs at once.
 
-    python benchmarks/tinker_clients.py [--steps 20] [--rows 16] [--rank 8] [--model tiny-moe-chat]
+    python benchmarks/tinker_clients.py [--clients 2] [--steps 20] [--rows 16] [--rank 8] [--model tiny-moe-chat]
 
 One `trillora serve --tinker` server (in this process, over HTTP on loopback) and the real
 `tinker` SDK as the clients. Each client runs the same supervised loop (forward_backward with
-cross_entropy on `--rows` 3-digit-addition rows, then optim_step). "one after the other": client A
-finishes, then client B; "at once": A and B in two threads. Reported: wall-clock seconds of each
-mode and their ratio, the base bytes resident (one copy, whatever the number of clients), each
-client's adapter and AdamW bytes, and the process's peak resident memory.
+cross_entropy on `--rows` 3-digit-addition rows, then optim_step). Modes: "sequential", each client
+finishes before the next starts; "concurrent, unfused", all at once in threads, the server running
+each request alone (`max_fused=1`); "concurrent", all at once with the server's default, requests
+waiting together sharing one pass through the base (each row with its client's adapter).
+Reported: wall-clock seconds of each mode and the ratios to sequential, how many passes were
+shared, the base bytes resident (one copy, whatever the number of clients), each client's adapter
+and AdamW bytes, and the process's peak resident memory.
 Writes benchmarks/results/tinker_clients.json.
 """
 
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--rank", type=int, default=8)
@@ -93,20 +97,24 @@ def main(argv: list[str] | None = None) -> dict:
     sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{server.cfg.port}", api_key="tml-bench")
     factory = lambda: sc.create_lora_training_client(base_model=args.model, rank=args.rank).result()  # noqa: E731
     tok = server.service.tokenizer
-    data = {"A": batch(tok, args.rows, 1), "B": batch(tok, args.rows, 2)}
-    train(factory, data["A"], 2, {}, "warmup")  # first-call costs out of both modes
+    names = [chr(ord("A") + i) for i in range(args.clients)]
+    data = {n: batch(tok, args.rows, i + 1) for i, n in enumerate(names)}
+    train(factory, data["A"], 2, {}, "warmup")  # first-call costs out of every mode
 
-    times, results = {}, {}
+    times, results, fused = {}, {}, {}
     start = time.perf_counter()
-    for name in ("A", "B"):
+    for name in names:
         train(factory, data[name], args.steps, results.setdefault("sequential", {}), name)
     times["sequential"] = time.perf_counter() - start
-    start = time.perf_counter()
-    threads = [threading.Thread(target=train, args=(factory, data[n], args.steps, results.setdefault("concurrent", {}), n))
-               for n in ("A", "B")]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    times["concurrent"] = time.perf_counter() - start
+    for mode, max_fused in (("concurrent, unfused", 1), ("concurrent", server.cfg.max_fused)):
+        server.worker.max_fused, before = max_fused, server.worker.fused_batches
+        start = time.perf_counter()
+        threads = [threading.Thread(target=train, args=(factory, data[n], args.steps, results.setdefault(mode, {}), n))
+                   for n in names]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        times[mode] = time.perf_counter() - start
+        fused[mode] = server.worker.fused_batches - before
 
     service = server.service
     base = sum(p.numel() * p.element_size() for n, p in service.base.model.named_parameters() if ".lora_" not in n)
@@ -115,23 +123,24 @@ def main(argv: list[str] | None = None) -> dict:
     optim = sum(t.numel() * t.element_size() for s in client.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
     report = {
         "command": "python benchmarks/tinker_clients.py " + " ".join(argv or []),
-        "model": args.model, "steps": args.steps, "rows": args.rows, "rank": args.rank,
-        "seconds": times, "ratio_sequential_over_concurrent": times["sequential"] / times["concurrent"],
+        "model": args.model, "clients": args.clients, "steps": args.steps, "rows": args.rows, "rank": args.rank,
+        "seconds": times, "shared_passes": fused,
+        "ratio_sequential_over_concurrent": times["sequential"] / times["concurrent"],
+        "ratio_sequential_over_concurrent_unfused": times["sequential"] / times["concurrent, unfused"],
         "base_bytes_resident": base, "base_copies": 1, "adapter_bytes_per_client": adapter,
         "adam_state_bytes_per_client": optim,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "clients": results,
+        "runs": results,
     }
-    table = Table(title=f"two Tinker clients on one {args.model} base: {args.steps} steps × {args.rows} rows each")
-    for col in ("mode", "wall s", "A loss first → last", "B loss first → last"):
+    table = Table(title=f"{args.clients} Tinker clients on one {args.model} base: {args.steps} steps × {args.rows} rows each")
+    for col in ("mode", "wall s", "sequential / mode", "shared passes", "A loss first → last"):
         table.add_column(col)
-    for mode in ("sequential", "concurrent"):
-        r = results[mode]
-        table.add_row(mode, f"{times[mode]:.1f}", f"{r['A']['first_loss']:.2f} → {r['A']['last_loss']:.2f}",
-                      f"{r['B']['first_loss']:.2f} → {r['B']['last_loss']:.2f}")
+    for mode, r in results.items():
+        table.add_row(mode, f"{times[mode]:.1f}", f"{times['sequential'] / times[mode]:.2f}×", str(fused.get(mode, 0)),
+                      f"{r['A']['first_loss']:.2f} → {r['A']['last_loss']:.2f}")
     console = Console()
     console.print(table)
-    console.print(f"sequential / concurrent = {report['ratio_sequential_over_concurrent']:.2f}×; base resident once: "
+    console.print(f"base resident once: "
                   f"{base / 2**20:.2f} MiB; per client: adapter {adapter / 2**20:.2f} MiB + AdamW {optim / 2**20:.2f} MiB; "
                   f"peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -144,7 +144,8 @@ def test_two_clients_at_once_train_as_each_alone(server, service_client):
     for name in jobs:
         alone: dict = {}
         train(name, alone)
-        assert all(torch.equal(together[name][k], alone[name][k]) for k in alone[name]), name
+        for k in alone[name]:  # passes shared by both clients sum in another order: fp32 rounding only
+            assert (together[name][k] - alone[name][k]).abs().max() < 1e-5, (name, k)
     assert any(not torch.equal(together["a"][k], together["b"][k]) for k in together["a"])  # other data, other adapter
 
 

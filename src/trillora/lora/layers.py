@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .multi import RowAdapters
 from ..models.moe import GroupedExperts, SigmoidRouter, SoftmaxRouter, grouped_linear
 
 
@@ -28,6 +29,9 @@ class LoraMixin:
     lora_scaling: float
     lora_enabled: bool
     lora_merged: bool
+
+    lora_multi: "tuple[RowAdapters, dict[str, torch.Tensor]] | None" = None
+    """Several adapters at once (`lora.multi`): the rows' adapters and this module's stacked tensors."""
 
     def _init_lora(self, rank: int, scaling: float, dropout: float) -> None:
         self.lora_rank, self.lora_scaling = rank, scaling
@@ -68,6 +72,9 @@ class LoraMatrixMixin(LoraMixin):
         self.lora_B = _new((out_features, rank), self.weight, dtype)
 
     def lora_update(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if self.lora_multi is not None:
+            rows, w = self.lora_multi
+            return rows.linear(x, w["lora_A"], w["lora_B"], like)
         h = self.lora_dropout(x).to(self.lora_A.dtype)
         return (F.linear(F.linear(h, self.lora_A), self.lora_B) * self.lora_scaling).to(like.dtype)
 
@@ -115,10 +122,12 @@ class LoraGroupedExperts(LoraMixin, GroupedExperts):
         self.lora_gate_B, self.lora_up_B = _new((e, i, rank), w, dtype), _new((e, i, rank), w, dtype)
         self.lora_down_A, self.lora_down_B = _new((e, rank, i), w, dtype), _new((e, c, rank), w, dtype)
 
-    def project(self, x_R: torch.Tensor, name: str, counts: torch.Tensor) -> torch.Tensor:
+    def project(self, x_R: torch.Tensor, name: str, counts: torch.Tensor, token_R: torch.Tensor | None = None) -> torch.Tensor:
         y = super().project(x_R, name, counts)
         if not self.lora_active:
             return y
+        if self.lora_multi is not None:
+            return y + self._multi_update(x_R, name, counts, token_R, y)
         h = self.lora_dropout(x_R).to(self.lora_down_A.dtype)
         r = self.lora_rank
         if name == "gate_up_proj":
@@ -130,6 +139,19 @@ class LoraGroupedExperts(LoraMixin, GroupedExperts):
         else:
             delta = grouped_linear(grouped_linear(h, self.lora_down_A, counts, self.grouped), self.lora_down_B, counts, self.grouped)
         return y + (delta * self.lora_scaling).to(y.dtype)
+
+    def _multi_update(self, x_R, name, counts, token_R, y) -> torch.Tensor:
+        """Rows of several adapters: grouped per (expert, adapter); w holds [E, K, ...] stacks."""
+        rows, w = self.lora_multi
+        groups, adapter_R = rows.expert_groups(counts, token_R)
+        if name == "down_proj":
+            return rows.experts(x_R, w["lora_down_A"], w["lora_down_B"], groups, adapter_R, y)
+        r = w["lora_gate_A"].shape[2]
+        a = torch.cat([w["lora_gate_A"], w["lora_up_A"]], dim=2)  # [E, K, 2r, C]
+        h_R2r = grouped_linear(x_R.to(a.dtype), a.flatten(0, 1), groups)
+        gate = rows.experts_second(h_R2r[:, :r].contiguous(), w["lora_gate_B"], groups, adapter_R, y)
+        up = rows.experts_second(h_R2r[:, r:].contiguous(), w["lora_up_B"], groups, adapter_R, y)
+        return torch.cat([gate, up], dim=-1)  # [R, 2I]
 
     def delta(self) -> dict[str, torch.Tensor]:
         s = self.lora_scaling

@@ -81,20 +81,21 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.grouped = True  # False: per-expert loop (reference)
 
-    def forward(self, x_RC: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        gate_up_R2I = self.project(x_RC, "gate_up_proj", counts_E)
+    def forward(self, x_RC: torch.Tensor, counts_E: torch.Tensor, token_R: torch.Tensor | None = None) -> torch.Tensor:
+        gate_up_R2I = self.project(x_RC, "gate_up_proj", counts_E, token_R)
         gate, up = gate_up_R2I.chunk(2, dim=-1)
-        return self.project(F.silu(gate) * up, "down_proj", counts_E)  # [R, C]
+        return self.project(F.silu(gate) * up, "down_proj", counts_E, token_R)  # [R, C]
 
-    def project(self, x_R: torch.Tensor, name: str, counts_E: torch.Tensor) -> torch.Tensor:
-        """One stacked projection over expert-sorted rows; the hook point for expert LoRA."""
+    def project(self, x_R: torch.Tensor, name: str, counts_E: torch.Tensor, token_R: torch.Tensor | None = None) -> torch.Tensor:
+        """One stacked projection over expert-sorted rows; the hook point for expert LoRA
+        (`token_R`, each row's source token, tells per-row adapters which rows are whose)."""
         return grouped_linear(x_R, getattr(self, name), counts_E, self.grouped)
 
 
 def dispatch_combine(experts: nn.Module, x_TC: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     """Sort the T·K (token, expert) pairs by expert, run the experts, weight and sum back per token."""
     sort = ExpertSort.build(indices_TK, experts.num_experts)
-    y_RC = experts(x_TC.index_select(0, sort.token), sort.counts)  # backward: index_add, not a sorted index_put
+    y_RC = experts(x_TC.index_select(0, sort.token), sort.counts, token_R=sort.token)  # backward: index_add, not a sorted index_put
     y_RC = y_RC * weights_TK.reshape(-1)[sort.order, None].to(y_RC.dtype)
     return torch.zeros_like(x_TC).index_add_(0, sort.token, y_RC.to(x_TC.dtype))
 

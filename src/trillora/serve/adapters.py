@@ -6,7 +6,9 @@ an `Adapter`: its own parameters (any rank, any subset of those roles) and its o
 Before a request runs, `ResidentBase.use` registers that adapter's parameters in the slots
 and switches the slots it does not train off; the base weights are never copied or touched.
 A `Revision` is a frozen copy of an adapter's tensors (what a sampler samples from).
-Requests run one at a time on the service's worker, so one set of slots serves every client.
+Requests run one at a time on the service's worker, so one set of slots serves every client;
+`use_many` puts several adapters in the slots at once, for one pass whose consecutive rows
+belong to different clients (`lora.multi`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from torch import nn
 
 from .. import lora
 from ..lora.apply import lora_modules
-from ..lora.layers import init_a
+from ..lora.layers import LoraGroupedExperts, init_a
+from ..lora.multi import RowAdapters, stack_padded
 
+SLOT_TENSORS = ("lora_A", "lora_B", "lora_gate_A", "lora_gate_B", "lora_up_A", "lora_up_B", "lora_down_A", "lora_down_B")
 TINKER_ROLES = {"train_attn": ("attention",), "train_mlp": ("mlp", "shared_experts", "experts"),
                 "train_unembed": ("lm_head",)}
 
@@ -100,13 +104,10 @@ class ResidentBase:
     @contextlib.contextmanager
     def use(self, adapter: Adapter | Revision | None):
         """The model with `adapter` in its slots (the other slots off); every slot off afterwards."""
-        tensors = adapter.params if isinstance(adapter, Adapter) else (adapter.tensors if adapter else {})
-        config = adapter.config if adapter is not None else None
+        tensors, config = _tensors(adapter), adapter.config if adapter is not None else None
         try:
             for name, m in self.slots.items():
-                names = [f"{name}.{p}" for p in ("lora_A", "lora_B", "lora_gate_A", "lora_gate_B", "lora_up_A",
-                                                 "lora_up_B", "lora_down_A", "lora_down_B")]
-                mine = [k for k in names if k in tensors]
+                mine = [k for k in (f"{name}.{p}" for p in SLOT_TENSORS) if k in tensors]
                 if not mine:
                     m.lora_enabled = False
                     continue
@@ -121,6 +122,39 @@ class ResidentBase:
             for m in self.slots.values():
                 m.lora_enabled = False
 
+    @contextlib.contextmanager
+    def use_many(self, adapters: list[Adapter | Revision | None], rows: list[int]):
+        """The model with adapter k on the next `rows[k]` batch rows (in order), in one pass."""
+        device = next(self.model.parameters()).device
+        scaling = [a.config.scaling(a.config.rank) if a is not None and a.config is not None else 0.0 for a in adapters]
+        multi = RowAdapters(rows, scaling, device)
+        every = [_tensors(a) for a in adapters]
+        hook = self.model.register_forward_pre_hook(lambda _, args: multi.begin(args[0]))
+        try:
+            for name, m in self.slots.items():
+                stacks = {}
+                for pname in SLOT_TENSORS:
+                    key = f"{name}.{pname}"
+                    found = [t.get(key) for t in every]
+                    if any(f is not None for f in found):
+                        rank = max(f.shape[-1 if pname.endswith("_B") else -2] for f in found if f is not None)
+                        like = next(f for f in found if f is not None)
+                        stacks[pname] = stack_padded(found, like, -1 if pname.endswith("_B") else -2, rank,
+                                                     dim=1 if isinstance(m, LoraGroupedExperts) else 0)
+                m.lora_multi = (multi, stacks) if stacks else None
+                m.lora_enabled = bool(stacks)
+            yield self.model
+        finally:
+            hook.remove()
+            for m in self.slots.values():
+                m.lora_enabled, m.lora_multi = False, None
+
     @staticmethod
     def revision(adapter: Adapter) -> Revision:
         return Revision(adapter.config, {k: t.clone() for k, t in adapter.tensors().items()})
+
+
+def _tensors(adapter: Adapter | Revision | None) -> dict[str, torch.Tensor]:
+    if isinstance(adapter, Adapter):
+        return adapter.params
+    return adapter.tensors if adapter is not None else {}

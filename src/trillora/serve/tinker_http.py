@@ -1,10 +1,10 @@
 """`trillora serve MODEL --tinker`: the REST API the `tinker` SDK calls, on `TinkerService`.
 
 Operations that compute (create_model, forward[_backward], optim_step, save / load, sample)
-return a future id at once and run on ONE worker thread, in arrival order, except that each
-training client's requests run in its `seq_id` order (the SDK sends the chunks of one call in
-parallel, the first one last); the SDK then polls `retrieve_future`, which holds the poll until
-the result is there (or `poll_seconds` passed: `try_again`). Forward, forward_backward and
+return a future id at once and run on ONE worker thread (`serve.worker`: each client's requests
+in `seq_id` order; forward_backward calls and samples that wait together share one pass); the
+SDK then polls `retrieve_future`, which holds the poll until the result is there (or
+`poll_seconds` passed: `try_again`). Forward, forward_backward and
 sample results go back as protobuf (`wire`), everything else as JSON.
 
 Requests that cannot succeed (unknown model, rank 0, a datum whose lengths disagree, an
@@ -16,10 +16,8 @@ bodies, counts and connections; saved states only under `state_dir`.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import json
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,7 +26,8 @@ from http.server import BaseHTTPRequestHandler
 
 from ..rollout.serve import drain, run_http
 from . import wire
-from .tinker_service import BadRequest, TinkerConfig, TinkerService
+from .tinker_service import BadRequest, FwdBwd, SampleCall, TinkerConfig, TinkerService
+from .worker import Job, Worker
 
 PROTO = "application/x-protobuf"
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True,
@@ -44,57 +43,12 @@ class Future:
     created: float = field(default_factory=time.monotonic)
 
 
-class Worker:
-    """One thread runs every computing request; a training client's requests in seq_id order."""
-
-    def __init__(self, stall_seconds: float = 10.0):
-        self.runnable: queue.Queue = queue.Queue()
-        self.waiting: dict[str, list] = {}  # model_id -> heap of (seq_id, arrival, job)
-        self.next_seq: dict[str, int] = {}
-        self.since: dict[str, float] = {}
-        self.lock = threading.Lock()
-        self.order = itertools.count()
-        self.stall_seconds = stall_seconds
-        threading.Thread(target=self._run, daemon=True, name="tinker-worker").start()
-
-    def submit(self, job, model_id: str | None = None, seq_id: int | None = None) -> None:
-        if model_id is None or seq_id is None:
-            self.runnable.put(job)
-            return
-        with self.lock:
-            heapq.heappush(self.waiting.setdefault(model_id, []), (seq_id, next(self.order), job))
-            self.since.setdefault(model_id, time.monotonic())
-            self._release(model_id)
-
-    def _release(self, model_id: str, force: bool = False) -> None:
-        heap = self.waiting.get(model_id, [])
-        expected = self.next_seq.get(model_id, 1)
-        while heap and (heap[0][0] <= expected or force):
-            seq, _, job = heapq.heappop(heap)
-            expected = max(expected, seq) + 1
-            force = False
-            self.runnable.put(job)
-            self.since[model_id] = time.monotonic()
-        self.next_seq[model_id] = expected
-
-    def _run(self) -> None:
-        while True:
-            try:
-                job = self.runnable.get(timeout=1.0)
-            except queue.Empty:
-                with self.lock:  # a seq_id that never came (a call the client gave up on) must not stall the rest
-                    for model_id, heap in self.waiting.items():
-                        if heap and time.monotonic() - self.since[model_id] > self.stall_seconds:
-                            self._release(model_id, force=True)
-                continue
-            job()
-
-
 class TinkerServer:
     def __init__(self, cfg: TinkerConfig, service: TinkerService | None = None):
         self.cfg = cfg
         self.service = service or TinkerService(cfg)
-        self.worker = Worker()
+        self.worker = Worker({"forward_backward": self._fused_forward_backward, "sample": self._fused_sample},
+                             max_fused=cfg.max_fused, gather_seconds=cfg.gather_seconds)
         self.futures: dict[str, Future] = {}
         self.ids = itertools.count()
         self.lock = threading.Lock()
@@ -105,8 +59,10 @@ class TinkerServer:
         self.httpd, self.cfg.port = httpd, httpd.server_address[1]
 
     # --- futures -------------------------------------------------------------------------
-    def start(self, fn, proto: bool = False, model_id: str | None = None, seq_id: int | None = None) -> dict:
-        """Queue `fn` (returns a JSON dict, or protobuf bytes when `proto`); the future's id."""
+    def start(self, fn, proto: bool = False, model_id: str | None = None, seq_id: int | None = None,
+              fuse: str | None = None, payload=None) -> dict:
+        """Queue `fn` (returns a JSON dict, or protobuf bytes when `proto`); the future's id.
+        `fuse`/`payload`: the kind of request and what its fuser needs, to share a pass."""
         with self.lock:
             rid = f"req-{next(self.ids)}"
             fut = self.futures[rid] = Future(proto=proto)
@@ -114,18 +70,25 @@ class TinkerServer:
             for k in old:
                 del self.futures[k]
 
-        def job():
-            try:
-                out = fn()
+        def settle(out) -> None:
+            if isinstance(out, BadRequest):
+                fut.body, fut.proto = json.dumps({"error": str(out), "category": "user"}).encode(), False
+            elif isinstance(out, Exception):  # a server fault still answers the poll, with what went wrong
+                fut.body, fut.proto = json.dumps({"error": f"{type(out).__name__}: {out}", "category": "server"}).encode(), False
+            else:
                 fut.body = out if proto else json.dumps(out).encode()
-            except BadRequest as e:
-                fut.body, fut.proto = json.dumps({"error": str(e), "category": "user"}).encode(), False
-            except Exception as e:  # a server fault still answers the poll, with what went wrong
-                fut.body, fut.proto = json.dumps({"error": f"{type(e).__name__}: {e}", "category": "server"}).encode(), False
             fut.done.set()
 
-        self.worker.submit(job, model_id, seq_id)
+        self.worker.submit(Job(fn, settle, model_id, fuse, payload), seq_id)
         return {"request_id": rid, **({"model_id": model_id} if model_id else {})}
+
+    def _fused_forward_backward(self, calls: list[FwdBwd]) -> list:
+        outs = self.service.forward_backward_many(calls)
+        return [o if isinstance(o, Exception) else wire.forward_backward_output({"logprobs": o[0]}, o[1], len(c.data))
+                for c, o in zip(calls, outs)]
+
+    def _fused_sample(self, calls: list[SampleCall]) -> list:
+        return [o if isinstance(o, Exception) else wire.sample_response(*o) for o in self.service.sample_many(calls)]
 
     def retrieve(self, body: dict) -> tuple[bytes, str]:
         fut = self.futures.get(body.get("request_id", ""))
@@ -148,11 +111,9 @@ class TinkerServer:
             s.client(req.model_id)
             tensors = s.check_data(req.loss_fn, req.loss_fn_config, req.data)  # refused now, not in the future
 
-            def run():
-                outputs, metrics = s.forward_backward(req.model_id, req.loss_fn, req.loss_fn_config, req.data, tensors,
-                                                      req.forward_only)
-                return wire.forward_backward_output({"logprobs": outputs}, metrics, len(req.data))
-            return self._json(self.start(run, proto=True, model_id=req.model_id, seq_id=req.seq_id))
+            call = FwdBwd(req.model_id, req.loss_fn, req.loss_fn_config, req.data, tensors, req.forward_only)
+            return self._json(self.start(lambda: self._fused_forward_backward([call])[0], proto=True, model_id=req.model_id,
+                                         seq_id=req.seq_id, fuse="forward_backward", payload=call))
         try:
             body = json.loads(raw or b"{}")
         except json.JSONDecodeError as e:
@@ -264,10 +225,8 @@ class TinkerServer:
             raise BadRequest("prompt tokens must be integers")
         n, params, want_prompt = b.get("num_samples", 1), b.get("sampling_params") or {}, bool(b.get("prompt_logprobs"))
 
-        def run():
-            seqs, scored = s.sample(sid, prompt, n, params, want_prompt)
-            return wire.sample_response(seqs, scored)
-        out = self.start(run, proto=True)
+        call = SampleCall(sid, prompt, n, params, want_prompt)
+        out = self.start(lambda: self._fused_sample([call])[0], proto=True, fuse="sample", payload=call)
         out["sample_sequence_ids"] = [f"{out['request_id']}:{i}" for i in range(n if isinstance(n, int) else 0)]
         return out
 

@@ -2,8 +2,9 @@
 LoRA adapter with its own AdamW on one resident base), forward / forward_backward with the
 built-in losses, optimizer steps, saved states and sampler revisions, sampling.
 
-Every method here runs on the service's single worker (`tinker_http`), one request at a time,
-so the resident model's adapter slots are never shared by two requests. Bad requests raise
+Every method here runs on the service's single worker (`serve.worker`), one call at a time, so the
+resident model's adapter slots are never shared by two calls; the `*_many` methods serve several
+waiting requests, of one client or several, in one pass with each row's own adapter. Bad requests raise
 `BadRequest` (HTTP 400/404 with the message); nothing half-applied is left behind.
 Shape legend: B datums, T tokens (padded), V vocabulary, N one datum's tokens, K top-k targets.
 """
@@ -57,10 +58,17 @@ class TinkerConfig:
     max_tokens_limit: int = 4096
     max_clients: int = 16
     lora_alpha: float = 16.0
+    device: str = "cpu"
+    precision: str = "fp32"
+    """The resident base's weights: fp32, or bf16 (adapters and their optimizer stay fp32)."""
     poll_seconds: float = 20.0
     """How long retrieve_future holds a pending request before answering try_again."""
     max_connections: int = 64
     idle_seconds: float = 60.0
+    max_fused: int = 16
+    """At most this many waiting requests (of one or several clients) share one pass; 1: never."""
+    gather_seconds: float = 0.01
+    """How long a lone request may wait for other clients' to share its pass (only while others are active)."""
 
 
 @dataclass
@@ -69,6 +77,27 @@ class Client:
     adapter: Adapter
     rank: int
     roles: tuple[str, ...]
+
+
+@dataclass
+class FwdBwd:
+    """One forward_backward (or forward) call, its data checked by `check_data`."""
+
+    model_id: str
+    loss_fn: str
+    config: dict
+    data: list[Datum]
+    tensors: list[dict[str, torch.Tensor]]
+    forward_only: bool
+
+
+@dataclass
+class SampleCall:
+    sampler_id: str
+    prompt: list[int]
+    n: int
+    params: dict
+    prompt_logprobs: bool = False
 
 
 @dataclass
@@ -85,7 +114,11 @@ class TinkerService:
         self.cfg = cfg
         path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(path)
-        self.base = ResidentBase(load_model(path), alpha=cfg.lora_alpha)
+        if cfg.precision not in ("fp32", "bf16"):
+            raise BadRequest(f"precision {cfg.precision!r}; allowed for --tinker: fp32, bf16")
+        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+        self.base = ResidentBase(load_model(path, dtype=dtype, device=cfg.device), alpha=cfg.lora_alpha)
+        self.device = torch.device(cfg.device)
         self.vocab = self.base.model.args.vocab_size
         self.engine = LocalEngine.sharing(self.base.model, pad_id=self.tokenizer.pad_token_id or 0)
         self.sessions: dict[str, Session] = {}
@@ -159,15 +192,41 @@ class TinkerService:
         """Per-datum target logprobs (as `target_tokens` is shaped) and {"loss:sum": ...}; gradients
         accumulate in the client's adapter until its next optim_step (unless forward_only).
         `tensors`: each datum's loss inputs as `check_data` returned them."""
-        client = self.client(model_id)
-        with self.base.use(client.adapter) as model, torch.set_grad_enabled(not forward_only):
-            logps = self._target_logprobs(model, data, tensors)
-            loss = sum((datum_loss(loss_fn, lp, t, config) for lp, t in zip(logps, tensors)), torch.zeros(()))
-            if not forward_only:
-                if not torch.isfinite(loss):
-                    raise BadRequest(f"the {loss_fn} loss is not finite ({float(loss)}): check logprobs and advantages")
-                loss.backward()
-        return [lp.detach().numpy() for lp in logps], {"loss:sum": float(loss.detach())}
+        return _raised(self.forward_backward_many([FwdBwd(model_id, loss_fn, config, data, tensors, forward_only)])[0])
+
+    def forward_backward_many(self, calls: list[FwdBwd]) -> list:
+        """Several forward_backward calls (of one client or several) in ONE pass through the base,
+        each call's rows with its own client's adapter; each outcome is what `forward_backward`
+        returns, or the BadRequest it raises. The summed loss's backward gives each adapter exactly
+        its own calls' gradients: rows never mix in a causal LM."""
+        outcomes: list = [None] * len(calls)
+        live = []
+        for i, c in enumerate(calls):
+            try:
+                live.append((i, c, self.client(c.model_id).adapter))
+            except BadRequest as e:
+                outcomes[i] = e
+        if not live:
+            return outcomes
+        rows = [len(c.data) for _, c, _ in live]
+        use = self.base.use(live[0][2]) if len(live) == 1 else self.base.use_many([a for _, _, a in live], rows)
+        with use as model, torch.set_grad_enabled(any(not c.forward_only for _, c, _ in live)):
+            logps = self._target_logprobs(model, [d for _, c, _ in live for d in c.data],
+                                          [t for _, c, _ in live for t in c.tensors])
+            losses, start = [], 0
+            for (i, c, _), n in zip(live, rows):
+                mine, start = logps[start:start + n], start + n
+                loss = sum((datum_loss(c.loss_fn, lp, {k: v.to(self.device) for k, v in t.items()}, c.config)
+                            for lp, t in zip(mine, c.tensors)), torch.zeros((), device=self.device))
+                if not c.forward_only and not torch.isfinite(loss):
+                    outcomes[i] = BadRequest(f"the {c.loss_fn} loss is not finite ({float(loss)}): check logprobs and advantages")
+                    continue
+                if not c.forward_only and loss.requires_grad:
+                    losses.append(loss)
+                outcomes[i] = ([lp.detach().cpu().numpy() for lp in mine], {"loss:sum": float(loss.detach())})
+            if losses:
+                torch.stack(losses).sum().backward()
+        return outcomes
 
     def check_data(self, loss_fn: str, config: dict, data: list[Datum]) -> list[dict[str, torch.Tensor]]:
         if not data:
@@ -208,10 +267,10 @@ class TinkerService:
         ids = torch.zeros(len(data), width, dtype=torch.long)  # [B, T] right-padded (causal: pads change nothing before them)
         for i, d in enumerate(data):
             ids[i, :len(d.tokens)] = torch.tensor(d.tokens)
-        logp = torch.log_softmax(model(ids).float(), dim=-1)  # [B, T, V]
+        logp = torch.log_softmax(model(ids.to(self.device)).float(), dim=-1)  # [B, T, V]
         out = []
         for i, (d, t) in enumerate(zip(data, tensors)):
-            targets = t["target_tokens"].long()  # [N] or [N, K]
+            targets = t["target_tokens"].long().to(self.device)  # [N] or [N, K]
             n = len(d.tokens)
             out.append(logp[i, :n].gather(-1, targets.reshape(n, -1)).reshape(targets.shape))
         return out
@@ -273,7 +332,7 @@ class TinkerService:
         meta = {"rank": client.rank, "roles": list(client.roles), "seed": a.config.seed, "steps": a.steps,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in a.optimizer.param_groups]}
         with AtomicFolder(folder) as tmp:
-            save_file(rank_tensors(a.params, a.optimizer), str(tmp / "adapter.safetensors"))
+            save_file({k: t.cpu() for k, t in rank_tensors(a.params, a.optimizer).items()}, str(tmp / "adapter.safetensors"))
             (tmp / "state.json").write_text(json.dumps(meta))
         return {"path": path, "type": "save_weights"}
 
@@ -306,7 +365,7 @@ class TinkerService:
             return {"sampling_session_id": self._add_sampler(sid or model_id.split(":")[0], sampler_seq, revision)}
         path, folder = self.state_path(model_id, "sampler_weights", name)
         with AtomicFolder(folder) as tmp:
-            save_file({k: t.contiguous() for k, t in revision.tensors.items()}, str(tmp / "adapter.safetensors"))
+            save_file({k: t.contiguous().cpu() for k, t in revision.tensors.items()}, str(tmp / "adapter.safetensors"))
             (tmp / "state.json").write_text(json.dumps({"rank": client.rank, "roles": list(client.roles),
                                                         "seed": client.adapter.config.seed}))
         return {"path": path, "type": "save_weights_for_sampler"}
@@ -327,6 +386,7 @@ class TinkerService:
         meta = json.loads((folder / "state.json").read_text())
         tensors = load_file(str(folder / "adapter.safetensors"))
         tensors = {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")} or tensors
+        tensors = {k: v.to(self.device) for k, v in tensors.items()}
         config = lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=tuple(meta["roles"]), seed=meta["seed"])
         return self._add_sampler(sid, seq, Revision(config, tensors))
 
@@ -338,29 +398,57 @@ class TinkerService:
 
     def sample(self, sampler_id: str, prompt: list[int], n: int, params: dict, prompt_logprobs: bool):
         """n sequences of (tokens, logprobs, stop reason), and the prompt's logprobs when asked."""
-        revision = self.sampler(sampler_id)
-        if not prompt or min(prompt) < 0 or max(prompt) >= self.vocab:
+        return _raised(self.sample_many([SampleCall(sampler_id, prompt, n, params, prompt_logprobs)])[0])
+
+    def sample_many(self, calls: list[SampleCall]) -> list:
+        """Several asample calls; those with the same settings (n, sampling params, no seed, no prompt
+        logprobs) share one `generate`, each prompt with its own sampler's revision. Each outcome is
+        what `sample` returns, or the BadRequest it raises."""
+        outcomes: list = [None] * len(calls)
+        groups: dict = {}
+        for i, c in enumerate(calls):
+            try:
+                revision, sp, stops = self._check_sample(c)
+            except BadRequest as e:
+                outcomes[i] = e
+                continue
+            key = (c.n, sp, stops) if sp.seed is None and not c.prompt_logprobs else ("alone", i)
+            groups.setdefault(key, []).append((i, c, revision, sp, stops))
+        for group in groups.values():
+            revisions = list({id(r): r for _, _, r, _, _ in group}.values())
+            group.sort(key=lambda g: [id(r) for r in revisions].index(id(g[2])))  # each revision's rows together
+            rows = [sum(g[2] is r for g in group) for r in revisions]
+            _, c, _, sp, stops = group[0]
+            use = self.base.use(revisions[0]) if len(revisions) == 1 else self.base.use_many(revisions, rows)
+            with use as model, torch.no_grad():
+                self.engine.forget()
+                out = self.engine.generate([g[1].prompt for g in group], c.n, sp)
+                for (i, call, *_), completions in zip(group, out):
+                    scored = None
+                    if call.prompt_logprobs:  # a group of one
+                        prompt = torch.tensor([call.prompt], device=self.device)
+                        logp = torch.log_softmax(model(prompt).float(), -1)[0]  # [N, V]
+                        scored = [math.nan] + logp[:-1].gather(-1, prompt[0, 1:, None])[:, 0].tolist()
+                    outcomes[i] = ([self._cut(x, stops) for x in completions], scored)
+        return outcomes
+
+    def _check_sample(self, c: SampleCall) -> tuple[Revision, SamplingParams, tuple[str, ...]]:
+        revision = self.sampler(c.sampler_id)
+        if not c.prompt or min(c.prompt) < 0 or max(c.prompt) >= self.vocab:
             raise BadRequest(f"prompt token ids must be a non-empty list in 0..{self.vocab - 1}")
-        if not isinstance(n, int) or not 1 <= n <= self.cfg.max_samples:
-            raise BadRequest(f"num_samples={n!r}; allowed: 1..{self.cfg.max_samples}")
-        stop_ids, stop_strings = self._stops(params.get("stop"))
-        max_tokens = params.get("max_tokens") or 64
+        if not isinstance(c.n, int) or not 1 <= c.n <= self.cfg.max_samples:
+            raise BadRequest(f"num_samples={c.n!r}; allowed: 1..{self.cfg.max_samples}")
+        stop_ids, stop_strings = self._stops(c.params.get("stop"))
+        max_tokens = c.params.get("max_tokens") or 64
         if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.cfg.max_tokens_limit:
             raise BadRequest(f"sampling_params.max_tokens={max_tokens!r}; allowed: 1..{self.cfg.max_tokens_limit}")
         try:
-            sp = SamplingParams(max_new_tokens=max_tokens, temperature=float(params.get("temperature", 1.0)),
-                                top_p=float(params.get("top_p", 1.0)), top_k=max(0, int(params.get("top_k", -1))),
-                                stop_token_ids=stop_ids, seed=params.get("seed"))
+            sp = SamplingParams(max_new_tokens=max_tokens, temperature=float(c.params.get("temperature", 1.0)),
+                                top_p=float(c.params.get("top_p", 1.0)), top_k=max(0, int(c.params.get("top_k", -1))),
+                                stop_token_ids=stop_ids, seed=c.params.get("seed"))
         except (TypeError, ValueError) as e:
             raise BadRequest(f"sampling_params: {e}") from None
-        with self.base.use(revision) as model, torch.no_grad():
-            self.engine.forget()
-            out = self.engine.generate([prompt], n, sp)[0]
-            scored = None
-            if prompt_logprobs:
-                logp = torch.log_softmax(model(torch.tensor([prompt])).float(), -1)[0]  # [N, V]
-                scored = [math.nan] + logp[:-1].gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
-        return [self._cut(c, stop_strings) for c in out], scored
+        return revision, sp, stop_strings
 
     def _stops(self, stop) -> tuple[tuple[int, ...], tuple[str, ...]]:
         eos = self.tokenizer.eos_token_id
@@ -383,3 +471,9 @@ class TinkerService:
                 if any(s in self.tokenizer.decode(tokens[:k]) for s in stop_strings):
                     return tokens[:k], logprobs[:k], "stop"
         return tokens, logprobs, reason
+
+
+def _raised(outcome):
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome

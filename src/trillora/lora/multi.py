@@ -1,0 +1,92 @@
+"""Several adapters in one pass through one base: each batch row with its own adapter.
+
+A service holding one base for many clients (`serve.adapters`) would otherwise run one pass
+per client. Here rows of K adapters share the pass: the base matmuls see every row at once and
+each LoRA update runs as a grouped GEMM over the rows grouped per adapter (S-LoRA / Punica's
+idea), and, in routed-expert layers, per (expert, adapter): the rows are already sorted by
+expert, and within an expert by source token, so when each adapter's rows are consecutive in
+the batch the rows of one (expert, adapter) pair are consecutive too. Adapters of different
+ranks are zero-padded to the largest rank, which changes no product; an adapter that does not
+train a module contributes zero there.
+
+Shape legend: K adapters, B batch rows, T tokens per row, N in / O out features, r the
+largest rank, E experts, R routed rows (sorted by expert), C hidden, I expert hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..models.moe import grouped_linear
+
+
+class RowAdapters:
+    """Which of K adapters each row of the next forward uses, and the K adapters' scalings.
+
+    `rows[k]` consecutive batch rows use adapter k. A model call may also carry each row
+    repeated n times in place (a sampler's n samples per prompt after one prefill): `begin`
+    takes the call's [B, T] input and spreads the adapters over it.
+    """
+
+    def __init__(self, rows: list[int], scaling: list[float], device: torch.device):
+        if len(rows) != len(scaling) or min(rows, default=0) < 1:
+            raise ValueError(f"one positive row count and one scaling per adapter; got rows={rows}, scaling={scaling}")
+        self.rows = torch.tensor(rows, device=device)
+        self.scaling = torch.tensor(scaling, dtype=torch.float32, device=device)  # [K]
+        self.k = len(rows)
+        self.token_adapter: torch.Tensor | None = None  # [B*T]
+        self.counts: torch.Tensor | None = None  # [K] tokens per adapter
+
+    def begin(self, input_ids_BT: torch.Tensor) -> None:
+        b, t = input_ids_BT.shape
+        total = int(self.rows.sum())
+        if b % total:
+            raise ValueError(f"a batch of {b} rows cannot hold the {total} rows of the {self.k} adapters")
+        per_row = (b // total) * t
+        self.counts = self.rows * per_row
+        self.token_adapter = torch.repeat_interleave(torch.arange(self.k, device=self.rows.device), self.counts)
+
+    def linear(self, x: torch.Tensor, a_KrN: torch.Tensor, b_KOr: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Each token's own adapter: scaling_k · B_k A_k x, as two grouped GEMMs over adapter groups."""
+        x_TN = x.reshape(-1, x.shape[-1]).to(a_KrN.dtype)
+        if x_TN.shape[0] != self.counts.sum():
+            raise ValueError(f"{x_TN.shape[0]} token rows, but the adapters' rows hold {int(self.counts.sum())}")
+        h_Tr = grouped_linear(x_TN, a_KrN, self.counts)
+        d_TO = grouped_linear(h_Tr, b_KOr, self.counts) * self.scaling[self.token_adapter, None]
+        return d_TO.to(like.dtype).reshape(*x.shape[:-1], -1)
+
+    def expert_groups(self, counts_E: torch.Tensor, token_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows per (expert, adapter) pair [E*K] and each routed row's adapter [R]."""
+        if token_R is None or token_R.shape[0] != int(counts_E.sum()):
+            raise ValueError("per-row expert adapters need each routed row's source token (not under expert parallelism)")
+        adapter_R = self.token_adapter[token_R]
+        expert_R = torch.repeat_interleave(torch.arange(counts_E.shape[0], device=counts_E.device), counts_E)
+        return torch.bincount(expert_R * self.k + adapter_R, minlength=counts_E.shape[0] * self.k), adapter_R
+
+    def experts(self, x_R: torch.Tensor, a_EKrN: torch.Tensor, b_EKOr: torch.Tensor, groups: torch.Tensor,
+                adapter_R: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Each routed row through its (expert, adapter) pair's update."""
+        h_Rr = grouped_linear(x_R.to(a_EKrN.dtype), a_EKrN.flatten(0, 1), groups)
+        return self.experts_second(h_Rr, b_EKOr, groups, adapter_R, like)
+
+    def experts_second(self, h_Rr: torch.Tensor, b_EKOr: torch.Tensor, groups: torch.Tensor, adapter_R: torch.Tensor,
+                       like: torch.Tensor) -> torch.Tensor:
+        """The B half of the expert update, scaled by each row's adapter: [R, r] -> [R, O]."""
+        d = grouped_linear(h_Rr, b_EKOr.flatten(0, 1), groups) * self.scaling[adapter_R, None]
+        return d.to(like.dtype)
+
+
+def stack_padded(tensors: list[torch.Tensor | None], like: torch.Tensor, rank_dim: int, rank: int, dim: int) -> torch.Tensor:
+    """K adapters' tensors of one slot stacked along `dim`, ranks zero-padded to `rank`; an
+    adapter without the tensor (None) stacks zeros of `like`'s shape at that rank."""
+    out = []
+    for t in tensors:
+        if t is None:
+            shape = list(like.shape)
+            shape[rank_dim] = rank
+            out.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+            continue
+        pad = [0, 0] * (t.dim() - 1 - rank_dim % t.dim()) + [0, rank - t.shape[rank_dim]]
+        out.append(F.pad(t, pad))
+    return torch.stack(out, dim=dim)

@@ -1,0 +1,121 @@
+"""Requests of several Tinker clients sharing one pass: the worker's choice of what may fuse
+(never ahead of an earlier request of the same client), and fused forward_backward / sampling
+equal to each call alone."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from trillora.serve.tinker_service import FwdBwd, SampleCall, TinkerConfig, TinkerService
+from trillora.serve.wire import Datum
+from trillora.serve.worker import Job, Worker
+
+
+def test_worker_fuses_waiting_requests_of_one_kind_and_keeps_each_clients_order():
+    ran: list = []
+    gate = threading.Event()
+    done = threading.Semaphore(0)
+    def fuser(payloads):
+        ran.append(("fused", tuple(payloads)))
+        return list(payloads)
+
+    worker = Worker({"fb": fuser, "sample": fuser})
+
+    def job(name, model=None, fuse=None):
+        def run():
+            ran.append(("alone", name))
+            return name
+        return Job(run, lambda out: done.release(), model, fuse, name)
+
+    worker.submit(Job(gate.wait, lambda out: done.release()))  # holds the worker while the rest queue up
+    for name, model, seq, fuse in [("fbA1", "A", 1, "fb"), ("fbB1", "B", 1, "fb"), ("optA2", "A", 2, None),
+                                   ("fbA3", "A", 3, "fb"), ("fbC1", "C", 1, "fb"), ("s1", None, None, "sample"),
+                                   ("s2", None, None, "sample")]:
+        worker.submit(job(name, model, fuse), seq)
+    gate.set()
+    for _ in range(8):
+        assert done.acquire(timeout=10)
+    ran = [r for r in ran if r[1] != "gate"]
+    # fbA3 waits behind optA2 (same client); fbC1 is not held back by A's optimizer step
+    assert ran == [("fused", ("fbA1", "fbB1", "fbC1")), ("alone", "optA2"), ("alone", "fbA3"), ("fused", ("s1", "s2"))]
+    assert worker.fused_batches == 2
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    return TinkerService(TinkerConfig(model="tiny-moe-chat", state_dir=str(tmp_path_factory.mktemp("state"))))
+
+
+def datum(service, text: str, prompt_len: int, **extra) -> Datum:
+    ids = service.tokenizer.encode(text, add_special_tokens=False)
+    n = len(ids) - 1
+    weights = np.array([0.0] * (prompt_len - 1) + [1.0] * (n - prompt_len + 1), dtype=np.float32)
+    return Datum(ids[:-1], {"target_tokens": np.array(ids[1:]), "weights": weights,
+                            **{k: np.full(n, v, np.float32) for k, v in extra.items()}})
+
+
+def call(service, model_id, data, loss_fn="cross_entropy", forward_only=False) -> FwdBwd:
+    return FwdBwd(model_id, loss_fn, {}, data, service.check_data(loss_fn, {}, data), forward_only)
+
+
+def grads(service, model_id):
+    adapter = service.client(model_id).adapter
+    out = {k: p.grad.clone() for k, p in adapter.params.items() if p.grad is not None}
+    adapter.optimizer = None
+    for p in adapter.params.values():
+        p.grad = None
+    return out
+
+
+def test_forward_backward_of_several_clients_in_one_pass_equals_each_alone(service):
+    sid = service.create_session()
+    a = service.create_model(sid, 1, 4, ("attention", "mlp", "shared_experts", "experts", "lm_head"), 1)["model_id"]
+    b = service.create_model(sid, 2, 2, ("mlp", "shared_experts", "experts"), 2)["model_id"]
+    for m in (a, b):
+        with torch.no_grad():
+            for p in service.client(m).adapter.params.values():
+                p.normal_(0.0, 0.05)
+    calls = [call(service, a, [datum(service, "123+456=579", 5)]),
+             call(service, b, [datum(service, "7+8=15", 3), datum(service, "999+1=1000", 5)]),
+             call(service, a, [datum(service, "40+2=42", 4)], forward_only=True),
+             call(service, a, [datum(service, "12+30=42", 4, advantages=0.5, logprobs=-2.0)], "importance_sampling")]
+    alone = []
+    for c in calls:
+        alone.append(service.forward_backward_many([c])[0])
+    want_a, want_b = grads(service, a), grads(service, b)
+    fused = service.forward_backward_many(calls)
+    got_a, got_b = grads(service, a), grads(service, b)
+    for (lp1, m1), (lp2, m2) in zip(alone, fused):
+        assert m1["loss:sum"] == pytest.approx(m2["loss:sum"], rel=1e-5, abs=1e-6)
+        for x, y in zip(lp1, lp2):
+            np.testing.assert_allclose(x, y, atol=1e-5)
+    assert want_a.keys() == got_a.keys() and want_b.keys() == got_b.keys() and want_a.keys() != want_b.keys()
+    for want, got in ((want_a, got_a), (want_b, got_b)):
+        for k in want:
+            assert (got[k] - want[k]).abs().max() <= 1e-5 * max(1.0, float(want[k].abs().max())), k  # fp32 sums reordered
+
+
+def test_samples_of_several_samplers_in_one_generate_equal_each_alone(service):
+    sid = service.create_session()
+    m = service.create_model(sid, 1, 4, ("attention", "mlp", "shared_experts", "experts", "lm_head"), 3)["model_id"]
+    with torch.no_grad():
+        for p in service.client(m).adapter.params.values():
+            p.normal_(0.0, 0.2)
+    tuned = service.save_for_sampler(m, None, sid, 1)["sampling_session_id"]
+    base = service.create_sampler(sid, 2, None, None)
+    greedy = {"max_tokens": 5, "temperature": 0.0}
+    prompts = [service.tokenizer.encode(t, add_special_tokens=False) for t in ("12+34=", "500+500=", "9+9=")]
+    calls = [SampleCall(tuned, prompts[0], 2, greedy), SampleCall(base, prompts[1], 2, greedy),
+             SampleCall(tuned, prompts[2], 2, greedy), SampleCall(base, [], 2, greedy)]  # the last one is refused
+    alone = [service.sample_many([c])[0] for c in calls]
+    fused = service.sample_many(calls)
+    assert isinstance(fused[3], Exception) and "non-empty" in str(fused[3])
+    for (want, _), (got, _) in zip(alone[:3], fused[:3]):
+        for (t1, lp1, r1), (t2, lp2, r2) in zip(want, got):
+            assert t1 == t2 and r1 == r2
+            np.testing.assert_allclose(lp1, lp2, atol=1e-5)
+    assert alone[0][0][0][0] != service.sample_many([SampleCall(base, prompts[0], 1, greedy)])[0][0][0][0]
