@@ -11,6 +11,7 @@ expert LoRA matmul) then runs as one grouped GEMM over the sorted rows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +46,23 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """grouped GEMM needs 16-byte aligned rows on both operands."""
+    """grouped GEMM needs 16-byte aligned rows on both operands, and a kernel for the dtype there."""
     align = 16 // x.element_size()
-    return x.shape[-1] % align == 0 and w.shape[-2] % align == 0 and x.dtype == w.dtype
+    return (x.shape[-1] % align == 0 and w.shape[-2] % align == 0 and x.dtype == w.dtype
+            and _grouped_kernel_takes(x.device.type, x.dtype))
+
+
+@functools.cache
+def _grouped_kernel_takes(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm has a kernel for `dtype` on this kind of device (on CUDA it
+    depends on the chip and the torch build): asked once with a tiny product."""
+    try:
+        x = torch.ones(4, 8, device=device_type, dtype=dtype)
+        w = torch.ones(2, 8, 8, device=device_type, dtype=dtype)
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([2, 4], dtype=torch.int32, device=device_type))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def grouped_linear(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, grouped: bool = True) -> torch.Tensor:

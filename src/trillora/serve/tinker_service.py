@@ -15,100 +15,29 @@ import json
 import math
 import re
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from .. import lora
-from ..errors import TrilloraError
 from ..checkpoint.atomic import AtomicFolder
 from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
-from ..rl.tinker_losses import LossInputError, check_loss, datum_loss
+from ..rl.tinker_losses import datum_loss
 from ..rollout.local import LocalEngine
 from ..rollout.types import SamplingParams
-from .adapters import Adapter, ResidentBase, Revision, roles_of
+from .adapters import ResidentBase, Revision, roles_of
+from .tinker_checks import check_data, check_sample, cut_at_stop
+from .tinker_types import MODEL_ID, NAME, BadRequest, Client, FwdBwd, SampleCall, Session, TinkerConfig
 from .wire import Datum
 
-NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")  # never "." or "..": names become folders
-MODEL_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._:-]{0,127}$")
-
-
-class BadRequest(TrilloraError):
-    """A request the service refuses: the HTTP status and a message naming the culprit."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass
-class TinkerConfig:
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    state_dir: str = "tinker-state"
-    """Saved states and sampler weights live here, as tinker://<model_id>/<kind>/<name>."""
-    max_body_bytes: int = 64 << 20
-    max_rank: int = 256
-    max_samples: int = 64
-    max_tokens_limit: int = 4096
-    max_clients: int = 16
-    lora_alpha: float = 16.0
-    device: str = "cpu"
-    precision: str = "fp32"
-    """The resident base's weights: fp32, or bf16 (adapters and their optimizer stay fp32)."""
-    poll_seconds: float = 20.0
-    """How long retrieve_future holds a pending request before answering try_again."""
-    max_connections: int = 64
-    idle_seconds: float = 60.0
-    max_fused: int = 16
-    """At most this many waiting requests (of one or several clients) share one pass; 1: never."""
-    gather_seconds: float = 0.01
-    """How long a lone request may wait for other clients' to share its pass (only while others are active)."""
-
-
-@dataclass
-class Client:
-    model_id: str
-    adapter: Adapter
-    rank: int
-    roles: tuple[str, ...]
-
-
-@dataclass
-class FwdBwd:
-    """One forward_backward (or forward) call, its data checked by `check_data`."""
-
-    model_id: str
-    loss_fn: str
-    config: dict
-    data: list[Datum]
-    tensors: list[dict[str, torch.Tensor]]
-    forward_only: bool
-
-
-@dataclass
-class SampleCall:
-    sampler_id: str
-    prompt: list[int]
-    n: int
-    params: dict
-    prompt_logprobs: bool = False
-
-
-@dataclass
-class Session:
-    session_id: str
-    models: dict[str, Client] = field(default_factory=dict)
-    samplers: dict[str, Revision] = field(default_factory=dict)
+__all__ = ["BadRequest", "FwdBwd", "SampleCall", "TinkerConfig", "TinkerService"]
 
 
 class TinkerService:
-    def __init__(self, cfg: TinkerConfig):
+    def __init__(self, cfg: TinkerConfig, model=None):
+        """`model`: an already built model to serve instead of the checkpoint's weights (benchmarks
+        of real shapes with random weights); the tokenizer still comes from `cfg.model`."""
         from ..checkpoint import load_model, load_tokenizer, resolve_model_path
 
         self.cfg = cfg
@@ -117,7 +46,7 @@ class TinkerService:
         if cfg.precision not in ("fp32", "bf16"):
             raise BadRequest(f"precision {cfg.precision!r}; allowed for --tinker: fp32, bf16")
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        self.base = ResidentBase(load_model(path, dtype=dtype, device=cfg.device), alpha=cfg.lora_alpha)
+        self.base = ResidentBase(model or load_model(path, dtype=dtype, device=cfg.device), alpha=cfg.lora_alpha)
         self.device = torch.device(cfg.device)
         self.vocab = self.base.model.args.vocab_size
         self.engine = LocalEngine.sharing(self.base.model, pad_id=self.tokenizer.pad_token_id or 0)
@@ -229,38 +158,8 @@ class TinkerService:
         return outcomes
 
     def check_data(self, loss_fn: str, config: dict, data: list[Datum]) -> list[dict[str, torch.Tensor]]:
-        if not data:
-            raise BadRequest("forward_backward needs at least one datum")
-        try:
-            check_loss(loss_fn, set.intersection(*(set(d.inputs) for d in data)), config)
-        except LossInputError as e:
-            raise BadRequest(str(e)) from None
-        out = []
-        for i, d in enumerate(data):
-            n = len(d.tokens)
-            if n == 0:
-                raise BadRequest(f"datum {i}: model_input has no tokens")
-            if max(d.tokens) >= self.vocab or min(d.tokens) < 0:
-                raise BadRequest(f"datum {i}: model_input token ids must be in 0..{self.vocab - 1}")
-            tensors = {}
-            for key, value in d.inputs.items():
-                if value.ndim == 0 or value.shape[0] != n:
-                    raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}, "
-                                     f"want {n} rows (one per model_input token)")
-                tensors[key] = torch.from_numpy(np.array(value))
-            targets = tensors["target_tokens"]
-            if targets.ndim > 2 or (targets.ndim == 2 and loss_fn != "cross_entropy"):
-                raise BadRequest(f"datum {i}: target_tokens of shape {list(targets.shape)}; [N] (or [N, K] for cross_entropy)")
-            if int(targets.min()) < 0 or int(targets.max()) >= self.vocab:
-                raise BadRequest(f"datum {i}: target_tokens must be in 0..{self.vocab - 1}")
-            for key, t in tensors.items():
-                if key != "target_tokens" and t.shape != targets.shape and not (t.ndim == 1 and targets.ndim == 1):
-                    raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] has shape {list(t.shape)}, "
-                                     f"target_tokens {list(targets.shape)}")
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] holds NaN or infinity")
-            out.append(tensors)
-        return out
+        """Each datum's loss inputs as tensors, or BadRequest naming the datum and key."""
+        return check_data(loss_fn, config, data, self.vocab)
 
     def _target_logprobs(self, model, data: list[Datum], tensors) -> list[torch.Tensor]:
         width = max(len(d.tokens) for d in data)
@@ -429,48 +328,12 @@ class TinkerService:
                         prompt = torch.tensor([call.prompt], device=self.device)
                         logp = torch.log_softmax(model(prompt).float(), -1)[0]  # [N, V]
                         scored = [math.nan] + logp[:-1].gather(-1, prompt[0, 1:, None])[:, 0].tolist()
-                    outcomes[i] = ([self._cut(x, stops) for x in completions], scored)
+                    outcomes[i] = ([cut_at_stop(x, stops, self.tokenizer) for x in completions], scored)
         return outcomes
 
     def _check_sample(self, c: SampleCall) -> tuple[Revision, SamplingParams, tuple[str, ...]]:
         revision = self.sampler(c.sampler_id)
-        if not c.prompt or min(c.prompt) < 0 or max(c.prompt) >= self.vocab:
-            raise BadRequest(f"prompt token ids must be a non-empty list in 0..{self.vocab - 1}")
-        if not isinstance(c.n, int) or not 1 <= c.n <= self.cfg.max_samples:
-            raise BadRequest(f"num_samples={c.n!r}; allowed: 1..{self.cfg.max_samples}")
-        stop_ids, stop_strings = self._stops(c.params.get("stop"))
-        max_tokens = c.params.get("max_tokens") or 64
-        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.cfg.max_tokens_limit:
-            raise BadRequest(f"sampling_params.max_tokens={max_tokens!r}; allowed: 1..{self.cfg.max_tokens_limit}")
-        try:
-            sp = SamplingParams(max_new_tokens=max_tokens, temperature=float(c.params.get("temperature", 1.0)),
-                                top_p=float(c.params.get("top_p", 1.0)), top_k=max(0, int(c.params.get("top_k", -1))),
-                                stop_token_ids=stop_ids, seed=c.params.get("seed"))
-        except (TypeError, ValueError) as e:
-            raise BadRequest(f"sampling_params: {e}") from None
-        return revision, sp, stop_strings
-
-    def _stops(self, stop) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        eos = self.tokenizer.eos_token_id
-        if stop is None:
-            return ((eos,) if eos is not None else ()), ()
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, (str, int)) for s in stop):
-            raise BadRequest("sampling_params.stop must be a string, a list of strings or a list of token ids")
-        ids = tuple(s for s in stop if isinstance(s, int))
-        if any(not 0 <= i < self.vocab for i in ids):
-            raise BadRequest(f"sampling_params.stop token ids must be in 0..{self.vocab - 1}")
-        return ids, tuple(s for s in stop if isinstance(s, str) and s)
-
-    def _cut(self, c, stop_strings: tuple[str, ...]) -> tuple[list[int], list[float], str]:
-        """The completion up to and including the token that completes a stop string."""
-        tokens, logprobs, reason = c.token_ids, c.logprobs, c.finish_reason
-        if stop_strings:
-            for k in range(1, len(tokens) + 1):
-                if any(s in self.tokenizer.decode(tokens[:k]) for s in stop_strings):
-                    return tokens[:k], logprobs[:k], "stop"
-        return tokens, logprobs, reason
+        return (revision, *check_sample(c, self.vocab, self.tokenizer.eos_token_id, self.cfg))
 
 
 def _raised(outcome):

@@ -1,0 +1,92 @@
+"""Checks of Tinker requests before they reach the worker: a bad datum or sampling setting is
+refused with a message naming the datum, key and allowed values, and never half-applied.
+Shape legend: N one datum's tokens, K top-k targets."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..rl.tinker_losses import LossInputError, check_loss
+from ..rollout.types import SamplingParams
+from .tinker_types import BadRequest, SampleCall, TinkerConfig
+from .wire import Datum
+
+
+def check_data(loss_fn: str, config: dict, data: list[Datum], vocab: int) -> list[dict[str, torch.Tensor]]:
+    """Each datum's `loss_fn_inputs` as tensors, checked against its tokens and the loss."""
+    if not data:
+        raise BadRequest("forward_backward needs at least one datum")
+    try:
+        check_loss(loss_fn, set.intersection(*(set(d.inputs) for d in data)), config)
+    except LossInputError as e:
+        raise BadRequest(str(e)) from None
+    return [_datum_tensors(i, d, loss_fn, vocab) for i, d in enumerate(data)]
+
+
+def _datum_tensors(i: int, d: Datum, loss_fn: str, vocab: int) -> dict[str, torch.Tensor]:
+    n = len(d.tokens)
+    if n == 0:
+        raise BadRequest(f"datum {i}: model_input has no tokens")
+    if max(d.tokens) >= vocab or min(d.tokens) < 0:
+        raise BadRequest(f"datum {i}: model_input token ids must be in 0..{vocab - 1}")
+    tensors = {}
+    for key, value in d.inputs.items():
+        if value.ndim == 0 or value.shape[0] != n:
+            raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}, "
+                             f"want {n} rows (one per model_input token)")
+        tensors[key] = torch.from_numpy(np.array(value))
+    targets = tensors["target_tokens"]  # [N] or [N, K]
+    if targets.ndim > 2 or (targets.ndim == 2 and loss_fn != "cross_entropy"):
+        raise BadRequest(f"datum {i}: target_tokens of shape {list(targets.shape)}; [N] (or [N, K] for cross_entropy)")
+    if int(targets.min()) < 0 or int(targets.max()) >= vocab:
+        raise BadRequest(f"datum {i}: target_tokens must be in 0..{vocab - 1}")
+    for key, t in tensors.items():
+        if key != "target_tokens" and t.shape != targets.shape and not (t.ndim == 1 and targets.ndim == 1):
+            raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] has shape {list(t.shape)}, "
+                             f"target_tokens {list(targets.shape)}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] holds NaN or infinity")
+    return tensors
+
+
+def check_sample(c: SampleCall, vocab: int, eos: int | None, cfg: TinkerConfig) -> tuple[SamplingParams, tuple[str, ...]]:
+    """The engine's sampling settings for an asample call, and its stop strings."""
+    if not c.prompt or min(c.prompt) < 0 or max(c.prompt) >= vocab:
+        raise BadRequest(f"prompt token ids must be a non-empty list in 0..{vocab - 1}")
+    if not isinstance(c.n, int) or not 1 <= c.n <= cfg.max_samples:
+        raise BadRequest(f"num_samples={c.n!r}; allowed: 1..{cfg.max_samples}")
+    stop_ids, stop_strings = _stops(c.params.get("stop"), vocab, eos)
+    max_tokens = c.params.get("max_tokens") or 64
+    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= cfg.max_tokens_limit:
+        raise BadRequest(f"sampling_params.max_tokens={max_tokens!r}; allowed: 1..{cfg.max_tokens_limit}")
+    try:
+        sp = SamplingParams(max_new_tokens=max_tokens, temperature=float(c.params.get("temperature", 1.0)),
+                            top_p=float(c.params.get("top_p", 1.0)), top_k=max(0, int(c.params.get("top_k", -1))),
+                            stop_token_ids=stop_ids, seed=c.params.get("seed"))
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"sampling_params: {e}") from None
+    return sp, stop_strings
+
+
+def _stops(stop, vocab: int, eos: int | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    if stop is None:
+        return ((eos,) if eos is not None else ()), ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, (str, int)) for s in stop):
+        raise BadRequest("sampling_params.stop must be a string, a list of strings or a list of token ids")
+    ids = tuple(s for s in stop if isinstance(s, int))
+    if any(not 0 <= i < vocab for i in ids):
+        raise BadRequest(f"sampling_params.stop token ids must be in 0..{vocab - 1}")
+    return ids, tuple(s for s in stop if isinstance(s, str) and s)
+
+
+def cut_at_stop(c, stop_strings: tuple[str, ...], tokenizer) -> tuple[list[int], list[float], str]:
+    """The completion up to and including the token that completes a stop string."""
+    tokens, logprobs, reason = c.token_ids, c.logprobs, c.finish_reason
+    if stop_strings:
+        for k in range(1, len(tokens) + 1):
+            if any(s in tokenizer.decode(tokens[:k]) for s in stop_strings):
+                return tokens[:k], logprobs[:k], "stop"
+    return tokens, logprobs, reason

@@ -1,0 +1,87 @@
+"""The Tinker-compatible service's settings and records: what the HTTP layer hands the service
+(`FwdBwd`, `SampleCall`) and what the service keeps (sessions, training clients)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import TrilloraError
+from .adapters import Adapter, Revision
+from .wire import Datum
+
+NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")  # never "." or "..": names become folders
+MODEL_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._:-]{0,127}$")
+
+
+class BadRequest(TrilloraError):
+    """A request the service refuses: the HTTP status and a message naming the culprit."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class TinkerConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    state_dir: str = "tinker-state"
+    """Saved states and sampler weights live here, as tinker://<model_id>/<kind>/<name>."""
+    max_body_bytes: int = 64 << 20
+    max_rank: int = 256
+    max_samples: int = 64
+    max_tokens_limit: int = 4096
+    max_clients: int = 16
+    lora_alpha: float = 16.0
+    device: str = "cpu"
+    precision: str = "fp32"
+    """The resident base's weights: fp32, or bf16 (adapters and their optimizer stay fp32)."""
+    poll_seconds: float = 20.0
+    """How long retrieve_future holds a pending request before answering try_again."""
+    max_connections: int = 64
+    idle_seconds: float = 60.0
+    max_fused: int = 16
+    """At most this many waiting requests (of one or several clients) share one pass; 1: never."""
+    gather_seconds: float = 0.01
+    """How long a lone request may wait for other clients' to share its pass (only while others are active)."""
+
+
+@dataclass
+class Client:
+    model_id: str
+    adapter: Adapter
+    rank: int
+    roles: tuple[str, ...]
+
+
+@dataclass
+class FwdBwd:
+    """One forward_backward (or forward) call, its data checked by `check_data`."""
+
+    model_id: str
+    loss_fn: str
+    config: dict
+    data: list[Datum]
+    tensors: list[dict[str, torch.Tensor]]
+    forward_only: bool
+
+
+@dataclass
+class SampleCall:
+    sampler_id: str
+    prompt: list[int]
+    n: int
+    params: dict
+    prompt_logprobs: bool = False
+
+
+@dataclass
+class Session:
+    session_id: str
+    models: dict[str, Client] = field(default_factory=dict)
+    samplers: dict[str, Revision] = field(default_factory=dict)
