@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from trillora.errors import TrilloraError
 from trillora.serve.tinker_service import FwdBwd, SampleCall, TinkerConfig, TinkerService
 from trillora.serve.wire import Datum
 from trillora.serve.worker import Job, Worker
@@ -119,3 +120,26 @@ def test_samples_of_several_samplers_in_one_generate_equal_each_alone(service):
             assert t1 == t2 and r1 == r2
             np.testing.assert_allclose(lp1, lp2, atol=1e-5)
     assert alone[0][0][0][0] != service.sample_many([SampleCall(base, prompts[0], 1, greedy)])[0][0][0][0]
+
+
+def test_fusing_settings_are_checked_where_they_are_given():
+    import subprocess
+    import sys
+
+    with pytest.raises(TrilloraError, match="max_fused=0; allowed: an integer >= 1"):
+        TinkerConfig(model="tiny-moe-chat", max_fused=0)
+    with pytest.raises(TrilloraError, match="gather_seconds=-1"):
+        TinkerConfig(model="tiny-moe-chat", gather_seconds=-1)
+    out = subprocess.run([sys.executable, "-m", "trillora", "serve", "tiny-moe-chat", "--tinker", "--max-fused", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "max_fused=0; allowed" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_adapter_gemms_keep_the_adapters_precision_on_cpu():
+    """bf16 activations on CPU: the adapter's grouped GEMMs stay fp32 (CPU bf16 kernels are slow and
+    lose precision); only on CUDA do they follow bf16 activations."""
+    from trillora.models.moe import compute_dtype
+
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert compute_dtype(x, torch.zeros(2, 8, 8)) == torch.float32
+    assert compute_dtype(x.float(), torch.zeros(2, 8, 8)) == torch.float32

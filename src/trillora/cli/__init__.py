@@ -89,7 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         serve_tinker(TinkerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                                   state_dir=args.state_dir, max_connections=args.max_connections,
-                                  max_clients=args.max_clients, device=args.device, precision=args.precision))
+                                  max_clients=args.max_clients, device=args.device, precision=args.precision,
+                                  max_fused=args.max_fused))
         return 0
     serve(ServeConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                       adapter_root=args.adapter_root, precision=args.precision, max_connections=args.max_connections))
@@ -156,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default="tinker-state", help="--tinker: where saved states and sampler weights go")
     p.add_argument("--max-clients", type=int, default=16, help="--tinker: training clients held at once")
     p.add_argument("--device", default="cpu", help="--tinker: where the base and the adapters live (cpu, cuda)")
+    p.add_argument("--max-fused", type=int, default=16,
+                   help="--tinker: waiting requests (of several clients) sharing one pass through the base; 1: never")
     p.add_argument("--adapter-root", default=None, help="folder adapters may be loaded from (load_lora_adapter)")
     p.add_argument("--precision", default="fp32", choices=[c for c in typing.get_args(Precision) if c != "auto"])
     p.add_argument("--max-connections", type=int, default=64, help="connections served at once; more wait")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .multi import RowAdapters
-from ..models.moe import GroupedExperts, SigmoidRouter, SoftmaxRouter, grouped_linear
+from ..models.moe import GroupedExperts, SigmoidRouter, SoftmaxRouter, compute_dtype, grouped_linear
 
 
 class LoraMixin:
@@ -128,16 +128,18 @@ class LoraGroupedExperts(LoraMixin, GroupedExperts):
             return y
         if self.lora_multi is not None:
             return y + self._multi_update(x_R, name, counts, token_R, y)
-        h = self.lora_dropout(x_R).to(self.lora_down_A.dtype)
+        dt = compute_dtype(x_R, self.lora_down_A)
+        h = self.lora_dropout(x_R).to(dt)
         r = self.lora_rank
         if name == "gate_up_proj":
-            a = torch.cat([self.lora_gate_A, self.lora_up_A], dim=1)  # [E, 2r, C]: one GEMM for both
+            a = torch.cat([self.lora_gate_A, self.lora_up_A], dim=1).to(dt)  # [E, 2r, C]: one GEMM for both
             h_R2r = grouped_linear(h, a, counts, self.grouped)
-            gate = grouped_linear(h_R2r[:, :r].contiguous(), self.lora_gate_B, counts, self.grouped)
-            up = grouped_linear(h_R2r[:, r:].contiguous(), self.lora_up_B, counts, self.grouped)
+            gate = grouped_linear(h_R2r[:, :r].contiguous(), self.lora_gate_B.to(dt), counts, self.grouped)
+            up = grouped_linear(h_R2r[:, r:].contiguous(), self.lora_up_B.to(dt), counts, self.grouped)
             delta = torch.cat([gate, up], dim=-1)  # [R, 2I]
         else:
-            delta = grouped_linear(grouped_linear(h, self.lora_down_A, counts, self.grouped), self.lora_down_B, counts, self.grouped)
+            h_Rr = grouped_linear(h, self.lora_down_A.to(dt), counts, self.grouped)
+            delta = grouped_linear(h_Rr, self.lora_down_B.to(dt), counts, self.grouped)
         return y + (delta * self.lora_scaling).to(y.dtype)
 
     def _multi_update(self, x_R, name, counts, token_R, y) -> torch.Tensor:
@@ -148,7 +150,8 @@ class LoraGroupedExperts(LoraMixin, GroupedExperts):
             return rows.experts(x_R, w["lora_down_A"], w["lora_down_B"], groups, adapter_R, y)
         r = w["lora_gate_A"].shape[2]
         a = torch.cat([w["lora_gate_A"], w["lora_up_A"]], dim=2)  # [E, K, 2r, C]
-        h_R2r = grouped_linear(x_R.to(a.dtype), a.flatten(0, 1), groups)
+        dt = compute_dtype(x_R, a)
+        h_R2r = grouped_linear(x_R.to(dt), a.flatten(0, 1).to(dt), groups)
         gate = rows.experts_second(h_R2r[:, :r].contiguous(), w["lora_gate_B"], groups, adapter_R, y)
         up = rows.experts_second(h_R2r[:, r:].contiguous(), w["lora_up_B"], groups, adapter_R, y)
         return torch.cat([gate, up], dim=-1)  # [R, 2I]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..models.moe import grouped_linear
+from ..models.moe import compute_dtype, grouped_linear
 
 
 class RowAdapters:
@@ -49,11 +49,12 @@ class RowAdapters:
 
     def linear(self, x: torch.Tensor, a_KrN: torch.Tensor, b_KOr: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Each token's own adapter: scaling_k · B_k A_k x, as two grouped GEMMs over adapter groups."""
-        x_TN = x.reshape(-1, x.shape[-1]).to(a_KrN.dtype)
+        dt = compute_dtype(x, a_KrN)
+        x_TN = x.reshape(-1, x.shape[-1]).to(dt)
         if x_TN.shape[0] != self.counts.sum():
             raise ValueError(f"{x_TN.shape[0]} token rows, but the adapters' rows hold {int(self.counts.sum())}")
-        h_Tr = grouped_linear(x_TN, a_KrN, self.counts)
-        d_TO = grouped_linear(h_Tr, b_KOr, self.counts) * self.scaling[self.token_adapter, None]
+        h_Tr = grouped_linear(x_TN, a_KrN.to(dt), self.counts)
+        d_TO = grouped_linear(h_Tr, b_KOr.to(dt), self.counts) * self.scaling[self.token_adapter, None]
         return d_TO.to(like.dtype).reshape(*x.shape[:-1], -1)
 
     def expert_groups(self, counts_E: torch.Tensor, token_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,13 +68,14 @@ class RowAdapters:
     def experts(self, x_R: torch.Tensor, a_EKrN: torch.Tensor, b_EKOr: torch.Tensor, groups: torch.Tensor,
                 adapter_R: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Each routed row through its (expert, adapter) pair's update."""
-        h_Rr = grouped_linear(x_R.to(a_EKrN.dtype), a_EKrN.flatten(0, 1), groups)
+        dt = compute_dtype(x_R, a_EKrN)
+        h_Rr = grouped_linear(x_R.to(dt), a_EKrN.flatten(0, 1).to(dt), groups)
         return self.experts_second(h_Rr, b_EKOr, groups, adapter_R, like)
 
     def experts_second(self, h_Rr: torch.Tensor, b_EKOr: torch.Tensor, groups: torch.Tensor, adapter_R: torch.Tensor,
                        like: torch.Tensor) -> torch.Tensor:
         """The B half of the expert update, scaled by each row's adapter: [R, r] -> [R, O]."""
-        d = grouped_linear(h_Rr, b_EKOr.flatten(0, 1), groups) * self.scaling[adapter_R, None]
+        d = grouped_linear(h_Rr, b_EKOr.flatten(0, 1).to(h_Rr.dtype), groups) * self.scaling[adapter_R, None]
         return d.to(like.dtype)
 
 

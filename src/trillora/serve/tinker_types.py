@@ -50,6 +50,12 @@ class TinkerConfig:
     gather_seconds: float = 0.01
     """How long a lone request may wait for other clients' to share its pass (only while others are active)."""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_fused, int) or self.max_fused < 1:
+            raise BadRequest(f"max_fused={self.max_fused!r}; allowed: an integer >= 1 (1: every request alone)")
+        if not 0 <= self.gather_seconds <= 1:
+            raise BadRequest(f"gather_seconds={self.gather_seconds!r}; allowed: 0..1")
+
 
 @dataclass
 class Client:
