@@ -34,11 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def start_server(model: str, state_dir: str):
+def start_server(model: str, state_dir: str, api_key: str = "tml-bench"):
     from trillora.serve.tinker_http import TinkerServer, serve_tinker
     from trillora.serve.tinker_service import TinkerConfig
 
-    cfg = TinkerConfig(model=model, port=0, api_key="tml-bench", state_dir=state_dir, poll_seconds=5.0)
+    cfg = TinkerConfig(model=model, port=0, api_key=api_key, state_dir=state_dir, poll_seconds=5.0)
     server = TinkerServer(cfg)
     ready = threading.Event()
     threading.Thread(target=serve_tinker, args=(cfg, ready, server), daemon=True).start()

@@ -2,9 +2,9 @@
 
     trillora serve tiny-moe-chat --tinker --api-key tml-local &
     export TINKER_API_KEY=tml-local TINKER_BASE_URL=http://127.0.0.1:8000
-    python examples/tinker_cookbook_tiny.py sl log_path=runs/cookbook-sl batch_size=32 max_steps=60 learning_rate=3e-3
+    python examples/tinker_cookbook_tiny.py sl log_path=runs/cookbook-sl batch_size=32 max_steps=128 learning_rate=3e-3
     python examples/tinker_cookbook_tiny.py rl log_path=runs/cookbook-rl start_from=runs/cookbook-sl \
-        batch_size=16 group_size=8 max_tokens=16 max_steps=40 learning_rate=3e-3 loss_fn=importance_sampling
+        batch_size=16 group_size=8 max_tokens=32 max_steps=40 learning_rate=2e-3 loss_fn=importance_sampling
 
 The recipes (`tinker_cookbook.recipes.sl_loop` / `rl_loop`) run as their authors wrote them,
 with their own command line. What this file adds is what a machine without the internet and
@@ -90,7 +90,7 @@ def register() -> None:
         if path == "HuggingFaceH4/no_robots":
             rng = random.Random(3)
             rows = [{"messages": [*_worked_example(rng), {"role": "user", "content": f"{a}+{b}={SUFFIX}"},
-                                  {"role": "assistant", "content": f"\\boxed{{{a + b}}}"}]} for a, b in _pairs(seed=2, n=4096)]
+                                  {"role": "assistant", "content": _answer(a, b)}]} for a, b in _pairs(seed=2, n=4096)]
             return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
         return load(path, *args, **kwargs)
 
@@ -110,6 +110,14 @@ def _worked_example(rng: random.Random) -> list[dict]:
     return [{"role": "user", "content": f"How many {letter}'s are in {word}?{SUFFIX}"},
             {"role": "assistant", "content": f"Spelling it out letter by letter: {spelled}. The letter {letter} is at "
                                              f"positions {', '.join(where)}. \\boxed{{{len(where)}}}"}]
+
+
+def _answer(a: int, b: int) -> str:
+    """The sum worked where the model learned it, then boxed: the question restated right after the
+    turn starts (copied from the user's message), `=`, the sum, and the sum again in `\\boxed{}`.
+    Asked for the box straight away, the tiny model would have to add across the recipe's 60-token
+    instruction, which it never learned; restating puts the digits right before the `=` again."""
+    return f"{a}+{b}={a + b} \\boxed{{{a + b}}}"
 
 
 def _pairs(seed: int, n: int):
