@@ -42,7 +42,7 @@ tiny-moe: setup
 
 test: $(VLLM_STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	TRILLORA_REQUIRE_VLLM=1 TRILLORA_REQUIRE_BENCH=1 $(BIN)/python -m pytest -q
+	TRILLORA_REQUIRE_VLLM=1 TRILLORA_REQUIRE_BENCH=1 $(BIN)/python -m pytest -q --durations=20
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
