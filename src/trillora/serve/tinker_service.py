@@ -46,7 +46,8 @@ class TinkerService:
         if cfg.precision not in ("fp32", "bf16"):
             raise BadRequest(f"precision {cfg.precision!r}; allowed for --tinker: fp32, bf16")
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        self.base = ResidentBase(model or load_model(path, dtype=dtype, device=cfg.device), alpha=cfg.lora_alpha)
+        model = model if model is not None else load_model(path, dtype=dtype, device=cfg.device)
+        self.base = ResidentBase(model, alpha=cfg.lora_alpha)
         self.device = torch.device(cfg.device)
         self.vocab = self.base.model.args.vocab_size
         self.engine = LocalEngine.sharing(self.base.model, pad_id=self.tokenizer.pad_token_id or 0)
