@@ -36,6 +36,25 @@ def test_grouped_linear_equals_loop(counts):
         start += c
 
 
+def test_grouped_linear_slices_long_group_lists(monkeypatch):
+    """More groups than one grouped GEMM takes (CUDA refuses over 1024: 8 adapters x 128 experts):
+    slices of whole groups, each call within the limit, the same product and gradients as the loop."""
+    import trillora.models.moe as moe
+
+    calls, real = [], torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda x, w, offs: calls.append(offs.shape[0]) or real(x, w, offs=offs))
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 3, (2 * moe.MAX_GROUPS + 37,), generator=g)
+    x = torch.randn(int(counts.sum()), 8, generator=g, requires_grad=True)
+    w = torch.randn(counts.shape[0], 8, 8, generator=g, requires_grad=True)
+    y_g = grouped_linear(x, w, counts)
+    gx, gw = torch.autograd.grad(y_g.square().sum(), (x, w))
+    y_l = grouped_linear(x, w, counts, grouped=False)
+    lx, lw = torch.autograd.grad(y_l.square().sum(), (x, w))
+    assert calls == [moe.MAX_GROUPS, moe.MAX_GROUPS, 37]
+    assert torch.allclose(y_g, y_l, atol=1e-5) and torch.allclose(gx, lx, atol=1e-4) and torch.allclose(gw, lw, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
 def test_model_grouped_equals_loop_forward_and_grads(name):
     args = from_hf_config(CONFIGS[name])

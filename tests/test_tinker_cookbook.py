@@ -49,7 +49,7 @@ def test_cookbook_supervised_then_rl_loop_run_unchanged(server, tmp_path):
     assert final["state_path"].startswith("tinker://") and final["sampler_path"].startswith("tinker://")
 
     recipe(server, "rl", f"log_path={rl}", f"start_from={sl}", "batch_size=4", "group_size=4", "max_tokens=32",
-           "max_steps=3", "learning_rate=1e-3", "loss_fn=importance_sampling", "save_every=0")
+           "max_steps=3", "learning_rate=1e-3", "loss_fn=gspo", "save_every=0")
     metrics = rows(rl / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2] and all(0.0 <= m["reward/total"] <= 1.0 for m in metrics)
     assert rows(rl / "checkpoints.jsonl")[-1]["name"] == "final"

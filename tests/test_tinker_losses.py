@@ -61,7 +61,26 @@ def test_dro_adds_a_quadratic_penalty():
     assert grad == pytest.approx([-(2 - 0.1 * 0.2), 1.0])
 
 
+S = math.exp(0.1)  # gspo's sequence ratio: exp(mean(0.2, 0))
+
+
+def test_gspo_gives_every_token_the_sequence_ratio_and_its_own_gradient():
+    mask = torch.tensor([1.0, 1.0])
+    loss, grad = run("gspo", sequence_ratio_mask=mask)
+    assert loss == pytest.approx(-(2 * S - S)) and grad == pytest.approx([-2 * S, S])
+    # clipped above 1.05: token 0 (A > 0) takes the clipped branch (no gradient), token 1 (A < 0) does not
+    loss, grad = run("gspo", {"clip_high_threshold": 1.05}, sequence_ratio_mask=mask)
+    assert loss == pytest.approx(-(2 * 1.05 - S)) and grad == pytest.approx([0.0, S])
+    # the ratio is the mean over the marked tokens only: token 0 alone gives r = e^0.2 on both
+    loss, grad = run("gspo", sequence_ratio_mask=torch.tensor([1.0, 0.0]), clip_high_threshold=torch.tensor([2.0, 2.0]))
+    assert loss == pytest.approx(-(2 * R0 - R0)) and grad == pytest.approx([-2 * R0, R0])
+    with pytest.raises(LossInputError, match="sequence_ratio_mask marks no token"):
+        run("gspo", sequence_ratio_mask=torch.tensor([0.0, 0.0]))
+
+
 @pytest.mark.parametrize("name, keys, config, message", [
+    ("stable_reinforce", {"target_tokens", "logprobs", "advantages"}, None, "'stable_reinforce' is not served"),
+    ("gspo", {"target_tokens", "logprobs", "advantages"}, None, "'gspo' needs loss_fn_inputs sequence_ratio_mask"),
     ("grpo", {"target_tokens"}, None, "unknown loss_fn 'grpo'; choose one of cross_entropy, importance_sampling"),
     ("ppo", {"target_tokens", "logprobs"}, None, "'ppo' needs loss_fn_inputs advantages"),
     ("ppo", {"target_tokens", "logprobs", "advantages"}, {"beta": 1.0}, r"\['beta'\] are not used by 'ppo'"),

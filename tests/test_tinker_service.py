@@ -94,8 +94,13 @@ def test_rl_losses_return_logprobs_and_their_documented_sums(server, service_cli
             "ppo": -np.minimum(r * adv, np.clip(r, 0.8, 1.2) * adv).sum(),
             "cispo": -(np.clip(r, 0.8, 1.2) * lp * adv).sum(),
             "dro": -(lp * adv - 0.5 * 0.1 * (lp - sampling) ** 2).sum()}
+    mask = (np.arange(n) >= n // 2).astype(np.float32)  # gspo: the sequence ratio over the second half
+    s = np.exp((lp - sampling)[mask > 0].mean())
+    want["gspo"] = -np.minimum(s * adv, np.clip(s, 0.8, 1.2) * adv).sum()
     for name, value in want.items():
-        out = tc.forward_backward([datum], name, loss_fn_config={"beta": 0.1} if name == "dro" else None).result()
+        inputs = {**datum.loss_fn_inputs, "sequence_ratio_mask": mask} if name == "gspo" else datum.loss_fn_inputs
+        out = tc.forward_backward([types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs)], name,
+                                  loss_fn_config={"beta": 0.1} if name == "dro" else None).result()
         assert out.metrics["loss:sum"] == pytest.approx(value, rel=1e-4, abs=1e-5), name
     step = tc.optim_step(types.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)).result()
     assert step.metrics["grad_norm:mean"] > 0
@@ -200,7 +205,9 @@ def test_bad_requests_get_4xx_with_a_message(server, service_client):
         ([datum(target_tokens=good[1:-1])], "cross_entropy", None, "target_tokens'] has shape"),  # one short
         ([datum(target_tokens=good[1:], weights=[1.0, 2.0])], "cross_entropy", None, "loss_fn_inputs['weights']"),
         ([datum(target_tokens=good[1:])], "ppo", None, "'ppo' needs loss_fn_inputs logprobs, advantages"),
-        ([datum(target_tokens=good[1:])], "gspo", None, "unknown loss_fn 'gspo'"),
+        ([datum(target_tokens=good[1:])], "stable_reinforce", None, "'stable_reinforce' is not served"),
+        ([datum(target_tokens=good[1:], logprobs=[0.0] * (len(good) - 1), advantages=[1.0] * (len(good) - 1),
+                sequence_ratio_mask=[0.0] * (len(good) - 1))], "gspo", None, "sequence_ratio_mask marks no token"),
         ([datum(target_tokens=[10 ** 6] * (len(good) - 1))], "cross_entropy", None, "target_tokens must be in"),
     ]
     for data, loss, config, message in bad:

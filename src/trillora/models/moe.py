@@ -76,6 +76,11 @@ def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
     return w.dtype
 
 
+MAX_GROUPS = 512
+"""Groups per grouped GEMM call: torch's CUDA kernel refuses more than 1024 (seen on an H200 with
+8 adapters x 128 experts), so longer group lists go through in slices of whole groups."""
+
+
 def grouped_linear(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, grouped: bool = True) -> torch.Tensor:
     """Rows of x sorted by expert times each expert's weight transposed: [R, I] x [E, O, I] -> [R, O].
 
@@ -86,6 +91,10 @@ def grouped_linear(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tens
         # received no rows must still run the backward all-to-all its peers wait for
         return x_RI @ w_EOI[0].transpose(0, 1)
     if grouped and grouped_mm_ok(x_RI, w_EOI):
+        if counts_E.shape[0] > MAX_GROUPS:  # e.g. 128 experts x 8 adapters: in slices of whole groups
+            sizes = [int(c.sum()) for c in counts_E.split(MAX_GROUPS)]
+            return torch.cat([grouped_linear(x, w, c) for x, w, c in
+                              zip(x_RI.split(sizes), w_EOI.split(MAX_GROUPS), counts_E.split(MAX_GROUPS))])
         offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
         return _contiguous_grad(torch._grouped_mm(x_RI.contiguous(), w_EOI.transpose(-2, -1), offs=offs))
     chunks = torch.split(x_RI, counts_E.tolist())

@@ -10,10 +10,18 @@ sequence); `sampling` are the sampler's logprobs of the same tokens (`loss_fn_in
     ppo                  -Σ w · min(r · A, clip(r, lo, hi) · A)
     cispo                -Σ w · sg(clip(r, lo, hi)) · logp · A
     dro                  -Σ w · (logp · A - β/2 · (logp - sampling)²)
+    gspo                 -Σ w · min(s_t · A, clip(s_t, lo, hi) · A)
+                         s_t = exp(mean_M(sg(logp) - sampling) + logp - sg(logp))
 
 `w` is `loss_fn_inputs["weights"]` where given (1 otherwise); `lo` / `hi` are the absolute
 ratio bounds `clip_low_threshold` / `clip_high_threshold` (0.8 / 1.2 by default), from
-`loss_fn_config` or per token from `loss_fn_inputs`; dro's `beta` comes from `loss_fn_config`. Shapes: every tensor is [N], one datum.
+`loss_fn_config` or per token from `loss_fn_inputs`; dro's `beta` comes from `loss_fn_config`.
+gspo is the token-level form of GSPO the Tinker documentation gives: every token carries the
+value of the sequence ratio (the geometric mean of the token ratios over the tokens M that
+`sequence_ratio_mask` marks) and the gradient of its own logprob; its bounds are ppo's keys and
+defaults (the documentation names no others). `stable_reinforce` is refused: its objective uses
+"stability information" recorded at sampling whose definition is not published.
+Shapes: every tensor is [N], one datum.
 """
 
 from __future__ import annotations
@@ -22,13 +30,14 @@ import torch
 
 from ..errors import TrilloraError
 
-TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 REQUIRED_INPUTS = {
     "cross_entropy": ("target_tokens",),
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
     "dro": ("target_tokens", "logprobs", "advantages"),
+    "gspo": ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"),
 }
 CONFIG_KEYS = {
     "cross_entropy": (),
@@ -36,6 +45,7 @@ CONFIG_KEYS = {
     "ppo": ("clip_low_threshold", "clip_high_threshold"),
     "cispo": ("clip_low_threshold", "clip_high_threshold"),
     "dro": ("beta",),
+    "gspo": ("clip_low_threshold", "clip_high_threshold"),
 }
 DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}  # dro's beta has none: it must be given
 
@@ -46,6 +56,9 @@ class LossInputError(TrilloraError, ValueError):
 
 def check_loss(name: str, input_keys: set[str], config: dict | None) -> None:
     """Refuse an unknown loss, a missing input or an unknown config key before any compute."""
+    if name == "stable_reinforce":
+        raise LossInputError("loss_fn 'stable_reinforce' is not served: its objective is not published; "
+                             f"choose one of {', '.join(TINKER_LOSSES)} (the cookbook's rl_loop takes loss_fn=gspo)")
     if name not in TINKER_LOSSES:
         raise LossInputError(f"unknown loss_fn {name!r}; choose one of {', '.join(TINKER_LOSSES)}")
     missing = [k for k in REQUIRED_INPUTS[name] if k not in input_keys]
@@ -73,11 +86,17 @@ def datum_loss(name: str, target_logp: torch.Tensor, inputs: dict[str, torch.Ten
     ratio = torch.exp(logp - sampling)
     if name == "importance_sampling":
         objective = ratio * adv
-    elif name in ("ppo", "cispo"):
+    elif name in ("ppo", "cispo", "gspo"):
+        if name == "gspo":  # the sequence ratio's value, each token's own gradient
+            in_ratio = inputs["sequence_ratio_mask"] != 0  # [N]
+            if not bool(in_ratio.any()):
+                raise LossInputError("loss_fn 'gspo': sequence_ratio_mask marks no token")
+            log_s = (logp.detach() - sampling)[in_ratio].mean()
+            ratio = torch.exp(log_s + logp - logp.detach())
         lo = _bound(inputs, config, "clip_low_threshold", logp)
         hi = _bound(inputs, config, "clip_high_threshold", logp)
         clipped = torch.minimum(torch.maximum(ratio, lo), hi)
-        if name == "ppo":
+        if name in ("ppo", "gspo"):
             objective = torch.minimum(ratio * adv, clipped * adv)
         else:
             objective = clipped.detach() * logp * adv

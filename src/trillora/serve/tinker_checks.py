@@ -47,6 +47,8 @@ def _datum_tensors(i: int, d: Datum, loss_fn: str, vocab: int) -> dict[str, torc
                              f"target_tokens {list(targets.shape)}")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] holds NaN or infinity")
+    if loss_fn == "gspo" and not bool((tensors["sequence_ratio_mask"] != 0).any()):
+        raise BadRequest(f"datum {i}: sequence_ratio_mask marks no token (gspo's sequence ratio is a mean over them)")
     return tensors
 
 
