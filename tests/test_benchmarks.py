@@ -55,7 +55,7 @@ def test_time_to_gain_interpolates_between_evaluations():
 
 def test_grpo_step_benchmark_runs_both_sides(tmp_path):
     out = tmp_path / "e2e.json"
-    subprocess.run([sys.executable, str(BENCH / "grpo_vs_trl.py"), "--steps", "2", "--warmup", "1", "--no-profile",
+    subprocess.run([sys.executable, str(BENCH / "grpo_vs_trl.py"), "--steps", "2", "--warmup", "1", "--rounds", "1", "--no-profile",
                     "--out", str(out), "rollout.prompts_per_step=8"], check=True, capture_output=True, timeout=600)
     r = json.loads(out.read_text())
     for side in ("trillora", "trl"):

@@ -157,10 +157,11 @@ def run_layout(family: str, dims: ParallelDims, base_dtype: str = "float32") -> 
 
 
     # three optimiser steps on both sides give the same adapter
-    # eps 1e-6 (not 1e-8): Adam divides by sqrt(v), so with a tiny eps a gradient that is ~0 turns
-    # summation-order rounding (1e-7 relative) into a large part of a step; 1e-6 bounds that
-    opt_ref = torch.optim.AdamW([p for _, p in lora.lora_parameters(ref)], lr=1e-2, eps=1e-6)
-    opt = torch.optim.AdamW(list(params.values()), lr=1e-2, eps=1e-6)
+    # eps 1e-5 (not 1e-8): Adam divides by sqrt(v), so with a tiny eps a gradient that is ~0 turns
+    # summation-order rounding (1e-7 relative) into a large part of a step; 1e-5 bounds that (with
+    # 1e-6, one element of 256 moved 0.6% of a step apart on one machine's CPU, 0.4% on another's)
+    opt_ref = torch.optim.AdamW([p for _, p in lora.lora_parameters(ref)], lr=1e-2, eps=1e-5)
+    opt = torch.optim.AdamW(list(params.values()), lr=1e-2, eps=1e-5)
     for _ in range(3):
         opt_ref.step()
         opt_ref.zero_grad()
@@ -266,12 +267,15 @@ def test_four_rank_pipeline_and_context_layouts_match_single_process(family):
                       dict(cp=2, tp=2, sp=True), dict(cp=2, dp=2, ep=2), dict(pp=2, cp=2, activation_checkpoint_every=1)])
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_eight_rank_3d_layouts_match_single_process(family):
+@pytest.mark.parametrize("family, layout", [
+    ("deepseek_v3", dict(pp=2, dp=2, tp=2, ep=2, pp_schedule="interleaved_1f1b")),
+    ("qwen3_moe", dict(pp=2, cp=2, tp=2, vocab_parallel=True)),
+])
+def test_eight_rank_3d_layouts_match_single_process(family, layout):
     """Three axes at once on 8 processes: pp2 × dp2 × tp2 with ep2 (expert shards over dp), and
-    pp2 × cp2 × tp2 with the head split over the vocabulary."""
-    spawn(8, family, [dict(pp=2, dp=2, tp=2, ep=2, pp_schedule="interleaved_1f1b"),
-                      dict(pp=2, cp=2, tp=2, vocab_parallel=True)])
+    pp2 × cp2 × tp2 with the head split over the vocabulary; one family each (8 processes on two
+    cores are the suite's dearest spawn; every 2- and 4-rank layout runs on both families)."""
+    spawn(8, family, [layout])
 
 
 def test_layout_errors_name_the_failing_product():
