@@ -71,6 +71,69 @@ def test_completions_and_refusals(server):
     assert post(url, "/v1/unload_lora_adapter", {"lora_name": "nothing"})[0] == 404
     status, out = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert status == 400 and "no chat template" in out["error"]["message"]
+    # fields of the wrong type, too many or too long prompts: a JSON 400 naming the field, never a drop
+    for body, message in [({"prompt": "1+1=", "seed": "x"}, "seed must be an integer"),
+                          ({"prompt": "1+1=", "stop_token_ids": "x"}, "stop_token_ids must be a list"),
+                          ({"prompt": "1+1=", "temperature": "hot"}, "could not convert"),
+                          ({"prompt": [[5, 6]] * 65}, "65 prompts; at most 64"),
+                          ({"prompt": [[5] * 500], "max_tokens": 20}, "over the model's 512 positions")]:
+        status, out = post(url, "/v1/completions", body)
+        assert status == 400 and message in out["error"]["message"], (body, out)
+
+
+@pytest.mark.parametrize("length", ["-1", "-100000", "x"])
+def test_a_negative_or_bad_content_length_is_refused_not_read_to_eof(server, length):
+    """Read as "until EOF", a negative length would skip the body limit and block the handler."""
+    import socket
+
+    url, _ = server
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n{{}}".encode())
+        reply = b""
+        while chunk := sock.recv(65536):  # until the server closes; its 10 s timeout fails a blocked handler
+            reply += chunk
+        reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 400") and "bad Content-Length" in reply
+    assert post(url, "/v1/completions", {"prompt": "1+1=", "max_tokens": 2})[0] == 200  # and it serves on
+
+
+def test_chat_completions_with_a_real_chat_template(tmp_path):
+    """tiny-moe-chat's template through /v1/chat/completions: the rendered prompt's ids, not a
+    BatchEncoding (what apply_chat_template(tokenize=True) returns in transformers 5)."""
+    from trillora.rollout.serve import ModelServer, RequestError, ServeConfig
+
+    server = ModelServer(ServeConfig(model="tiny-moe-chat"))
+    messages = [{"role": "user", "content": "12+34="}]
+    out = server.complete({"messages": messages, "max_tokens": 6, "temperature": 0}, chat=True)
+    want = server.tokenizer(server.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)["input_ids"]
+    assert out["usage"]["prompt_tokens"] == len(want) and isinstance(out["choices"][0]["message"]["content"], str)
+    greedy = server.engines["tiny-moe-chat"].generate([want], 1, SamplingParams(
+        max_new_tokens=6, temperature=0.0, stop_token_ids=(server.tokenizer.eos_token_id,)))[0][0]
+    assert out["choices"][0]["message"]["content"] == server.tokenizer.decode(greedy.token_ids, skip_special_tokens=True)
+    with pytest.raises(RequestError, match="messages do not fit the chat template"):
+        server.complete({"messages": [{"role": "assistant", "content": None, "tool_calls": 5}]}, chat=True)
+
+
+def test_adapters_loaded_at_once_are_capped(tmp_path):
+    """Each loaded adapter is a full copy of the base: past `max_adapters` a load is refused (429)
+    until one is unloaded."""
+    from trillora.rollout.serve import ModelServer, RequestError, ServeConfig
+
+    model = load_model(resolve_model_path("tiny-moe"))
+    lora.apply_lora(model, lora.LoraConfig(rank=2))
+    lora.save_adapter(model, tmp_path / "a")
+    server = ModelServer(ServeConfig(model="tiny-moe", adapter_root=str(tmp_path), max_adapters=1))
+    server.load_adapter({"lora_name": "one", "lora_path": "a"})
+    server.load_adapter({"lora_name": "one", "lora_path": "a"})  # replacing a loaded name is not one more
+    with pytest.raises(RequestError, match="1 adapters are loaded, the most this server holds") as e:
+        server.load_adapter({"lora_name": "two", "lora_path": "a"})
+    assert e.value.status == 429
+    server.unload_adapter({"lora_name": "one"})
+    server.load_adapter({"lora_name": "two", "lora_path": "a"})
+    assert [m["id"] for m in server.models()["data"]] == ["tiny-moe", "two"]
 
 
 def test_openai_engine_logprobs_and_adapter_sync(server, tmp_path):

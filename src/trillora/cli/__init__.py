@@ -93,7 +93,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   max_fused=args.max_fused))
         return 0
     serve(ServeConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-                      adapter_root=args.adapter_root, precision=args.precision, max_connections=args.max_connections))
+                      adapter_root=args.adapter_root, precision=args.precision, max_connections=args.max_connections,
+                      max_adapters=args.max_adapters))
     return 0
 
 
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-fused", type=int, default=16,
                    help="--tinker: waiting requests (of several clients) sharing one pass through the base; 1: never")
     p.add_argument("--adapter-root", default=None, help="folder adapters may be loaded from (load_lora_adapter)")
+    p.add_argument("--max-adapters", type=int, default=8, help="adapters loaded at once (each is a copy of the base)")
     p.add_argument("--precision", default="fp32", choices=[c for c in typing.get_args(Precision) if c != "auto"])
     p.add_argument("--max-connections", type=int, default=64, help="connections served at once; more wait")
     p.set_defaults(func=cmd_serve)

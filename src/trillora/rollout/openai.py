@@ -190,4 +190,16 @@ class OpenAIEngine:
             path.unlink(missing_ok=True)
 
     def close(self) -> None:
+        """Unload this run's adapter revisions from the servers (once each, best effort: a server
+        holds a bounded number, and runs sharing one should not fill it), then stop the pool."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        retries, timeout, self.retries, self.timeout = self.retries, self.timeout, 0, 5.0
+        try:
+            for name in self.loaded:
+                for url in self.urls:
+                    try:
+                        self._post(url, "/v1/unload_lora_adapter", {"lora_name": name})
+                    except EngineError:
+                        pass  # gone or never loaded there: nothing left to free
+        finally:
+            self.loaded, self.retries, self.timeout = [], retries, timeout

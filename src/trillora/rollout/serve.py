@@ -6,13 +6,15 @@ token-id prompts, n samples and per-token logprobs (tokens as `token_id:N`, as v
 endpoints `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, and `/health`.
 
 Safe by default: it binds 127.0.0.1, can require an API key, loads adapters only from
-inside `adapter_root`, bounds request bodies, `n`, `max_tokens` and the connections served at
-once, and runs one generation at a time per engine (the engine is not thread-safe; requests
-queue on a lock).
+inside `adapter_root` and at most `max_adapters` of them (each is a full copy of the base), bounds
+request bodies, prompts per request and their length, `n`, `max_tokens` and the connections
+served at once, compares the key in constant time, answers every failure with a JSON error, and
+runs one generation at a time per engine (the engine is not thread-safe; requests queue on a lock).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import threading
 import time
@@ -43,6 +45,10 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     max_tokens_limit: int = 4096
     max_n: int = 64
+    max_prompts: int = 64
+    """Prompts in one /v1/completions request."""
+    max_adapters: int = 8
+    """Adapters loaded at once: each is a full copy of the base's weights."""
     max_connections: int = 64
     """Connections served at once (one thread each); more wait in the listen queue, unrefused."""
     idle_seconds: float = 30.0
@@ -65,6 +71,7 @@ class ModelServer:
         self.engines: dict[str, LocalEngine] = {self.name: LocalEngine(self.base, precision=cfg.precision, pad_id=pad)}
         self.locks: dict[str, threading.Lock] = {self.name: threading.Lock()}
         self.registry_lock = threading.Lock()
+        self.max_len = int(getattr(self.base.args, "max_position_embeddings", 0) or 0) or None
 
     # --- adapters ------------------------------------------------------------------------
     def _adapter_path(self, given: str) -> Path:
@@ -88,6 +95,10 @@ class ModelServer:
         if name == self.name:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"lora_name {name!r} is the base model's name")
         path = self._adapter_path(given)
+        with self.registry_lock:
+            if name not in self.engines and len(self.engines) - 1 >= self.cfg.max_adapters:
+                raise RequestError(HTTPStatus.TOO_MANY_REQUESTS, f"{self.cfg.max_adapters} adapters are loaded, the most "
+                                   "this server holds (each is a copy of the base); unload one first")
         model = load_model(resolve_model_path(self.cfg.model))
         try:
             lora.load_adapter(model, path)
@@ -120,6 +131,8 @@ class ModelServer:
             prompt = [prompt]
         if not isinstance(prompt, list) or not prompt:
             raise RequestError(HTTPStatus.BAD_REQUEST, "prompt must be a string, a list of token ids, or a list of those")
+        if len(prompt) > self.cfg.max_prompts:
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"{len(prompt)} prompts; at most {self.cfg.max_prompts} per request")
         out = []
         for p in prompt:
             if isinstance(p, str):
@@ -130,6 +143,12 @@ class ModelServer:
                 raise RequestError(HTTPStatus.BAD_REQUEST, "each prompt must be a non-empty string or list of valid token ids")
         return out
 
+    def _check_lengths(self, prompts: list[list[int]], max_tokens: int) -> None:
+        for p in prompts:
+            if self.max_len is not None and len(p) + max_tokens > self.max_len:
+                raise RequestError(HTTPStatus.BAD_REQUEST, f"a prompt of {len(p)} tokens plus max_tokens={max_tokens} "
+                                   f"is over the model's {self.max_len} positions")
+
     def _params(self, body: dict) -> tuple[SamplingParams, int]:
         n = body.get("n", 1)
         max_tokens = body.get("max_tokens", 16)
@@ -137,13 +156,19 @@ class ModelServer:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"n must be an integer in 1..{self.cfg.max_n}")
         if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.cfg.max_tokens_limit:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"max_tokens must be an integer in 1..{self.cfg.max_tokens_limit}")
-        stop = tuple(body.get("stop_token_ids") or ())
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"seed must be an integer, not {type(seed).__name__}")
+        stop = body.get("stop_token_ids") or []
+        if not isinstance(stop, list) or not all(isinstance(t, int) and 0 <= t < len(self.tokenizer) for t in stop):
+            raise RequestError(HTTPStatus.BAD_REQUEST, f"stop_token_ids must be a list of token ids in 0..{len(self.tokenizer) - 1}")
+        stop = tuple(stop)
         if self.tokenizer.eos_token_id is not None and not body.get("ignore_eos", False):
             stop = stop + (self.tokenizer.eos_token_id,)
         try:
             params = SamplingParams(max_new_tokens=max_tokens, temperature=float(body.get("temperature", 1.0)),
                                     top_p=float(body.get("top_p", 1.0)), top_k=max(0, int(body.get("top_k", 0) or 0)),
-                                    stop_token_ids=stop, seed=body.get("seed"))
+                                    stop_token_ids=stop, seed=seed)
         except (TypeError, ValueError) as e:
             raise RequestError(HTTPStatus.BAD_REQUEST, str(e)) from None
         return params, n
@@ -162,10 +187,15 @@ class ModelServer:
                 raise RequestError(HTTPStatus.BAD_REQUEST, "messages must be a non-empty list")
             if not getattr(self.tokenizer, "chat_template", None):
                 raise RequestError(HTTPStatus.BAD_REQUEST, "this model's tokenizer has no chat template")
-            prompts = [self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)]
+            try:  # text, then ids: tokenize=True gives a BatchEncoding in transformers 5
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # a malformed message: the template's own error  # noqa: BLE001
+                raise RequestError(HTTPStatus.BAD_REQUEST, f"messages do not fit the chat template: {e}") from None
+            prompts = [self.tokenizer(text, add_special_tokens=False)["input_ids"]]
         else:
             prompts = self._prompts(body.get("prompt"))
         params, n = self._params(body)
+        self._check_lengths(prompts, params.max_new_tokens)
         engine, lock = self._engine(body.get("model"))
         with lock:
             groups = engine.generate(prompts, n, params)
@@ -211,7 +241,8 @@ def make_handler(server: ModelServer):
 
         def _authorised(self) -> bool:
             key = server.cfg.api_key
-            if key is None or self.headers.get("Authorization") == f"Bearer {key}":
+            given = self.headers.get("Authorization") or ""
+            if key is None or hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 return True
             self.close_connection = True  # an unread body must not be taken for the next request
             self._send(HTTPStatus.UNAUTHORIZED, {"error": {"message": "missing or wrong API key"}})
@@ -229,7 +260,13 @@ def make_handler(server: ModelServer):
         def do_POST(self) -> None:
             if not self._authorised():
                 return
-            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if length < 0:  # read as "until EOF" it would bypass the body limit and block the handler
+                self.close_connection = True
+                return self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": "bad Content-Length"}})
             if length > server.cfg.max_body_bytes:
                 drain(self.rfile, length, server.cfg.max_body_bytes)
                 self.close_connection = True
@@ -247,6 +284,10 @@ def make_handler(server: ModelServer):
                 self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": f"invalid JSON: {e.msg}"}})
             except RequestError as e:
                 self._send(e.status, {"error": {"message": str(e)}})
+            except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field of a type no check foresaw
+                self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": f"malformed request: {type(e).__name__}: {e}"}})
+            except Exception as e:  # noqa: BLE001 - the client gets an answer, never a dropped connection
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": f"{type(e).__name__}: {e}"}})
 
     return Handler
 

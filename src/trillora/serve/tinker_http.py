@@ -16,6 +16,7 @@ bodies, counts and connections; saved states only under `state_dir`.
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import json
 import threading
@@ -259,7 +260,8 @@ def make_handler(server: TinkerServer):
             self._send(status, json.dumps({"error": message, "detail": message}).encode())
 
         def _authorised(self) -> bool:
-            if cfg.api_key is None or self.headers.get("X-API-Key") == cfg.api_key:
+            given = (self.headers.get("X-API-Key") or "").encode()
+            if cfg.api_key is None or hmac.compare_digest(given, cfg.api_key.encode()):
                 return True
             self.close_connection = True
             self._error(HTTPStatus.UNAUTHORIZED, "missing or wrong API key (X-API-Key)")
