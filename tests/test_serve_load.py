@@ -1,5 +1,5 @@
 """`trillora serve` under load from this process on loopback: 64 concurrent keep-alive clients, about
-thousand completions with wrong keys and path-traversal loads mixed in; no valid request fails, every
+two thousand completions with wrong keys and path-traversal loads mixed in; no valid request fails, every
 bad one is refused, and the server's memory stays flat. Bounded in requests and in time."""
 
 from __future__ import annotations
