@@ -169,9 +169,12 @@ def test_rl_steps_against_vllm_server_merged(tmp_path):
     from trillora.trainer import Trainer
 
     proc, url = start_vllm_server(resolve_model_path("tiny-moe"), "--worker-extension-cls", "trillora.rollout.vllm_sync.WeightSyncExtension",
-                                  env={"VLLM_SERVER_DEV_MODE": "1"})
+                                  env={"VLLM_SERVER_DEV_MODE": "1", "TRILLORA_SYNC_DIR": str(tmp_path / "run" / "sync")})
     try:
         probe = OpenAIEngine(url, model="tiny")
+        # an attacker on the port: /collective_rpc is not behind vLLM's --api-key; the extension refuses
+        refused = probe._post(url, "/collective_rpc", {"method": "trillora_load_merged", "args": ["/etc/passwd"]})
+        assert all(r.startswith("refused:") for r in refused["results"]), refused
         fixed = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11, stop_token_ids=(2,))
         before = [c for g in probe.generate(PROMPTS, 2, fixed) for c in g]
         trainer = Trainer(rl_config(tmp_path, "rollout.engine=\"openai\"", f"rollout.urls=[\"{url}\"]",

@@ -58,3 +58,25 @@ def test_auto_sync_choice():
     assert choose_sync(adapted(targets=("experts",))) == ("merged" if not torch.cuda.is_available() else "adapter")
     assert choose_sync(adapted(targets=("router",))) == "merged"  # vLLM has no router LoRA
     assert choose_sync(adapted(targets=("experts",)), "adapter") == "adapter"
+
+
+def test_the_worker_extension_loads_only_safetensors_inside_the_sync_dir(tmp_path, monkeypatch):
+    """vLLM's /collective_rpc is outside what its --api-key guards: the extension itself refuses
+    any file but a .safetensors inside TRILLORA_SYNC_DIR, as a result string (no worker raise)."""
+    from trillora.rollout.vllm_sync import SYNC_DIR_ENV, WeightSyncExtension
+
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    inside = sync / "merged-r1.safetensors"
+    ext = WeightSyncExtension()
+    monkeypatch.delenv(SYNC_DIR_ENV, raising=False)
+    assert ext.trillora_load_merged(str(inside)).startswith(f"refused: set {SYNC_DIR_ENV}")
+    monkeypatch.setenv(SYNC_DIR_ENV, str(sync))
+    for attempt in ["/etc/passwd", str(tmp_path / "elsewhere.safetensors"), str(sync / ".." / "x.safetensors"),
+                    str(sync / "merged-r1.bin"), str(sync)]:
+        assert ext.trillora_load_merged(attempt).startswith("refused:"), attempt
+    (sync / "evil.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    assert ext.trillora_load_merged(str(sync / "evil.safetensors")).startswith("refused:")  # resolved, then checked
+    from trillora.rollout.vllm_sync import allowed_sync_file
+
+    assert allowed_sync_file(str(inside)) == inside.resolve()

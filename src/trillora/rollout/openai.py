@@ -7,7 +7,7 @@ exponential back-off. `sync()` is adapter-only by default: it saves the adapter 
 revision name (`{model}-{run tag}-r{n}`), asks every server to load it (`/v1/load_lora_adapter`) and unloads the
 previous revision. `sync="merged"` is for vLLM servers that cannot apply the adapter (MoE on
 CPU): the merged tensors the adapter changes go to a safetensors file that every server
-loads through `/collective_rpc` (a server started with `VLLM_SERVER_DEV_MODE=1` and
+loads through `/collective_rpc` (a server started with `VLLM_SERVER_DEV_MODE=1`, `TRILLORA_SYNC_DIR` and
 `--worker-extension-cls trillora.rollout.vllm_sync.WeightSyncExtension`), then its prefix
 cache is reset.
 """
@@ -183,7 +183,10 @@ class OpenAIEngine:
         tmp.replace(path)  # servers never read a half-written file
         try:
             for url in self.urls:
-                self._post(url, "/collective_rpc", {"method": "trillora_load_merged", "args": [str(path.resolve())]})
+                out = self._post(url, "/collective_rpc", {"method": "trillora_load_merged", "args": [str(path.resolve())]})
+                refused = [r for r in (out or {}).get("results", []) if str(r).startswith("refused:")]
+                if refused:
+                    raise EngineError(f"{url}/collective_rpc: {refused[0]}")
                 self._post(url, "/reset_prefix_cache", {})
             return {"sync_bytes": float(path.stat().st_size), "sync_seconds": time.perf_counter() - start}
         finally:

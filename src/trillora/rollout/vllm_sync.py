@@ -151,13 +151,36 @@ def load_merged(worker, tensors: dict[str, torch.Tensor]) -> int:
     return len(tensors)
 
 
+SYNC_DIR_ENV = "TRILLORA_SYNC_DIR"
+
+
+def allowed_sync_file(path: str) -> Path | str:
+    """The merged-tensor file to load, or why it is refused: only `.safetensors` files inside the
+    folder `TRILLORA_SYNC_DIR` names (the trainer's `rollout.sync_dir`). vLLM's `/collective_rpc`
+    sits outside the routes its `--api-key` guards (`/v1`, ...), so whoever reaches the port can
+    call it: without this a caller could load any file on the server into the live weights."""
+    import os
+
+    root = os.environ.get(SYNC_DIR_ENV)
+    if not root:
+        return f"refused: set {SYNC_DIR_ENV} in the server's environment to the trainer's rollout.sync_dir"
+    want, base = Path(path).resolve(), Path(root).resolve()
+    if base not in want.parents or want.suffix != ".safetensors":
+        return f"refused: {path!r} is not a .safetensors file inside {SYNC_DIR_ENV}={root!r}"
+    return want
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker by `--worker-extension-cls trillora.rollout.vllm_sync.WeightSyncExtension`.
     With `VLLM_SERVER_DEV_MODE=1` the server's `/collective_rpc` endpoint then reaches
     `trillora_load_merged(path)`: the trainer writes the merged tensors to a safetensors file on a
-    shared filesystem and names it (the endpoint carries strings only)."""
+    shared filesystem and names it (the endpoint carries strings only). A refused path comes back
+    as the result string (raising inside the worker would take the engine down)."""
 
-    def trillora_load_merged(self, path: str) -> int:
+    def trillora_load_merged(self, path: str) -> int | str:
         from safetensors.torch import load_file
 
-        return load_merged(self, load_file(str(Path(path))))
+        found = allowed_sync_file(path)
+        if isinstance(found, str):
+            return found
+        return load_merged(self, load_file(str(found)))
