@@ -92,3 +92,15 @@ def test_fixed_length_and_finite_values():
         load_config(None, ["algorithm.mismatch_band=[]"])
     with pytest.raises(ConfigError, match="rollout.temperature: expected a finite number, got nan"):
         load_config(None, ["rollout.temperature=nan"])
+
+
+def test_the_context_defaults_to_the_models_positions_and_more_is_refused():
+    from trillora.config import load_config
+    from trillora.errors import ConfigError
+    from trillora.trainer.loop import fit_context
+
+    cfg = load_config(None, [])
+    assert cfg.rollout.max_model_len == 0 and fit_context(cfg, 512).rollout.max_model_len == 512
+    assert fit_context(load_config(None, ["rollout.max_model_len=300"]), 512).rollout.max_model_len == 300
+    with pytest.raises(ConfigError, match=r"rollout.max_model_len=1024 is over the model's 512 positions .*tiny-moe"):
+        fit_context(load_config(None, ["rollout.max_model_len=1024"]), 512)

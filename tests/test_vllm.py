@@ -127,7 +127,8 @@ def moved(before, after, model) -> None:
 def test_rl_steps_with_vllm_in_process(tmp_path):
     from trillora.trainer import Trainer
 
-    trainer = Trainer(rl_config(tmp_path, "rollout.engine=\"vllm\"", "rollout.max_model_len=128"))
+    trainer = Trainer(rl_config(tmp_path, "rollout.engine=\"vllm\""))  # as the README writes it: the model's 512 positions
+    assert trainer.cfg.rollout.max_model_len == 512
     try:
         assert isinstance(trainer.engine, VLLMEngine) and trainer.engine.sync_mode == "merged"
         fixed = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11, stop_token_ids=(2,))

@@ -88,8 +88,9 @@ class RolloutSection:
     precision: Precision = "auto"
     """local engine weights: auto (bf16 on GPU, bf16-rounded fp32 on CPU), fp32, bf16_weights, bf16.
     vllm: auto (bf16 on GPU, fp32 on CPU), fp32, bf16."""
-    max_model_len: int = 1024
-    """vllm: the longest prompt + completion the engine plans KV cache for."""
+    max_model_len: int = 0
+    """The longest prompt + completion (every engine; vllm plans its KV cache for it). 0: the
+    model's own positions (`max_position_embeddings`); more than those is refused."""
     prompts_per_step: int = 32
     group_size: int = 8
     max_new_tokens: int = 6
@@ -108,8 +109,9 @@ class RolloutSection:
             raise ConfigError(f"rollout.sync={self.sync!r} with rollout.engine='local': the local engine syncs merged weights")
         if self.engine == "vllm" and self.precision == "bf16_weights":
             raise ConfigError("rollout.precision='bf16_weights' is for the local engine; vllm takes auto, fp32 or bf16")
-        for key in ("prompts_per_step", "group_size", "max_new_tokens", "max_model_len"):
+        for key in ("prompts_per_step", "group_size", "max_new_tokens"):
             _check_positive(f"rollout.{key}", getattr(self, key))
+        _check_positive("rollout.max_model_len", self.max_model_len, zero_ok=True)
         if self.temperature <= 0:
             raise ConfigError(f"rollout.temperature={self.temperature} is invalid; RL samples need > 0")
         if not 0 < self.top_p <= 1:

@@ -28,7 +28,7 @@ from .. import lora, rl
 from ..checkpoint import load_model, load_tokenizer, resolve_model_path
 from ..checkpoint.hf import EXPERT_LAYOUTS
 from ..config import TrainConfig, to_toml
-from ..errors import TrainingDiverged
+from ..errors import ConfigError, TrainingDiverged
 from ..tasks import make_task
 from ..tasks.env_dataset import load_env_dataset
 from ..tasks.guard import GuardedReward
@@ -40,6 +40,18 @@ from .sampler import Sampler
 from .signals import StopSignal
 from .update import PolicyUpdate
 from .world import World, launched, pick_device
+
+
+def fit_context(cfg: TrainConfig, positions: int) -> TrainConfig:
+    """`rollout.max_model_len` resolved against the model: 0 takes its positions; more is refused
+    (vLLM would refuse to start, the local engine would run past what the model was trained on)."""
+    r = cfg.rollout
+    if r.max_model_len > positions:
+        raise ConfigError(f"rollout.max_model_len={r.max_model_len} is over the model's {positions} positions "
+                          f"({cfg.model.path}: max_position_embeddings); set it to at most {positions}, or 0 for all")
+    if r.max_model_len == 0:
+        return dataclasses.replace(cfg, rollout=dataclasses.replace(r, max_model_len=positions))
+    return cfg
 
 
 class Trainer:
@@ -55,6 +67,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model.path)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.model = load_model(cfg.model.path, dtype=dtype, device=self.device)
+        self.cfg = cfg = fit_context(cfg, self.model.args.max_position_embeddings)
         lora.apply_lora(self.model, cfg.lora)
         # `full`: the unsharded model the engine and the export read (the model itself in one process)
         self.full = copy.deepcopy(self.model) if launched() else self.model
