@@ -140,3 +140,17 @@ def test_an_expert_shard_without_rows_stays_in_the_graph():
     assert y.shape == (0, 5) and y.requires_grad
     y.sum().backward()
     assert x.grad.shape == (0, 4) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_unaligned_rows_fall_back_to_the_loop_and_say_so_once():
+    """A rank-6 adapter in fp32 makes 24-byte rows the grouped kernel refuses: the loop runs (the
+    same product) and a warning names the shape, once."""
+    import warnings
+
+    x, w, counts = torch.randn(5, 6), torch.randn(3, 8, 6), torch.tensor([2, 0, 3])
+    with pytest.warns(UserWarning, match="a 6-wide input or 8-wide output in torch.float32 is not"):
+        y = grouped_linear(x, w, counts)
+    assert torch.allclose(y, grouped_linear(x, w, counts, grouped=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grouped_linear(x, w, counts)  # the same shape again: silent

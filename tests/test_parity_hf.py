@@ -39,7 +39,8 @@ def test_fused_and_per_expert_checkpoints_load_the_same(oracle):
     model.save_pretrained(tmp / "per_expert")
     a = trillora.load_model(tmp / "per_expert")
     b = trillora.load_model(save_fused(model, tmp / "fused"))
-    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+    assert len(a.state_dict()) == len(b.state_dict())
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert ka == kb and torch.equal(va, vb), ka
     with torch.no_grad():
         assert (b(ids) - ref).abs().max().item() <= TOL

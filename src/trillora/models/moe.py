@@ -12,6 +12,7 @@ expert LoRA matmul) then runs as one grouped GEMM over the sorted rows.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -47,9 +48,21 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
 
 def grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """grouped GEMM needs 16-byte aligned rows on both operands, and a kernel for the dtype there."""
+    return _aligned(x, w) and x.dtype == w.dtype and _grouped_kernel_takes(x.device.type, x.dtype)
+
+
+def _aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
     align = 16 // x.element_size()
-    return (x.shape[-1] % align == 0 and w.shape[-2] % align == 0 and x.dtype == w.dtype
-            and _grouped_kernel_takes(x.device.type, x.dtype))
+    return x.shape[-1] % align == 0 and w.shape[-2] % align == 0
+
+
+@functools.cache
+def _say_unaligned(inner: int, outer: int, dtype: torch.dtype) -> None:
+    """Once per shape: the fallback is correct but a loop over experts, so a user should know."""
+    per_row = 16 // torch.tensor([], dtype=dtype).element_size()
+    warnings.warn(f"grouped GEMM needs 16-byte rows: a {inner}-wide input or {outer}-wide output in {dtype} is not, so "
+                  f"these expert products run as a loop over experts (slower, same result); LoRA ranks and widths that "
+                  f"are multiples of {per_row} avoid it", stacklevel=3)
 
 
 @functools.cache
@@ -90,6 +103,8 @@ def grouped_linear(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tens
     if x_RI.shape[0] == 0:  # an empty product, still in the graph: under expert parallelism a rank that
         # received no rows must still run the backward all-to-all its peers wait for
         return x_RI @ w_EOI[0].transpose(0, 1)
+    if grouped and not _aligned(x_RI, w_EOI):
+        _say_unaligned(x_RI.shape[-1], w_EOI.shape[-2], x_RI.dtype)
     if grouped and grouped_mm_ok(x_RI, w_EOI):
         if counts_E.shape[0] > MAX_GROUPS:  # e.g. 128 experts x 8 adapters: in slices of whole groups
             sizes = [int(c.sum()) for c in counts_E.split(MAX_GROUPS)]
