@@ -4,7 +4,7 @@
     export TINKER_API_KEY=tml-local TINKER_BASE_URL=http://127.0.0.1:8000
     python examples/tinker_cookbook_tiny.py sl log_path=runs/cookbook-sl batch_size=32 max_steps=128 learning_rate=3e-3
     python examples/tinker_cookbook_tiny.py rl log_path=runs/cookbook-rl start_from=runs/cookbook-sl \
-        batch_size=16 group_size=8 max_tokens=32 max_steps=40 learning_rate=2e-3 loss_fn=importance_sampling
+        batch_size=16 group_size=8 max_tokens=32 max_steps=80 learning_rate=5e-4 loss_fn=importance_sampling
 
 The recipes (`tinker_cookbook.recipes.sl_loop` / `rl_loop`) run as their authors wrote them,
 with their own command line. What this file adds is what a machine without the internet and

@@ -71,3 +71,19 @@ def test_the_registered_renderer_writes_what_the_chat_template_writes():
     full = tok.apply_chat_template([*convo, {"role": "assistant", "content": "\\boxed{579}"}], tokenize=False)
     assert tok.decode(tokens.to_ints()) == full
     assert tok.decode([t for t, w in zip(tokens.to_ints(), weights.tolist()) if w > 0]) == "\\boxed{579}<|im_end|>"
+
+
+def test_the_committed_cookbook_curve_rises_as_the_readme_says():
+    """The full-size run (`benchmarks/cookbook_reward.py`, minutes: too long for the suite) as
+    committed: the RL loop's reward over its last 10 steps well above its first 10, at the
+    settings and figures the README gives."""
+    root = Path(__file__).resolve().parents[1]
+    r = json.loads((root / "benchmarks" / "results" / "cookbook_reward.json").read_text())
+    assert r["model"] == "tiny-moe-chat" and r["settings"]["rl_steps"] == len(r["rl"]["reward"]) == 80
+    w = r["rl"]["window"]
+    assert r["rl"]["first_mean"] == pytest.approx(sum(r["rl"]["reward"][:w]) / w)
+    assert r["rl"]["last_mean"] == pytest.approx(sum(r["rl"]["reward"][-w:]) / w)
+    assert r["rl"]["last_mean"] >= r["rl"]["first_mean"] + 0.1
+    readme = (root / "README.md").read_text()
+    assert f"from {r['rl']['first_mean']:.3f} over the first 10 steps to {r['rl']['last_mean']:.3f}" in readme
+    assert r["settings"]["rl_lr"] == 5e-4 and "max_steps=80 learning_rate=5e-4 " in readme

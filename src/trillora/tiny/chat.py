@@ -13,7 +13,8 @@ new rows start random), so the addition `tiny-moe` learned carries into the chat
 share of examples (`history_fraction`) come after earlier exchanges of up to `history_chars`
 characters: recipes written for hosted models (tinker-cookbook's RL loop) put a few-shot
 conversation of ~330 tokens before each question, and a model that only saw short conversations
-does not answer after one (`tiny-moe`, 44% on plain 3-digit additions, answered none behind it).
+produces noise after one. Pretraining also waits for greedy held-apart additions after such a
+history to reach `target_addition`.
 """
 
 from __future__ import annotations
@@ -153,8 +154,8 @@ def init_from_base(model, base: str | Path) -> None:
 
 
 def pretrain_chat(out: str | Path, seed: int = 0, batch: int = 64, max_steps: int = 1500, lr: float = 3e-3,
-                  call_fraction: float = 0.3, target_success: float = 0.15, min_steps: int = 300,
-                  eval_every: int = 100, init_from: str | None = "tiny-moe", history_fraction: float = 0.5,
+                  call_fraction: float = 0.3, target_success: float = 0.15, min_steps: int = 100,
+                  eval_every: int = 50, init_from: str | None = "tiny-moe", history_fraction: float = 0.5,
                   history_chars: int = 440, target_addition: float = 0.3) -> dict:
     from rich.progress import Progress
 
