@@ -21,6 +21,18 @@ def test_dequantize_by_hand():
     assert torch.equal(dequantize_blockwise(w, s, block=2), expect)
 
 
+def test_dequantize_equals_transformers_block_dequantisation():
+    """The oracle is transformers' own loader op (`Fp8Dequantize`, what `dequantize=True` runs on a
+    DeepSeek-V3 / Kimi K2 release), not our quantizer: every fp8 value in 128x128 blocks."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(256, 384, generator=g) * 50).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 3, generator=g) * 1e-2 + 1e-4  # weight_scale_inv: one per block
+    want = Fp8Dequantize(None)._dequantize_one(w, s, torch.float32)
+    assert torch.equal(dequantize_blockwise(w, s, block=128), want)
+
+
 def test_dequantize_rejects_wrong_scale_shape():
     with pytest.raises(ValueError, match=r"expected \(2, 1\)"):
         dequantize_blockwise(torch.zeros(3, 2, dtype=torch.float8_e4m3fn), torch.ones(1, 1), block=2)

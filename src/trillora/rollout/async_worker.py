@@ -89,12 +89,14 @@ class RolloutWorker:
         return item
 
     def synced(self, sync: Callable[[], dict]) -> dict:
-        """Run the trainer's engine sync under the lock; the engine's revision goes up by one."""
+        """Run the trainer's engine sync under the lock; the engine's revision goes up by one before
+        the lock is let go, so a batch sampled right after the sync reports the revision it used
+        (counted after the release, such a batch would be reported one update staler than it was)."""
         with self.lock:
             metrics = sync()
-        with self.changed:
-            self.revision += 1
-            self.changed.notify_all()
+            with self.changed:  # the thread never holds `changed` while it waits for `lock`
+                self.revision += 1
+                self.changed.notify_all()
         return metrics
 
     def close(self) -> None:
