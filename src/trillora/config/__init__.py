@@ -6,6 +6,7 @@ from .sections import (
     FFN_TARGETS,
     AlgorithmSection,
     CheckpointSection,
+    LoggingSection,
     ModelSection,
     OptimSection,
     ParallelSection,
@@ -16,6 +17,6 @@ from .sections import (
 )
 from .toml import load_config, parse_override, to_toml
 
-__all__ = ["FFN_TARGETS", "AlgorithmSection", "CheckpointSection", "ConfigError", "ModelSection", "OptimSection",
+__all__ = ["FFN_TARGETS", "AlgorithmSection", "CheckpointSection", "ConfigError", "LoggingSection", "ModelSection", "OptimSection",
            "ParallelSection", "RolloutSection", "RouterReplayMode", "TaskSection", "TrainConfig", "load_config",
            "parse_override", "to_toml"]

@@ -221,6 +221,26 @@ class CheckpointSection:
         _check_positive("checkpoint.keep", self.keep)
 
 
+TRACKERS = ("tensorboard", "wandb")
+
+
+@dataclass(kw_only=True, frozen=True)
+class LoggingSection:
+    """Where each step's metrics go besides `runs/<name>/metrics.jsonl` (always written)."""
+
+    backends: tuple[str, ...] = ()
+    """Any of "tensorboard" (event files in `runs/<name>/tensorboard/`) and "wandb" (online when
+    `WANDB_API_KEY` is set, otherwise offline under `runs/<name>/wandb/`); the `tracking` extra."""
+    project: str = "trillora"
+    """The W&B project."""
+
+    def validate(self) -> None:
+        for b in self.backends:
+            if b not in TRACKERS:
+                raise ConfigError(f"logging.backends: {b!r} is not a backend; allowed: {', '.join(TRACKERS)} "
+                                  "(metrics.jsonl is always written)")
+
+
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     name: str = "default"
@@ -239,6 +259,7 @@ class TrainConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
     resume: bool = False
     """Continue from the newest complete checkpoint of this run (`--resume` on the command line);
     without it a run starts afresh and moves an earlier run's checkpoints to `checkpoints.previous`."""
@@ -249,7 +270,7 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         _check_positive("steps", self.steps)
         _check_positive("eval_every", self.eval_every)
-        for section in (self.task, self.rollout, self.algorithm, self.optim, self.parallel, self.checkpoint):
+        for section in (self.task, self.rollout, self.algorithm, self.optim, self.parallel, self.checkpoint, self.logging):
             section.validate()
         a, r = self.algorithm, self.rollout
         if (a.router_replay != "off" or a.routing_metrics) and r.engine == "openai":

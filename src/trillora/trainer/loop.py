@@ -38,6 +38,7 @@ from .engine import check_engine, make_engine
 from .evaluate import evaluate, evaluate_envs
 from .sampler import Sampler
 from .signals import StopSignal
+from .tracking import Trackers
 from .update import PolicyUpdate
 from .world import World, launched, pick_device
 
@@ -182,14 +183,18 @@ class Trainer:
         elif main:
             before, retention = self._evaluate_all()
             state = {"eval_before": before, "retention_before": retention, "accuracy": before, "retention_after": retention}
-            metrics_file.write_text(json.dumps({"step": 0, "eval_accuracy": before,  # the start of the accuracy curves
-                                                **({"retention_accuracy": retention} if self.retention else {})}) + "\n")
+            initial = {"step": 0, "eval_accuracy": before, **({"retention_accuracy": retention} if self.retention else {})}
+            metrics_file.write_text(json.dumps(initial) + "\n")  # the start of the accuracy curves
         first = resumed.step if resumed is not None else 0
+        self.trackers = Trackers(cfg, first) if main else None
+        if self.trackers is not None and resumed is None:
+            self.trackers.log(initial, 0)
         columns = [TextColumn("[bold]RL[/]"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
         worker = self.sampler.start_worker(first, cfg.steps) if cfg.rollout.asynchronous else None
         with (Progress(*columns, disable=not main) as bar, stop.installed(),
-              contextlib.closing(worker) if worker is not None else contextlib.nullcontext(), self._shared_cores()):
+              contextlib.closing(worker) if worker is not None else contextlib.nullcontext(), self._shared_cores(),
+              contextlib.closing(self.trackers) if self.trackers is not None else contextlib.nullcontext()):
             job = bar.add_task("rl", total=cfg.steps, completed=first, info="")
             for step in range(first, cfg.steps):
                 row = self.step(step)
@@ -224,6 +229,7 @@ class Trainer:
             row["step_seconds"] += row["eval_seconds"]
         with open(metrics_file, "a") as log:
             log.write(json.dumps(row) + "\n")
+        self.trackers.log(row, row["step"])
         bar.update(job, advance=1, info=f"reward {row['reward_mean']:.2f}  held-out acc {state['accuracy']:.3f}  "
                                         f"{row['step_seconds']:.2f}s/step")
 
