@@ -264,11 +264,27 @@ def _config_for_save(args: ModelArgs, dtype: torch.dtype) -> dict:
     return config
 
 
-def load_tokenizer(path: str | Path):
-    """The checkpoint's own tokenizer, through transformers; names the folder when files are missing."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """The checkpoint's own tokenizer, through transformers; names the folder when files are missing.
+
+    Some releases ship their tokenizer as code (Kimi K2: a tiktoken model read by
+    `tokenization_kimi.py`, named in `tokenizer_config.json`'s `auto_map`). That code runs only
+    when the user says so (`model.trust_remote_code`); otherwise the error names the file."""
+    import json
+
     from transformers import AutoTokenizer
 
     path = resolve_model_path(path)
-    if not any((path / n).exists() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise CheckpointError(f"{path}: no tokenizer files (expected tokenizer.json, tokenizer.model or vocab.json)")
-    return AutoTokenizer.from_pretrained(str(path))
+    if not any((path / n).exists() for n in TOKENIZER_FILES):
+        raise CheckpointError(f"{path}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
+    config = path / "tokenizer_config.json"
+    auto_map = json.loads(config.read_text()).get("auto_map", {}) if config.is_file() else {}
+    code = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    if code and not trust_remote_code:
+        module = str(code[0] if isinstance(code, list) else code).split(".")[0]
+        raise CheckpointError(f"{config}: the tokenizer is code ({module}.py, auto_map.AutoTokenizer); read it, then "
+                              "allow it with model.trust_remote_code=true")
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=bool(code) and trust_remote_code)

@@ -40,6 +40,9 @@ class ModelSection:
     """A Hugging Face checkpoint folder, or `tiny-moe` for the model shipped with trillora."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Trainer weights; the CPU computes in fp32 (bf16 matrix products are ~150x slower there)."""
+    trust_remote_code: bool = False
+    """Run a checkpoint's tokenizer code (`auto_map` in tokenizer_config.json, e.g. Kimi K2's
+    tiktoken tokenizer). The model itself never runs remote code: trillora has its own."""
 
 
 @dataclass(kw_only=True, frozen=True)

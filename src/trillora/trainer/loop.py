@@ -65,7 +65,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         check_engine(cfg)
         self.device = pick_device(cfg.device)
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.model = load_model(cfg.model.path, dtype=dtype, device=self.device)
         self.cfg = cfg = fit_context(cfg, self.model.args.max_position_embeddings)
