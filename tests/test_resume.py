@@ -124,17 +124,17 @@ def test_sigkill_ten_times_then_resume_ends_bit_identical(tmp_path):
             break  # finished before this kill: nothing left to interrupt
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        in_write = bool(list(root.glob(".step-*.partial")))  # the kill landed in a checkpoint write
         found = train_state.find_latest(root)
         if found.path is not None:
             train_state.verify(found.path)  # what the next resume will pick is whole
-        kills.append((moment, json.loads((found.path / "state.json").read_text())["step"] if found.path else 0))
+        kills.append((moment, json.loads((found.path / "state.json").read_text())["step"] if found.path else 0, in_write))
     assert len(kills) == 10, kills
-    assert any(m == "write" for m, _ in kills) and kills[-1][1] < 24
+    assert any(w for _, _, w in kills) and kills[-1][1] < 24, kills  # at least one kill cut a write short
     train(tmp_path, "killed", *steps, "resume=true")
     assert_same(adapter(tmp_path / "killed"), adapter(tmp_path / "whole"))
     last = [load_file(str(tmp_path / r / "checkpoints" / "step-000024" / "rank-0.safetensors")) for r in ("whole", "killed")]
-    last[0].pop("rng.torch"), last[1].pop("rng.torch")
-    assert_same(*last)  # AdamW state too
+    assert_same(*last)  # AdamW state and the torch RNG too
     one = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     two = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r.get("loss"), r.get("eval_accuracy")) for r in one] == \
