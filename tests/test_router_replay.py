@@ -69,6 +69,25 @@ def test_trainer_logs_routing_mismatch_per_layer(tmp_path, small_config, mode):
         assert all(0.0 <= x <= 1.0 for x in layers) and r["routing_mismatch"] == pytest.approx(sum(layers) / 4)
 
 
+def test_replay_under_activation_checkpointing_trains_the_same_adapter(tmp_path, small_config):
+    """Checkpointing recomputes each block's forward during backward: the recomputation must route
+    to the rollout's experts too. Replay with and without checkpointing: the same losses and the
+    same adapter, and routes that differ from the free router's (so replay did something)."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for ckpt in (0, 1):
+        name = f"replay-ckpt{ckpt}"
+        Trainer(small_config("algorithm.minibatches=2", 'algorithm.router_replay="all"', "algorithm.routing_metrics=true",
+                             f"parallel.activation_checkpoint_every={ckpt}", name=name)).run()
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()[1:]]
+        runs[ckpt] = rows, load_file(str(tmp_path / name / "adapter" / "fused" / "adapter_model.safetensors"))
+    (plain, a), (checkpointed, b) = runs[0], runs[1]
+    assert [r["loss"] for r in plain] == pytest.approx([r["loss"] for r in checkpointed], rel=1e-6, abs=1e-7)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+    assert any(r["routing_mismatch"] > 0 for r in checkpointed)  # the free router would have chosen otherwise
+
+
 def test_router_replay_refuses_an_engine_without_routing(tmp_path):
     with pytest.raises(ConfigError, match="rollout.engine='openai' does not return them"):
         Trainer(load_config(None, [f"out_dir={tmp_path}", 'algorithm.router_replay="all"', 'rollout.engine="openai"',
