@@ -91,3 +91,16 @@ def test_agent_env_benchmark_trains_the_calculator_from_its_example(tmp_path):
     rows = r["curves"]["calculator"][1:]
     assert all("env/tool_calls" in x and "env/parse_error" in x and x["turns_mean"] >= 1.0 for x in rows)
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_default_job_benchmark_runs_each_seed_and_mode(tmp_path):
+    out = tmp_path / "default_job.json"
+    subprocess.run([sys.executable, str(BENCH / "default_job.py"), "--seeds", "0", "1", "--out", str(out), "steps=2",
+                    "eval_every=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_problems=16",
+                    "task.eval_samples=1"], check=True, capture_output=True, timeout=600)
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["mode"], r["seed"]) for r in runs] == [("off", 0), ("off", 1), ("all", 0), ("all", 1)]
+    for r in runs:
+        assert r["gain_points"] == pytest.approx(100 * (r["addition_after"] - r["addition_before"]))
+        assert 0 <= r["retention_after"] <= 1 and r["seconds"] > 0
+    assert runs[0]["addition_before"] == runs[2]["addition_before"]  # the same seed starts from the same model
