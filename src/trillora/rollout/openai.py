@@ -77,16 +77,17 @@ class OpenAIEngine:
         self.loaded: list[str] = []  # adapter revisions loaded on the servers, oldest first
 
     # --- HTTP ----------------------------------------------------------------------------
-    def _post(self, url: str, path: str, body: dict) -> dict:
+    def _post(self, url: str, path: str, body: dict, retries: int | None = None, timeout: float | None = None) -> dict:
+        retries = self.retries if retries is None else retries
         data = json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         last: Exception | None = None
-        for attempt in range(self.retries + 1):
+        for attempt in range(retries + 1):
             try:
                 req = urllib.request.Request(url + path, data=data, headers=headers, method="POST")
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                with urllib.request.urlopen(req, timeout=self.timeout if timeout is None else timeout) as resp:
                     return _body(resp.read())
             except urllib.error.HTTPError as e:
                 detail = e.read().decode(errors="replace")[:500]
@@ -95,9 +96,9 @@ class OpenAIEngine:
                 last = EngineError(f"HTTP {e.code}: {detail}")
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 last = e
-            if attempt < self.retries:
+            if attempt < retries:
                 time.sleep(self.backoff * 2**attempt)
-        raise EngineError(f"{url}{path}: failed after {self.retries + 1} attempts: {last}")
+        raise EngineError(f"{url}{path}: failed after {retries + 1} attempts: {last}")
 
     # --- protocol ------------------------------------------------------------------------
     def _one(self, prompt: list[int], n: int, params: SamplingParams, url: str, model: str) -> list[Completion]:
@@ -196,13 +197,10 @@ class OpenAIEngine:
         """Unload this run's adapter revisions from the servers (once each, best effort: a server
         holds a bounded number, and runs sharing one should not fill it), then stop the pool."""
         self.pool.shutdown(wait=False, cancel_futures=True)
-        retries, timeout, self.retries, self.timeout = self.retries, self.timeout, 0, 5.0
-        try:
-            for name in self.loaded:
-                for url in self.urls:
-                    try:
-                        self._post(url, "/v1/unload_lora_adapter", {"lora_name": name})
-                    except EngineError:
-                        pass  # gone or never loaded there: nothing left to free
-        finally:
-            self.loaded, self.retries, self.timeout = [], retries, timeout
+        for name in self.loaded:
+            for url in self.urls:
+                try:
+                    self._post(url, "/v1/unload_lora_adapter", {"lora_name": name}, retries=0, timeout=5.0)
+                except EngineError:
+                    pass  # gone or never loaded there: nothing left to free
+        self.loaded = []

@@ -71,7 +71,7 @@ class ModelServer:
         self.engines: dict[str, LocalEngine] = {self.name: LocalEngine(self.base, precision=cfg.precision, pad_id=pad)}
         self.locks: dict[str, threading.Lock] = {self.name: threading.Lock()}
         self.registry_lock = threading.Lock()
-        self.max_len = int(getattr(self.base.args, "max_position_embeddings", 0) or 0) or None
+        self.max_len = self.base.args.max_position_embeddings
 
     # --- adapters ------------------------------------------------------------------------
     def _adapter_path(self, given: str) -> Path:
@@ -145,7 +145,7 @@ class ModelServer:
 
     def _check_lengths(self, prompts: list[list[int]], max_tokens: int) -> None:
         for p in prompts:
-            if self.max_len is not None and len(p) + max_tokens > self.max_len:
+            if len(p) + max_tokens > self.max_len:
                 raise RequestError(HTTPStatus.BAD_REQUEST, f"a prompt of {len(p)} tokens plus max_tokens={max_tokens} "
                                    f"is over the model's {self.max_len} positions")
 

@@ -175,6 +175,8 @@ class Trainer:
         checkpoints, stop = RunCheckpoints(self), StopSignal(world, self.console)
         start = time.perf_counter()
         resumed = checkpoints.start()
+        first = resumed.step if resumed is not None else 0
+        self.trackers = Trackers(cfg, first) if main else None  # before the first evaluation: a missing package fails fast
         state = {}  # the accuracies so far, kept in checkpoints (rank 0)
         if resumed is not None:  # the metrics so far come back with the checkpoint
             state = {k: resumed.state[k] for k in ("eval_before", "retention_before", "accuracy", "retention_after")}
@@ -185,9 +187,6 @@ class Trainer:
             state = {"eval_before": before, "retention_before": retention, "accuracy": before, "retention_after": retention}
             initial = {"step": 0, "eval_accuracy": before, **({"retention_accuracy": retention} if self.retention else {})}
             metrics_file.write_text(json.dumps(initial) + "\n")  # the start of the accuracy curves
-        first = resumed.step if resumed is not None else 0
-        self.trackers = Trackers(cfg, first) if main else None
-        if self.trackers is not None and resumed is None:
             self.trackers.log(initial, 0)
         columns = [TextColumn("[bold]RL[/]"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
