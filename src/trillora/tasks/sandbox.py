@@ -1,36 +1,44 @@
-"""Running generated code for a reward: a separate Python process with no network, limited CPU
-time, memory, output and wall-clock time, in an empty temporary folder.
+"""Running generated code for a reward: `python -I -S` in a jail of its own, with no network, no
+view of the host, no privileges, and limits on CPU time, memory, output, processes and wall clock.
 
-The model's program is untrusted; what keeps it in:
-- a new network namespace (`unshare(CLONE_NEWNET)`, with a user namespace when not root): no
-  interface but a loopback that is down, so every connect fails; if the kernel refuses both
-  the sandbox refuses to run (`SandboxUnavailable`) rather than run code with network access;
-- `RLIMIT_CPU` (a busy loop gets SIGXCPU), `RLIMIT_AS` (a memory bomb gets MemoryError),
-  `RLIMIT_FSIZE` (no large files), `RLIMIT_CORE` 0;
-- a wall-clock timeout that kills the whole process group (a program sleeping or blocked);
-- `python -I -S`: isolated mode, no site-packages, an environment of PATH only; stdout and stderr
-  go to files capped at `output_bytes` by `RLIMIT_FSIZE`.
+The model's program is untrusted, and the trainer often runs as root. `sandbox_init` (a separate,
+single-threaded launcher; no `preexec_fn` runs in this possibly threaded process) puts it in new
+mount, PID, network, IPC and UTS namespaces (and a user namespace when not root):
+- no network: its namespace has only a loopback that is down, so every connect fails;
+- its own filesystem: read-only /usr and Python (installed packages masked), a fresh /proc of its
+  own PID namespace, /dev with null/zero/random, a small /tmp and /box (its folder, where it
+  runs); nothing of the host (home, project, other processes) is reachable;
+- an unprivileged uid with no capabilities and `no_new_privs`, so it cannot `setns` back into the
+  host's namespaces, mount, or gain root through a setuid file;
+- `RLIMIT_CPU` (SIGXCPU), `RLIMIT_AS` (MemoryError), `RLIMIT_FSIZE` (output capped at
+  `output_bytes`: stdout and stderr are files, not pipes), `RLIMIT_NPROC` (no fork bomb),
+  `RLIMIT_NOFILE`, no core files;
+- the wall clock is kept by the jail's PID 1, whose exit takes every process of the namespace with
+  it (a `setsid()` grandchild too); the launcher is killed if this process stops waiting for any
+  reason (a reward time limit firing in `wait` included), and the jail dies with it.
+If the kernel refuses the namespaces the sandbox raises `SandboxUnavailable` rather than run code
+unconfined.
 """
 
 from __future__ import annotations
 
-import ctypes
+import json
 import os
-import resource
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
 from ..errors import TrilloraError
 
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWNET = 0x40000000
+LAUNCHER = Path(__file__).with_name("sandbox_init.py")
 
 
 class SandboxUnavailable(TrilloraError, RuntimeError):
-    """This machine cannot isolate the network for a child process."""
+    """This machine cannot build the jail for a child process."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,8 @@ class Limits:
     memory_bytes: int = 512 * 2**20
     wall_seconds: float = 5.0
     output_bytes: int = 64 * 2**10
+    processes: int = 16  # the program's own processes and threads
+    folder_bytes: int = 16 * 2**20  # /box and /tmp, each
 
 
 @dataclass(frozen=True)
@@ -60,49 +70,64 @@ class Result:
         return "SIGKILL" if self.timed_out else None
 
 
-def _unshare_network() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWUSER | CLONE_NEWNET
-    if libc.unshare(flags) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"unshare(network namespace) failed: {os.strerror(err)}")
+def python_install() -> tuple[str, list[str], list[str]]:
+    """The base interpreter (not a virtual environment's), the folders it needs and the folders of
+    installed packages the program must not see."""
+    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    prefix = os.path.realpath(sys.base_prefix)
+    dirs = [prefix] + [d for d in [os.path.dirname(python)] if not d.startswith(prefix + "/")]
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    masked = {sysconfig.get_path("purelib", vars={"base": prefix}), sysconfig.get_path("platlib", vars={"platbase": prefix}),
+              "/usr/lib/python3/dist-packages", f"/usr/local/lib/{version}/dist-packages",
+              f"/usr/local/lib/{version}/site-packages"}
+    return python, dirs, sorted(os.path.realpath(m) for m in masked)
 
 
-def _limit(limits: Limits):
-    def child() -> None:  # runs in the child between fork and exec
-        os.setsid()
-        _unshare_network()
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.output_bytes, limits.output_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return child
+def jail_spec(code: str, root: Path, limits: Limits, python: str, dirs: list[str], masked: list[str]) -> dict:
+    """What `sandbox_init` reads: the program, the empty folder its root is built in, the interpreter
+    and the limits."""
+    return {"root": str(root), "code": code, "python": python, "python_dirs": dirs, "masked": masked,
+            "cpu_seconds": limits.cpu_seconds, "memory_bytes": limits.memory_bytes, "wall_seconds": limits.wall_seconds,
+            "output_bytes": limits.output_bytes, "processes": limits.processes, "folder_bytes": limits.folder_bytes}
 
 
 def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
     """Run `code` as a Python program in the sandbox and return what it printed."""
     with tempfile.TemporaryDirectory(prefix="trillora-sandbox-") as folder:
         root = Path(folder)
-        (root / "main.py").write_text(code)
+        (root / "root").mkdir()
         (root / "stdin").write_text(stdin)
-        # output goes to files, not pipes: RLIMIT_FSIZE then bounds it (a program printing forever
-        # gets SIGXFSZ instead of filling this process's memory)
-        with open(root / "stdin", "rb") as i, open(root / "stdout", "wb") as o, open(root / "stderr", "wb") as e:
+        spec = jail_spec(code, root / "root", limits, *python_install())
+        read_end, write_end = os.pipe()
+        spec["report_fd"] = write_end
+        with os.fdopen(read_end, "rb") as report:
             try:
-                proc = subprocess.Popen([sys.executable, "-I", "-S", "main.py"], cwd=folder, stdin=i, stdout=o,
-                                        stderr=e, env={"PATH": "/usr/bin:/bin"}, preexec_fn=_limit(limits))
-            except subprocess.SubprocessError as err:  # the child could not set its limits up
-                raise SandboxUnavailable(f"cannot start the code sandbox: {err}; it needs a network namespace "
-                                         f"(root, or unprivileged user namespaces enabled in the kernel)") from None
+                with open(root / "stdin", "rb") as i, open(root / "stdout", "wb") as o, open(root / "stderr", "wb") as e:
+                    proc = subprocess.Popen([sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(spec)], cwd=folder,
+                                            stdin=i, stdout=o, stderr=e, env={"PATH": "/usr/bin:/bin"},
+                                            pass_fds=(write_end,), start_new_session=True)
+            finally:
+                os.close(write_end)
+            stuck = False
             try:
-                proc.wait(timeout=limits.wall_seconds)
-                timed_out = False
+                proc.wait(timeout=limits.wall_seconds + 30)  # the jail keeps the wall clock; this is a backstop
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                timed_out = True
+                stuck = True
+            finally:  # also when a reward time limit interrupts the wait: the jail never outlives this call
+                if proc.returncode is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            reports = [json.loads(line) for line in report.read().decode().splitlines() if line.strip()]
         cut = limits.output_bytes
         out = (root / "stdout").read_bytes()[:cut].decode(errors="replace")
         err = (root / "stderr").read_bytes()[-cut:].decode(errors="replace")
-    return Result(returncode=proc.returncode, stdout=out, stderr=err, timed_out=timed_out)
+    if stuck:
+        return Result(returncode=-signal.SIGKILL, stdout=out, stderr=err, timed_out=True)
+    errors = [r["error"] for r in reports if "error" in r]
+    if errors or not reports:
+        why = errors[0] if errors else f"the launcher ended with {proc.returncode} and no report: {err[-500:]}"
+        raise SandboxUnavailable(f"cannot run the code sandbox: {why}; it needs mount, PID and network namespaces "
+                                 f"(root, or unprivileged user namespaces enabled in the kernel)")
+    status = reports[-1]["status"]
+    code_ = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    return Result(returncode=code_, stdout=out, stderr=err, timed_out=reports[-1]["timed_out"])

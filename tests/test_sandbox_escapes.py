@@ -1,0 +1,241 @@
+"""The code sandbox attacked as root (which CI is): each escape that worked against a sandbox that
+only unshared the network (shown by a control where it is cheap to show) fails in the jail.
+Programs print what they managed; the host checks what they left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import trillora
+from trillora.tasks.guard import RewardTimeout, time_limit
+from trillora.tasks.sandbox import LAUNCHER, Limits, jail_spec, run_python
+
+FAST = Limits(cpu_seconds=2, wall_seconds=5.0)
+SETNS = """
+import ctypes, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+pids = [p for p in os.listdir('/proc') if p.isdigit()]
+print('pids', len(pids))
+for pid in pids + [str(os.getppid())]:
+    try:
+        fd = os.open(f'/proc/{pid}/ns/net', os.O_RDONLY)
+    except OSError as e:
+        print('open', pid, e); continue
+    if libc.setns(fd, 0x40000000) != 0:
+        print('setns', pid, os.strerror(ctypes.get_errno())); continue
+    try:
+        socket.create_connection(('127.0.0.1', PORT), timeout=2); print('connected'); break
+    except OSError as e:
+        print('connect', pid, e)
+"""
+
+
+def _alive(marker: str) -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        try:
+            if p.name.isdigit() and marker.encode() in (p / "cmdline").read_bytes():
+                pids.append(int(p.name))
+        except OSError:
+            pass
+    return pids
+
+
+def _escaper(marker: str, then: str) -> str:
+    """A program whose grandchild leaves the process group (setsid) and sleeps under `marker`."""
+    return f"""
+import os, sys, time
+r, w = os.pipe()
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        print('grandchild running', flush=True)
+        os.write(w, b'x')
+        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(120)', '{marker}'])
+    os._exit(0)
+os.read(r, 1)
+time.sleep(0.3)
+{then}
+"""
+
+
+@pytest.fixture
+def server():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    yield s.getsockname()[1]
+    s.close()
+
+
+def test_setns_into_the_host_network_fails(server):
+    code = SETNS.replace("PORT", str(server))
+    control = subprocess.run(["unshare", "--net", sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)
+    assert "connected" in control.stdout  # a network namespace alone, as root: setns back out and connect
+    r = run_python(code, limits=FAST)
+    assert "connected" not in r.stdout, r.stdout
+    assert r.stdout.startswith("pids ") and int(r.stdout.split()[1]) <= 2  # its own PID namespace: init and itself
+    assert "Operation not permitted" in r.stdout
+
+
+def test_host_files_are_out_of_sight(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the key")
+    secret.chmod(0o644)
+    targets = [str(secret), trillora.__file__, "/etc/passwd", "/root", str(Path(sys.executable).parent)]
+    code = f"""
+import os
+for t in {targets!r}:
+    try:
+        print('read', t, open(t).read()[:20] if os.path.isfile(t) else os.listdir(t)[:3])
+    except OSError as e:
+        print('refused', t, type(e).__name__)
+print('root', sorted(os.listdir('/')))
+"""
+    r = run_python(code, limits=FAST)
+    assert r.ok, r.stderr
+    seen = {line.split()[1]: line.split()[0] for line in r.stdout.splitlines() if line.split()[0] in ("read", "refused")}
+    assert [seen[t] for t in targets] == ["refused", "refused", "refused", "read", "refused"], r.stdout
+    assert "the key" not in r.stdout  # /root, when listed, holds only the Python install's path
+    top = r.stdout.split("root ", 1)[1]
+    assert "'box'" in top and not any(f"'{d}'" in top for d in ("home", "etc", "work", "mnt", "var"))
+
+
+def test_writes_stay_in_the_jail(tmp_path):
+    tmp_path.chmod(0o777)
+    outside = [str(tmp_path / "escaped"), "/usr/escaped", os.path.join(sys.base_prefix, "escaped"), "/escaped",
+               "/proc/sys/kernel/hostname"]
+    code = f"""
+for t in {outside!r} + ['/box/ok', '/tmp/ok']:
+    try:
+        open(t, 'w').write('x'); print('wrote', t)
+    except OSError as e:
+        print('refused', t, type(e).__name__)
+"""
+    hostname = Path("/proc/sys/kernel/hostname").read_text()
+    r = run_python(code, limits=FAST)
+    assert "wrote /box/ok" in r.stdout and "wrote /tmp/ok" in r.stdout
+    assert r.stdout.count("wrote") == 2, r.stdout
+    assert not any(Path(t).exists() for t in outside[:4])
+    assert Path("/proc/sys/kernel/hostname").read_text() == hostname
+
+
+def test_a_fork_bomb_hits_the_process_limit():
+    code = """
+import os, time
+n = 0
+try:
+    while True:
+        if os.fork() == 0:
+            time.sleep(30); os._exit(0)
+        n += 1
+except OSError as e:
+    print('forked', n, type(e).__name__)
+"""
+    r = run_python(code, limits=Limits(cpu_seconds=2, wall_seconds=10.0, processes=8))
+    assert r.ok, r.stderr
+    forked, kind = r.stdout.split()[1:]
+    assert 1 <= int(forked) < 8 and kind == "BlockingIOError"
+
+
+def test_no_privilege_comes_back():
+    code = """
+import os
+status = dict(l.split(':\\t') for l in open('/proc/self/status').read().splitlines() if ':\\t' in l)
+print('uid', os.getuid(), os.geteuid(), 'caps', status['CapEff'], status['CapBnd'], 'nnp', status['NoNewPrivs'])
+for attempt in (lambda: os.setuid(0), lambda: os.chroot('/tmp'), lambda: os.mknod('/tmp/sda', 0o60600, os.makedev(8, 0))):
+    try:
+        attempt(); print('allowed')
+    except OSError as e:
+        print('refused', type(e).__name__)
+"""
+    r = run_python(code, limits=FAST)
+    assert r.ok, r.stderr
+    words = r.stdout.split()
+    assert words[1] != "0" and words[2] != "0"
+    assert words[4] == words[5] == "0000000000000000" and words[7] == "1"
+    assert "allowed" not in r.stdout and r.stdout.count("refused PermissionError") == 3
+
+
+@pytest.mark.parametrize("then, wall", [("", 5.0), ("time.sleep(60)", 1.0)])
+def test_descendants_die_with_the_program(then, wall):
+    marker = f"trillora-escape-{uuid.uuid4().hex}"
+    r = run_python(_escaper(marker, then), limits=Limits(cpu_seconds=2, wall_seconds=wall))
+    assert "grandchild running" in r.stdout
+    assert r.timed_out == bool(then)
+    assert _alive(marker) == []  # gone when run_python returns, though it had left the process group
+
+
+def test_the_escape_works_without_the_jail():
+    marker = f"trillora-escape-{uuid.uuid4().hex}"
+    proc = subprocess.Popen([sys.executable, "-c", _escaper(marker, "")], stdout=subprocess.PIPE,
+                            start_new_session=True)
+    proc.wait(timeout=30)
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+    time.sleep(0.2)
+    survivors = _alive(marker)
+    for pid in survivors:
+        os.kill(pid, 9)
+    assert survivors  # killing the process group is not enough: what the jail's PID namespace adds
+
+
+def test_a_reward_time_limit_during_the_wait_kills_the_jail():
+    marker = f"trillora-escape-{uuid.uuid4().hex}"
+    with pytest.raises(RewardTimeout):
+        with time_limit(1.5):
+            run_python(_escaper(marker, "time.sleep(60)"), limits=Limits(cpu_seconds=2, wall_seconds=60.0))
+    assert _alive(marker) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"),
+                    reason="needs root (to become another user), setpriv and a system python3")
+def test_the_jail_as_a_normal_user(tmp_path, server):
+    """The same jail started by an unprivileged user: user namespaces instead of root."""
+    folder = Path(tempfile.mkdtemp(prefix="trillora-sandbox-user-"))
+    try:
+        folder.chmod(0o755)
+        shutil.copy(LAUNCHER, folder / "sandbox_init.py")
+        (folder / "root").mkdir()
+        os.chown(folder / "root", 65534, 65534)
+        secret = tmp_path / "secret.txt"
+        secret.write_text("the key")
+        secret.chmod(0o644)
+        code = SETNS.replace("PORT", str(server)) + f"""
+print('uid', os.getuid())
+try:
+    print('read', open({str(secret)!r}).read())
+except OSError as e:
+    print('refused', type(e).__name__)
+"""
+        python = os.path.realpath("/usr/bin/python3")
+        spec = jail_spec(code, folder / "root", FAST, python, ["/usr"], ["/usr/lib/python3/dist-packages"])
+        read_end, write_end = os.pipe()
+        spec["report_fd"] = write_end
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I", "-S",
+                              str(folder / "sandbox_init.py"), json.dumps(spec)], capture_output=True, text=True,
+                             pass_fds=(write_end,), timeout=60)
+        os.close(write_end)
+        with os.fdopen(read_end) as f:
+            reports = [json.loads(line) for line in f.read().splitlines()]
+        if reports and "error" in reports[0] and "user" in reports[0]["error"]:
+            pytest.skip(f"unprivileged user namespaces refused here: {reports[0]['error']}")
+        assert reports and "status" in reports[-1], (reports, out.stderr)
+        assert "connected" not in out.stdout and "uid 65534" in out.stdout and "refused FileNotFoundError" in out.stdout
+        assert int(out.stdout.split()[1]) <= 2
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
