@@ -75,9 +75,11 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    p.add_argument("--out", type=Path, help="default benchmarks/results/memory_lora_vs_full.json (_cuda.json on a GPU)")
+    p.add_argument("--out", type=Path, help="default benchmarks/results/memory_lora_vs_full.json (_micro8 with "
+                   "--micro-rows 8, _cuda on a GPU)")
     a = p.parse_args()
-    a.out = a.out or Path(f"benchmarks/results/memory_lora_vs_full{'_cuda' if a.device == 'cuda' else ''}.json")
+    micro = f"_micro{a.micro_rows}" if a.micro_rows != 1 else ""
+    a.out = a.out or Path(f"benchmarks/results/memory_lora_vs_full{micro}{'_cuda' if a.device == 'cuda' else ''}.json")
     console = Console()
     ctx = mp.get_context("spawn")
     rows = []

@@ -1,10 +1,14 @@
-"""README figures against the committed results files their scripts write: the default job's
-seeds (`benchmarks/default_job.py`) and the agent envs (`benchmarks/agent_envs.py`). A rerun that
-changes a number fails here until the README says the new one."""
+"""README figures against the committed results files their scripts write (`benchmarks/*.py` →
+`benchmarks/results/*.json`): the default job's seeds, the agent envs, the planner, the
+performance table, router replay. A rerun that changes a number fails here until the README says
+the new one; a figure with no file behind it has no place in the README."""
 
 from __future__ import annotations
 
 import json
+import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,3 +44,108 @@ def test_the_agent_env_rows_are_the_results_file():
             f"**{calc['gain_points']:+.1f} points**") in README
     assert (f"| {guess['steps']} | {guess['success_before']:.3f} → {guess['success_after']:.3f} | "
             f"**{guess['gain_points']:+.1f} points**") in README
+
+
+def gib(b: float) -> str:
+    return f"{b / 2**30:.2f}"
+
+
+def test_the_planner_figures_are_their_results_files(tmp_path):
+    acc = results("planner_accuracy.json")
+    assert all(r["error"] > 0 for r in acc["results"])  # "above the measurement"
+    assert f"is {round(100 * acc['abs_error_min'])}–{round(100 * acc['abs_error_max'])}% above the measurement" in README
+    # the same bytes on a rerun (allocation sizes do not depend on the machine's speed)
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "planner_accuracy.py"), "--out", str(tmp_path / "a.json")],
+                   check=True, capture_output=True, timeout=600)
+    assert json.loads((tmp_path / "a.json").read_text()) == acc
+    k16, k32 = results("planner_headline.json")
+    assert k16["fits"] and not k32["fits"] and k16["usable_gib"] == k32["usable_gib"] == 72
+    assert f"{k16['memory_total_gib']:.1f} of 72 usable" in README
+    assert f"least\n{k16['full_min_gpus']} H800: LoRA needs **{100 * k16['ratio']:.0f}%**" in README
+    assert k16["lora_min_gpus"] == 64
+    assert (f"layout needs {k32['memory_total_gib']:.1f} of the 72 usable GiB and the planner asks for "
+            f"{k32['lora_min_gpus']} GPUs (full-parameter: {k32['full_min_gpus']},\n{100 * k32['ratio']:.0f}%") in README
+
+
+def test_the_performance_rows_are_their_results_files():
+    g = results("grpo_vs_trl.json")
+    t, trl = g["trillora"], g["trl"]
+    assert (f"trillora {t['median_step_seconds']:.3f} s/step (rollout {t['rollout_seconds']:.3f} + update "
+            f"{t['update_seconds']:.3f}), {t['tokens_per_s']:,.0f} generated tokens/s; TRL {trl['median_step_seconds']:.3f} "
+            f"s/step, {trl['tokens_per_s']:,.0f} tokens/s: **{g['speedup_steps_per_s']:.2f}× the steps/s**") in README
+    one, whole = results("memory_lora_vs_full.json"), results("memory_lora_vs_full_micro8.json")
+    assert one["micro_rows"] == 1 and whole["micro_rows"] == 8
+    (lo, fu), (lo8, fu8) = one["rows"], whole["rows"]
+    assert (f"micro-batches of 1 row: {gib(lo['peak'])} vs {gib(fu['peak'])} GiB = **{one['lora_over_full']:.2f}×** "
+            f"(target ≤ 0.40: met; floor = base weights {gib(lo['base'])} GiB = {lo['base'] / fu['peak']:.2f}×); whole "
+            f"batch at once: {gib(lo8['peak'])} vs {gib(fu8['peak'])} GiB = {whole['lora_over_full']:.2f}×") in README
+    m = results("mfu.json")
+    dense, moe, full = m["rows"]
+    assert f"({m['matmul_peak'] / 1e9:.0f} GFLOP/s on these 2 cores in that run)" in README
+    assert (f"dense Qwen3 LoRA r16: {dense['achieved'] / 1e9:.0f} GFLOP/s = {100 * dense['mfu']:.0f}%; Qwen3-MoE 16×top-4 "
+            f"LoRA r16: {moe['achieved'] / 1e9:.0f} GFLOP/s = {100 * moe['mfu']:.0f}%; same MoE full-parameter: "
+            f"{full['achieved'] / 1e9:.0f} GFLOP/s = {100 * full['mfu']:.0f}%. LoRA's step is "
+            f"{moe['flops'] / full['flops']:.2f}× the FLOPs of full-parameter (no base weight gradients) and took "
+            f"{moe['seconds'] / full['seconds']:.2f}× the time") in README
+    a = results("async_rollout.json")
+    sync, asyn = (statistics.median(v) for v in a["per_100_samples"].values())
+    assert (f"{asyn:.3f} s per 100 samples asynchronous vs {sync:.3f} synchronous,\n{asyn / sync:.2f}×, staleness 1 on "
+            f"{100 * a['staleness_mean']:.0f}% of steps") in README
+    r = results("rollout_throughput.json")
+    tps = [x["tokens_per_s"] for x in r]
+    assert (" / ".join(f"{x:,.0f}" for x in tps) + " tokens/s (" + " / ".join(f"{x / tps[1]:.2f}×" for x in tps)
+            + ")") in README
+    s = {(x["model"], x["sync"]): x for x in results("sync_cost.json")}
+    mib = 2**20
+    dense_a, dense_m = s["dense Qwen3", "vLLM, adapter"], s["dense Qwen3", "vLLM, merged"]
+    moe_m, moe_l = s["Qwen3-MoE", "vLLM, merged"], s["Qwen3-MoE", "trillora LocalEngine, merged"]
+    assert (f"dense: {dense_a['bytes'] / mib:.2f} MiB in {1000 * dense_a['seconds']:.0f} ms vs {dense_m['bytes'] / mib:.2f} "
+            f"MiB in {1000 * dense_m['seconds']:.0f} ms (vLLM); MoE: merged {moe_m['bytes'] / mib:.1f} MiB in "
+            f"{1000 * moe_m['seconds']:.0f} ms (vLLM), {1000 * moe_l['seconds']:.0f} ms (LocalEngine)") in README
+    ka, km = s["Kimi K2 (meta, bf16)", "adapter (rank 128, experts 16)"], s["Kimi K2 (meta, bf16)", "merged"]
+    assert (f"adapter {ka['bytes'] / 2**30:.1f} GiB vs merged {km['bytes'] / 2**40:.2f} TiB per sync "
+            f"({km['bytes'] / ka['bytes']:.0f}× less)") in README
+    le = results("lora_experts.json")
+    kimi = {(x["rank"], x["expert_rank"]): x for x in le["kimi_k2_adapter"]}
+    for key in ((128, 128), (128, 16)):
+        assert f"{kimi[key]['adapter_params'] / 1e9:.1f}B params, {100 * kimi[key]['fraction']:.2f}% of the base" in README
+    speed = {x["experts"]: x["speedup"] for x in le["grouped_vs_loop"]}
+    assert f"64 experts | {speed[64]:.1f}× (target 5×" in README
+    assert f"| same, 384 experts | {speed[384]:.1f}× |" in README
+
+
+def test_the_cp_memory_row_is_its_results_file():
+    rows = {(r["family"], r["cp"]): r for r in results("cp_memory.json")}
+    for family, name in (("qwen3_moe (GQA)", "Qwen3-MoE (GQA)"), ("deepseek_v3 (MLA)", "DeepSeek-V3 (MLA)")):
+        by = [rows[family, cp] for cp in (1, 2, 4)]
+        peak = " / ".join(f"{r['peak_bytes'] / 2**20:.0f}" for r in by)
+        peak_x = " / ".join(f"{r['peak_ratio']:.2f}" for r in by)
+        saved = " / ".join(f"{r['saved_bytes'] / 2**20:.0f}" for r in by)
+        saved_x = " / ".join(f"{r['saved_ratio']:.2f}" for r in by)
+        assert f"{name}: {peak} MiB = {peak_x}× ({saved} MiB = {saved_x}×)" in README
+
+
+def test_the_tinker_rows_are_their_results_files():
+    t = results("tinker_clients.json")
+    sec = t["seconds"]
+    assert (f"{sec['sequential']:.1f} / {sec['concurrent, unfused']:.1f} / {sec['concurrent']:.1f} s: "
+            f"**{t['ratio_sequential_over_concurrent_unfused']:.2f}× / {t['ratio_sequential_over_concurrent']:.2f}×**") in README
+    assert f"only {t['shared_passes']['concurrent']} of {2 * t['steps']} passes" in README
+    assert (f"base resident once ({t['base_bytes_resident'] / 2**20:.1f} MiB), per client adapter "
+            f"{t['adapter_bytes_per_client'] / 2**20:.2f} MiB + AdamW {t['adam_state_bytes_per_client'] / 2**20:.2f} MiB; "
+            f"peak RSS {t['peak_rss_bytes'] / 2**20:.0f} MiB") in README
+    cpu, gpu, big = (results(f"fused_adapters{x}.json")["speedup_one_pass"] for x in ("", "_cuda", "_cuda_qwen3-30b-a3b"))
+    for s in (cpu, gpu, big):
+        assert f"forward_backward **{s['forward_backward']:.2f}×**, sampling **{s['sample']:.2f}×**" in README
+
+
+def test_the_time_to_accuracy_row_is_its_results_file():
+    t = results("time_to_accuracy.json")
+
+    def span(side: str, key: str, fmt: str) -> str:
+        values = [run[key] for run in t[side]]
+        return f"{format(min(values), fmt)}–{format(max(values), fmt)}"
+
+    assert (f"trillora {span('trillora', 'seconds_to_gain', '.1f')} s ({span('trillora', 'steps_to_gain', '.0f')} steps), "
+            f"TRL {span('trl', 'seconds_to_gain', '.1f')} s ({span('trl', 'steps_to_gain', '.0f')} steps): "
+            f"**{t['ratio_time_to_gain']:.2f}× TRL's time**") in README
