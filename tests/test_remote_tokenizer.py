@@ -20,7 +20,8 @@ FOLDER = Path(__file__).parent / "data" / "kimi_tokenizer"
 def test_tokenizer_code_runs_only_when_allowed(tmp_path):
     folder = shutil.copytree(FOLDER, tmp_path / "kimi")
     with pytest.raises(CheckpointError, match=r"tokenizer_config.json: the tokenizer is code \(tokenization_kimi.py, "
-                                              r"auto_map.AutoTokenizer\); read it, then allow it with model.trust_remote_code=true"):
+                                              r"auto_map.AutoTokenizer\); read it, then allow it with model.trust_remote_code=true \(train\) "
+                                              r"or --trust-remote-code \(serve, eval, generate\)"):
         load_tokenizer(folder)
 
 
@@ -52,3 +53,44 @@ def test_train_config_takes_the_option(tmp_path):
 
     assert load_config(None, ["model.trust_remote_code=true"]).model.trust_remote_code is True
     assert load_config(None, []).model.trust_remote_code is False
+
+
+def test_the_commands_take_the_option(tmp_path):
+    """A checkpoint folder whose tokenizer is code: `generate` refuses it until told, and both
+    servers load it with the option."""
+    import subprocess
+    import sys
+
+    from trillora.checkpoint import resolve_model_path
+    from trillora.rollout.serve import ModelServer, ServeConfig
+    from trillora.serve.tinker_service import TinkerConfig, TinkerService
+
+    import json
+
+    import torch
+
+    from trillora import save_model
+    from trillora.models import build_model, from_hf_config
+
+    config = json.loads((resolve_model_path("tiny-moe") / "config.json").read_text())
+    config["vocab_size"] = 288  # the test tokenizer's 276 ids, padded
+    model = build_model(from_hf_config(config, where="test"), device="cpu")
+    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(0))
+    folder = save_model(model, tmp_path / "model")
+    for f in FOLDER.iterdir():
+        shutil.copy(f, folder / f.name)
+    cmd = [sys.executable, "-m", "trillora", "generate", str(folder), "--prompt", "the 12", "--max-new-tokens", "3"]
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--trust-remote-code" in refused.stderr
+    small = tmp_path / "small"  # tiny-moe's 100-row vocabulary with this 276-id tokenizer
+    shutil.copytree(folder, small)
+    shutil.copy(resolve_model_path("tiny-moe") / "config.json", small / "config.json")
+    shutil.copy(resolve_model_path("tiny-moe") / "model.safetensors", small / "model.safetensors")
+    mismatch = subprocess.run([*cmd[:4], str(small), *cmd[5:], "--trust-remote-code"], capture_output=True, text=True,
+                              timeout=300)
+    assert mismatch.returncode == 2 and "the tokenizer has 276 tokens but the model's vocab_size is 100" in mismatch.stderr
+    allowed = subprocess.run(cmd + ["--trust-remote-code"], capture_output=True, text=True, timeout=300)
+    assert allowed.returncode == 0 and allowed.stdout.startswith("the 12"), allowed.stderr
+    assert ModelServer(ServeConfig(model=str(folder), trust_remote_code=True)).tokenizer.eos_token_id is not None
+    service = TinkerService(TinkerConfig(model=str(folder), state_dir=str(tmp_path / "state"), trust_remote_code=True))
+    assert service.tokenizer("the")["input_ids"] == load_tokenizer(FOLDER, trust_remote_code=True)("the")["input_ids"]

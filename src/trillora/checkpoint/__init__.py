@@ -4,6 +4,7 @@ from .fp8 import dequantize_blockwise, quantize_blockwise
 from .hf import (
     SHIPPED_MODELS,
     CheckpointError,
+    check_tokenizer_fits,
     hf_state_dict,
     load_model,
     load_tokenizer,
@@ -15,6 +16,7 @@ from .hf import (
 __all__ = [
     "SHIPPED_MODELS",
     "CheckpointError",
+    "check_tokenizer_fits",
     "dequantize_blockwise",
     "hf_state_dict",
     "load_model",

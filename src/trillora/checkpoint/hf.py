@@ -286,5 +286,13 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     if code and not trust_remote_code:
         module = str(code[0] if isinstance(code, list) else code).split(".")[0]
         raise CheckpointError(f"{config}: the tokenizer is code ({module}.py, auto_map.AutoTokenizer); read it, then "
-                              "allow it with model.trust_remote_code=true")
+                              "allow it with model.trust_remote_code=true (train) or --trust-remote-code (serve, eval, generate)")
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=bool(code) and trust_remote_code)
+
+
+def check_tokenizer_fits(tokenizer, vocab_size: int, path: str | Path) -> None:
+    """A tokenizer with ids past the model's embedding rows belongs to another model: say so at
+    load, not as an IndexError in the first forward. (Fewer ids than rows is normal: padding.)"""
+    if len(tokenizer) > vocab_size:
+        raise CheckpointError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                              f"{vocab_size} (config.json): they are not one model's")

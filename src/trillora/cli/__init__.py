@@ -15,15 +15,17 @@ from ..errors import TrilloraError
 from ..rollout.types import Precision
 
 
-def _policy(model_path: str, adapter: str | None):
+def _policy(model_path: str, adapter: str | None, trust_remote_code: bool = False):
     """Model (+ adapter) and tokenizer; `tiny-moe` names the shipped checkpoint."""
     from .. import lora
-    from ..checkpoint import load_model, load_tokenizer
+    from ..checkpoint import check_tokenizer_fits, load_model, load_tokenizer
 
+    tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
     model = load_model(model_path)
+    check_tokenizer_fits(tokenizer, model.args.vocab_size, model_path)
     if adapter:
         lora.load_adapter(model, adapter)
-    return model, load_tokenizer(model_path)
+    return model, tokenizer
 
 
 def _sampling(tokenizer, args: argparse.Namespace):
@@ -38,7 +40,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..rollout import LocalEngine
     from ..tasks.prompts import decode_completion, encode_prompt
 
-    model, tokenizer = _policy(args.model, args.adapter)
+    model, tokenizer = _policy(args.model, args.adapter, args.trust_remote_code)
     engine = LocalEngine(model, precision="fp32")
     for c in engine.generate([encode_prompt(tokenizer, args.prompt)], args.n, _sampling(tokenizer, args))[0]:
         print(args.prompt + decode_completion(tokenizer, c.token_ids))
@@ -51,7 +53,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ..tasks import make_task
     from ..trainer.evaluate import evaluate
 
-    model, tokenizer = _policy(args.model, args.adapter)
+    model, tokenizer = _policy(args.model, args.adapter, args.trust_remote_code)
     engine = LocalEngine(model, precision="fp32")
     options = {".".join(keys): value for keys, value in map(parse_override, args.option)}  # values read as TOML
     task = make_task(args.task, **options)
@@ -90,11 +92,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve_tinker(TinkerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                                   state_dir=args.state_dir, max_connections=args.max_connections,
                                   max_clients=args.max_clients, device=args.device, precision=args.precision,
-                                  max_fused=args.max_fused))
+                                  max_fused=args.max_fused, trust_remote_code=args.trust_remote_code))
         return 0
     serve(ServeConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                       adapter_root=args.adapter_root, precision=args.precision, max_connections=args.max_connections,
-                      max_adapters=args.max_adapters))
+                      max_adapters=args.max_adapters, trust_remote_code=args.trust_remote_code))
     return 0
 
 
@@ -137,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-new-tokens", type=int, default=8)
         p.add_argument("--temperature", type=float, default=0.0 if name == "generate" else 1.0, help="0 = greedy")
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--trust-remote-code", action="store_true",
+                           help="run the tokenizer's own Python code (Kimi K2's tiktoken tokenizer); off by default")
         if name == "generate":
             p.add_argument("--prompt", required=True)
             p.add_argument("-n", type=int, default=1, help="samples")
@@ -164,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-adapters", type=int, default=8, help="adapters loaded at once (each is a copy of the base)")
     p.add_argument("--precision", default="fp32", choices=[c for c in typing.get_args(Precision) if c != "auto"])
     p.add_argument("--max-connections", type=int, default=64, help="connections served at once; more wait")
+    p.add_argument("--trust-remote-code", action="store_true",
+                       help="run the tokenizer's own Python code (Kimi K2's tiktoken tokenizer); off by default")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plot", help="write the PNG plots of a run folder")

@@ -54,19 +54,22 @@ class ServeConfig:
     idle_seconds: float = 30.0
     """A kept-alive connection idle this long is closed, freeing its slot."""
     precision: str = "fp32"
+    trust_remote_code: bool = False
+    """Let the tokenizer run its own Python code (Kimi K2's tiktoken tokenizer)."""
 
 
 class ModelServer:
     """The engines (base + one per loaded adapter) and the request logic, independent of HTTP."""
 
     def __init__(self, cfg: ServeConfig):
-        from ..checkpoint import load_model, load_tokenizer, resolve_model_path
+        from ..checkpoint import check_tokenizer_fits, load_model, load_tokenizer, resolve_model_path
 
         self.cfg = cfg
         path = resolve_model_path(cfg.model)
         self.name = cfg.model
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
         self.base = load_model(path)
+        check_tokenizer_fits(self.tokenizer, self.base.args.vocab_size, path)
         pad = self.tokenizer.pad_token_id or 0
         self.engines: dict[str, LocalEngine] = {self.name: LocalEngine(self.base, precision=cfg.precision, pad_id=pad)}
         self.locks: dict[str, threading.Lock] = {self.name: threading.Lock()}

@@ -38,15 +38,16 @@ class TinkerService:
     def __init__(self, cfg: TinkerConfig, model=None):
         """`model`: an already built model to serve instead of the checkpoint's weights (benchmarks
         of real shapes with random weights); the tokenizer still comes from `cfg.model`."""
-        from ..checkpoint import load_model, load_tokenizer, resolve_model_path
+        from ..checkpoint import check_tokenizer_fits, load_model, load_tokenizer, resolve_model_path
 
         self.cfg = cfg
         path = resolve_model_path(cfg.model)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
         if cfg.precision not in ("fp32", "bf16"):
             raise BadRequest(f"precision {cfg.precision!r}; allowed for --tinker: fp32, bf16")
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         model = model if model is not None else load_model(path, dtype=dtype, device=cfg.device)
+        check_tokenizer_fits(self.tokenizer, model.args.vocab_size, path)
         self.base = ResidentBase(model, alpha=cfg.lora_alpha)
         self.device = torch.device(cfg.device)
         self.vocab = self.base.model.args.vocab_size

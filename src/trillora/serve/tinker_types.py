@@ -49,6 +49,8 @@ class TinkerConfig:
     """At most this many waiting requests (of one or several clients) share one pass; 1: never."""
     gather_seconds: float = 0.01
     """How long a lone request may wait for other clients' to share its pass (only while others are active)."""
+    trust_remote_code: bool = False
+    """Let the tokenizer run its own Python code (Kimi K2's tiktoken tokenizer)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_fused, int) or self.max_fused < 1:

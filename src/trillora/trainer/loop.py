@@ -25,7 +25,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.profiler import record_function
 
 from .. import lora, rl
-from ..checkpoint import load_model, load_tokenizer, resolve_model_path
+from ..checkpoint import check_tokenizer_fits, load_model, load_tokenizer, resolve_model_path
 from ..checkpoint.hf import EXPERT_LAYOUTS
 from ..config import TrainConfig, to_toml
 from ..errors import ConfigError, TrainingDiverged
@@ -68,6 +68,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.model = load_model(cfg.model.path, dtype=dtype, device=self.device)
+        check_tokenizer_fits(self.tokenizer, self.model.args.vocab_size, cfg.model.path)
         self.cfg = cfg = fit_context(cfg, self.model.args.max_position_embeddings)
         lora.apply_lora(self.model, cfg.lora)
         # `full`: the unsharded model the engine and the export read (the model itself in one process)
