@@ -129,7 +129,8 @@ def test_the_tinker_rows_are_their_results_files():
     t = results("tinker_clients.json")
     sec = t["seconds"]
     assert (f"{sec['sequential']:.1f} / {sec['concurrent, unfused']:.1f} / {sec['concurrent']:.1f} s: "
-            f"**{t['ratio_sequential_over_concurrent_unfused']:.2f}× / {t['ratio_sequential_over_concurrent']:.2f}×**") in README
+            f"**{t['ratio_sequential_over_concurrent_unfused']:.2f}× / "
+            f"{t['ratio_sequential_over_concurrent']:.2f}×**") in README
     assert f"only {t['shared_passes']['concurrent']} of {2 * t['steps']} passes" in README
     assert (f"base resident once ({t['base_bytes_resident'] / 2**20:.1f} MiB), per client adapter "
             f"{t['adapter_bytes_per_client'] / 2**20:.2f} MiB + AdamW {t['adam_state_bytes_per_client'] / 2**20:.2f} MiB; "
@@ -164,7 +165,8 @@ def test_the_vllm_mismatch_table_is_its_results_file():
     for engine, label in names.items():
         r = trained[engine]
         assert (f"| {label} | {r['mismatch_kl_k3']:.1e} | {ratio(r['is_ratio_min'])} | {ratio(r['is_ratio_max'])} | "
-                f"{r['max_abs_logprob_diff']:{'.1e' if r['max_abs_logprob_diff'] < 0.01 else '.3g'}} |").replace("e-0", "e-") in README
+                f"{r['max_abs_logprob_diff']:{'.1e' if r['max_abs_logprob_diff'] < 0.01 else '.3g'}} |"
+                ).replace("e-0", "e-") in README
         assert r["is_limited_frac"] == 0.0  # "none passed the TIS cap of 2 here"
     base = {r["engine"]: r for r in results("vllm_mismatch.json")}["vLLM 0.32.0 bfloat16"]
     assert (f"gives KL {base['mismatch_kl_k3']:.1e}, ρ in [{base['is_ratio_min']:.2f}, {base['is_ratio_max']:.2f}]"

@@ -43,6 +43,28 @@ def test_tensorboard_and_offline_wandb_get_every_step(tmp_path, monkeypatch):
     assert not os.environ.get("WANDB_API_KEY")
 
 
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    """Resume writes under the same W&B run id (W&B joins the two offline folders into one run),
+    from the step after the checkpoint; a fresh run gets a new id."""
+    if os.environ.get("TRILLORA_REQUIRE_BENCH") != "1":
+        pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    base = [f"out_dir={tmp_path}", "name=tracked", *SMALL_RUN, "eval_every=2", 'logging.backends=["wandb"]',
+            "checkpoint.every=2"]
+    Trainer(load_config(None, [*base, "steps=2"])).run()
+    run = tmp_path / "tracked"
+    first_id = (run / "wandb" / "run_id").read_text()
+    Trainer(load_config(None, [*base, "steps=4", "resume=true"])).run()
+    folders = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and all(f.name.endswith(f"-{first_id}") for f in folders)
+    later = max(folders, key=lambda f: f.stat().st_mtime)
+    (records,) = later.glob("run-*.wandb")
+    assert sorted({h["_step"] for h in wandb_history(records)}) == [3, 4]
+    Trainer(load_config(None, [*base, "steps=1", "eval_every=1"])).run()  # a fresh run in the same folder
+    assert (run / "wandb" / "run_id").read_text() != first_id
+
+
 def wandb_history(path) -> list[dict]:
     """The history rows of an offline W&B run file: W&B's own Record protobufs in its log format
     (a 7-byte ':W&B' header, then 32 KiB blocks of records, each with a 7-byte header: crc32,
