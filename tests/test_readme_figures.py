@@ -174,3 +174,20 @@ def test_the_vllm_mismatch_table_is_its_results_file():
     bf16, local = trained["vLLM 0.32.0 bfloat16"], trained["trillora LocalEngine bf16_weights"]
     assert f"mismatch is {bf16['mismatch_kl_k3'] / local['mismatch_kl_k3']:.0f}× the default local engine's" in README
     assert f"a few tokens are {int(1 / bf16['is_ratio_min'])}× less" in README
+
+
+def test_the_router_replay_table_is_its_results_file():
+    r = results("router_replay.json")
+    assert r["steps"] == 100 and r["seeds"] == [0, 1, 2]
+    for mode in ("off", "all"):
+        m = r[mode]
+        per_seed = ", ".join(f"{100 * x:.1f}" for x in m["eval_accuracy_per_seed"])
+        assert (f"| {mode} | {m['reward_last20']:.3f} | {pct(m['eval_accuracy'])} ({per_seed}) | "
+                f"{m['mismatch_kl_k3']:.1e} ({m['mismatch_kl_k3_max']:.1e}) | {100 * m['routing_mismatch']:.2f}% |"
+                .replace("e-0", "e-")) in README
+    off, on = r["off"], r["all"]
+    assert (f"the largest step's KL is {off['mismatch_kl_k3_max']:.1e} without it and\n{on['mismatch_kl_k3_max']:.1e} with it"
+            .replace("e-0", "e-")) in README
+    assert f"{off['mismatch_kl_k3'] / on['mismatch_kl_k3']:.1f}× lower on average" in README
+    gains = [100 * (a - b) for a, b in zip(on["eval_accuracy_per_seed"], off["eval_accuracy_per_seed"])]
+    assert f"ends {min(gains):.1f}–{max(gains):.1f} points higher with replay" in README
