@@ -207,8 +207,10 @@ class Trainer:
                     world.close()
                     raise self._diverged(step + 1)
                 if stopping:
-                    if main:
-                        self.console.print(f"stopped at step {step + 1} of {cfg.steps}: resume with resume=true")
+                    if main:  # the adapter so far is usable (eval, generate, serve) without unpacking a checkpoint
+                        self._export_adapter()
+                        self.console.print(f"stopped at step {step + 1} of {cfg.steps}: adapter so far in "
+                                           f"{cfg.run_dir / 'adapter'}; resume with resume=true")
                     world.close()
                     return {"stopped_at": step + 1} if main else {}
         summary = self._finish(state, start) if main else {}
@@ -236,9 +238,7 @@ class Trainer:
     def _finish(self, state: dict, start: float) -> dict:
         """Rank 0 at the end: both adapter layouts, the plots, summary.json."""
         cfg = self.cfg
-        base = str(resolve_model_path(cfg.model.path))
-        for layout in EXPERT_LAYOUTS:
-            lora.save_adapter(self.full, cfg.run_dir / "adapter" / layout, expert_layout=layout, base_model=base)
+        self._export_adapter()
         from ..plots import plot_run
 
         plot_run(cfg.run_dir)
@@ -256,6 +256,12 @@ class Trainer:
         }
         (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _export_adapter(self) -> None:
+        """Both adapter layouts under runs/<name>/adapter/ (PEFT's fused tensors, vLLM's per-expert names)."""
+        base = str(resolve_model_path(self.cfg.model.path))
+        for layout in EXPERT_LAYOUTS:
+            lora.save_adapter(self.full, self.cfg.run_dir / "adapter" / layout, expert_layout=layout, base_model=base)
 
     def _diverged(self, step: int) -> TrainingDiverged:
         u = self.update

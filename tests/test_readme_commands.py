@@ -1,0 +1,97 @@
+"""The README's "Using it" commands, run as written, in order, in a fresh folder: every `trillora`
+command through the installed console script. A training command runs until its first RL step is
+logged and is then stopped with SIGTERM, the way a user stops a run (it saves a checkpoint and
+the adapter so far, and exits 0): the full default job is what `make demo` runs. The commands
+after it read that run's adapter and metrics, as the README has them do.
+
+Not run here: `python -m trillora.tiny build` (minutes of pretraining that rewrites the shipped
+checkpoint inside the package; `make tiny-moe` runs it)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIPPED = {"python -m trillora.tiny build"}
+
+
+def using_it() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("\n## Using it\n", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def first_step_logged(folder: Path, since: float) -> bool:
+    for metrics in folder.glob("runs/*/metrics.jsonl"):
+        if metrics.stat().st_mtime >= since and any("reward_mean" in line for line in metrics.read_text().splitlines()):
+            return True
+    return False
+
+
+def run_training(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    since = time.time()
+    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 900
+    while not first_step_logged(cwd, since):
+        assert proc.poll() is None, f"{argv} ended before its first step: {proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, f"{argv}: no step logged in 900 s"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def test_the_using_it_commands_run_as_written(tmp_path):
+    commands = using_it()
+    assert commands[0] == "trillora train" and len(commands) >= 8
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    trillora = Path(sys.executable).parent / "trillora"  # the console script the install put beside python
+    assert trillora.exists()
+    ran = []
+    for command in commands:
+        if command in SKIPPED:
+            continue
+        words = shlex.split(command)
+        assert words[0] == "trillora", command
+        argv = [str(trillora), *words[1:]]
+        if words[1] == "train":
+            out = run_training(argv, tmp_path)
+            assert out.returncode == 0 and "stopped at step" in out.stderr, (command, out.stderr[-3000:])
+        else:
+            out = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+            assert out.returncode == 0, (command, out.stderr[-3000:])
+        ran.append((words[1], out.stdout))
+    assert [w for w, _ in ran] == ["train"] * 4 + ["eval", "generate", "info", "plot"]
+    outputs = dict(ran[4:])
+    assert 0.0 <= json.loads(outputs["eval"])["accuracy"] <= 1.0
+    assert outputs["generate"].startswith("123+456=")
+    assert "kimi" in outputs["info"].lower()
+    assert (tmp_path / "runs" / "default" / "overview.png").exists()
+    for layout in ("fused", "per_expert"):
+        assert (tmp_path / "runs" / "default" / "adapter" / layout / "adapter_model.safetensors").exists()
+
+
+def test_the_vllm_command_runs_as_written(tmp_path):
+    """`trillora train rollout.engine=vllm` on the default job: vLLM in this process, the context
+    the model allows (the `vllm` extra, which `make test` installs)."""
+    import os
+
+    import pytest
+
+    if os.environ.get("TRILLORA_REQUIRE_BENCH") != "1":
+        pytest.importorskip("vllm")
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("\n### vLLM rollouts\n", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+    commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands == ["make setup-vllm", "trillora train rollout.engine=vllm"]  # the first is this environment's setup
+    out = run_training([str(Path(sys.executable).parent / "trillora"), *shlex.split(commands[1])[1:]], tmp_path)
+    assert out.returncode == 0 and "stopped at step" in out.stderr, out.stderr[-3000:]
+    (row,) = [json.loads(x) for x in (tmp_path / "runs/default/metrics.jsonl").read_text().splitlines()[1:2]]
+    assert row["step"] == 1 and "mismatch_kl_k3" in row
