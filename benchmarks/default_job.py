@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
@@ -44,15 +45,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--modes", nargs="+", default=["off", "all"])
     p.add_argument("--out", type=Path, default=RESULTS / "default_job.json")
+    p.add_argument("--jobs", type=int, default=1, help="trainings at once (each keeps torch's thread count, so the "
+                   "numbers are those of one at a time; only the seconds change)")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="default-job-"))
-    console, rows = Console(width=120), []
-    with console.status("training") as status:
-        for mode in a.modes:
-            for seed in a.seeds:
-                status.update(f"router_replay={mode}, seed {seed}")
-                rows.append(run(work, seed, mode, a.overrides))
+    console = Console(width=120)
+    todo = [(seed, mode) for mode in a.modes for seed in a.seeds]
+    with console.status(f"training {len(todo)} runs, {a.jobs} at a time"), ThreadPoolExecutor(a.jobs) as pool:
+        rows = list(pool.map(lambda job: run(work, *job, a.overrides), todo))
     table = Table(title="the default job: held-out addition gained, held-out reversal kept (T=1, 1024 samples)")
     for col in ("router_replay", "seed", "addition before → after", "gain", "reversal before → after", "lost", "seconds"):
         table.add_column(col)

@@ -7,7 +7,8 @@ The warm-started checkpoint is the shipped tiny MoE copied to an HF folder; the 
 file of 3-digit additions (`prompt`, `answer`) and the reward `trillora.tasks.rewards:exact_match`,
 given to trillora as `task.name=jsonl` and to TRL as a `datasets.Dataset` (its training rows) and a
 reward function calling the same function. Training settings are the default job's for both
-(`trl_side.py` maps them). Held-out accuracy is measured the same way for both, with trillora's
+(`trl_side.py` maps them), at the learning rate this comparison was measured with (2e-3, the
+default job's until it moved to 1e-3 for retention; a later override wins). Held-out accuracy is measured the same way for both, with trillora's
 evaluator (512 held-out rows × 2 samples at T = 1, fixed seed): inside the run for trillora, and
 for TRL on its PEFT adapter saved every `--eval-every` steps and loaded into trillora's model.
 Evaluation time is excluded on both sides. Reported: the time and steps each needs to gain
@@ -28,6 +29,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+LR = "optim.lr=2e-3"
+
 RESULTS = Path(__file__).resolve().parent / "results"
 REWARD = "trillora.tasks.rewards:exact_match"
 
@@ -45,7 +48,8 @@ def write_dataset(path: Path, rows: int = 20_000, seed: int = 1234) -> None:
 def side_args(work: Path, seed: int, steps: int, every: int, overrides: list[str]) -> list[str]:
     options = f'{{path = "{work / "addition.jsonl"}", reward_fn = "{REWARD}"}}'
     return [f"model.path={work / 'checkpoint'}", "task.name=jsonl", f"task.options={options}", 'task.retention=""',
-            f"seed={seed}", f"steps={steps}", f"eval_every={every}", f"out_dir={work}", f"name=trillora-{seed}", *overrides]
+            f"seed={seed}", f"steps={steps}", f"eval_every={every}", f"out_dir={work}", f"name=trillora-{seed}", LR,
+            *overrides]
 
 
 def run_trillora(work: Path, seed: int, steps: int, every: int, overrides: list[str]) -> list[tuple[int, float, float]]:

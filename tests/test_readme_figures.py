@@ -191,3 +191,49 @@ def test_the_router_replay_table_is_its_results_file():
     assert f"{off['mismatch_kl_k3'] / on['mismatch_kl_k3']:.1f}× lower on average" in README
     gains = [100 * (a - b) for a, b in zip(on["eval_accuracy_per_seed"], off["eval_accuracy_per_seed"])]
     assert f"ends {min(gains):.1f}–{max(gains):.1f} points higher with replay" in README
+
+
+def test_the_prose_figures_are_their_files():
+    """Figures quoted in running text: the profiles behind "where the step's time goes", the
+    shipped chat model's pretraining report, the agent envs' per-episode columns, the cookbook
+    loops' seconds."""
+    import re
+
+    def mm(name: str) -> tuple[float, float]:  # aten::mm's self CPU % and ms
+        text = (ROOT / "benchmarks" / "results" / f"grpo_step_profile_{name}.txt").read_text()
+        line = next(x for x in text.splitlines() if x.split()[:1] == ["aten::mm"])
+        pct_, ms = re.findall(r"([\d.]+)%\s+([\d.]+)ms", line)[0]
+        return float(pct_), float(ms)
+
+    (ours_pct, ours_ms), (trl_pct, trl_ms) = mm("trillora"), mm("trl")
+    assert f"({ours_pct:.0f}% for trillora, {trl_pct:.0f}% for TRL), but TRL spends {trl_ms:.0f} ms" in README
+    assert f"trillora's {ours_ms:.0f} ms for the same 4 steps" in README.replace("\n", " ")
+    trl = (ROOT / "benchmarks" / "results" / "grpo_step_profile_trl.txt").read_text()
+    index_backward = next(x for x in trl.splitlines() if x.split()[:1] == ["IndexBackward0"])
+    total_pct = float(re.findall(r"([\d.]+)%", index_backward)[1])  # CPU total %: its backward's whole subtree
+    assert f"alone takes {total_pct:.0f}% of TRL's CPU time" in README.replace("\n", " ")
+    g = results("grpo_vs_trl.json")["trillora"]
+    assert (f"Of trillora's {1000 * g['median_step_seconds']:.0f} ms step (the table's run), {1000 * g['rollout_seconds']:.0f} "
+            f"ms is sampling and\n{1000 * g['update_seconds']:.0f} ms") in README
+
+    report = json.loads((ROOT / "src" / "trillora" / "assets" / "tiny-moe-chat" / "pretrain_report.json").read_text())
+    last = report["history"][-1]
+    flat = README.replace("\n", " ")
+    assert f"({report['steps']} steps, `pretrain_report.json`)" in flat
+    assert f"answered through it in {100 * report['call_fraction']:.0f}% of the examples" in flat
+    assert f"held-out success {100 * last['success']:.0f}%, tool called in {100 * last['call_rate']:.0f}% of episodes" in flat
+    assert (f"({100 * last['addition']:.0f}% greedy, {100 * last['addition_after_history']:.0f}% after a long "
+            "conversation)") in flat
+    assert f"earlier exchanges of up to {report['history_chars']} characters" in flat
+
+    envs = results("agent_envs.json")["results"]
+    calc, guess = envs["calculator"], envs["guessing"]
+    assert f"| {calc['rl_seconds']:.0f} | tool calls {calc['env/tool_calls_start_end'][0]:.2f} → " in README
+    assert f"turns {calc['turns_mean_start_end'][0]:.2f} → {calc['turns_mean_start_end'][1]:.2f} |" in README
+    assert (f"| {guess['rl_seconds']:.0f} | turns {guess['turns_mean_start_end'][0]:.2f} → "
+            f"{guess['turns_mean_start_end'][1]:.2f}, unparsable guesses {guess['env/parse_error_start_end'][0]:.2f} → "
+            f"{guess['env/parse_error_start_end'][1]:.2f} |") in README
+
+    cook = results("cookbook_reward.json")
+    assert f"{cook['sl']['seconds']:.0f} + {cook['rl']['seconds']:.0f} s on 2 cores" in flat
+    assert f"from {cook['rl']['first_mean']:.3f} over the first 10 steps to {cook['rl']['last_mean']:.3f}" in flat
