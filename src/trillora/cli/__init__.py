@@ -89,14 +89,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ..serve.tinker_http import serve_tinker
         from ..serve.tinker_service import TinkerConfig
 
-        serve_tinker(TinkerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-                                  state_dir=args.state_dir, max_connections=args.max_connections,
-                                  max_clients=args.max_clients, device=args.device, precision=args.precision,
-                                  max_fused=args.max_fused, trust_remote_code=args.trust_remote_code))
-        return 0
+        cfg = TinkerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+                           state_dir=args.state_dir, max_connections=args.max_connections, max_clients=args.max_clients,
+                           device=args.device, precision=args.precision, max_fused=args.max_fused,
+                           trust_remote_code=args.trust_remote_code)
+        from ..trainer.world import launched
+
+        if not launched():
+            serve_tinker(cfg)
+            return 0
+        return _serve_tinker_data_parallel(cfg)
     serve(ServeConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                       adapter_root=args.adapter_root, precision=args.precision, max_connections=args.max_connections,
                       max_adapters=args.max_adapters, trust_remote_code=args.trust_remote_code))
+    return 0
+
+
+def _serve_tinker_data_parallel(cfg) -> int:
+    """Under torchrun: every rank holds the base and the clients; rank 0 serves HTTP (`serve.tinker_dp`)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from ..serve.tinker_dp import DataParallelService
+    from ..serve.tinker_http import TinkerServer, serve_tinker
+    from ..trainer.world import pick_device
+
+    device = pick_device(cfg.device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    cfg = dataclasses.replace(cfg, device=str(device))
+    service = DataParallelService(cfg)
+    try:
+        if service.rank == 0:
+            print(f"trillora serve --tinker: data parallel over {service.world} ranks", flush=True)
+            serve_tinker(cfg, server=TinkerServer(cfg, service))
+        else:
+            service.follow()
+    finally:
+        if service.rank == 0:
+            service.stop()
+        dist.destroy_process_group()
     return 0
 
 

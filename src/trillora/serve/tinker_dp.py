@@ -1,0 +1,139 @@
+"""The Tinker service over data-parallel ranks: `torchrun --nproc-per-node N -m trillora serve MODEL --tinker`.
+
+Every rank holds the base and every client's adapter and AdamW state; rank 0 also speaks HTTP and
+queues requests on its worker. Each call that changes a client (create_model, load_state,
+forward_backward, optim_step) is broadcast by rank 0 before it runs, so all ranks apply the same
+calls in the same order. forward_backward splits each call's datums into contiguous blocks, one
+per rank; every rank runs its block through the base, the per-call loss sums are all-reduced (so
+every rank makes the same decision about a non-finite loss) and rank 0 gathers the logprobs in
+datum order. optim_step all-reduces the gradients first (the losses are sums over datums, so the
+sum of the blocks' gradients is the whole call's), then every rank takes the same AdamW step:
+the adapters stay identical without being sent. Sampling, saving and sampler sessions run on
+rank 0 alone: they read an adapter every rank has, and change nothing the others need.
+
+Only data parallelism: the base is replicated. Tensor, expert and pipeline layouts would shard
+the base and each client's adapter, which `ResidentBase` creates per request; they are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..rl.tinker_losses import datum_loss
+from .tinker_service import BadRequest, FwdBwd, TinkerService, adam_settings
+from .tinker_types import Session
+
+STOP = "stop"
+
+
+class DataParallelService(TinkerService):
+    def __init__(self, cfg, model=None):
+        super().__init__(cfg, model)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    # --- what rank 0 sends ----------------------------------------------------------------
+    def _mirror(self, name: str, *args) -> None:
+        if self.rank == 0:
+            dist.broadcast_object_list([(name, args)], src=0)
+
+    def follow(self) -> None:
+        """Ranks > 0: run rank 0's calls until it says stop. A call's BadRequest is rank 0's to
+        answer; here it only means the same nothing happened."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            name, args = box[0]
+            if name == STOP:
+                return
+            try:
+                getattr(self, name)(*args)
+            except BadRequest:
+                pass
+
+    def stop(self) -> None:
+        self._mirror(STOP)
+
+    def session(self, sid: str) -> Session:
+        if self.rank > 0:  # sessions are opened on rank 0's HTTP threads; here they exist when used
+            with self.lock:
+                return self.sessions.setdefault(sid, Session(sid))
+        return super().session(sid)
+
+    # --- the calls every rank runs ----------------------------------------------------------
+    def create_model(self, sid, seq, rank, roles, seed):
+        self._mirror("create_model", sid, seq, rank, roles, seed)
+        return super().create_model(sid, seq, rank, roles, seed)
+
+    def load_state(self, sid, seq, tinker_path, optimizer):
+        self._mirror("load_state", sid, seq, tinker_path, optimizer)
+        return super().load_state(sid, seq, tinker_path, optimizer)
+
+    def forward_backward_many(self, calls: list[FwdBwd]) -> list:
+        self._mirror("forward_backward_many", calls)
+        outcomes: list = [None] * len(calls)
+        live = []
+        for i, c in enumerate(calls):
+            try:
+                adapter = self.client(c.model_id).adapter
+            except BadRequest as e:
+                outcomes[i] = e
+                continue
+            n = len(c.data)
+            lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world  # this rank's block
+            live.append((i, c, adapter, lo, hi))
+        mine = [x for x in live if x[4] > x[3]]
+        grad = any(not c.forward_only for _, c, *_ in live)
+        logps: list[torch.Tensor] = []
+        if mine:
+            rows = [hi - lo for *_, lo, hi in mine]
+            adapters = [a for _, _, a, _, _ in mine]
+            use = self.base.use(adapters[0]) if len(mine) == 1 else self.base.use_many(adapters, rows)
+            with use as model, torch.set_grad_enabled(grad):
+                logps = self._target_logprobs(model, [d for _, c, _, lo, hi in mine for d in c.data[lo:hi]],
+                                              [t for _, c, _, lo, hi in mine for t in c.tensors[lo:hi]])
+                self._losses_and_backward(live, logps, outcomes)
+        else:
+            self._losses_and_backward(live, [], outcomes)
+        return outcomes
+
+    def _losses_and_backward(self, live, logps: list[torch.Tensor], outcomes: list) -> None:
+        """Each call's loss over this rank's block, summed over ranks; the backward of the kept ones."""
+        partial, start, mine = [], 0, {}
+        for i, c, _, lo, hi in live:
+            lps, start = logps[start:start + hi - lo], start + hi - lo
+            mine[i] = lps
+            partial.append(sum((datum_loss(c.loss_fn, lp, {k: v.to(self.device) for k, v in t.items()}, c.config)
+                                for lp, t in zip(lps, c.tensors[lo:hi])), torch.zeros((), device=self.device)))
+        totals = torch.stack([p.detach() for p in partial]) if partial else torch.zeros(0, device=self.device)
+        dist.all_reduce(totals)  # [calls]: each call's whole loss, the same on every rank
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, {i: [lp.detach().cpu().numpy() for lp in lps] for i, lps in mine.items()})
+        kept = []
+        for (i, c, *_), loss, total in zip(live, partial, totals.tolist()):
+            if not c.forward_only and not torch.isfinite(torch.tensor(total)):
+                outcomes[i] = BadRequest(f"the {c.loss_fn} loss is not finite ({total}): check logprobs and advantages")
+                continue
+            if not c.forward_only and loss.requires_grad:
+                kept.append(loss)
+            outcomes[i] = ([lp for g in gathered for lp in g[i]], {"loss:sum": total})
+        if kept:
+            torch.stack(kept).sum().backward()
+
+    def optim_step(self, model_id: str, adam: dict) -> dict:
+        self._mirror("optim_step", model_id, adam)
+        client = self.client(model_id)
+        adam_settings(adam)  # refused before the gradients are summed, so a retry does not sum them twice
+        params = list(client.adapter.params.values())
+        has = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)  # a rank with no rows of this client has no gradient
+        for p, h in zip(params, has.tolist()):
+            if h and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
+        return super().optim_step(model_id, adam)
