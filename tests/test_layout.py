@@ -10,11 +10,12 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "trillora"
 MAX_LINES = 400
 
 EVERYTHING = {"errors", "rl", "tasks", "models", "checkpoint", "lora", "parallel", "rollout", "config", "plots", "trainer",
-              "tiny", "serve", "cli"}
+              "tiny", "serve", "cli", "memory"}
 ALLOWED = {
     "errors": set(),
     "rl": {"errors"},
     "tasks": {"errors"},
+    "memory": {"errors", "tasks"},
     "models": {"errors"},
     "checkpoint": {"errors", "models"},
     "lora": {"errors", "models", "checkpoint"},

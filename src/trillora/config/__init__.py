@@ -7,6 +7,7 @@ from .sections import (
     AlgorithmSection,
     CheckpointSection,
     LoggingSection,
+    MemorySection,
     ModelSection,
     OptimSection,
     ParallelSection,
@@ -17,6 +18,6 @@ from .sections import (
 )
 from .toml import load_config, parse_override, to_toml
 
-__all__ = ["FFN_TARGETS", "AlgorithmSection", "CheckpointSection", "ConfigError", "LoggingSection", "ModelSection", "OptimSection",
+__all__ = ["FFN_TARGETS", "AlgorithmSection", "CheckpointSection", "ConfigError", "LoggingSection", "MemorySection", "ModelSection", "OptimSection",
            "ParallelSection", "RolloutSection", "RouterReplayMode", "TaskSection", "TrainConfig", "load_config",
            "parse_override", "to_toml"]

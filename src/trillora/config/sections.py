@@ -248,6 +248,26 @@ class LoggingSection:
 
 
 @dataclass(kw_only=True, frozen=True)
+class MemorySection:
+    """The context a multi-turn episode keeps when its whole history would not fit (`trillora.memory`)."""
+
+    policy: Literal["none", "truncate"] = "none"
+    """"truncate": drop the oldest turns (the task, the first observation, stays)."""
+    budget: int = 0
+    """Tokens the policy may see at once, its next turn included; at most `rollout.max_model_len`."""
+    span_tokens: int = 0
+    """Chunk each turn into spans of this many tokens (0: whole turns)."""
+
+    def validate(self, max_new_tokens: int, max_model_len: int) -> None:
+        if self.policy == "none":
+            return
+        _check_positive("memory.span_tokens", self.span_tokens, zero_ok=True)
+        if not max_new_tokens < self.budget <= (max_model_len or self.budget):
+            raise ConfigError(f"memory.budget={self.budget}: it must be over rollout.max_new_tokens ({max_new_tokens}) "
+                              f"and at most rollout.max_model_len ({max_model_len or 'the model positions'})")
+
+
+@dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     name: str = "default"
     out_dir: str = "runs"
@@ -266,6 +286,7 @@ class TrainConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    memory: MemorySection = field(default_factory=MemorySection)
     resume: bool = False
     """Continue from the newest complete checkpoint of this run (`--resume` on the command line);
     without it a run starts afresh and moves an earlier run's checkpoints to `checkpoints.previous`."""
@@ -279,6 +300,9 @@ class TrainConfig:
         for section in (self.task, self.rollout, self.algorithm, self.optim, self.parallel, self.checkpoint, self.logging):
             section.validate()
         a, r = self.algorithm, self.rollout
+        self.memory.validate(r.max_new_tokens, r.max_model_len)
+        if self.memory.policy != "none" and self.task.name != "env":
+            raise ConfigError("memory.policy needs multi-turn episodes: task.name='env'")
         if (a.router_replay != "off" or a.routing_metrics) and r.engine == "openai":
             raise ConfigError("algorithm.router_replay / routing_metrics need the experts the engine chose per token; "
                               "rollout.engine='openai' does not return them: use rollout.engine='local' (or 'vllm' on a GPU)")

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
 from .. import rl
 from ..errors import TrilloraError
+from ..memory import MemoryContext
 from ..rollout.types import RolloutEngine, SamplingParams
 from ..tasks.env import Env, EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition, resolve
 from ..tasks.guard import OnRewardError, time_limit
@@ -35,6 +37,8 @@ class EpisodeLimits:
     max_model_len: int = 1024
     env_timeout: float = 30.0
     on_error: OnRewardError = "fail"
+    memory: Callable[[], MemoryContext] | None = None
+    """A fresh memory per episode: the context the policy sees stays within its budget (`trillora.memory`)."""
 
 
 def _call(env: Env, what: str, turn: int, limits: EpisodeLimits, *args):
@@ -61,12 +65,15 @@ def run_episodes(engine: RolloutEngine, envs: list[Env], params: SamplingParams,
     stop: list[tuple[int, ...]] = [() for _ in range(n)]
     turns: list[list[Transition]] = [[] for _ in range(n)]
     ended: dict[int, str] = {}
+    memory = [limits.memory() if limits.memory is not None else None for _ in range(n)]
     for i, env in enumerate(envs):
         first = _call(env, "initial_observation", 0, limits)
         if isinstance(first, BaseException):
             ended[i] = "error"
             continue
         obs[i], stop[i] = list(first[0]), tuple(first[1])
+        if memory[i] is not None:
+            obs[i] = memory[i].start(obs[i])
     for turn in range(limits.max_turns):
         by_stop: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for i in range(n):
@@ -94,10 +101,22 @@ def run_episodes(engine: RolloutEngine, envs: list[Env], params: SamplingParams,
                 if result.episode_done:
                     ended[i] = "done"
                 obs[i], stop[i] = list(result.next_observation), tuple(result.next_stop_condition)
+                if memory[i] is not None and not result.episode_done:
+                    _remember(memory[i], turns[i][-1], obs, i, turn)
     forget = getattr(engine, "forget", None)  # an engine keeping keys and values across turns frees them
     if forget is not None:
         forget()
     return [Trajectory(turns[i], obs[i], ended.get(i, "max_turns")) for i in range(n)]
+
+
+def _remember(memory: MemoryContext, last: Transition, obs: list[list[int]], i: int, turn: int) -> None:
+    """The context the policy sees next, through the episode's memory; a rewrite is counted on the
+    turn that caused it (`memory_rewrites`, `memory_dropped_tokens` per episode)."""
+    rewrites, dropped = memory.rewrites, memory.dropped
+    obs[i] = memory.step(last.action, obs[i], turn + 1)
+    if memory.rewrites > rewrites:
+        last.metrics["memory_rewrites"] = float(memory.rewrites - rewrites)
+        last.metrics["memory_dropped_tokens"] = float(memory.dropped - dropped)
 
 
 def _sample(engine: RolloutEngine, idx: list[int], obs: list[list[int]], group_of: list[int], params: SamplingParams):

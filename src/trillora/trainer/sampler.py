@@ -26,6 +26,7 @@ from ..tasks.prompts import decode_completion, encode_problem, stop_tokens
 from ..tasks.task_env import TaskGroupBuilder
 from ..tasks.trajectory import merge_trajectory
 from .batch import TokenBatch, batch_from_samples, with_routes
+from ..memory import POLICIES, MemoryContext
 from .episodes import EpisodeLimits, episode_metrics, run_groups
 
 
@@ -65,7 +66,8 @@ class Sampler:
         self.worker: RolloutWorker | None = None
         """The rollout thread while a run samples ahead (`start_worker`)."""
         self.limits = EpisodeLimits(max_turns=cfg.task.max_turns if envs is not None else 1, max_model_len=r.max_model_len,
-                                    env_timeout=cfg.task.reward_timeout, on_error=cfg.task.on_reward_error)
+                                    env_timeout=cfg.task.reward_timeout, on_error=cfg.task.on_reward_error,
+                                    memory=memory_factory(cfg.memory, r.max_new_tokens) if envs is not None else None)
 
     def request(self, step: int, k: int = 0) -> Request:
         """The problems of a step's sampling round k: functions of the seed and the step only, so the
@@ -160,3 +162,10 @@ class Sampler:
                                  "engine that returns routing)")
             tokens = with_routes(tokens, routes)
         return RolloutBatch(tokens, rewards, torch.tensor(trajectory_of, device=self.device), groups, stats)
+
+
+def memory_factory(m, max_new_tokens: int):
+    """A fresh `MemoryContext` per episode as the `memory` section says (None: no memory)."""
+    if m.policy == "none":
+        return None
+    return lambda: MemoryContext(POLICIES[m.policy](), m.budget, max_new_tokens, m.span_tokens)

@@ -1,0 +1,90 @@
+"""A multi-turn episode's context under a token budget: what the policy sees when the whole
+trajectory would not fit (the memory layer of Memory Diffusion and its baselines).
+
+The env keeps its own history and gives the whole of it each turn. The layer keeps the context
+the policy actually saw, as chunks: the initial observation (turn 0: the task, always kept) and,
+per turn, the policy's action with what the env added after it. A new observation that extends
+the env's previous one + the action only adds a chunk; before the policy sees it, a context over
+`budget − reserve` tokens (`reserve`: the room the next action needs) is handed to the memory
+policy, which returns chunks that fit. A rewrite breaks the prefix property, so the trajectory's
+next turn starts a new training sample there (`tasks.trajectory.merge_trajectory`).
+Chunking: by turn, or each turn cut into spans of `span_tokens` (finer choices for the policy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass
+class Chunk:
+    tokens: list[int]
+    turn: int  # 0: the initial observation; k: turn k's action and the env's reply to it
+
+
+class MemoryPolicy(Protocol):
+    def compress(self, chunks: list[Chunk], limit: int) -> list[Chunk]:
+        """Chunks holding at most `limit` tokens when that is possible (chunks[0], the task, stays)."""
+
+
+def size(chunks: list[Chunk]) -> int:
+    return sum(len(c.tokens) for c in chunks)
+
+
+def split_spans(chunks: list[Chunk], span_tokens: int) -> list[Chunk]:
+    """Each turn's chunk cut into spans of at most `span_tokens` (the initial observation stays whole)."""
+    out = []
+    for c in chunks:
+        if c.turn == 0 or len(c.tokens) <= span_tokens:
+            out.append(c)
+        else:
+            out += [Chunk(c.tokens[i:i + span_tokens], c.turn) for i in range(0, len(c.tokens), span_tokens)]
+    return out
+
+
+class MemoryContext:
+    """One episode's context as the policy sees it; `start` and `step` return it as token ids."""
+
+    def __init__(self, policy: MemoryPolicy, budget: int, reserve: int, span_tokens: int = 0):
+        if budget <= reserve:
+            raise ValueError(f"memory.budget={budget} leaves no room for a turn of {reserve} new tokens")
+        self.policy, self.budget, self.reserve, self.span_tokens = policy, budget, reserve, span_tokens
+        self.full: list[int] = []  # the env's last observation (its whole history)
+        self.chunks: list[Chunk] = []
+        self.rewrites = 0  # times the policy rewrote the context
+        self.dropped = 0  # tokens the policy removed, in all
+
+    def start(self, observation: list[int]) -> list[int]:
+        self.full, self.chunks = list(observation), [Chunk(list(observation), 0)]
+        return self._fit()
+
+    def step(self, action: list[int], observation: list[int], turn: int) -> list[int]:
+        """The next context: the env's new tokens after the context the policy last saw + its action."""
+        previous, full = self.full + list(action), list(observation)
+        if full[:len(previous)] == previous:
+            self.chunks.append(Chunk(list(action) + full[len(previous):], turn))
+        else:  # the env rewrote its own history: start over from it
+            self.chunks = [Chunk(full, 0)]
+        self.full = full
+        return self._fit()
+
+    def _fit(self) -> list[int]:
+        limit = self.budget - self.reserve
+        if size(self.chunks) > limit:
+            chunks = split_spans(self.chunks, self.span_tokens) if self.span_tokens else self.chunks
+            before = size(chunks)
+            self.chunks = self.policy.compress(chunks, limit)
+            self.rewrites += 1
+            self.dropped += before - size(self.chunks)
+        return [t for c in self.chunks for t in c.tokens]
+
+
+class Truncate:
+    """The simplest memory: drop the oldest chunks after the task until the rest fits."""
+
+    def compress(self, chunks: list[Chunk], limit: int) -> list[Chunk]:
+        head, rest = chunks[:1], list(chunks[1:])
+        while rest and size(head) + size(rest) > limit:
+            rest.pop(0)
+        return head + rest
