@@ -120,3 +120,57 @@ def test_config_names_what_is_wrong():
         load_config(None, ['memory.policy="truncate"', "memory.budget=64"])
     with pytest.raises(ConfigError, match="memory.policy='keep' is invalid; allowed: none, truncate"):
         load_config(None, ['memory.policy="keep"'])
+
+
+def test_the_ledger_asks_about_an_early_fact_that_truncation_loses():
+    import random
+
+    from trillora.checkpoint import load_tokenizer
+    from trillora.tasks.ledger import LedgerEnv, dataset, ledger
+
+    tok = load_tokenizer("tiny-moe")
+    lines, key, value = ledger(random.Random(0), facts=6, distractors=3, asked_from=2)
+    assert len(lines) == 6 and f"{key}={value}" in " ".join(lines[:2])
+    assert all(len(line.split()) == 4 for line in lines)  # the fact and three upper-case distractors
+    ok = tok("ok", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+    def play(memory: MemoryContext | None, answer: str) -> tuple[float, str]:
+        env = LedgerEnv(lines, key, value, tok)
+        obs, _ = env.initial_observation()
+        seen = memory.start(obs) if memory else obs
+        for turn in range(1, 8):
+            result = env.step(ok)
+            seen = memory.step(ok, result.next_observation, turn) if memory else result.next_observation
+        final = env.step(tok(answer, add_special_tokens=False)["input_ids"])
+        return final.reward, tok.decode(seen)
+
+    reward, full = play(None, str(value))
+    assert reward == 1.0 and full.endswith(f"{key}?") and f"{key}={value}" in full
+    assert full.startswith("<bos>remember:\nok<eos>\n" + lines[0])
+    assert play(None, str((value + 1) % 10))[0] == 0.0
+    whole = len(tok(full, add_special_tokens=False)["input_ids"])
+    memory = MemoryContext(Truncate(), budget=whole // 2, reserve=4)
+    _, kept = play(memory, str(value))
+    assert kept.startswith("<bos>remember:\n") and kept.endswith(f"{key}?") and memory.rewrites > 0
+    assert len(tok(kept, add_special_tokens=False)["input_ids"]) <= whole // 2 - 4
+    assert f"{key}={value}" not in kept  # an early fact: truncation dropped it before the question
+    ds = dataset(tok, batch_size=2, group_size=3, eval_size=4, seed=1)
+    assert [g.key for g in ds.get_batch(5)] == [g.key for g in ds.get_batch(5)] and len(ds.eval_batch()) == 4
+    with pytest.raises(ValueError, match="ledger needs 1 <= facts <= 26"):
+        dataset(tok, 1, 1, 1, 0, facts=30)
+
+
+def test_train_runs_the_ledger_under_a_memory_budget(tmp_path):
+    """`trillora train` on the ledger with truncation: the run logs the memory's rewrites."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "trillora", "train", f"out_dir={tmp_path}", "name=ledger", "steps=1",
+                          "eval_every=1", 'task.name="env"', 'task.options={env = "trillora.tasks.ledger:dataset"}',
+                          "task.max_turns=8", 'task.retention=""', "task.eval_problems=2", "rollout.prompts_per_step=2",
+                          "rollout.group_size=2", "rollout.max_new_tokens=4", 'memory.policy="truncate"',
+                          "memory.budget=48"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads((tmp_path / "ledger" / "metrics.jsonl").read_text().splitlines()[1])
+    assert row["env/memory_rewrites"] > 0 and row["turns_mean"] == 8
