@@ -8,8 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import torch
+
 from trillora.config import ConfigError, load_config
 from trillora.memory import Chunk, MemoryContext, Truncate, split_spans
+from trillora.memory.context import size
 from trillora.tasks.env import Env, StepResult, Trajectory, Transition
 from trillora.tasks.trajectory import merge_trajectory
 
@@ -101,7 +104,7 @@ def test_long_episodes_through_a_real_engine_stay_within_the_budget():
 
     engine = LocalEngine(load_model("tiny-moe"), precision="fp32")
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
-    limits = EpisodeLimits(max_turns=12, max_model_len=512, memory=lambda: MemoryContext(Truncate(), 30, 4))
+    limits = EpisodeLimits(max_turns=12, max_model_len=512, memory=lambda params, i: MemoryContext(Truncate(), 30, 4))
     trajectories = run_episodes(engine, [LongTalk(12), LongTalk(12)], params, limits)
     for t in trajectories:
         assert len(t.transitions) == 12 and t.stop_reason == "done"
@@ -174,3 +177,123 @@ def test_train_runs_the_ledger_under_a_memory_budget(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads((tmp_path / "ledger" / "metrics.jsonl").read_text().splitlines()[1])
     assert row["env/memory_rewrites"] > 0 and row["turns_mean"] == 8
+
+
+def test_allocation_rules_by_hand():
+    from trillora.memory.allocate import proportional, threshold, top_k
+
+    # 12 tokens by importance 1:2:3 over chunks of 10 each: 2, 4, 6
+    assert proportional([1, 2, 3], [10, 10, 10], 12) == [2, 4, 6]
+    # the third chunk is only 3 long: it keeps 3, and the 9 left go 1:2 to the others -> 3, 6
+    assert proportional([1, 2, 3], [10, 10, 3], 12) == [3, 6, 3]
+    # 10 by 1:1:1 = 3.33 each: the spare token to the earliest largest remainder
+    assert proportional([1, 1, 1], [9, 9, 9], 10) == [4, 3, 3]
+    # more budget than tokens: everything verbatim; zero importance gets nothing
+    assert proportional([1, 0, 5], [4, 6, 2], 50) == [4, 0, 2]
+    assert top_k([0.2, 0.9, 0.5], [5, 5, 5], 11) == [0, 5, 5]
+    assert top_k([0.5, 0.5, 0.1], [4, 4, 4], 5) == [0, 4, 0]  # ties: the later chunk first
+    assert threshold([0.1, 0.6, 0.3], [10, 10, 10], 9, floor=0.25) == [0, 6, 3]
+    with pytest.raises(ValueError, match="2 importances for 3 chunks"):
+        proportional([1, 2], [1, 2, 3], 4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 10), st.integers(0, 40)), min_size=1, max_size=8), st.integers(0, 120))
+def test_allocations_stay_within_budget_and_lengths(chunks, budget):
+    from trillora.memory.allocate import proportional, top_k
+
+    importance, lengths = [w for w, _ in chunks], [n for _, n in chunks]
+    for rule in (proportional, top_k):
+        out = rule(importance, lengths, budget)
+        assert sum(out) <= budget and all(0 <= b <= n for b, n in zip(out, lengths))
+    out = proportional(importance, lengths, budget)
+    useful = sum(n for w, n in zip(importance, lengths) if w > 0)
+    assert sum(out) == min(budget, useful)  # proportional spends all it can
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    from trillora.checkpoint import load_model, load_tokenizer
+    from trillora.rollout import LocalEngine
+
+    return LocalEngine(load_model("tiny-moe"), precision="fp32"), load_tokenizer("tiny-moe")
+
+
+def test_diffusion_masks_allocates_and_refills_by_hand(tiny_engine):
+    from trillora.memory import MemoryDiffusion, recency
+    from trillora.rollout import SamplingParams
+
+    engine, tok = tiny_engine
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=4, stop_token_ids=(tok.eos_token_id,))
+    head, c1, c2, recent = Chunk([1, 14, 15, 16], 0), Chunk([20] * 6, 1), Chunk([21] * 6, 2), Chunk([22] * 4, 3)
+    chunks = [head, c1, c2, recent]
+    # room = 14 - 4 (task) - 4 (latest turn) = 6, shared 1:2 by recency: c1 refilled in 2, c2 in 4
+    md = MemoryDiffusion(engine, tok, params, recency, "proportional")
+    out = md.compress(chunks, 14)
+    assert [c.turn for c in out] == [0, 1, 2, 3] and out[0] == head and out[-1] == recent
+    assert len(out[1].tokens) <= 2 and len(out[2].tokens) <= 4 and size(out) <= 14
+    first, second = md.refills
+    marker = tok("\n[[", add_special_tokens=False)["input_ids"]
+    assert first.prompt == head.tokens + marker + c1.tokens + tok("]] 2:\n", add_special_tokens=False)["input_ids"]
+    assert second.prompt[-len(tok("]] 4:\n", add_special_tokens=False)["input_ids"]):] == tok("]] 4:\n", add_special_tokens=False)["input_ids"]
+    assert len(first.tokens) == len(first.logprobs) <= 2 and len(second.tokens) <= 4
+    # top_k: c2 kept whole (the more recent), c1 dropped, nothing refilled
+    md = MemoryDiffusion(engine, tok, params, recency, "top_k")
+    assert md.compress(chunks, 14) == [head, c2, recent] and md.refills == []
+    # the latest turn alone over the room: the oldest go, as truncation does
+    assert MemoryDiffusion(engine, tok, params, recency).compress(chunks, 7) == [head]
+
+
+def test_policy_scores_equal_the_model_on_each_variant(tiny_engine):
+    from trillora.memory import policy_scores
+
+    engine, _ = tiny_engine
+    chunks = [Chunk([1, 14, 15], 0), Chunk([20, 21, 22], 1), Chunk([30, 31], 2), Chunk([14, 84, 15, 98], 3)]
+
+    def logp_of_latest(kept: list[Chunk]) -> float:
+        ids = torch.tensor([[t for c in kept for t in c.tokens]])
+        logp = torch.log_softmax(engine.model(ids).float(), -1)[0]
+        start = ids.shape[1] - len(kept[-1].tokens)
+        return float(logp[start - 1:-1].gather(-1, ids[0, start:, None]).sum())
+
+    with torch.no_grad():
+        base = logp_of_latest(chunks)
+        expected = [base - logp_of_latest([c for j, c in enumerate(chunks) if j != i]) for i in (1, 2)]
+    assert policy_scores(engine.model)(chunks, [1, 2]) == pytest.approx(expected, abs=1e-4)
+
+
+def test_refills_are_trained_as_actions_of_the_episode(tiny_engine):
+    from trillora.memory import MemoryDiffusion, recency
+    from trillora.rollout import SamplingParams
+    from trillora.trainer.episodes import EpisodeLimits, run_episodes
+
+    engine, tok = tiny_engine
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
+
+    def memory(call, i):
+        return MemoryContext(MemoryDiffusion(engine, tok, call, recency), 30, call.max_new_tokens)
+
+    (t,) = run_episodes(engine, [LongTalk(10)], params, EpisodeLimits(max_turns=10, max_model_len=512, memory=memory))
+    refills = [x for x in t.transitions if "memory_refill_tokens" in x.metrics]
+    turns = [x for x in t.transitions if "memory_refill_tokens" not in x.metrics]
+    assert len(turns) == 10 and refills and all(x.reward == 0.0 for x in refills)
+    assert max(len(x.observation) for x in turns) + 4 <= 30
+    samples = merge_trajectory(t)
+    refill_samples = [s for s in samples if s.tokens[:len(refills[0].observation)] == refills[0].observation]
+    (s,) = refill_samples[:1]
+    assert s.mask == [0] * len(refills[0].observation) + [1] * len(refills[0].action)  # the prompt is not trained
+
+
+def test_train_runs_memory_diffusion_on_the_ledger(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "trillora", "train", f"out_dir={tmp_path}", "name=md", "steps=1",
+                          "eval_every=1", 'task.name="env"', 'task.options={env = "trillora.tasks.ledger:dataset"}',
+                          "task.max_turns=8", 'task.retention=""', "task.eval_problems=2", "rollout.prompts_per_step=2",
+                          "rollout.group_size=2", "rollout.max_new_tokens=4", 'memory.policy="diffusion"',
+                          "memory.budget=48"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads((tmp_path / "md" / "metrics.jsonl").read_text().splitlines()[1])
+    assert row["env/memory_rewrites"] > 0 and row["env/memory_refill_tokens"] > 0 and row["turns_mean"] == 8

@@ -1,7 +1,9 @@
-"""Memory for long multi-turn episodes: the context kept under a token budget (`context`)."""
+"""Memory for long multi-turn episodes: the context kept under a token budget (`context`), by
+truncation or by Memory Diffusion (`diffusion`: mask -> allocate -> refill)."""
 
+from .allocate import RULES
 from .context import Chunk, MemoryContext, MemoryPolicy, Truncate, split_spans
+from .diffusion import MemoryDiffusion, Refill, policy_scores, recency
 
-POLICIES = {"truncate": Truncate}
-
-__all__ = ["POLICIES", "Chunk", "MemoryContext", "MemoryPolicy", "Truncate", "split_spans"]
+__all__ = ["RULES", "Chunk", "MemoryContext", "MemoryDiffusion", "MemoryPolicy", "Refill", "Truncate", "policy_scores",
+           "recency", "split_spans"]

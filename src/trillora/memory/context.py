@@ -69,6 +69,14 @@ class MemoryContext:
         self.full = full
         return self._fit()
 
+    def take_refills(self) -> list:
+        """What the policy sampled to rewrite the context since the last call (trained as actions)."""
+        refills = getattr(self.policy, "refills", None)
+        if not refills:
+            return []
+        taken, refills[:] = list(refills), []
+        return taken
+
     def _fit(self) -> list[int]:
         limit = self.budget - self.reserve
         if size(self.chunks) > limit:

@@ -37,8 +37,9 @@ class EpisodeLimits:
     max_model_len: int = 1024
     env_timeout: float = 30.0
     on_error: OnRewardError = "fail"
-    memory: Callable[[], MemoryContext] | None = None
-    """A fresh memory per episode: the context the policy sees stays within its budget (`trillora.memory`)."""
+    memory: Callable[[SamplingParams, int], MemoryContext] | None = None
+    """A fresh memory per episode (the call's sampling settings, the episode's index): the context
+    the policy sees stays within its budget (`trillora.memory`)."""
 
 
 def _call(env: Env, what: str, turn: int, limits: EpisodeLimits, *args):
@@ -65,7 +66,7 @@ def run_episodes(engine: RolloutEngine, envs: list[Env], params: SamplingParams,
     stop: list[tuple[int, ...]] = [() for _ in range(n)]
     turns: list[list[Transition]] = [[] for _ in range(n)]
     ended: dict[int, str] = {}
-    memory = [limits.memory() if limits.memory is not None else None for _ in range(n)]
+    memory = [limits.memory(params, i) if limits.memory is not None else None for i in range(n)]
     for i, env in enumerate(envs):
         first = _call(env, "initial_observation", 0, limits)
         if isinstance(first, BaseException):
@@ -102,21 +103,23 @@ def run_episodes(engine: RolloutEngine, envs: list[Env], params: SamplingParams,
                     ended[i] = "done"
                 obs[i], stop[i] = list(result.next_observation), tuple(result.next_stop_condition)
                 if memory[i] is not None and not result.episode_done:
-                    _remember(memory[i], turns[i][-1], obs, i, turn)
+                    _remember(memory[i], turns[i], obs, i, turn)
     forget = getattr(engine, "forget", None)  # an engine keeping keys and values across turns frees them
     if forget is not None:
         forget()
     return [Trajectory(turns[i], obs[i], ended.get(i, "max_turns")) for i in range(n)]
 
 
-def _remember(memory: MemoryContext, last: Transition, obs: list[list[int]], i: int, turn: int) -> None:
+def _remember(memory: MemoryContext, turns: list[Transition], obs: list[list[int]], i: int, turn: int) -> None:
     """The context the policy sees next, through the episode's memory; a rewrite is counted on the
     turn that caused it (`memory_rewrites`, `memory_dropped_tokens` per episode)."""
-    rewrites, dropped = memory.rewrites, memory.dropped
+    last, rewrites, dropped = turns[-1], memory.rewrites, memory.dropped
     obs[i] = memory.step(last.action, obs[i], turn + 1)
     if memory.rewrites > rewrites:
         last.metrics["memory_rewrites"] = float(memory.rewrites - rewrites)
         last.metrics["memory_dropped_tokens"] = float(memory.dropped - dropped)
+    for r in memory.take_refills():  # the policy's rewrites of its context: trained like its turns
+        turns.append(Transition(r.prompt, r.tokens, r.logprobs, 0.0, False, {"memory_refill_tokens": float(len(r.tokens))}))
 
 
 def _sample(engine: RolloutEngine, idx: list[int], obs: list[list[int]], group_of: list[int], params: SamplingParams):
@@ -156,7 +159,8 @@ def episode_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
     (tool calls, parse errors, ...) as its mean total per episode, `env/<name>`."""
     trajectories = [t for g in groups for t in g.trajectories]
     n = max(len(trajectories), 1)
-    out = {"turns_mean": sum(len(t.transitions) for t in trajectories) / n}
+    turns = sum(1 for t in trajectories for x in t.transitions if "memory_refill_tokens" not in x.metrics)
+    out = {"turns_mean": turns / n}
     for reason in ("done", "max_turns", "context", "error"):
         out[f"episodes_{reason}"] = float(sum(t.stop_reason == reason for t in trajectories))
     totals: dict[str, float] = defaultdict(float)

@@ -26,7 +26,8 @@ from ..tasks.prompts import decode_completion, encode_problem, stop_tokens
 from ..tasks.task_env import TaskGroupBuilder
 from ..tasks.trajectory import merge_trajectory
 from .batch import TokenBatch, batch_from_samples, with_routes
-from ..memory import POLICIES, MemoryContext
+from ..errors import ConfigError
+from ..memory import MemoryContext, MemoryDiffusion, Truncate, policy_scores, recency
 from .episodes import EpisodeLimits, episode_metrics, run_groups
 
 
@@ -67,7 +68,7 @@ class Sampler:
         """The rollout thread while a run samples ahead (`start_worker`)."""
         self.limits = EpisodeLimits(max_turns=cfg.task.max_turns if envs is not None else 1, max_model_len=r.max_model_len,
                                     env_timeout=cfg.task.reward_timeout, on_error=cfg.task.on_reward_error,
-                                    memory=memory_factory(cfg.memory, r.max_new_tokens) if envs is not None else None)
+                                    memory=memory_factory(cfg.memory, engine, tokenizer) if envs is not None else None)
 
     def request(self, step: int, k: int = 0) -> Request:
         """The problems of a step's sampling round k: functions of the seed and the step only, so the
@@ -164,8 +165,23 @@ class Sampler:
         return RolloutBatch(tokens, rewards, torch.tensor(trajectory_of, device=self.device), groups, stats)
 
 
-def memory_factory(m, max_new_tokens: int):
-    """A fresh `MemoryContext` per episode as the `memory` section says (None: no memory)."""
+def memory_factory(m, engine, tokenizer):
+    """A fresh `MemoryContext` per episode as the `memory` section says (None: no memory). Refills
+    sample with the episode's settings, seeded per episode and refill."""
     if m.policy == "none":
         return None
-    return lambda: MemoryContext(POLICIES[m.policy](), m.budget, max_new_tokens, m.span_tokens)
+
+    def make(params, index: int) -> MemoryContext:
+        if m.policy == "truncate":
+            policy = Truncate()
+        else:
+            model = getattr(engine, "model", None)
+            if m.importance == "policy" and model is None:
+                raise ConfigError("memory.importance='policy' scores chunks with the policy in this process: use "
+                                  "rollout.engine='local', or memory.importance='recency'")
+            importance = policy_scores(model, tokenizer.pad_token_id or 0) if m.importance == "policy" else recency
+            seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed * 131 + index)
+            policy = MemoryDiffusion(engine, tokenizer, seeded, importance, m.allocate, m.keep_recent, m.floor)
+        return MemoryContext(policy, m.budget, params.max_new_tokens, m.span_tokens)
+
+    return make

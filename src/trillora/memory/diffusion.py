@@ -1,0 +1,109 @@
+"""Memory Diffusion: when the context would overflow, Mask → Allocate → Refill.
+
+Mask: the chunks between the task (kept) and the `keep_recent` latest turns (kept verbatim) are
+the ones the memory may rewrite. Allocate: each masked chunk gets a token budget from its
+importance (`allocate.RULES`) out of what the kept chunks leave. Refill: a chunk whose budget
+covers it stays verbatim, one with budget 0 is dropped, and any other is rewritten by the policy
+itself from a fill-in-the-middle prompt — the task, the marker "[[", the chunk, the marker
+"]] N:" with its budget N — sampling at most N tokens. Refills are policy actions: the episode
+runner adds each as a transition of its own (prompt: mask 0, refill: mask 1, the episode's
+reward), so RL teaches the policy what to keep; the rewritten context around them is observation.
+
+Importance: `recency` (later chunks matter more) or `policy_scores`, the policy's own judgement:
+how much the log-probability of the latest turn drops when the chunk is left out
+(leave-one-out over the masked chunks, one batched forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .allocate import RULES
+from .context import Chunk, Truncate, size
+
+Importance = Callable[[list[Chunk], list[int]], list[float]]
+"""(all chunks, indices of the masked ones) -> one importance per masked chunk."""
+
+
+@dataclass
+class Refill:
+    """One rewrite the policy sampled: trained like any action."""
+
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+
+
+def recency(chunks: list[Chunk], masked: list[int]) -> list[float]:
+    return [float(i) for i in masked]
+
+
+def policy_scores(model, pad_id: int = 0) -> Importance:
+    """Leave-one-out: log p(latest turn | context) − log p(latest turn | context without chunk i)."""
+
+    def score(chunks: list[Chunk], masked: list[int]) -> list[float]:
+        target = chunks[-1].tokens
+        variants = [chunks] + [[c for j, c in enumerate(chunks) if j != i] for i in masked]
+        rows = [[t for c in v[:-1] for t in c.tokens] + target for v in variants]
+        width = max(len(r) for r in rows)
+        device = next(model.parameters()).device
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+        for k, r in enumerate(rows):  # right padding: causal, so the pads change nothing before them
+            ids[k, :len(r)] = torch.tensor(r, device=device)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).float(), dim=-1)  # [V+1, T, vocab]
+        totals = []
+        for k, r in enumerate(rows):
+            start = len(r) - len(target)
+            picked = logp[k, start - 1:len(r) - 1].gather(-1, ids[k, start:len(r), None])
+            totals.append(float(picked.sum()))
+        return [totals[0] - t for t in totals[1:]]
+
+    return score
+
+
+class MemoryDiffusion:
+    def __init__(self, engine, tokenizer, params, importance: Importance, allocate: str = "proportional",
+                 keep_recent: int = 1, floor: float = 0.0):
+        if allocate not in RULES:
+            raise ValueError(f"memory.allocate={allocate!r}; allowed: {', '.join(RULES)}")
+        self.engine, self.tokenizer, self.params, self.importance = engine, tokenizer, params, importance
+        self.allocate, self.keep_recent, self.floor = allocate, keep_recent, floor
+        self.refills: list[Refill] = []  # sampled since the episode runner last took them
+        self.calls = 0
+
+    def _text(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def compress(self, chunks: list[Chunk], limit: int) -> list[Chunk]:
+        head, recent = chunks[:1], chunks[max(1, len(chunks) - self.keep_recent):]
+        masked = list(range(1, len(chunks) - len(recent)))
+        room = limit - size(head) - size(recent)
+        if room < 0 or not masked:  # the latest turns alone overflow: nothing to refill, drop the oldest
+            return Truncate().compress(chunks, limit)
+        scores = self.importance(chunks, masked)
+        lengths = [len(chunks[i].tokens) for i in masked]
+        rule = RULES[self.allocate]
+        budgets = rule(scores, lengths, room, self.floor) if self.allocate == "threshold" else rule(scores, lengths, room)
+        kept = []
+        for i, n, b in zip(masked, lengths, budgets):
+            if b >= n:
+                kept.append(chunks[i])
+            elif b > 0:
+                kept.append(Chunk(self._refill(head, chunks[i], b), chunks[i].turn))
+        return head + kept + recent
+
+    def _refill(self, head: list[Chunk], chunk: Chunk, budget: int) -> list[int]:
+        """The policy's rewrite of `chunk` in at most `budget` tokens (its stop token not kept)."""
+        prompt = [t for c in head for t in c.tokens] + self._text("\n[[") + chunk.tokens + self._text(f"]] {budget}:\n")
+        self.calls += 1
+        seed = None if self.params.seed is None else self.params.seed * 7919 + self.calls
+        params = dataclasses.replace(self.params, max_new_tokens=budget, seed=seed)
+        (completion,) = self.engine.generate([prompt], 1, params)[0]
+        tokens = list(completion.token_ids)
+        self.refills.append(Refill(prompt, tokens, list(completion.logprobs)))
+        return [t for t in tokens if t not in params.stop_token_ids][:budget]
