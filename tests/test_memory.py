@@ -121,8 +121,6 @@ def test_config_names_what_is_wrong():
         load_config(None, ['task.name="env"', 'memory.policy="truncate"', "memory.budget=4"])
     with pytest.raises(ConfigError, match="memory.policy needs multi-turn episodes"):
         load_config(None, ['memory.policy="truncate"', "memory.budget=64"])
-    with pytest.raises(ConfigError, match="memory.policy='keep' is invalid; allowed: none, truncate"):
-        load_config(None, ['memory.policy="keep"'])
 
 
 def test_the_ledger_asks_about_an_early_fact_that_truncation_loses():
@@ -284,7 +282,8 @@ def test_refills_are_trained_as_actions_of_the_episode(tiny_engine):
     assert s.mask == [0] * len(refills[0].observation) + [1] * len(refills[0].action)  # the prompt is not trained
 
 
-def test_train_runs_memory_diffusion_on_the_ledger(tmp_path):
+@pytest.mark.parametrize("policy", ["diffusion", "summary"])
+def test_train_runs_the_policy_memories_on_the_ledger(tmp_path, policy):
     import json
     import subprocess
     import sys
@@ -292,8 +291,32 @@ def test_train_runs_memory_diffusion_on_the_ledger(tmp_path):
     out = subprocess.run([sys.executable, "-m", "trillora", "train", f"out_dir={tmp_path}", "name=md", "steps=1",
                           "eval_every=1", 'task.name="env"', 'task.options={env = "trillora.tasks.ledger:dataset"}',
                           "task.max_turns=8", 'task.retention=""', "task.eval_problems=2", "rollout.prompts_per_step=2",
-                          "rollout.group_size=2", "rollout.max_new_tokens=4", 'memory.policy="diffusion"',
+                          "rollout.group_size=2", "rollout.max_new_tokens=4", f'memory.policy="{policy}"',
                           "memory.budget=48"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads((tmp_path / "md" / "metrics.jsonl").read_text().splitlines()[1])
     assert row["env/memory_rewrites"] > 0 and row["env/memory_refill_tokens"] > 0 and row["turns_mean"] == 8
+
+
+def test_summary_after_every_turn(tiny_engine):
+    from trillora.memory import Summarize
+    from trillora.rollout import SamplingParams
+
+    engine, tok = tiny_engine
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=2, stop_token_ids=(tok.eos_token_id,))
+    policy = Summarize(engine, tok, params, max_tokens=5)
+    m = MemoryContext(policy, budget=40, reserve=4)
+    m.start([1, 14])
+    m.step([20, 21], [1, 14, 20, 21, 30], 1)  # the task and one turn: nothing to summarise yet
+    assert policy.refills == [] and m.rewrites == 0
+    seen = m.step([22], [1, 14, 20, 21, 30, 22, 31, 32], 2)
+    (refill,) = m.take_refills()
+    marker = tok("\n[[summary]] 5:\n", add_special_tokens=False)["input_ids"]
+    assert refill.prompt == [1, 14, 20, 21, 30] + marker and len(refill.tokens) <= 5
+    summary = [t for t in refill.tokens if t != tok.eos_token_id]
+    assert seen == [1, 14] + summary + [22, 31, 32] and m.rewrites == 1  # the task, the summary, the latest turn
+    m.step([23], [1, 14, 20, 21, 30, 22, 31, 32, 23, 33], 3)
+    (again,) = m.take_refills()
+    assert again.prompt == [1, 14] + summary + [22, 31, 32] + marker  # the last summary and the turn since
+    with pytest.raises(ConfigError, match="memory.policy='keep' is invalid; allowed: none, truncate, summary, diffusion"):
+        load_config(None, ['memory.policy="keep"'])

@@ -251,9 +251,10 @@ class LoggingSection:
 class MemorySection:
     """The context a multi-turn episode keeps when its whole history would not fit (`trillora.memory`)."""
 
-    policy: Literal["none", "truncate", "diffusion"] = "none"
-    """"truncate": drop the oldest turns (the task, the first observation, stays); "diffusion":
-    Memory Diffusion (mask -> allocate -> refill by the policy, trained with the episode's reward)."""
+    policy: Literal["none", "truncate", "summary", "diffusion"] = "none"
+    """"truncate": drop the oldest turns (the task, the first observation, stays); "summary": the
+    policy summarises the context after every turn; "diffusion": Memory Diffusion (mask ->
+    allocate -> refill by the policy). Summaries and refills are trained with the episode's reward."""
     budget: int = 0
     """Tokens the policy may see at once, its next turn included; at most `rollout.max_model_len`."""
     span_tokens: int = 0
@@ -266,12 +267,15 @@ class MemorySection:
     """diffusion, allocate = "threshold": chunks less important than this are dropped."""
     keep_recent: int = 1
     """diffusion: the latest turns kept verbatim."""
+    summary_tokens: int = 32
+    """summary: the longest summary the policy may write."""
 
     def validate(self, max_new_tokens: int, max_model_len: int) -> None:
         if self.policy == "none":
             return
         _check_positive("memory.span_tokens", self.span_tokens, zero_ok=True)
         _check_positive("memory.keep_recent", self.keep_recent)
+        _check_positive("memory.summary_tokens", self.summary_tokens)
         if not max_new_tokens < self.budget <= (max_model_len or self.budget):
             raise ConfigError(f"memory.budget={self.budget}: it must be over rollout.max_new_tokens ({max_new_tokens}) "
                               f"and at most rollout.max_model_len ({max_model_len or 'the model positions'})")

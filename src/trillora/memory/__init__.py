@@ -4,6 +4,7 @@ truncation or by Memory Diffusion (`diffusion`: mask -> allocate -> refill)."""
 from .allocate import RULES
 from .context import Chunk, MemoryContext, MemoryPolicy, Truncate, split_spans
 from .diffusion import MemoryDiffusion, Refill, policy_scores, recency
+from .summary import Summarize
 
-__all__ = ["RULES", "Chunk", "MemoryContext", "MemoryDiffusion", "MemoryPolicy", "Refill", "Truncate", "policy_scores",
+__all__ = ["RULES", "Chunk", "MemoryContext", "MemoryDiffusion", "MemoryPolicy", "Refill", "Summarize", "Truncate", "policy_scores",
            "recency", "split_spans"]

@@ -79,7 +79,7 @@ class MemoryContext:
 
     def _fit(self) -> list[int]:
         limit = self.budget - self.reserve
-        if size(self.chunks) > limit:
+        if size(self.chunks) > limit or (getattr(self.policy, "every_turn", False) and len(self.chunks) > 2):
             chunks = split_spans(self.chunks, self.span_tokens) if self.span_tokens else self.chunks
             before = size(chunks)
             self.chunks = self.policy.compress(chunks, limit)

@@ -27,7 +27,7 @@ from ..tasks.task_env import TaskGroupBuilder
 from ..tasks.trajectory import merge_trajectory
 from .batch import TokenBatch, batch_from_samples, with_routes
 from ..errors import ConfigError
-from ..memory import MemoryContext, MemoryDiffusion, Truncate, policy_scores, recency
+from ..memory import MemoryContext, MemoryDiffusion, Summarize, Truncate, policy_scores, recency
 from .episodes import EpisodeLimits, episode_metrics, run_groups
 
 
@@ -172,15 +172,17 @@ def memory_factory(m, engine, tokenizer):
         return None
 
     def make(params, index: int) -> MemoryContext:
+        seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed * 131 + index)
         if m.policy == "truncate":
             policy = Truncate()
+        elif m.policy == "summary":
+            policy = Summarize(engine, tokenizer, seeded, m.summary_tokens)
         else:
             model = getattr(engine, "model", None)
             if m.importance == "policy" and model is None:
                 raise ConfigError("memory.importance='policy' scores chunks with the policy in this process: use "
                                   "rollout.engine='local', or memory.importance='recency'")
             importance = policy_scores(model, tokenizer.pad_token_id or 0) if m.importance == "policy" else recency
-            seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed * 131 + index)
             policy = MemoryDiffusion(engine, tokenizer, seeded, importance, m.allocate, m.keep_recent, m.floor)
         return MemoryContext(policy, m.budget, params.max_new_tokens, m.span_tokens)
 
