@@ -282,7 +282,7 @@ def test_refills_are_trained_as_actions_of_the_episode(tiny_engine):
     assert s.mask == [0] * len(refills[0].observation) + [1] * len(refills[0].action)  # the prompt is not trained
 
 
-@pytest.mark.parametrize("policy", ["diffusion", "summary"])
+@pytest.mark.parametrize("policy", ["diffusion", "summary", "retrieval"])
 def test_train_runs_the_policy_memories_on_the_ledger(tmp_path, policy):
     import json
     import subprocess
@@ -320,3 +320,66 @@ def test_summary_after_every_turn(tiny_engine):
     assert again.prompt == [1, 14] + summary + [22, 31, 32] + marker  # the last summary and the turn since
     with pytest.raises(ConfigError, match="memory.policy='keep' is invalid; allowed: none, truncate, summary, diffusion"):
         load_config(None, ['memory.policy="keep"'])
+
+
+def test_bm25_by_hand():
+    from trillora.memory import bm25
+
+    # N = 2 docs, term 3 in one: idf = ln(1 + 1.5 / 1.5) = ln 2; doc [2, 3, 3]: tf 2, |d| 3, avg 2.5
+    # 2 * 2.5 / (2 + 1.5 * (0.25 + 0.75 * 3 / 2.5)) = 5 / 3.725
+    assert bm25([3], [[1, 2], [2, 3, 3]]) == pytest.approx([0.0, 0.6931472 * 5 / 3.725])
+    assert bm25([9], [[1], [2]]) == [0.0, 0.0] and bm25([1], []) == []
+
+
+def test_recall_answers_from_what_truncation_dropped(tiny_engine):
+    from trillora.memory import Recall
+
+    _, tok = tiny_engine
+    text = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    m = MemoryContext(Recall(tok), budget=50, reserve=4)
+    task = text("remember:\n")
+    history = task + []
+    m.start(history)
+    for turn, fact in enumerate(["c=4 Q=1", "d=7 R=2", "e=1 S=3", "f=2 T=5"], start=1):  # 11 tokens a turn
+        history = history + text("ok") + text(f"\n{fact}\n")
+        m.step(text("ok"), history, turn)
+    assert m.rewrites > 0 and tok.decode(m.policy.store[0].tokens) == "ok\nc=4 Q=1\n"
+    seen = m.intercept(text("recall:c="), (tok.eos_token_id,), 4)
+    assert tok.decode(seen).endswith("recall:c=\n[recalled]\nok\nc=4 Q=1\n\n") and len(seen) + 4 <= 50
+    assert m.intercept(text("ok"), (), 5) is None  # not a call: the env takes the turn
+    assert m.full == history  # the env never saw the recall turn
+
+
+def test_a_recall_turn_is_answered_by_the_memory_not_the_env(tiny_engine):
+    """The real engine, with the policy's third turn replaced by a recall call (a policy that has
+    learnt the tool): the runner routes it to the memory, trains it as a turn, and the env goes on
+    as if it never happened."""
+    import dataclasses
+
+    from trillora.memory import Recall
+    from trillora.rollout import SamplingParams
+    from trillora.trainer.episodes import EpisodeLimits, run_episodes
+
+    engine, tok = tiny_engine
+    call = tok("recall:", add_special_tokens=False)["input_ids"] + [11]
+
+    class RecallsOnTurnThree:
+        def __init__(self):
+            self.calls = 0
+
+        def generate(self, prompts, n, params):
+            self.calls += 1
+            out = engine.generate(prompts, n, params)
+            if self.calls == 3:
+                out = [[dataclasses.replace(c, token_ids=call, logprobs=[-1.0] * len(call)) for c in row] for row in out]
+            return out
+
+    env = LongTalk(6)
+    limits = EpisodeLimits(max_turns=7, max_model_len=512, memory=lambda p, i: MemoryContext(Recall(tok), 30, 4))
+    (t,) = run_episodes(RecallsOnTurnThree(), [env], SamplingParams(max_new_tokens=4, temperature=1.0, seed=3), limits)
+    recalls = [k for k, x in enumerate(t.transitions) if "memory_recalls" in x.metrics]
+    assert recalls == [2] and t.transitions[2].action == call and len(t.transitions) == 7
+    assert env.left == 0 and t.stop_reason == "done"  # six env turns, plus the one the memory answered
+    answer = tok("\n[recalled]\n", add_special_tokens=False)["input_ids"]
+    after = t.transitions[3].observation
+    assert any(after[k:k + len(call) + len(answer)] == call + answer for k in range(len(after)))  # the policy sees it

@@ -251,9 +251,10 @@ class LoggingSection:
 class MemorySection:
     """The context a multi-turn episode keeps when its whole history would not fit (`trillora.memory`)."""
 
-    policy: Literal["none", "truncate", "summary", "diffusion"] = "none"
-    """"truncate": drop the oldest turns (the task, the first observation, stays); "summary": the
-    policy summarises the context after every turn; "diffusion": Memory Diffusion (mask ->
+    policy: Literal["none", "truncate", "retrieval", "summary", "diffusion"] = "none"
+    """"truncate": drop the oldest turns (the task, the first observation, stays); "retrieval":
+    truncate, and answer a turn starting "recall:" with the dropped chunk that best matches it
+    (BM25); "summary": the policy summarises the context after every turn; "diffusion": Memory Diffusion (mask ->
     allocate -> refill by the policy). Summaries and refills are trained with the episode's reward."""
     budget: int = 0
     """Tokens the policy may see at once, its next turn included; at most `rollout.max_model_len`."""

@@ -69,6 +69,15 @@ class MemoryContext:
         self.full = full
         return self._fit()
 
+    def intercept(self, action: list[int], stop: tuple[int, ...], turn: int) -> list[int] | None:
+        """A turn the memory answers itself (a `recall` call): the next context, or None for the env."""
+        answer_to = getattr(self.policy, "answer_to", None)
+        reply = answer_to(list(action), tuple(stop)) if answer_to is not None else None
+        if reply is None:
+            return None
+        self.chunks.append(Chunk(list(action) + reply, turn))  # the env never sees this turn
+        return self._fit()
+
     def take_refills(self) -> list:
         """What the policy sampled to rewrite the context since the last call (trained as actions)."""
         refills = getattr(self.policy, "refills", None)

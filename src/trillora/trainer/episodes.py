@@ -90,8 +90,14 @@ def run_episodes(engine: RolloutEngine, envs: list[Env], params: SamplingParams,
             seed = params.seed if params.seed is None or (turn, k) == (0, 0) else params.seed * 8191 + turn * 127 + k
             call = dataclasses.replace(params, stop_token_ids=stops, seed=seed)
             for i, c in _sample(engine, idx, obs, group_of, call):
-                result = _call(envs[i], "step", turn, limits, list(c.token_ids))
                 routes = c.routed_experts
+                answered = memory[i].intercept(c.token_ids, stops, turn + 1) if memory[i] is not None else None
+                if answered is not None:  # a `recall` turn: the memory answers, the env does not see it
+                    turns[i].append(Transition(obs[i], list(c.token_ids), list(c.logprobs), 0.0, False,
+                                               {"memory_recalls": 1.0}, routes))
+                    obs[i] = answered
+                    continue
+                result = _call(envs[i], "step", turn, limits, list(c.token_ids))
                 if isinstance(result, BaseException):
                     turns[i].append(Transition(obs[i], list(c.token_ids), list(c.logprobs), 0.0, True, {"env_error": 1.0},
                                                routes))

@@ -27,7 +27,7 @@ from ..tasks.task_env import TaskGroupBuilder
 from ..tasks.trajectory import merge_trajectory
 from .batch import TokenBatch, batch_from_samples, with_routes
 from ..errors import ConfigError
-from ..memory import MemoryContext, MemoryDiffusion, Summarize, Truncate, policy_scores, recency
+from ..memory import MemoryContext, MemoryDiffusion, Recall, Summarize, Truncate, policy_scores, recency
 from .episodes import EpisodeLimits, episode_metrics, run_groups
 
 
@@ -175,6 +175,8 @@ def memory_factory(m, engine, tokenizer):
         seeded = params if params.seed is None else dataclasses.replace(params, seed=params.seed * 131 + index)
         if m.policy == "truncate":
             policy = Truncate()
+        elif m.policy == "retrieval":
+            policy = Recall(tokenizer)
         elif m.policy == "summary":
             policy = Summarize(engine, tokenizer, seeded, m.summary_tokens)
         else:
