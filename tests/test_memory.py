@@ -295,7 +295,8 @@ def test_train_runs_the_policy_memories_on_the_ledger(tmp_path, policy):
                           "memory.budget=48"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads((tmp_path / "md" / "metrics.jsonl").read_text().splitlines()[1])
-    assert row["env/memory_rewrites"] > 0 and row["env/memory_refill_tokens"] > 0 and row["turns_mean"] == 8
+    assert row["env/memory_rewrites"] > 0 and row["turns_mean"] == 8
+    assert (row.get("env/memory_refill_tokens", 0) > 0) == (policy != "retrieval")  # only policies that write
 
 
 def test_summary_after_every_turn(tiny_engine):
