@@ -37,6 +37,24 @@ def test_the_default_job_table_is_the_results_file():
         assert row in README, row
 
 
+def test_the_default_job_text_is_the_results_files():
+    now, before = results("default_job.json")["runs"], results("default_job_lr2e-3.json")["runs"]
+
+    def span(runs, mode, key):
+        values = [r[key] for r in runs if r["mode"] == mode]
+        return min(values), max(values)
+
+    gain, lost, lost_all = span(now, "off", "gain_points"), span(now, "off", "retention_lost_points"), \
+        span(now, "all", "retention_lost_points")
+    flat = README.replace("\n", " ")
+    assert (f"+{gain[0]:.1f} to +{gain[1]:.1f} points in 150 steps of 256 completions, and at most {lost[1]:.1f} "
+            f"points of held-out reversal lost (with router replay: {lost_all[0]:.1f} to {lost_all[1]:.1f})") in flat
+    old_gain, old_lost = span(before, "off", "gain_points"), span(before, "off", "retention_lost_points")
+    assert (f"gained +{old_gain[0]:.1f} to +{old_gain[1]:.1f} but lost {old_lost[0]:.1f} to {old_lost[1]:.1f} points "
+            "of reversal") in flat
+    assert max(lost) <= 2.0 and min(gain) >= 25.0  # what the default job must keep (issue: retention)
+
+
 def test_the_agent_env_rows_are_the_results_file():
     r = results("agent_envs.json")["results"]
     calc, guess = r["calculator"], r["guessing"]
