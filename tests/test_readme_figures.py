@@ -209,7 +209,10 @@ def test_the_router_replay_table_is_its_results_file():
             .replace("e-0", "e-")) in README
     assert f"{off['mismatch_kl_k3'] / on['mismatch_kl_k3']:.1f}× lower on average" in README
     gains = [100 * (a - b) for a, b in zip(on["eval_accuracy_per_seed"], off["eval_accuracy_per_seed"])]
-    assert f"ends {min(gains):.1f}–{max(gains):.1f} points higher with replay" in README
+    accuracies = [100 * x for x in off["eval_accuracy_per_seed"] + on["eval_accuracy_per_seed"]]
+    assert (f"changes by {min(gains):+.1f} to {max(gains):+.1f} points with replay, within the spread between seeds "
+            f"({min(accuracies):.1f}–{max(accuracies):.1f}%)") in README.replace("\n", " ")
+    assert max(gains) - min(gains) >= 0 and max(abs(g) for g in gains) <= max(accuracies) - min(accuracies)
 
 
 def test_the_prose_figures_are_their_files():
@@ -256,3 +259,13 @@ def test_the_prose_figures_are_their_files():
     cook = results("cookbook_reward.json")
     assert f"{cook['sl']['seconds']:.0f} + {cook['rl']['seconds']:.0f} s on 2 cores" in flat
     assert f"from {cook['rl']['first_mean']:.3f} over the first 10 steps to {cook['rl']['last_mean']:.3f}" in flat
+
+
+def test_the_attention_targets_paragraph_is_its_results_files():
+    (att,) = results("default_job_attention.json")["runs"]
+    base = {(r["mode"], r["seed"]): r for r in results("default_job.json")["runs"]}["off", 0]
+    assert att["seed"] == 0 and "attention" in results("default_job_attention.json")["command"]
+    flat = README.replace("\n", " ")
+    assert (f"{pct(att['addition_after'])} (**{att['gain_points']:+.1f}**) against {pct(base['addition_after'])} "
+            f"(**{base['gain_points']:+.1f}**), reversal {pct(att['retention_after'])} against "
+            f"{pct(base['retention_after'])}") in flat
