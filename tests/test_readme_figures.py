@@ -269,3 +269,20 @@ def test_the_attention_targets_paragraph_is_its_results_files():
     assert (f"{pct(att['addition_after'])} (**{att['gain_points']:+.1f}**) against {pct(base['addition_after'])} "
             f"(**{base['gain_points']:+.1f}**), reversal {pct(att['retention_after'])} against "
             f"{pct(base['retention_after'])}") in flat
+
+
+def test_the_info_table_is_what_trillora_info_counts():
+    from trillora.models.params import count_params, resolve_args
+
+    def three(x: float) -> str:
+        return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+    def size(b: float) -> str:
+        return f"{b / 2**40:.2f} TiB" if b >= 2**40 else f"{three(b / 2**30)} GiB"
+
+    for name in ("kimi-k2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b"):
+        c = count_params(resolve_args(name))
+        total = f"{c.total / 1e12:.3f}T" if c.total >= 1e12 else f"{c.total / 1e9:.1f}B" if c.total >= 1e11 \
+            else f"{c.total / 1e9:.2f}B"
+        row = f"| {name} | {total} | {c.activated / 1e9:.2f}B | {size(c.bytes_bf16())} | {size(c.bytes_fp8())} |"
+        assert row in README, row
