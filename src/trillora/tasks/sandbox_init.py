@@ -83,7 +83,7 @@ def build_root(spec: dict, as_root: bool) -> None:
     new = spec["root"]
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates back to the host
     _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-    visible = ["/usr"] + [p for p in spec["python_dirs"] if not p.startswith("/usr/")]
+    visible = ["/usr"] + [p for p in spec["python_dirs"] if p != "/usr" and not p.startswith("/usr/")]
     for top in ("bin", "lib", "lib64", "sbin"):  # merged /usr: symlinks; otherwise read-only binds
         host = "/" + top
         if os.path.islink(host):
