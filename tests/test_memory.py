@@ -319,7 +319,7 @@ def test_summary_after_every_turn(tiny_engine):
     m.step([23], [1, 14, 20, 21, 30, 22, 31, 32, 23, 33], 3)
     (again,) = m.take_refills()
     assert again.prompt == [1, 14] + summary + [22, 31, 32] + marker  # the last summary and the turn since
-    with pytest.raises(ConfigError, match="memory.policy='keep' is invalid; allowed: none, truncate, summary, diffusion"):
+    with pytest.raises(ConfigError, match="memory.policy='keep' is invalid; allowed: none, truncate, retrieval, summary, diffusion"):
         load_config(None, ['memory.policy="keep"'])
 
 
