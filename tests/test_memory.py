@@ -384,3 +384,37 @@ def test_a_recall_turn_is_answered_by_the_memory_not_the_env(tiny_engine):
     answer = tok("\n[recalled]\n", add_special_tokens=False)["input_ids"]
     after = t.transitions[3].observation
     assert any(after[k:k + len(call) + len(answer)] == call + answer for k in range(len(after)))  # the policy sees it
+
+
+def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint(tmp_path):
+    """A supervised transcript is token for token what the env shows a policy that answers "ok" and
+    then the value; `python -m trillora.tiny build-memory` writes a loadable checkpoint and its report."""
+    import json
+    import random
+    import subprocess
+    import sys
+
+    from trillora.checkpoint import load_model, load_tokenizer
+    from trillora.tasks.ledger import LedgerEnv, ledger
+    from trillora.tiny.memory import transcript
+
+    tok = load_tokenizer("tiny-moe")
+    ids, mask = transcript(tok, random.Random(7))
+    rng = random.Random(7)
+    facts = rng.randint(1, 8)
+    lines, key, value = ledger(rng, facts, rng.randint(0, 3), facts)
+    env = LedgerEnv(lines, key, value, tok)
+    seen, _ = env.initial_observation()
+    ok = tok("ok", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    for _ in range(facts + 1):
+        seen = env.step(ok).next_observation
+    answer = tok(str(value), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert ids == seen + answer and env.step(answer).reward == 1.0
+    assert [t for t, m in zip(ids, mask) if m] == ok * (facts + 1) + answer  # only the policy's tokens are trained
+
+    out = subprocess.run([sys.executable, "-m", "trillora.tiny", "build-memory", str(tmp_path / "m"), "--max-steps", "2"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "m" / "pretrain_report.json").read_text())
+    assert report["steps"] == 2 and report["init_from"] == "tiny-moe" and 0.0 <= report["history"][-1]["ledger_success"] <= 1
+    assert load_model(tmp_path / "m").args.vocab_size == 100

@@ -1,4 +1,4 @@
-"""`python -m trillora.tiny build [OUT]` / `python -m trillora.tiny random OUT`."""
+"""`python -m trillora.tiny build [OUT]` / `build-chat [OUT]` / `build-memory OUT` / `random OUT`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("out", type=Path, nargs="?", default=None)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--max-steps", type=int, default=1500)
+    m = sub.add_parser("build-memory", help="tiny-moe taught to read a ledger (the starting point for memory "
+                                           "benchmarks); written to OUT, not into the package")
+    m.add_argument("out", type=Path)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--max-steps", type=int, default=2000)
+    m.add_argument("--target-success", type=float, default=0.8)
     r = sub.add_parser("random", help="random weights, same architecture and tokenizer")
     r.add_argument("out", type=Path)
     r.add_argument("--seed", type=int, default=0)
@@ -31,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "random":
         print(write_random_checkpoint(args.out, seed=args.seed, dense=args.dense, chat=args.chat))
         return 0
-    if args.command == "build-chat":
+    if args.command == "build-memory":
+        from .memory import pretrain_memory
+
+        out = args.out
+        report = pretrain_memory(out, seed=args.seed, max_steps=args.max_steps, target_success=args.target_success)
+    elif args.command == "build-chat":
         from .chat import pretrain_chat
 
         out = args.out or resolve_model_path("tiny-moe-chat")
