@@ -418,3 +418,23 @@ def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint
     report = json.loads((tmp_path / "m" / "pretrain_report.json").read_text())
     assert report["steps"] == 2 and report["init_from"] == "tiny-moe" and 0.0 <= report["history"][-1]["ledger_success"] <= 1
     assert load_model(tmp_path / "m").args.vocab_size == 100
+
+
+def test_the_memory_budget_benchmark_runs_every_policy(tmp_path):
+    """`benchmarks/memory_budget.py` at a small size: every policy at one budget, the whole-context
+    reference, tokens processed (the summary, rewriting every turn, reads the most), a plot."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "mb.json"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_budget.py"
+    run = subprocess.run([sys.executable, str(bench), "--model", "tiny-moe", "--seeds", "0", "--episodes", "4",
+                          "--fractions", "0.5", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = {r["policy"]: r for r in report["rows"]}
+    assert set(rows) == {"truncate", "retrieval", "summary", "diffusion"} and out.with_suffix(".png").exists()
+    assert all(r["budget"] == int(report["episode_tokens"] * 0.5) for r in rows.values())
+    assert rows["summary"]["tokens_processed"] > rows["truncate"]["tokens_processed"]

@@ -1,0 +1,118 @@
+"""Success on the ledger against the memory budget, for each memory policy (before any RL).
+
+    python benchmarks/memory_budget.py --model runs/tiny-moe-memory [--seeds 0 1 2] [--episodes 64]
+
+`--model`: a checkpoint that can read a ledger (`python -m trillora.tiny build-memory OUT`; the
+shipped models cannot, so every memory would score noise). Each held-out ledger (6 facts, 3
+distractors, the question about one of the first two) is played at T = 1 with the whole context,
+then at 1/2, 1/4 and 1/8 of the mean whole-episode length under truncation, retrieval (BM25
+`recall:`), a summary after every turn, and Memory Diffusion (policy importance, proportional).
+Reported per policy and budget: success (mean and per seed) and the tokens processed per episode
+(every call's context read plus the tokens written: turns, refills, summaries; the importance
+scorer's forwards are not counted). Writes benchmarks/results/memory_budget.json and a PNG.
+Memory Diffusion after RL is not measured yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from trillora.checkpoint import load_model, load_tokenizer
+from trillora.config import MemorySection
+from trillora.rollout import LocalEngine, SamplingParams
+from trillora.tasks.ledger import dataset
+from trillora.trainer.episodes import EpisodeLimits, run_groups
+from trillora.trainer.sampler import memory_factory
+
+RESULTS = Path(__file__).resolve().parent / "results"
+POLICIES = ("truncate", "retrieval", "summary", "diffusion")
+FACTS, DISTRACTORS, NEW_TOKENS = 6, 3, 4
+
+
+def play(engine, tokenizer, episodes: int, seed: int, memory: MemorySection | None) -> dict:
+    ds = dataset(tokenizer, 1, 1, episodes, 0, facts=FACTS, distractors=DISTRACTORS, asked_from=2)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=seed,
+                            stop_token_ids=(tokenizer.eos_token_id,))
+    limits = EpisodeLimits(max_turns=FACTS + 2, max_model_len=engine.model.args.max_position_embeddings,
+                           memory=memory_factory(memory, engine, tokenizer) if memory else None)
+    groups = run_groups(engine, ds.eval_batch(), params, limits)
+    trajectories = [t for g in groups for t in g.trajectories]
+    rewards = [r for g in groups for r in g.total_rewards()]
+    processed = [sum(len(x.observation) + len(x.action) for x in t.transitions) for t in trajectories]
+    longest = [max(len(x.observation) + len(x.action) for x in t.transitions) for t in trajectories]
+    return {"success": statistics.fmean(rewards), "tokens_processed": statistics.fmean(processed),
+            "longest_context": statistics.fmean(longest)}
+
+
+def plot(rows: list[dict], full: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for policy in POLICIES:
+        pts = sorted((r["fraction"], r["success"]) for r in rows if r["policy"] == policy)
+        ax.plot(*zip(*pts), marker="o", label=policy)
+    ax.axhline(full, color="gray", ls="--", label="whole context")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("memory budget / whole episode")
+    ax.set_ylabel("ledger success (T=1)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--episodes", type=int, default=64)
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    p.add_argument("--out", type=Path, default=RESULTS / "memory_budget.json")
+    a = p.parse_args()
+    tokenizer = load_tokenizer(a.model)
+    engine = LocalEngine(load_model(a.model), precision="fp32")
+    console = Console(width=120)
+    with console.status("the whole context"):
+        whole = [play(engine, tokenizer, a.episodes, s, None) for s in a.seeds]
+    length = statistics.fmean(w["longest_context"] for w in whole)
+    rows = []
+    with console.status("memories") as status:
+        for fraction in a.fractions:
+            budget = max(int(length * fraction), NEW_TOKENS + 1)
+            for policy in POLICIES:
+                status.update(f"{policy} at {fraction:g} ({budget} tokens)")
+                runs = [play(engine, tokenizer, a.episodes, s, MemorySection(policy=policy, budget=budget))
+                        for s in a.seeds]
+                rows.append({"policy": policy, "fraction": fraction, "budget": budget,
+                             "success": statistics.fmean(r["success"] for r in runs),
+                             "success_per_seed": [r["success"] for r in runs],
+                             "tokens_processed": statistics.fmean(r["tokens_processed"] for r in runs)})
+    full = statistics.fmean(w["success"] for w in whole)
+    table = Table(title=f"ledger success vs memory budget (whole episode ≈ {length:.0f} tokens; whole context: {full:.3f})")
+    for col in ("policy", "budget", "success (per seed)", "tokens processed / episode"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["policy"], f"{r['fraction']:g} ({r['budget']})",
+                      f"{r['success']:.3f} ({', '.join(f'{x:.2f}' for x in r['success_per_seed'])})",
+                      f"{r['tokens_processed']:.0f}")
+    console.print(table)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"command": "python benchmarks/memory_budget.py --model <build-memory output>",
+                                 "episode_tokens": length, "whole_context": {
+                                     "success": full, "success_per_seed": [w["success"] for w in whole],
+                                     "tokens_processed": statistics.fmean(w["tokens_processed"] for w in whole)},
+                                 "rows": rows}, indent=2))
+    plot(rows, full, a.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
