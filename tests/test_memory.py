@@ -399,7 +399,7 @@ def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint
     from trillora.tiny.memory import transcript
 
     tok = load_tokenizer("tiny-moe")
-    ids, mask = transcript(tok, random.Random(7))
+    ids, mask = transcript(tok, random.Random(7), more_questions=False)
     rng = random.Random(7)
     facts = rng.randint(1, 8)
     lines, key, value = ledger(rng, facts, rng.randint(0, 3), facts)
@@ -411,6 +411,13 @@ def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint
     answer = tok(str(value), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert ids == seen + answer and env.step(answer).reward == 1.0
     assert [t for t, m in zip(ids, mask) if m] == ok * (facts + 1) + answer  # only the policy's tokens are trained
+    more, more_mask = transcript(tok, random.Random(7))  # then every other fact is asked, answers trained
+    assert more[:len(ids)] == ids and more_mask[:len(ids)] == mask
+    asked = tok.decode(more[len(ids):]).replace(tok.eos_token, "|")
+    values = dict(p.split("=") for line in lines for p in line.split() if p.islower() or p[0].islower())
+    pairs = [q.strip().split("?") for q in asked.split("|") if q.strip()]
+    assert sorted(k for k, _ in pairs) == sorted(set(values) - {key}) and all(values[k] == v for k, v in pairs)
+    assert sum(more_mask[len(ids):]) == 2 * (len(values) - 1)  # a digit and the stop token per question
 
     out = subprocess.run([sys.executable, "-m", "trillora.tiny", "build-memory", str(tmp_path / "m"), "--max-steps", "2"],
                          capture_output=True, text=True, timeout=600)

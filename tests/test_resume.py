@@ -137,8 +137,8 @@ def test_sigkill_ten_times_then_resume_ends_bit_identical(tmp_path):
     assert_same(*last)  # AdamW state and the torch RNG too
     one = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     two = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r.get("loss"), r.get("eval_accuracy")) for r in one] == \
-           [(r["step"], r.get("loss"), r.get("eval_accuracy")) for r in two]
+    assert [(r["step"], r.get("loss"), r.get("eval_accuracy"), r.get("flops_total")) for r in one] == \
+           [(r["step"], r.get("loss"), r.get("eval_accuracy"), r.get("flops_total")) for r in two]  # FLOPs carry over
 
 
 @pytest.mark.parametrize("overrides", [("parallel.dp=2",), ("parallel.ep=2",), ("parallel.pp=2",)],

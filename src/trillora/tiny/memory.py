@@ -22,9 +22,10 @@ import torch
 from ..checkpoint import load_model, load_tokenizer, save_model
 
 
-def transcript(tokenizer, rng: random.Random) -> tuple[list[int], list[int]]:
-    """One episode as the env shows it, and which tokens are the policy's (1)."""
-    from ..tasks.ledger import ledger
+def transcript(tokenizer, rng: random.Random, more_questions: bool = True) -> tuple[list[int], list[int]]:
+    """One episode as the env shows it (then, with `more_questions`, every other fact asked too), and
+    which tokens are the policy's (1)."""
+    from ..tasks.ledger import KEYS, ledger
     from ..tasks.prompts import encode_prompt
 
     def text(s: str) -> list[int]:
@@ -38,7 +39,17 @@ def transcript(tokenizer, rng: random.Random) -> tuple[list[int], list[int]]:
     for shown in [f"\n{line}\n" for line in lines] + [f"\n{key}?"]:
         ids, mask = ids + ok + text(shown), mask + [1] * len(ok) + [0] * len(text(shown))
     answer = text(str(value)) + [tokenizer.eos_token_id]
-    return ids + answer, mask + [1] * len(answer)
+    ids, mask = ids + answer, mask + [1] * len(answer)
+    if not more_questions:
+        return ids, mask
+    # After the env's question (where its episode ends), every other fact is asked too, in random
+    # order: one answer digit per row teaches recall too slowly; the first answer is conditioned
+    # on exactly what the env shows, so nothing after it changes what is learned for it.
+    kept = dict(part.split("=") for line in lines for part in line.split() if part[0] in KEYS)
+    for other in rng.sample(sorted(set(kept) - {key}), len(kept) - 1):
+        asked, answer = text(f"\n{other}?"), text(kept[other]) + [tokenizer.eos_token_id]
+        ids, mask = ids + asked + answer, mask + [0] * len(asked) + [1] * len(answer)
+    return ids, mask
 
 
 def ledger_success(model, tokenizer, n: int = 64, facts: int = 6, distractors: int = 3) -> float:
@@ -84,6 +95,7 @@ def pretrain_memory(out: str | Path, seed: int = 0, batch: int = 64, max_steps: 
                 last = ledger_success(model, tokenizer)
                 model.train()
                 history.append({"step": step, "loss": loss.item(), "ledger_success": last})
+                bar.console.print(f"step {step}: loss {loss.item():.3f}, held-out ledger success {last:.3f}")
                 if last >= target_success:
                     break
     model.eval()

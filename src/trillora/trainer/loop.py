@@ -36,6 +36,7 @@ from ..tasks.prompts import encode_problem
 from .checkpoints import RunCheckpoints
 from .engine import check_engine, make_engine
 from .evaluate import evaluate, evaluate_envs
+from .flops import ModelFlops
 from .sampler import Sampler
 from .signals import StopSignal
 from .tracking import Trackers
@@ -71,6 +72,7 @@ class Trainer:
         check_tokenizer_fits(self.tokenizer, self.model.args.vocab_size, cfg.model.path)
         self.cfg = cfg = fit_context(cfg, self.model.args.max_position_embeddings)
         lora.apply_lora(self.model, cfg.lora)
+        self.flops = ModelFlops.of(self.model)  # counted unsharded, before any parallel plan applies
         # `full`: the unsharded model the engine and the export read (the model itself in one process)
         self.full = copy.deepcopy(self.model) if launched() else self.model
         self.world = World.start(self.model, cfg, self.device)
@@ -96,7 +98,8 @@ class Trainer:
         routing = cfg.algorithm.router_replay != "off" or cfg.algorithm.routing_metrics
         pad = self.tokenizer.pad_token_id or 0
         self.engine = make_engine(cfg, self.full, self.device, pad, routing) if self.world.main else None
-        self.sampler = Sampler(cfg, self.engine, self.tokenizer, self.task, self.reward, self.device, routing, self.envs)
+        self.sampler = Sampler(cfg, self.engine, self.tokenizer, self.task, self.reward, self.device, routing, self.envs,
+                               self.flops)
 
     @property
     def reward_failures(self) -> int:
@@ -154,6 +157,8 @@ class Trainer:
             advantages = rl.group_advantages(rollout.rewards, a.advantage, a.normalize_std).reshape(-1)  # [P·G]
             advantages = advantages[rollout.trajectory_of.to(advantages.device)]  # [B]: each row its trajectory's
             metrics = self.update(dataclasses.replace(rollout.tokens, advantages=advantages))
+            metrics["flops_train"] = self.flops.train_step(rollout.row_lengths, a.epochs, a.epochs * a.minibatches > 1,
+                                                           a.kl_coef > 0)
         t2 = time.perf_counter()
         with record_function("trillora.sync"):
             worker = self.sampler.worker
@@ -181,11 +186,13 @@ class Trainer:
         state = {}  # the accuracies so far, kept in checkpoints (rank 0)
         if resumed is not None:  # the metrics so far come back with the checkpoint
             state = {k: resumed.state[k] for k in ("eval_before", "retention_before", "accuracy", "retention_after")}
+            state["flops_total"] = resumed.state.get("flops_total", 0.0)
             if main:
                 metrics_file.write_text(checkpoints.metrics_of(resumed))
         elif main:
             before, retention = self._evaluate_all()
-            state = {"eval_before": before, "retention_before": retention, "accuracy": before, "retention_after": retention}
+            state = {"eval_before": before, "retention_before": retention, "accuracy": before, "retention_after": retention,
+                     "flops_total": 0.0}
             initial = {"step": 0, "eval_accuracy": before, **({"retention_accuracy": retention} if self.retention else {})}
             metrics_file.write_text(json.dumps(initial) + "\n")  # the start of the accuracy curves
             self.trackers.log(initial, 0)
@@ -229,6 +236,8 @@ class Trainer:
                 state["retention_after"] = row["retention_accuracy"] = retention
             row["eval_seconds"] = time.perf_counter() - t3
             row["step_seconds"] += row["eval_seconds"]
+        state["flops_total"] += row.get("flops_rollout", 0.0) + row["flops_train"]  # the run's so far
+        row["flops_total"] = state["flops_total"]
         with open(metrics_file, "a") as log:
             log.write(json.dumps(row) + "\n")
         self.trackers.log(row, row["step"])
@@ -246,7 +255,7 @@ class Trainer:
         summary = {
             "eval_before": state["eval_before"], "eval_after": state["accuracy"],
             "retention_before": state["retention_before"], "retention_after": state["retention_after"],
-            "steps": cfg.steps, "seconds": time.perf_counter() - start,
+            "steps": cfg.steps, "seconds": time.perf_counter() - start, "flops_total": state["flops_total"],
             "skipped_updates": self.update.skipped_updates,
             "reward_failures": self.reward_failures,
             "dataset_rows_skipped": len(getattr(self.task, "skipped", [])),

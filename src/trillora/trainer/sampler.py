@@ -29,6 +29,7 @@ from .batch import TokenBatch, batch_from_samples, with_routes
 from ..errors import ConfigError
 from ..memory import MemoryContext, MemoryDiffusion, Recall, Summarize, Truncate, policy_scores, recency
 from .episodes import EpisodeLimits, episode_metrics, run_groups
+from .flops import ModelFlops, rollout_flops
 
 
 @dataclass
@@ -40,6 +41,7 @@ class RolloutBatch:
     trajectory_of: torch.Tensor  # [B] the flat trajectory (p·G + g) each row comes from
     groups: list[TrajectoryGroup]  # P
     stats: dict[str, float] = field(default_factory=dict)  # logged with the step
+    row_lengths: list[int] = field(default_factory=list)  # [B] tokens of each row, padding left out
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,10 @@ class Request:
 
 class Sampler:
     def __init__(self, cfg, engine, tokenizer, task: Task | None, reward: GuardedReward | None, device: torch.device,
-                 routing: bool, envs: EnvDataset | None = None):
-        """Samples `task`'s problems as one-turn envs, or the groups of `envs` (user envs, several turns)."""
+                 routing: bool, envs: EnvDataset | None = None, flops: ModelFlops | None = None):
+        """Samples `task`'s problems as one-turn envs, or the groups of `envs` (user envs, several turns);
+        with `flops`, every engine call of a step is counted (`flops_rollout`)."""
+        self.flops = flops
         self.rollout, self.algorithm, self.seed = cfg.rollout, cfg.algorithm, cfg.seed
         self.engine, self.tokenizer, self.task, self.reward, self.envs = engine, tokenizer, task, reward, envs
         self.device, self.routing = device, routing
@@ -126,6 +130,8 @@ class Sampler:
                          groups_padded=float(padded))
         if self.envs is not None:
             stats.update(episode_metrics(groups))
+        if self.flops is not None:  # every round sampled, the groups dynamic sampling dropped too
+            stats["flops_rollout"] = sum(rollout_flops(self.flops, x[0]) for x in rounds)
         return self._batch(groups, rewards, stats)
 
     def _env_params(self, step: int) -> SamplingParams:
@@ -162,7 +168,8 @@ class Sampler:
                 raise ValueError("router replay needs one routed turn per training row (single-turn samples from an "
                                  "engine that returns routing)")
             tokens = with_routes(tokens, routes)
-        return RolloutBatch(tokens, rewards, torch.tensor(trajectory_of, device=self.device), groups, stats)
+        return RolloutBatch(tokens, rewards, torch.tensor(trajectory_of, device=self.device), groups, stats,
+                            [len(s.tokens) for s in samples])
 
 
 def memory_factory(m, engine, tokenizer):

@@ -1,0 +1,102 @@
+"""FLOP accounting of an RL run (`trillora.trainer.flops`): the per-token constants of tiny-moe
+counted by hand, each pass's formula on small lengths, and the trainer's metrics.jsonl columns."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from trillora import lora
+from trillora.checkpoint import load_model
+from trillora.config import load_config
+from trillora.models import build_model
+from trillora.trainer import Trainer
+from trillora.trainer.flops import ModelFlops, attention_width, pairs, rollout_flops
+from conftest import SMALL_RUN
+
+# tiny-moe: hidden 128, 4 layers, 4 heads × 32 (2 kv heads), 8 experts (top 2) of width 64, vocab 100
+ATTENTION = 128 * 128 + 64 * 128 + 64 * 128 + 128 * 128  # q, k, v, o = 49152
+ROUTER = 8 * 128
+EXPERTS = 2 * (128 * 128 + 128 * 64)  # two routed experts' gate+up [128, 128] and down [128, 64] = 49152
+HEAD = 100 * 128
+FROZEN = 2 * (4 * (ATTENTION + ROUTER + EXPERTS) + HEAD)  # 820224
+# rank 4: A [4, in] and B [out, 4] on q, k, v, o; per expert gate, up (128 → 64) and down (64 → 128)
+LORA_ATTENTION = (4 * 128 + 128 * 4) + 2 * (4 * 128 + 64 * 4) + (4 * 128 + 128 * 4)  # 3584
+LORA_EXPERTS = 2 * (2 * (4 * 128 + 64 * 4) + (4 * 64 + 128 * 4))  # two experts × 2304 = 4608
+TRAINED = 2 * 4 * (LORA_ATTENTION + LORA_EXPERTS)  # 65536
+PAIR = 2 * 4 * 4 * (32 + 32)  # q·k and the weighted v, per head and layer: 2048
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = load_model("tiny-moe")
+    lora.apply_lora(model, lora.LoraConfig(rank=4))
+    return ModelFlops.of(model)
+
+
+def test_tiny_moe_constants_match_a_hand_count(tiny):
+    assert (FROZEN, TRAINED) == (820224, 65536)
+    assert tiny == ModelFlops(frozen=FROZEN, trained=TRAINED, head=2 * HEAD, adapter=TRAINED, attention=PAIR)
+
+
+def test_each_pass_by_hand(tiny):
+    w = FROZEN + TRAINED  # 885760
+    assert pairs(1) == 1 and pairs(5) == 15
+    # a 10-token prompt writing 3 tokens feeds 12 positions; the head runs at the 3 it samples from
+    assert tiny.sample(10, 3) == (w - 2 * HEAD) * 12 + 2 * HEAD * 3 + PAIR * 78 == 10558464
+    assert tiny.forward(5) == w * 5 + PAIR * 15 == 4459520
+    assert tiny.forward(5, adapters=False) == FROZEN * 5 + PAIR * 15  # the reference pass: no adapters
+    # backward: the input gradient (one forward's worth) and weight gradients for the adapters only
+    assert tiny.backward(5) == (w + TRAINED) * 5 + 2 * PAIR * 15 == 4817920
+    # two epochs of forward + backward, the proximal logprob pass, the reference pass
+    assert tiny.train_step([5], epochs=2, proximal=True, reference=True) == 27146240
+    assert tiny.train_step([5, 5], epochs=1, proximal=False, reference=False) == 2 * (4459520 + 4817920)
+
+
+def test_full_parameter_training_counts_every_weight_gradient_and_a_tied_head_once():
+    model = load_model("tiny-moe")  # nothing frozen: full-parameter training
+    full = ModelFlops.of(model)
+    assert (full.frozen, full.trained, full.adapter) == (0, FROZEN, 0)
+    assert full.backward(5) == 2 * FROZEN * 5 + 2 * PAIR * 15
+    tied = build_model(dataclasses.replace(model.args, tie_word_embeddings=True), device="meta")
+    for p in tied.parameters():
+        p.requires_grad_(False)
+    assert ModelFlops.of(tied).frozen == FROZEN  # the embedding is a lookup; its tied head is the matmul
+    mla = dataclasses.replace(model.args, kv_lora_rank=16, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=20)
+    assert attention_width(mla) == 52 and attention_width(model.args) == 64
+
+
+def test_a_run_logs_rollout_train_and_cumulative_flops(tmp_path):
+    """metrics.jsonl per step: every engine call (all dynamic-sampling rounds, dropped groups too)
+    and the update's passes (2 epochs × 2 minibatches: a proximal pass first)."""
+    cfg = load_config(None, [f"out_dir={tmp_path}", *SMALL_RUN, "steps=2", "eval_every=2", "name=f",
+                             "rollout.prompts_per_step=4", "algorithm.epochs=2", "algorithm.minibatches=2",
+                             "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3"])
+    trainer = Trainer(cfg)
+    seen = []
+    sample = trainer.sampler.sample
+
+    def recorded(step):
+        batch = sample(step)
+        seen.append(batch)
+        return batch
+
+    trainer.sampler.sample = recorded
+    trainer.run()
+    rows = [json.loads(x) for x in (tmp_path / "f" / "metrics.jsonl").read_text().splitlines()][1:]
+    total = 0.0
+    for row, batch in zip(rows, seen, strict=True):
+        kept = rollout_flops(trainer.flops, batch.groups)
+        assert row["flops_rollout"] >= kept > 0
+        if batch.stats.get("groups_dropped", 0) > 0:
+            assert row["flops_rollout"] > kept  # the dropped groups were sampled too
+        lengths = [len(x.observation) + len(x.action) for g in batch.groups for t in g.trajectories
+                   for x in t.transitions]  # single turn: a row is its prompt and completion
+        assert sorted(batch.row_lengths) == sorted(lengths)
+        assert row["flops_train"] == trainer.flops.train_step(lengths, 2, True, False)
+        total += row["flops_rollout"] + row["flops_train"]
+        assert row["flops_total"] == pytest.approx(total, rel=1e-12)
+    summary = json.loads((tmp_path / "f" / "summary.json").read_text())
+    assert summary["flops_total"] == rows[-1]["flops_total"]
