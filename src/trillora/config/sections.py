@@ -291,6 +291,10 @@ class TrainConfig:
     eval_every: int = 25
     device: Literal["auto", "cpu", "cuda"] = "auto"
     model: ModelSection = field(default_factory=ModelSection)
+    finetune: Literal["lora", "full"] = "lora"
+    """What the update trains: the adapters of `[lora]`, or every weight of the model ("full":
+    full-parameter RL, the other arm of a compute-matched comparison; one process, the local
+    engine, no KL term, and the run exports `model/` instead of `adapter/`)."""
     lora: LoraConfig = field(default_factory=lambda: LoraConfig(rank=8, alpha=16.0, targets=FFN_TARGETS))
     """The default job adapts the feed-forward side (dense MLPs, shared and routed experts); with
     attention adapters too it gained a little more on one seed at the same retention (README)."""
@@ -316,6 +320,10 @@ class TrainConfig:
             section.validate()
         a, r = self.algorithm, self.rollout
         self.memory.validate(r.max_new_tokens, r.max_model_len)
+        if self.finetune == "full" and (r.engine != "local" or a.kl_coef > 0):
+            raise ConfigError(f"finetune='full' trains every weight: it needs rollout.engine='local' (got {r.engine!r}; "
+                              f"the others sync adapters) and algorithm.kl_coef=0 (got {a.kl_coef}; the reference "
+                              f"would be a second frozen copy of the model)")
         if self.memory.policy != "none" and self.task.name != "env":
             raise ConfigError("memory.policy needs multi-turn episodes: task.name='env'")
         if (a.router_replay != "off" or a.routing_metrics) and r.engine == "openai":

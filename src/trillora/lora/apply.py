@@ -86,6 +86,12 @@ def lora_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
             yield name, p
 
 
+def trained_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """What the optimizer steps: the adapters once applied, else every weight (full-parameter training)."""
+    adapters = list(lora_parameters(model))
+    return adapters or list(model.named_parameters())
+
+
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in lora_parameters(model)}
 

@@ -58,7 +58,7 @@ class Parallelized:
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = None) -> Parallelized:
-    if getattr(model, "lora_config", None) is None:
+    if getattr(model, "lora_config", None) is None and dims.world_size > 1:  # one process: full training may run
         raise ParallelError("apply LoRA before parallelize(): adapters are placed with their base layers")
     if dims.dp < 1:
         raise ParallelError(f"parallel.dp={dims.dp}: resolve it for the world first (ParallelDims.for_world)")

@@ -75,23 +75,31 @@ class LocalEngine:
 
     @torch.no_grad()
     def _copy_all(self, model: nn.Module) -> None:
-        own = self.model.state_dict()
+        self._copy_base(model)
+        self.sync(model)
+
+    def _copy_base(self, model: nn.Module) -> int:
+        """Every weight but the adapters; the bytes written."""
+        own, sent = self.model.state_dict(), 0
         for name, t in model.state_dict().items():
             if name.rpartition(".")[2].startswith("lora_"):
                 continue
             if name.endswith("e_score_correction_bias"):
                 own[name].copy_(t)  # routing bias stays exact: it only steers the choice
             else:
-                self._store(own[name], t)
-        self.sync(model)
+                sent += self._store(own[name], t)
+        return sent
 
     @torch.no_grad()
     def sync(self, model: nn.Module) -> dict[str, float]:
-        """Write base + scaling·B·A into every tensor an adapter touches (merged sync)."""
+        """Write base + scaling·B·A into every tensor an adapter touches (merged sync); every weight when
+        the model has no adapters (full-parameter training)."""
         start, sent = time.perf_counter(), 0
         self._kept = None  # keys and values of the old weights
         if self.precision == "shared":
             return {"sync_bytes": 0.0, "sync_seconds": time.perf_counter() - start}  # it samples with `model` itself
+        if not any(True for _ in lora_modules(model)):  # full-parameter training: every weight moved
+            return {"sync_bytes": float(self._copy_base(model)), "sync_seconds": time.perf_counter() - start}
         for name, m in lora_modules(model):
             for tensor_name, delta in m.delta().items():
                 base = getattr(m, tensor_name)

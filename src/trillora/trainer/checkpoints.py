@@ -60,7 +60,7 @@ class RunCheckpoints:
         if state["layout"] != t.world.layout():
             raise ConfigError(f"{found.path} was written by a run with layout {state['layout']}; this run has "
                               f"{t.world.layout()}: resume with the same torchrun size and parallel settings")
-        params = dict(lora.lora_parameters(t.model))
+        params = dict(lora.trained_parameters(t.model))
         train_state.restore_rank_tensors(tensors, params, t.opt, found.path / f"rank-{self.rank}.safetensors")
         train_state.restore_python_rng(state["rng"])
         t.update.skipped_updates, t.update.nonfinite_in_a_row = state["skipped_updates"], state["nonfinite_in_a_row"]
@@ -82,13 +82,14 @@ class RunCheckpoints:
     def save(self, step: int, run_state: dict, metrics_file: Path | None) -> Path | None:
         """All ranks: write this rank's file; rank 0 then commits the checkpoint of `step` done steps."""
         t = self.t
-        params = dict(lora.lora_parameters(t.model))
+        params = dict(lora.trained_parameters(t.model))
         train_state.write_rank_file(self.root, step, self.rank, train_state.rank_tensors(params, t.opt))
         t.world.barrier()
         path = None
         if t.world.main:
             part = train_state.partial_dir(self.root, step)
-            lora.save_adapter(t.full, part / "adapter", expert_layout="per_expert")  # synced after the step
+            if t.cfg.finetune == "lora":  # full training: the rank file holds the weights
+                lora.save_adapter(t.full, part / "adapter", expert_layout="per_expert")  # synced after the step
             state = {"step": step, "rng": train_state.python_rng_state(), "skipped_updates": t.update.skipped_updates,
                      "nonfinite_in_a_row": t.update.nonfinite_in_a_row, "reward_failures": t.reward_failures,
                      "layout": t.world.layout(), **run_state}

@@ -25,7 +25,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.profiler import record_function
 
 from .. import lora, rl
-from ..checkpoint import check_tokenizer_fits, load_model, load_tokenizer, resolve_model_path
+from ..checkpoint import check_tokenizer_fits, load_model, load_tokenizer, resolve_model_path, save_model
 from ..checkpoint.hf import EXPERT_LAYOUTS
 from ..config import TrainConfig, to_toml
 from ..errors import ConfigError, TrainingDiverged
@@ -71,7 +71,10 @@ class Trainer:
         self.model = load_model(cfg.model.path, dtype=dtype, device=self.device)
         check_tokenizer_fits(self.tokenizer, self.model.args.vocab_size, cfg.model.path)
         self.cfg = cfg = fit_context(cfg, self.model.args.max_position_embeddings)
-        lora.apply_lora(self.model, cfg.lora)
+        if cfg.finetune == "full" and launched():
+            raise ConfigError("finetune='full' runs in one process: torchrun's layouts shard and sync adapters only")
+        if cfg.finetune == "lora":
+            lora.apply_lora(self.model, cfg.lora)
         self.flops = ModelFlops.of(self.model)  # counted unsharded, before any parallel plan applies
         # `full`: the unsharded model the engine and the export read (the model itself in one process)
         self.full = copy.deepcopy(self.model) if launched() else self.model
@@ -79,7 +82,7 @@ class Trainer:
         if not self.world.main:
             self.full = None
         o = cfg.optim
-        params = [p for _, p in lora.lora_parameters(self.model)]
+        params = [p for _, p in lora.trained_parameters(self.model)]
         self.opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.update = PolicyUpdate(self.model, self.opt, self.world, cfg)
         t, r = cfg.task, cfg.rollout
@@ -216,8 +219,8 @@ class Trainer:
                 if stopping:
                     if main:  # the adapter so far is usable (eval, generate, serve) without unpacking a checkpoint
                         self._export_adapter()
-                        self.console.print(f"stopped at step {step + 1} of {cfg.steps}: adapter so far in "
-                                           f"{cfg.run_dir / 'adapter'}; resume with resume=true")
+                        self.console.print(f"stopped at step {step + 1} of {cfg.steps}: weights so far in "
+                                           f"{self.export_dir}; resume with resume=true")
                     world.close()
                     return {"stopped_at": step + 1} if main else {}
         summary = self._finish(state, start) if main else {}
@@ -259,6 +262,7 @@ class Trainer:
             "skipped_updates": self.update.skipped_updates,
             "reward_failures": self.reward_failures,
             "dataset_rows_skipped": len(getattr(self.task, "skipped", [])),
+            "finetune": cfg.finetune,
             "adapter": lora.adapter_stats(self.full),
             **({"parallel": dataclasses.asdict(dims), "parallel_auto": cfg.parallel.auto,
                 "dp_grad_bytes_per_step": self.world.par.grad_sync.bytes_per_step} if self.world.size > 1 else {}),
@@ -266,8 +270,17 @@ class Trainer:
         (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
+    @property
+    def export_dir(self):
+        return self.cfg.run_dir / ("model" if self.cfg.finetune == "full" else "adapter")
+
     def _export_adapter(self) -> None:
-        """Both adapter layouts under runs/<name>/adapter/ (PEFT's fused tensors, vLLM's per-expert names)."""
+        """Both adapter layouts under runs/<name>/adapter/ (PEFT's fused tensors, vLLM's per-expert names);
+        full-parameter training writes the whole model and tokenizer to runs/<name>/model/ instead."""
+        if self.cfg.finetune == "full":
+            save_model(self.full, self.export_dir)
+            self.tokenizer.save_pretrained(self.export_dir)
+            return
         base = str(resolve_model_path(self.cfg.model.path))
         for layout in EXPERT_LAYOUTS:
             lora.save_adapter(self.full, self.cfg.run_dir / "adapter" / layout, expert_layout=layout, base_model=base)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
-from ..lora.apply import lora_parameters
+from ..lora.apply import lora_parameters, trained_parameters
 from ..parallel import ParallelDims, Parallelized, parallelize
 from ..parallel.data_parallel import expert_parameter_names, global_grad_norm, local_tensor
 
@@ -159,7 +159,7 @@ class World:
         """Clip the adapter gradients to a global L2 norm of `max_norm` (0 = no clipping); returns the
         norm before clipping, the same on every rank."""
         if self.size == 1:
-            params = [p for _, p in lora_parameters(model)]
+            params = [p for _, p in trained_parameters(model)]
             return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         norm = global_grad_norm(model, self.par)
         if math.isfinite(float(norm)) and max_norm > 0:
