@@ -100,3 +100,42 @@ def test_a_run_logs_rollout_train_and_cumulative_flops(tmp_path):
         assert row["flops_total"] == pytest.approx(total, rel=1e-12)
     summary = json.loads((tmp_path / "f" / "summary.json").read_text())
     assert summary["flops_total"] == rows[-1]["flops_total"]
+
+
+def test_a_flops_budget_ends_the_run_at_the_step_that_spends_it(tmp_path):
+    """`flops_budget`: the run stops after the step whose cumulative FLOPs reach it, evaluates that
+    step and finishes as usual (summary, export), whatever `steps` says."""
+    common = [f"out_dir={tmp_path}", *SMALL_RUN, "eval_every=100"]
+    Trainer(load_config(None, [*common, "steps=3", "name=probe"])).run()
+    probe = [json.loads(x) for x in (tmp_path / "probe" / "metrics.jsonl").read_text().splitlines()][1:]
+    budget = (probe[0]["flops_total"] + probe[1]["flops_total"]) / 2  # spent during the second step
+    summary = Trainer(load_config(None, [*common, "steps=50", "name=b", f"flops_budget={budget}"])).run()
+    rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval_accuracy" in rows[-1] and "eval_accuracy" not in rows[1]
+    assert rows[1]["flops_total"] < budget <= rows[2]["flops_total"] == summary["flops_total"]
+    assert summary["steps_done"] == 2 and (tmp_path / "b" / "adapter" / "fused").is_dir()
+    with pytest.raises(Exception, match="flops_budget"):
+        load_config(None, ["flops_budget=-1"])
+
+
+def test_build_family_pretrains_each_width_for_its_token_budget(tmp_path):
+    """`python -m trillora.tiny build-family`: the shipped recipe at two widths, each trained for
+    tokens-per-param × its parameters (to within one step's rows), loadable, with its report."""
+    import subprocess
+    import sys
+
+    from trillora.tiny import TINY_QWEN3_MOE, tiny_config
+
+    assert tiny_config(128) == TINY_QWEN3_MOE  # the shipped model is the family's width 128
+    with pytest.raises(ValueError, match="width=100"):
+        tiny_config(100)
+    run = subprocess.run([sys.executable, "-m", "trillora.tiny", "build-family", str(tmp_path), "--widths", "64", "128",
+                          "--tokens-per-param", "0.02"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for width, params in ((64, 261440), (128, 1014144)):
+        report = json.loads((tmp_path / f"w{width}" / "pretrain_report.json").read_text())
+        model = load_model(tmp_path / f"w{width}")
+        assert report["params"] == params == sum(p.numel() for p in model.parameters())
+        assert model.args.hidden_size == width and model.args.num_heads == width // 32
+        per_step = report["tokens"] / report["steps"]
+        assert abs(report["tokens"] - 0.02 * params) < per_step, report

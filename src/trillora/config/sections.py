@@ -291,6 +291,9 @@ class TrainConfig:
     eval_every: int = 25
     device: Literal["auto", "cpu", "cuda"] = "auto"
     model: ModelSection = field(default_factory=ModelSection)
+    flops_budget: float = 0.0
+    """Stop after the step whose cumulative FLOPs (`flops_total`) reach this (0: run `steps` steps);
+    that step is evaluated and the run finishes as usual: runs matched on compute, not steps."""
     finetune: Literal["lora", "full"] = "lora"
     """What the update trains: the adapters of `[lora]`, or every weight of the model ("full":
     full-parameter RL, the other arm of a compute-matched comparison; one process, the local
@@ -316,6 +319,7 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         _check_positive("steps", self.steps)
         _check_positive("eval_every", self.eval_every)
+        _check_positive("flops_budget", self.flops_budget, zero_ok=True)
         for section in (self.task, self.rollout, self.algorithm, self.optim, self.parallel, self.checkpoint, self.logging):
             section.validate()
         a, r = self.algorithm, self.rollout

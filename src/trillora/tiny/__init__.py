@@ -46,6 +46,16 @@ TINY_QWEN3_MOE = dict(
 )
 
 
+def tiny_config(width: int = 128) -> dict:
+    """The tiny MoE's recipe at another width (a model family for compute-matched comparisons):
+    heads of 32, half as many kv heads, MLPs 2× and experts ½× the width; 128 is the shipped model."""
+    if width < 32 or width % 64:
+        raise ValueError(f"width={width}: a multiple of 64 (heads of 32, half as many kv heads)")
+    heads = width // 32
+    return dict(TINY_QWEN3_MOE, hidden_size=width, intermediate_size=2 * width, moe_intermediate_size=width // 2,
+                num_attention_heads=heads, num_key_value_heads=heads // 2)
+
+
 MOE_KEYS = ("num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
             "moe_intermediate_size")
 TINY_QWEN3 = {**{k: v for k, v in TINY_QWEN3_MOE.items() if k not in MOE_KEYS},

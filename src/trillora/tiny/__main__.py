@@ -1,4 +1,5 @@
-"""`python -m trillora.tiny build [OUT]` / `build-chat [OUT]` / `build-memory OUT` / `random OUT`."""
+"""`python -m trillora.tiny build [OUT]` / `build-chat [OUT]` / `build-memory OUT` / `build-family OUT` /
+`random OUT`."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--max-steps", type=int, default=2000)
     m.add_argument("--target-success", type=float, default=0.8)
+    f = sub.add_parser("build-family", help="the tiny recipe at several widths, each pretrained on the same data "
+                                             "for a fixed number of tokens per parameter (OUT/w<width>)")
+    f.add_argument("out", type=Path)
+    f.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256])
+    f.add_argument("--tokens-per-param", type=float, default=4.0)
+    f.add_argument("--seed", type=int, default=0)
     r = sub.add_parser("random", help="random weights, same architecture and tokenizer")
     r.add_argument("out", type=Path)
     r.add_argument("--seed", type=int, default=0)
@@ -36,6 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "random":
         print(write_random_checkpoint(args.out, seed=args.seed, dense=args.dense, chat=args.chat))
+        return 0
+    if args.command == "build-family":
+        from . import tiny_config
+        from .pretrain import pretrain
+        from ..models import build_model, from_hf_config
+
+        for width in args.widths:
+            shape = from_hf_config(dict(tiny_config(width), vocab_size=100), where=f"width {width}")
+            params = sum(p.numel() for p in build_model(shape, device="meta").parameters())
+            out = args.out / f"w{width}"
+            report = pretrain(out, seed=args.seed, width=width, tokens=int(args.tokens_per_param * params))
+            report["params"] = params
+            (out / "pretrain_report.json").write_text(json.dumps(report, indent=2))
+            print(f"wrote {out}: {params / 1e6:.2f}M parameters, {report['tokens']} tokens, {report['steps']} steps, "
+                  f"{report['seconds']:.0f} s, last eval {report['history'][-1]}")
         return 0
     if args.command == "build-memory":
         from .memory import pretrain_memory

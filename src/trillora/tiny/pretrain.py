@@ -16,7 +16,7 @@ import torch
 
 from ..checkpoint import save_model
 from ..models import build_model, from_hf_config
-from . import TINY_QWEN3_MOE, build_tokenizer
+from . import build_tokenizer, tiny_config
 
 
 def _examples(tasks, weights, rng: random.Random, n: int, seed: int):
@@ -54,8 +54,14 @@ def pretrain(
     lr: float = 3e-3,
     target_accuracy: float = 0.4,
     eval_every: int = 50,
+    width: int = 128,
+    tokens: int = 0,
 ) -> dict:
-    """Supervised pretraining on generated arithmetic, countdown and reversal (loss on answers only)."""
+    """Supervised pretraining on generated arithmetic, countdown and reversal (loss on answers only).
+
+    `tokens` = 0 (the shipped model): stop at the target accuracy. `tokens` > 0 (a family of
+    widths, `tiny_config`): train for the steps that budget buys (rows of the mix have a fixed mean
+    length) with no early stop; every size reads the same stream of rows, each as far as its budget."""
     from rich.progress import Progress
 
     from ..rollout import LocalEngine, SamplingParams
@@ -65,7 +71,7 @@ def pretrain(
 
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
-    config = dict(TINY_QWEN3_MOE, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+    config = dict(tiny_config(width), vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = build_model(from_hf_config(config, where="tiny config"), device="cpu")
     model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
@@ -76,7 +82,9 @@ def pretrain(
     held_add = addition.problems("eval", 256, seed=12345)
     held_rev = reversal.problems("eval", 256, seed=12345)
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
-    history, start, acc = [], time.perf_counter(), 0.0
+    history, start, acc, seen = [], time.perf_counter(), 0.0, 0
+    if tokens:  # the budget sets the schedule's length: about this many steps of `batch` rows
+        max_steps = max(1, math.ceil(tokens / (batch * _mean_row_tokens(tasks, weights, tokenizer))))
     with Progress() as bar:
         job = bar.add_task("pretraining tiny MoE", total=max_steps)
         for step in range(1, max_steps + 1):
@@ -90,19 +98,30 @@ def pretrain(
                 ids[i, : len(p) + len(a)] = torch.tensor(p + a)
                 target[i, len(p) - 1 : len(p) + len(a) - 1] = torch.tensor(a)
             loss = supervised_step(model, opt, ids, target, lr, step, max_steps)
+            seen += sum(len(p) + len(a) for p, a in seqs)
             bar.update(job, advance=1, description=f"pretraining tiny MoE  loss {loss.item():.3f}  add acc {acc:.2f}")
-            if step % eval_every == 0:
+            if step % eval_every == 0 or step == max_steps:
                 model.eval()
                 engine = LocalEngine(model, precision="fp32")
                 acc = evaluate(engine, tokenizer, addition, held_add, greedy)
                 rev = evaluate(engine, tokenizer, reversal, held_rev, greedy)
                 model.train()
                 history.append({"step": step, "loss": loss.item(), "addition_greedy": acc, "reversal_greedy": rev})
-                if acc >= target_accuracy and rev >= 0.9:
+                if not tokens and acc >= target_accuracy and rev >= 0.9:
                     sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=0, stop_token_ids=greedy.stop_token_ids)
                     history[-1]["addition_sampled_t1"] = evaluate(engine, tokenizer, addition, held_add, sampled)
                     break
     model.eval()
     out = save_model(model, out)
     tokenizer.save_pretrained(out)
-    return {"steps": step, "seconds": time.perf_counter() - start, "history": history}
+    return {"steps": step, "tokens": seen, "width": width, "seconds": time.perf_counter() - start, "history": history}
+
+
+def _mean_row_tokens(tasks, weights, tokenizer, n: int = 2000) -> float:
+    """Mean tokens of a training row (prompt, answer, stop), from a fixed sample of the mix."""
+    from ..tasks.prompts import encode_prompt
+
+    rng = random.Random(0)
+    rows = [rng.choices(tasks, weights)[0].sample(rng) for _ in range(n)]
+    return sum(len(encode_prompt(tokenizer, p.prompt)) + len(tokenizer(p.answer, add_special_tokens=False)["input_ids"]) + 1
+               for p in rows) / n

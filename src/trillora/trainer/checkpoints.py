@@ -92,6 +92,7 @@ class RunCheckpoints:
                 lora.save_adapter(t.full, part / "adapter", expert_layout="per_expert")  # synced after the step
             state = {"step": step, "rng": train_state.python_rng_state(), "skipped_updates": t.update.skipped_updates,
                      "nonfinite_in_a_row": t.update.nonfinite_in_a_row, "reward_failures": t.reward_failures,
+                     "flops_total": t.flops_total,
                      "layout": t.world.layout(), **run_state}
             files = {"config.toml": to_toml(t.cfg), "metrics.jsonl": metrics_file.read_text() if metrics_file else ""}
             path = train_state.commit(self.root, step, state, files, t.cfg.checkpoint.keep)

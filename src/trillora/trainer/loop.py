@@ -76,6 +76,7 @@ class Trainer:
         if cfg.finetune == "lora":
             lora.apply_lora(self.model, cfg.lora)
         self.flops = ModelFlops.of(self.model)  # counted unsharded, before any parallel plan applies
+        self.flops_total = 0.0  # the run's so far, on every rank (all of them decide alike when the budget is spent)
         # `full`: the unsharded model the engine and the export read (the model itself in one process)
         self.full = copy.deepcopy(self.model) if launched() else self.model
         self.world = World.start(self.model, cfg, self.device)
@@ -162,6 +163,8 @@ class Trainer:
             metrics = self.update(dataclasses.replace(rollout.tokens, advantages=advantages))
             metrics["flops_train"] = self.flops.train_step(rollout.row_lengths, a.epochs, a.epochs * a.minibatches > 1,
                                                            a.kl_coef > 0)
+            self.flops_total += rollout.stats.get("flops_rollout", 0.0) + metrics["flops_train"]
+            metrics["flops_total"] = self.flops_total
         t2 = time.perf_counter()
         with record_function("trillora.sync"):
             worker = self.sampler.worker
@@ -189,13 +192,12 @@ class Trainer:
         state = {}  # the accuracies so far, kept in checkpoints (rank 0)
         if resumed is not None:  # the metrics so far come back with the checkpoint
             state = {k: resumed.state[k] for k in ("eval_before", "retention_before", "accuracy", "retention_after")}
-            state["flops_total"] = resumed.state.get("flops_total", 0.0)
+            self.flops_total = resumed.state.get("flops_total", 0.0)
             if main:
                 metrics_file.write_text(checkpoints.metrics_of(resumed))
         elif main:
             before, retention = self._evaluate_all()
-            state = {"eval_before": before, "retention_before": retention, "accuracy": before, "retention_after": retention,
-                     "flops_total": 0.0}
+            state = {"eval_before": before, "retention_before": retention, "accuracy": before, "retention_after": retention}
             initial = {"step": 0, "eval_accuracy": before, **({"retention_accuracy": retention} if self.retention else {})}
             metrics_file.write_text(json.dumps(initial) + "\n")  # the start of the accuracy curves
             self.trackers.log(initial, 0)
@@ -206,12 +208,15 @@ class Trainer:
               contextlib.closing(worker) if worker is not None else contextlib.nullcontext(), self._shared_cores(),
               contextlib.closing(self.trackers) if self.trackers is not None else contextlib.nullcontext()):
             job = bar.add_task("rl", total=cfg.steps, completed=first, info="")
+            state["steps_done"] = first
             for step in range(first, cfg.steps):
                 row = self.step(step)
+                spent = cfg.flops_budget > 0 and self.flops_total >= cfg.flops_budget  # the last step of the run
+                state["steps_done"] = step + 1
                 if main:
-                    self._log(row, step, state, metrics_file, bar, job)
+                    self._log(row, step, state, metrics_file, bar, job, last=spent)
                 stopping, diverged = stop.now(), self.update.diverged()
-                if checkpoints.due(step + 1, stopping or diverged):
+                if checkpoints.due(step + 1, stopping or diverged or spent):
                     checkpoints.save(step + 1, state, metrics_file if main else None)
                 if diverged:
                     world.close()
@@ -223,15 +228,17 @@ class Trainer:
                                            f"{self.export_dir}; resume with resume=true")
                     world.close()
                     return {"stopped_at": step + 1} if main else {}
+                if spent:
+                    break
         summary = self._finish(state, start) if main else {}
         if close_engine and self.engine is not None:
             self.engine.close()
         world.close()
         return summary
 
-    def _log(self, row: dict, step: int, state: dict, metrics_file, bar, job) -> None:
-        """Rank 0: evaluate when due, append the step's row, move the progress bar."""
-        if (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps:
+    def _log(self, row: dict, step: int, state: dict, metrics_file, bar, job, last: bool = False) -> None:
+        """Rank 0: evaluate when due (and at the `last` step), append the step's row, move the progress bar."""
+        if (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps or last:
             t3 = time.perf_counter()
             state["accuracy"], retention = self._evaluate_all()
             row["eval_accuracy"] = state["accuracy"]
@@ -239,8 +246,6 @@ class Trainer:
                 state["retention_after"] = row["retention_accuracy"] = retention
             row["eval_seconds"] = time.perf_counter() - t3
             row["step_seconds"] += row["eval_seconds"]
-        state["flops_total"] += row.get("flops_rollout", 0.0) + row["flops_train"]  # the run's so far
-        row["flops_total"] = state["flops_total"]
         with open(metrics_file, "a") as log:
             log.write(json.dumps(row) + "\n")
         self.trackers.log(row, row["step"])
@@ -258,7 +263,8 @@ class Trainer:
         summary = {
             "eval_before": state["eval_before"], "eval_after": state["accuracy"],
             "retention_before": state["retention_before"], "retention_after": state["retention_after"],
-            "steps": cfg.steps, "seconds": time.perf_counter() - start, "flops_total": state["flops_total"],
+            "steps": cfg.steps, "steps_done": state["steps_done"], "seconds": time.perf_counter() - start,
+            "flops_total": self.flops_total,
             "skipped_updates": self.update.skipped_updates,
             "reward_failures": self.reward_failures,
             "dataset_rows_skipped": len(getattr(self.task, "skipped", [])),
