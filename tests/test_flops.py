@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +140,20 @@ def test_build_family_pretrains_each_width_for_its_token_budget(tmp_path):
         assert model.args.hidden_size == width and model.args.num_heads == width // 32
         per_step = report["tokens"] / report["steps"]
         assert abs(report["tokens"] - 0.02 * params) < per_step, report
+
+    # the study on that family at a toy budget: a LoRA and a full arm, stopped at the same FLOPs
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "compute_matched.py"
+    out = tmp_path / "cm.json"
+    run = subprocess.run([sys.executable, str(bench), "--family", str(tmp_path), "--arms", "w128:lora8", "w64:full",
+                          "--seeds", "0", "--flops", "3e9", "--eval-every", "3", "--eval-problems", "8", "--out", str(out),
+                          "rollout.prompts_per_step=4", "rollout.group_size=4", 'task.retention=""'],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    runs = {r["arm"]: r for r in report["runs"]}
+    assert set(runs) == {"w128:lora8", "w64:full"} and out.with_suffix(".png").is_file()
+    for r in runs.values():
+        assert r["flops"] >= 3e9 > r["curve"][-2]["flops"]  # stopped at the step that spent the budget
+        assert r["curve"][0]["flops"] == 0.0 and r["curve"][-1]["flops"] == r["flops"]
+    assert runs["w64:full"]["trained_params"] == 261440 and runs["w128:lora8"]["trained_params"] < 261440
+    assert runs["w64:full"]["steps"] > runs["w128:lora8"]["steps"]  # the smaller model buys more steps

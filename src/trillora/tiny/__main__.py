@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "for a fixed number of tokens per parameter (OUT/w<width>)")
     f.add_argument("out", type=Path)
     f.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256])
-    f.add_argument("--tokens-per-param", type=float, default=4.0)
+    f.add_argument("--tokens-per-param", type=float, default=2.0)
     f.add_argument("--seed", type=int, default=0)
     r = sub.add_parser("random", help="random weights, same architecture and tokenizer")
     r.add_argument("out", type=Path)
