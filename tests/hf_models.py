@@ -101,7 +101,33 @@ KIMI_K2_SHAPED = dict(
         mscale_all_dim=1.0,
     ),
 )
-CONFIGS = {"qwen3_moe": QWEN3_MOE, "qwen3_moe_yarn": QWEN3_MOE_YARN, "deepseek_v3": DEEPSEEK_V3, "kimi_k2_shaped": KIMI_K2_SHAPED}
+# GLM-4.5's layout (q/k norm, q/k/v bias, rope on half of each 16-dim head, one shared expert,
+# first layer dense, scaling 2.5, theta 1e6) at toy size; GLM-4.5-Air is the same without q/k norm
+GLM4_MOE = dict(
+    model_type="glm4_moe",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    attention_bias=True,
+    use_qk_norm=True,
+    max_position_embeddings=512,
+    rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.5),
+)
+GLM4_MOE_AIR = dict(GLM4_MOE, use_qk_norm=False, routed_scaling_factor=1.0, n_group=2, topk_group=1)
+CONFIGS = {"qwen3_moe": QWEN3_MOE, "glm4_moe": GLM4_MOE, "glm4_moe_air": GLM4_MOE_AIR, "qwen3_moe_yarn": QWEN3_MOE_YARN, "deepseek_v3": DEEPSEEK_V3, "kimi_k2_shaped": KIMI_K2_SHAPED}
 
 
 def hf_model(cfg: dict, seed: int = 0):

@@ -24,6 +24,8 @@ CASES = {
     "deepseek_v3": dict(rank=4, alpha=8.0, expert_rank=8, rslora=True),
     "kimi_k2_shaped": dict(rank=8, alpha=16.0, expert_rank_rule="divide_by_top_k"),  # experts get 8 // 4 = 2
     "qwen3_moe_router_head": dict(rank=4, alpha=4.0, targets=lora.ROLES),
+    "glm4_moe": dict(rank=4, alpha=8.0, expert_rank=2),  # q/k/v biases stay frozen under the adapters
+    "glm4_moe_air_router_head": dict(rank=4, alpha=4.0, targets=lora.ROLES),
 }
 
 
@@ -166,7 +168,7 @@ def test_starts_as_identity_and_only_lora_trains():
         assert (model(ids) - start).abs().max() > 0  # the step moved the adapter
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_grouped_expert_lora_equals_loop(name):
     model = _tiny_model(name, rank=4, targets=("experts",))
     randomise(model, std=0.2)

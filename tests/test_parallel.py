@@ -22,14 +22,14 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import Shard
 
 from engine_helpers import free_port
-from hf_models import DEEPSEEK_V3, QWEN3_MOE
+from hf_models import DEEPSEEK_V3, GLM4_MOE, QWEN3_MOE
 from trillora import lora
 from trillora.models import build_model, from_hf_config
 from trillora.trainer.logprobs import token_logprobs
 from trillora.parallel import ParallelDims, ParallelError, build_meshes, parallelize
 from trillora.parallel.data_parallel import expert_parameter_names, global_grad_norm
 
-FAMILIES = {"qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}
+FAMILIES = {"qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE}
 TARGETS = ("attention", "mlp", "shared_experts", "experts", "router")
 B, T = 8, 10
 

@@ -68,7 +68,9 @@ def structure(args: ModelArgs) -> list[tuple[str, str]]:
         f"MLA (q_lora {args.q_lora_rank}, kv_lora {args.kv_lora_rank}, nope {args.qk_nope_head_dim}, "
         f"rope {args.qk_rope_head_dim}, v {args.v_head_dim}), {args.num_heads} heads"
         if args.family == "deepseek_v3"
-        else f"GQA {args.num_heads} q / {args.num_kv_heads} kv heads × {args.head_dim}, q/k RMSNorm"
+        else f"GQA {args.num_heads} q / {args.num_kv_heads} kv heads × {args.head_dim}"
+        + (", q/k RMSNorm" if args.qk_norm else "") + (", q/k/v bias" if args.attention_bias else "")
+        + (f", rope on {args.rope_dim} of {args.head_dim} dims" if args.rope_dim != args.head_dim else "")
     )
     rows = [
         ("model type", f"{args.model_type} (family {args.family})"),

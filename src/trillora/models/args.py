@@ -22,11 +22,13 @@ FAMILIES: dict[str, str] = {
     "qwen3": "qwen3_moe",  # dense Qwen3: the no-expert case of the same family
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
+    "glm4_moe": "glm4_moe",
 }
 ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3ForCausalLM": "qwen3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 
 
@@ -48,7 +50,7 @@ class RopeArgs:
 
 @dataclass(kw_only=True, frozen=True)
 class ModelArgs:
-    family: str  # "qwen3_moe" | "deepseek_v3"
+    family: str  # "qwen3_moe" | "deepseek_v3" | "glm4_moe"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -60,7 +62,10 @@ class ModelArgs:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
-    attention_bias: bool = False
+    attention_bias: bool = False  # on q, k and v (and on o where `attention_out_bias`)
+    attention_out_bias: bool = False
+    qk_norm: bool = True  # per-head RMSNorm on q and k (Qwen3 always; GLM-4.5 `use_qk_norm`)
+    rotary_dim: int = 0  # GQA: rope on the first `rotary_dim` dims of each head (GLM's partial rotary); 0 = all
     rope: RopeArgs = field(default_factory=RopeArgs)
     # --- MoE ---
     num_experts: int = 0  # routed experts per MoE layer; 0 = dense model
@@ -90,6 +95,11 @@ class ModelArgs:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions of each head that rotate: MLA's rope part, or GQA's (partial) rotary span."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else (self.rotary_dim or self.head_dim)
 
 
 def _get(cfg: dict, *names: str, default: Any = None, required: bool = False, where: str = "config.json") -> Any:
@@ -178,6 +188,7 @@ def from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> ModelArgs
         )
         args = ModelArgs(
             **common,
+            attention_out_bias=common["attention_bias"],
             head_dim=int(_get(cfg, "head_dim", default=hidden // heads)),
             num_experts=num_experts,
             top_k=int(_get(cfg, "num_experts_per_tok", default=0 if num_experts == 0 else 1)),
@@ -186,27 +197,25 @@ def from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> ModelArgs
             router="softmax",
             moe_layers=moe_layers,
         )
+    elif family == "glm4_moe":  # GQA (q/k/v bias, optional q/k norm, partial rotary) + DeepSeek-V3's MoE
+        head_dim = int(_get(cfg, "head_dim", default=hidden // heads))
+        factor = float(_get(cfg.get("rope_parameters") or {}, "partial_rotary_factor",
+                            default=_get(cfg, "partial_rotary_factor", default=1.0)))
+        args = ModelArgs(
+            **common,
+            head_dim=head_dim,
+            qk_norm=bool(_get(cfg, "use_qk_norm", default=False)),
+            rotary_dim=int(head_dim * factor),
+            **_sigmoid_moe(cfg, layers, num_experts, where),
+            num_mtp_layers=int(_get(cfg, "num_nextn_predict_layers", default=0)),
+        )
     else:
-        scoring = cfg.get("scoring_func", "sigmoid")
-        if scoring != "sigmoid":
-            raise ConfigError(f"{where}: scoring_func {scoring!r} is not supported; allowed: 'sigmoid'")
-        first_dense = int(_get(cfg, "first_k_dense_replace", default=0))
-        freq = int(_get(cfg, "moe_layer_freq", default=1))
         rope_dim = int(_get(cfg, "qk_rope_head_dim", **req))
         q_lora = cfg.get("q_lora_rank")
         args = ModelArgs(
             **common,
             head_dim=rope_dim,
-            num_experts=num_experts,
-            top_k=int(_get(cfg, "num_experts_per_tok", **req)),
-            moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", **req)),
-            norm_topk_prob=bool(_get(cfg, "norm_topk_prob", default=True)),
-            router="sigmoid",
-            n_group=int(_get(cfg, "n_group", default=1)),
-            topk_group=int(_get(cfg, "topk_group", default=1)),
-            routed_scaling_factor=float(_get(cfg, "routed_scaling_factor", default=1.0)),
-            n_shared_experts=int(_get(cfg, "n_shared_experts", default=0)),
-            moe_layers=tuple(i for i in range(layers) if num_experts > 0 and i >= first_dense and i % freq == 0),
+            **_sigmoid_moe(cfg, layers, num_experts, where),
             q_lora_rank=int(q_lora) if q_lora is not None else None,
             kv_lora_rank=int(_get(cfg, "kv_lora_rank", **req)),
             qk_nope_head_dim=int(_get(cfg, "qk_nope_head_dim", **req)),
@@ -217,6 +226,28 @@ def from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> ModelArgs
         )
     validate(args, where)
     return args
+
+
+def _sigmoid_moe(cfg: dict, layers: int, num_experts: int, where: str) -> dict[str, Any]:
+    """DeepSeek-V3's MoE as GLM-4.5 shares it: sigmoid scores with a selection bias, group-limited
+    top-k, a scaling factor, shared experts, the first `first_k_dense_replace` layers dense."""
+    scoring = cfg.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid":
+        raise ConfigError(f"{where}: scoring_func {scoring!r} is not supported; allowed: 'sigmoid'")
+    first_dense = int(_get(cfg, "first_k_dense_replace", default=0))
+    freq = int(_get(cfg, "moe_layer_freq", default=1))
+    return dict(
+        num_experts=num_experts,
+        top_k=int(_get(cfg, "num_experts_per_tok", required=True, where=where)),
+        moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", required=True, where=where)),
+        norm_topk_prob=bool(_get(cfg, "norm_topk_prob", default=True)),
+        router="sigmoid",
+        n_group=int(_get(cfg, "n_group", default=1)),
+        topk_group=int(_get(cfg, "topk_group", default=1)),
+        routed_scaling_factor=float(_get(cfg, "routed_scaling_factor", default=1.0)),
+        n_shared_experts=int(_get(cfg, "n_shared_experts", default=0)),
+        moe_layers=tuple(i for i in range(layers) if num_experts > 0 and i >= first_dense and i % freq == 0),
+    )
 
 
 def validate(args: ModelArgs, where: str = "config.json") -> None:

@@ -1,4 +1,4 @@
-"""Attention: grouped-query (Qwen3) and multi-head latent (DeepSeek-V3 / Kimi K2).
+"""Attention: grouped-query (Qwen3, GLM-4.5) and multi-head latent (DeepSeek-V3 / Kimi K2).
 
 Shape legend: B batch, T tokens, C hidden channels, H query heads, K key/value heads,
 D head dim, L latent (kv_lora_rank), R rope dims, N nope dims, V value head dim.
@@ -55,7 +55,8 @@ class InnerAttention(nn.Module):
 
 
 class GQAttention(nn.Module):
-    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3)."""
+    """Grouped-query attention: per-head RMSNorm on q and k (Qwen3; optional in GLM-4.5), rope on
+    the first `rotary_dim` dims of each head (all of them, or GLM's half)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -64,21 +65,32 @@ class GQAttention(nn.Module):
         self.q_proj = nn.Linear(c, args.num_heads * d, bias=bias)
         self.k_proj = nn.Linear(c, args.num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(c, args.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(args.num_heads * d, c, bias=bias)
-        self.q_norm = RMSNorm(d, args.rms_norm_eps)
-        self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.o_proj = nn.Linear(args.num_heads * d, c, bias=args.attention_out_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.rotary = args.rope_dim
         self.scale = d**-0.5
         self.inner = InnerAttention()
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary == self.head_dim:
+            return apply_rope(x, cos, sin)
+        turned, kept = x.split([self.rotary, self.head_dim - self.rotary], dim=-1)  # [B, H, T, R], [B, H, T, D-R]
+        return torch.cat([apply_rope(turned, cos, sin), kept], dim=-1)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
                 cache: KVCache | None = None, layer: int = 0):
         b, t, _ = x.shape
         # heads from the projections' widths (-1), so a tensor-parallel shard runs its own heads unchanged
-        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)  # [B, K, T, D]
+        q = self.q_proj(x).view(b, t, -1, self.head_dim)  # [B, T, H, D]
+        k = self.k_proj(x).view(b, t, -1, self.head_dim)  # [B, T, K, D]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D], [B, K, T, D]
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
         return self.o_proj(self.inner(q, k, v, mask, self.scale))

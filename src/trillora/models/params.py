@@ -17,7 +17,7 @@ from .args import ModelArgs, from_hf_config, load_hf_config
 from .moe import GroupedExperts
 from .registry import build_model
 
-SHIPPED = ("kimi-k2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b")
+SHIPPED = ("kimi-k2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "glm-4.5-air")
 FP8_BLOCK = 128
 
 

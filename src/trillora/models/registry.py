@@ -6,13 +6,14 @@ from collections.abc import Callable
 
 import torch
 
-from . import deepseek_v3, qwen3_moe
+from . import deepseek_v3, glm4_moe, qwen3_moe
 from .args import FAMILIES, ConfigError, ModelArgs
 from .transformer import CausalLM
 
 BUILDERS: dict[str, Callable[[ModelArgs], CausalLM]] = {
     "qwen3_moe": qwen3_moe.build,
     "deepseek_v3": deepseek_v3.build,
+    "glm4_moe": glm4_moe.build,
 }
 
 
