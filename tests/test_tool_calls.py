@@ -69,12 +69,49 @@ def test_each_format_parses_what_it_writes(fmt):
     assert p.content == "ok" and p.errors == []
 
 
+# The assistant tool-call lines of GLM-4.5's chat template (as released), rendered by transformers
+GLM45_CALLS = """{%- for m in messages %}<|{{ m.role }}|>
+{%- if m.content %}{{ '\\n' + m.content }}{% endif %}
+{% if m.tool_calls %}
+{% for tc in m.tool_calls %}
+{%- if tc.function %}
+    {%- set tc = tc.function %}
+{%- endif %}
+{{ '\\n<tool_call>' + tc.name }}
+{% set _args = tc.arguments %}
+{% for k, v in _args.items() %}
+<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>
+{% endfor %}
+</tool_call>{% endfor %}
+{% endif %}
+{%- endfor %}"""
+
+
+def test_glm45_calls_as_its_chat_template_writes_them():
+    """GLM-4.5's tool calls as transformers renders its template: strings raw, other values as
+    JSON, two calls in one turn; the format is told from the tokenizer's `<arg_key>` marker."""
+    tok = build_chat_tokenizer()
+    tok.chat_template = GLM45_CALLS
+    args = {"city": "北京", "days": 3, "units": {"t": "c"}, "tags": ["a", "b"], "exact": False}
+    messages = [{"role": "assistant", "content": "checking", "tool_calls": [
+        {"type": "function", "function": {"name": "weather", "arguments": args}},
+        {"type": "function", "function": {"name": "clock", "arguments": {}}}]}]
+    text = tok.apply_chat_template(messages, tokenize=False).split("<|assistant|>", 1)[1]
+    assert "<arg_key>city</arg_key>\n<arg_value>北京</arg_value>" in text  # the template's own layout
+    p = parse_tool_calls(text, detect_format(tok))
+    assert [(c.name, c.arguments) for c in p.tool_calls] == [("weather", args), ("clock", {})]
+    assert p.content == "checking" and p.errors == []
+    bad = parse_tool_calls("<tool_call><arg_key>x</arg_key><arg_value>1</arg_value></tool_call>", "glm45")
+    assert bad.tool_calls == [] and "no function name" in bad.errors[0]
+
+
 def test_format_chosen_by_the_tokenizer_or_named_or_refused():
     assert detect_format(build_chat_tokenizer()) == "hermes"
     assert detect_format(build_tokenizer(), "kimi_k2") == "kimi_k2"
-    with pytest.raises(ConfigError, match="hermes, kimi_k2, deepseek_v3"):
+    with pytest.raises(ConfigError, match="hermes, kimi_k2, deepseek_v3, glm45"):
         detect_format(build_tokenizer())
-    with pytest.raises(ConfigError, match="unknown tool-call format 'mistral'; allowed: hermes, kimi_k2, deepseek_v3"):
+    with pytest.raises(ConfigError, match="unknown tool-call format 'mistral'; allowed: hermes, kimi_k2, deepseek_v3, glm45"):
         parse_tool_calls("x", "mistral")
 
 

@@ -8,7 +8,10 @@ model's chat template shows it, or every call reads as plain text:
 - `kimi_k2`: `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>functions.NAME:IDX
   <|tool_call_argument_begin|>{json}<|tool_call_end|>`, then `<|tool_calls_section_end|>`;
 - `deepseek_v3`: `<｜tool▁calls▁begin｜>` then per call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`
-  and the arguments in a ```json fence, `<｜tool▁call▁end｜>`; V3.1's `NAME<｜tool▁sep｜>{json}` too.
+  and the arguments in a ```json fence, `<｜tool▁call▁end｜>`; V3.1's `NAME<｜tool▁sep｜>{json}` too;
+- `glm45` (GLM-4.5): `<tool_call>NAME` then per argument `<arg_key>K</arg_key><arg_value>V</arg_value>`
+  (strings raw, anything else as JSON), `</tool_call>`. Without the tool's schema a value that reads
+  as JSON is taken as JSON: a string argument "12" comes back as the number 12.
 
 A call that is there but broken (bad JSON, no name, arguments that are not an object) is kept as
 an error rather than dropped, so the env can answer it and the metrics count it.
@@ -23,7 +26,7 @@ from typing import Literal, get_args
 
 from ..errors import ConfigError
 
-ToolFormat = Literal["hermes", "kimi_k2", "deepseek_v3"]
+ToolFormat = Literal["hermes", "kimi_k2", "deepseek_v3", "glm45"]
 TOOL_FORMATS: tuple[str, ...] = get_args(ToolFormat)
 
 
@@ -127,10 +130,32 @@ def _deepseek_v3(text: str) -> ParsedTurn:
     return ParsedTurn(head.strip(), calls, errors)
 
 
-PARSERS = {"hermes": _hermes, "kimi_k2": _kimi_k2, "deepseek_v3": _deepseek_v3}
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _glm45(text: str) -> ParsedTurn:
+    calls, errors = [], []
+    for k, m in enumerate(re.finditer(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.S)):
+        body = m.group(1)
+        name = body.split("<arg_key>", 1)[0].strip()
+        if not name or "\n" in name:
+            errors.append(f"tool call {k}: no function name before the arguments")
+            continue
+        arguments = {}
+        for key, raw in _GLM_ARG.findall(body):
+            try:
+                arguments[key.strip()] = json.loads(raw)
+            except json.JSONDecodeError:
+                arguments[key.strip()] = raw  # a string argument, written raw
+        calls.append(ToolCall(name, arguments, f"call_{k}"))
+    content = re.sub(r"<tool_call>.*?(?:</tool_call>|$)", "", text, flags=re.S).strip()
+    return ParsedTurn(content, calls, errors)
+
+
+PARSERS = {"hermes": _hermes, "kimi_k2": _kimi_k2, "deepseek_v3": _deepseek_v3, "glm45": _glm45}
 
 _MARKERS = (("<|tool_calls_section_begin|>", "kimi_k2"), ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
-            ("<tool_call>", "hermes"))
+            ("<arg_key>", "glm45"), ("<tool_call>", "hermes"))
 
 
 def parse_tool_calls(text: str, fmt: str) -> ParsedTurn:
@@ -167,5 +192,9 @@ def format_tool_call(call: ToolCall, fmt: str, index: int = 0) -> str:
     if fmt == "kimi_k2":
         return (f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{call.name}:{index}"
                 f"<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>")
+    if fmt == "glm45":
+        pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
+                        f"</arg_value>\n" for k, v in call.arguments.items())
+        return f"<tool_call>{call.name}\n{pairs}</tool_call>"
     check_format(fmt)
     return f"<｜tool▁calls▁begin｜>{_DS_BEGIN}function{_DS_SEP}{call.name}\n```json\n{args}\n```{_DS_END}<｜tool▁calls▁end｜>"
