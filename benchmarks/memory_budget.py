@@ -1,6 +1,6 @@
-"""Success on the ledger against the memory budget, for each memory policy (before any RL).
+"""Success on the ledger against the memory budget, for each memory policy, and Memory Diffusion after RL.
 
-    python benchmarks/memory_budget.py --model runs/tiny-moe-memory [--seeds 0 1 2] [--episodes 64]
+    python benchmarks/memory_budget.py --model runs/tiny-moe-memory [--seeds 0 1 2] [--episodes 64] [--rl-steps 40]
 
 `--model`: a checkpoint that can read a ledger (`python -m trillora.tiny build-memory OUT`; the
 shipped models cannot, so every memory would score noise). Each held-out ledger (6 facts, 3
@@ -9,8 +9,10 @@ then at 1/2, 1/4 and 1/8 of the mean whole-episode length under truncation, retr
 `recall:`), a summary after every turn, and Memory Diffusion (policy importance, proportional).
 Reported per policy and budget: success (mean and per seed) and the tokens processed per episode
 (every call's context read plus the tokens written: turns, refills, summaries; the importance
-scorer's forwards are not counted). Writes benchmarks/results/memory_budget.json and a PNG.
-Memory Diffusion after RL is not measured yet.
+scorer's forwards are not counted). With `--rl-steps N`, Memory Diffusion is also trained by RL
+at each budget (`examples/ledger.toml`: refills and answers trained with the episode's reward, one
+run per `--rl-seeds` seed) and played again with that adapter ("diffusion+rl"). Writes
+benchmarks/results/memory_budget.json and a PNG.
 """
 
 from __future__ import annotations
@@ -18,20 +20,25 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from trillora.checkpoint import load_model, load_tokenizer
+from trillora.lora import load_adapter
 from trillora.config import MemorySection
 from trillora.rollout import LocalEngine, SamplingParams
 from trillora.tasks.ledger import dataset
 from trillora.trainer.episodes import EpisodeLimits, run_groups
 from trillora.trainer.sampler import memory_factory
 
-RESULTS = Path(__file__).resolve().parent / "results"
-POLICIES = ("truncate", "retrieval", "summary", "diffusion")
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+POLICIES = ("truncate", "retrieval", "summary", "diffusion", "diffusion+rl")
 FACTS, DISTRACTORS, NEW_TOKENS = 6, 3, 4
 
 
@@ -59,7 +66,8 @@ def plot(rows: list[dict], full: float, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for policy in POLICIES:
         pts = sorted((r["fraction"], r["success"]) for r in rows if r["policy"] == policy)
-        ax.plot(*zip(*pts), marker="o", label=policy)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=policy)
     ax.axhline(full, color="gray", ls="--", label="whole context")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("memory budget / whole episode")
@@ -70,14 +78,28 @@ def plot(rows: list[dict], full: float, path: Path) -> None:
     plt.close(fig)
 
 
+def train_diffusion(model: str, budget: int, seed: int, steps: int, work: Path) -> tuple[Path, dict]:
+    """RL with Memory Diffusion at `budget` (the example config); the adapter and the run's summary."""
+    name = f"diffusion-b{budget}-s{seed}"
+    done = subprocess.run([sys.executable, "-m", "trillora", "train", str(ROOT / "examples" / "ledger.toml"),
+                           f"model.path={model}", f"memory.budget={budget}", f"seed={seed}", f"steps={steps}",
+                           f"eval_every={steps}", f"out_dir={work}", f"name={name}"], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"RL at budget {budget} failed:\n{done.stderr[-3000:]}")
+    return work / name / "adapter" / "fused", json.loads((work / name / "summary.json").read_text())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--episodes", type=int, default=64)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    p.add_argument("--rl-steps", type=int, default=0, help="also train Memory Diffusion by RL at each budget")
+    p.add_argument("--rl-seeds", type=int, nargs="+", default=[0])
     p.add_argument("--out", type=Path, default=RESULTS / "memory_budget.json")
     a = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="memory-budget-"))
     tokenizer = load_tokenizer(a.model)
     engine = LocalEngine(load_model(a.model), precision="fp32")
     console = Console(width=120)
@@ -88,11 +110,22 @@ def main() -> None:
     with console.status("memories") as status:
         for fraction in a.fractions:
             budget = max(int(length * fraction), NEW_TOKENS + 1)
-            for policy in POLICIES:
+            for policy in POLICIES[:-1]:
                 status.update(f"{policy} at {fraction:g} ({budget} tokens)")
                 runs = [play(engine, tokenizer, a.episodes, s, MemorySection(policy=policy, budget=budget))
                         for s in a.seeds]
                 rows.append({"policy": policy, "fraction": fraction, "budget": budget,
+                             "success": statistics.fmean(r["success"] for r in runs),
+                             "success_per_seed": [r["success"] for r in runs],
+                             "tokens_processed": statistics.fmean(r["tokens_processed"] for r in runs)})
+            for rl_seed in a.rl_seeds if a.rl_steps else []:
+                status.update(f"RL with Memory Diffusion at {fraction:g} ({budget} tokens), seed {rl_seed}")
+                adapter, summary = train_diffusion(a.model, budget, rl_seed, a.rl_steps, work)
+                trained = LocalEngine(load_adapter(load_model(a.model), adapter), precision="fp32")
+                memory = MemorySection(policy="diffusion", budget=budget)
+                runs = [play(trained, tokenizer, a.episodes, s, memory) for s in a.seeds]
+                rows.append({"policy": "diffusion+rl", "fraction": fraction, "budget": budget, "rl_seed": rl_seed,
+                             "rl_steps": a.rl_steps, "rl_seconds": summary["seconds"], "rl_flops": summary["flops_total"],
                              "success": statistics.fmean(r["success"] for r in runs),
                              "success_per_seed": [r["success"] for r in runs],
                              "tokens_processed": statistics.fmean(r["tokens_processed"] for r in runs)})
@@ -106,7 +139,8 @@ def main() -> None:
                       f"{r['tokens_processed']:.0f}")
     console.print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"command": "python benchmarks/memory_budget.py --model <build-memory output>",
+    command = " ".join(["python benchmarks/memory_budget.py", *sys.argv[1:]]).replace(a.model, "<build-memory output>")
+    a.out.write_text(json.dumps({"command": command,
                                  "episode_tokens": length, "whole_context": {
                                      "success": full, "success_per_seed": [w["success"] for w in whole],
                                      "tokens_processed": statistics.fmean(w["tokens_processed"] for w in whole)},

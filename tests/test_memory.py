@@ -428,8 +428,9 @@ def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint
 
 
 def test_the_memory_budget_benchmark_runs_every_policy(tmp_path):
-    """`benchmarks/memory_budget.py` at a small size: every policy at one budget, the whole-context
-    reference, tokens processed (the summary, rewriting every turn, reads the most), a plot."""
+    """`benchmarks/memory_budget.py` at a small size: every policy at one budget, Memory Diffusion
+    again after one RL step at that budget, the whole-context reference, tokens processed (the
+    summary, rewriting every turn, reads the most), a plot."""
     import json
     import subprocess
     import sys
@@ -438,10 +439,12 @@ def test_the_memory_budget_benchmark_runs_every_policy(tmp_path):
     out = tmp_path / "mb.json"
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_budget.py"
     run = subprocess.run([sys.executable, str(bench), "--model", "tiny-moe", "--seeds", "0", "--episodes", "4",
-                          "--fractions", "0.5", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                          "--fractions", "0.5", "--rl-steps", "1", "--out", str(out)], capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(out.read_text())
     rows = {r["policy"]: r for r in report["rows"]}
-    assert set(rows) == {"truncate", "retrieval", "summary", "diffusion"} and out.with_suffix(".png").exists()
+    assert set(rows) == {"truncate", "retrieval", "summary", "diffusion", "diffusion+rl"} and out.with_suffix(".png").exists()
+    assert rows["diffusion+rl"]["rl_steps"] == 1 and rows["diffusion+rl"]["rl_flops"] > 0  # trained, then played
     assert all(r["budget"] == int(report["episode_tokens"] * 0.5) for r in rows.values())
     assert rows["summary"]["tokens_processed"] > rows["truncate"]["tokens_processed"]
