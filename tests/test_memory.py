@@ -260,6 +260,28 @@ def test_policy_scores_equal_the_model_on_each_variant(tiny_engine):
     assert policy_scores(engine.model)(chunks, [1, 2]) == pytest.approx(expected, abs=1e-4)
 
 
+def test_attention_mass_equals_transformers_attention_weights():
+    """The attention each masked chunk gets from the latest turn, against the attention weights
+    transformers returns for the same checkpoint (eager, fp32): mean over layers and heads, summed
+    over the turn's queries and the chunk's keys."""
+    import transformers
+
+    from trillora.checkpoint import load_model, resolve_model_path
+    from trillora.memory import attention_mass
+
+    chunks = [Chunk([1, 14, 15, 16], 0), Chunk([20, 21, 22, 23, 24], 1), Chunk([30, 31], 2), Chunk([40, 41, 42], 3),
+              Chunk([14, 84, 15, 98], 4)]
+    ids = torch.tensor([[t for c in chunks for t in c.tokens]])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-moe"), attn_implementation="eager")
+    with torch.no_grad():
+        weights = torch.stack(hf(ids, output_attentions=True).attentions)  # [layers, 1, H, S, S]
+    per_key = weights[:, 0, :, -4:, :].mean(dim=1).sum(dim=1).mean(dim=0)  # [S]
+    expected = [float(per_key[9:11].sum()), float(per_key[4:9].sum()), float(per_key[11:14].sum())]
+    got = attention_mass(load_model("tiny-moe"))(chunks, [2, 1, 3])
+    assert got == pytest.approx(expected, abs=1e-5)
+    assert sum(got) < 4  # the turn's 4 queries spread one unit each, part of it on the task and on themselves
+
+
 def test_refills_are_trained_as_actions_of_the_episode(tiny_engine):
     from trillora.memory import MemoryDiffusion, recency
     from trillora.rollout import SamplingParams

@@ -260,8 +260,9 @@ class MemorySection:
     """Tokens the policy may see at once, its next turn included; at most `rollout.max_model_len`."""
     span_tokens: int = 0
     """Chunk each turn into spans of this many tokens (0: whole turns)."""
-    importance: Literal["policy", "recency"] = "policy"
-    """diffusion: how a chunk's importance is estimated (the policy's leave-one-out scoring, or recency)."""
+    importance: Literal["policy", "attention", "recency"] = "policy"
+    """diffusion: how a chunk's importance is estimated (the policy's leave-one-out scoring, the attention
+    the latest turn pays it, or recency)."""
     allocate: Literal["proportional", "top_k", "threshold"] = "proportional"
     """diffusion: how the budget is shared among the masked chunks by importance."""
     floor: float = 0.0

@@ -9,9 +9,11 @@ itself from a fill-in-the-middle prompt — the task, the marker "[[", the chunk
 runner adds each as a transition of its own (prompt: mask 0, refill: mask 1, the episode's
 reward), so RL teaches the policy what to keep; the rewritten context around them is observation.
 
-Importance: `recency` (later chunks matter more) or `policy_scores`, the policy's own judgement:
+Importance: `recency` (later chunks matter more), `policy_scores`, the policy's own judgement:
 how much the log-probability of the latest turn drops when the chunk is left out
-(leave-one-out over the masked chunks, one batched forward).
+(leave-one-out over the masked chunks, one batched forward), or `attention_mass`: how much
+attention the latest turn's tokens pay to the chunk's tokens (softmax weights averaged over
+layers and heads, summed over the turn's queries and the chunk's keys; one forward).
 """
 
 from __future__ import annotations
@@ -62,6 +64,38 @@ def policy_scores(model, pad_id: int = 0) -> Importance:
             picked = logp[k, start - 1:len(r) - 1].gather(-1, ids[k, start:len(r), None])
             totals.append(float(picked.sum()))
         return [totals[0] - t for t in totals[1:]]
+
+    return score
+
+
+def attention_mass(model) -> Importance:
+    """The attention the latest turn pays each masked chunk, read from every attention layer's
+    q and k (a hook on its softmax step, `InnerAttention`) in one forward of the whole context."""
+
+    def score(chunks: list[Chunk], masked: list[int]) -> list[float]:
+        ids = torch.tensor([[t for c in chunks for t in c.tokens]], device=next(model.parameters()).device)
+        turn = len(chunks[-1].tokens)
+        mass = []  # per layer: [S] attention each key position gets from the latest turn's queries
+
+        def capture(module, args, out):
+            q, k, _, _, scale = args  # q [1, H, S, D], k [1, K, S, D]
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            s = q.shape[2]
+            logits = (q[:, :, s - turn:].float() @ k.float().transpose(-1, -2)) * scale  # [1, H, turn, S]
+            causal = torch.arange(s, device=q.device)[None, :] <= torch.arange(s - turn, s, device=q.device)[:, None]
+            probs = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            mass.append(probs.mean(dim=1).sum(dim=1)[0])  # mean over heads, sum over the turn's queries
+
+        hooks = [m.inner.register_forward_hook(capture) for m in model.modules() if hasattr(m, "inner")]
+        try:
+            with torch.no_grad():
+                model(ids)
+        finally:
+            for h in hooks:
+                h.remove()
+        per_token = torch.stack(mass).mean(dim=0)  # [S], averaged over layers
+        bounds = torch.tensor([0] + [len(c.tokens) for c in chunks]).cumsum(0).tolist()
+        return [float(per_token[bounds[i]:bounds[i + 1]].sum()) for i in masked]
 
     return score
 

@@ -27,7 +27,7 @@ from ..tasks.task_env import TaskGroupBuilder
 from ..tasks.trajectory import merge_trajectory
 from .batch import TokenBatch, batch_from_samples, with_routes
 from ..errors import ConfigError
-from ..memory import MemoryContext, MemoryDiffusion, Recall, Summarize, Truncate, policy_scores, recency
+from ..memory import MemoryContext, MemoryDiffusion, Recall, Summarize, Truncate, attention_mass, policy_scores, recency
 from .episodes import EpisodeLimits, episode_metrics, run_groups
 from .flops import ModelFlops, rollout_flops
 
@@ -188,10 +188,11 @@ def memory_factory(m, engine, tokenizer):
             policy = Summarize(engine, tokenizer, seeded, m.summary_tokens)
         else:
             model = getattr(engine, "model", None)
-            if m.importance == "policy" and model is None:
-                raise ConfigError("memory.importance='policy' scores chunks with the policy in this process: use "
+            if m.importance != "recency" and model is None:
+                raise ConfigError(f"memory.importance={m.importance!r} scores chunks with the policy in this process: use "
                                   "rollout.engine='local', or memory.importance='recency'")
-            importance = policy_scores(model, tokenizer.pad_token_id or 0) if m.importance == "policy" else recency
+            importance = {"policy": lambda: policy_scores(model, tokenizer.pad_token_id or 0),
+                          "attention": lambda: attention_mass(model), "recency": lambda: recency}[m.importance]()
             policy = MemoryDiffusion(engine, tokenizer, seeded, importance, m.allocate, m.keep_recent, m.floor)
         return MemoryContext(policy, m.budget, params.max_new_tokens, m.span_tokens)
 
