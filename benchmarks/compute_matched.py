@@ -9,8 +9,9 @@ rank-8 LoRA, and the widest also at LoRA ranks 1 and 64 (the rank axis at equal 
 arm is `trillora train` on the default job's task (held-out 3-digit addition, reversal as
 retention) with `flops_budget` = `--flops` and `model.path` the family member; LoRA arms use the
 default `optim.lr`, full arms `--full-lr` (full-parameter updates move every weight: a LoRA
-learning rate wrecks the model). Every `--eval-every` steps the held-out sets are sampled at T=1,
-so each run gives accuracy and retention against cumulative FLOPs. Writes
+learning rate wrecks the model). The held-out sets are sampled at T=1 about `--evals` times per
+run, at equal FLOP intervals (a one-step probe of each arm measures its FLOPs per step), so each
+run gives accuracy and retention against cumulative FLOPs. Writes
 benchmarks/results/compute_matched.json and a PNG of the curves (mean over seeds, min-max band).
 """
 
@@ -51,14 +52,26 @@ def overrides_of(arm: str, family: Path, full_lr: float) -> list[str]:
     return [f"model.path={family / member}", f"lora.rank={rank}", f"lora.alpha={2 * rank}"]
 
 
-def run(work: Path, arm: str, seed: int, a) -> dict:
-    name = f"{arm.replace(':', '-')}-seed{seed}"
-    cmd = [sys.executable, "-m", "trillora", "train", f"out_dir={work}", f"name={name}", f"seed={seed}", "steps=100000",
-           f"flops_budget={a.flops}", f"eval_every={a.eval_every}", f"task.eval_problems={a.eval_problems}",
-           *overrides_of(arm, a.family, a.full_lr), *a.overrides]
+def train(work: Path, name: str, arm: str, a, *settings: str) -> None:
+    cmd = [sys.executable, "-m", "trillora", "train", f"out_dir={work}", f"name={name}",
+           *overrides_of(arm, a.family, a.full_lr), *a.overrides, *settings]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
+
+
+def eval_every(work: Path, arm: str, a) -> int:
+    """Steps between evaluations for ~`a.evals` of them within the budget, from one probe step."""
+    name = f"probe-{arm.replace(':', '-')}"
+    train(work, name, arm, a, "steps=1", "eval_every=1", "task.eval_problems=1", 'task.retention=""')
+    per_step = json.loads((work / name / "summary.json").read_text())["flops_total"]
+    return max(1, round(a.flops / per_step / a.evals))
+
+
+def run(work: Path, arm: str, seed: int, every: int, a) -> dict:
+    name = f"{arm.replace(':', '-')}-seed{seed}"
+    train(work, name, arm, a, f"seed={seed}", "steps=100000", f"flops_budget={a.flops}", f"eval_every={every}",
+          f"task.eval_problems={a.eval_problems}")
     rows = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
     curve = [{"flops": r.get("flops_total", 0.0), "step": r["step"], "accuracy": r["eval_accuracy"],
               "retention": r.get("retention_accuracy")} for r in rows if "eval_accuracy" in r]
@@ -112,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--flops", type=float, default=4e12, help="each run's FLOP budget")
     p.add_argument("--full-lr", type=float, default=1e-4)
-    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--evals", type=int, default=10, help="held-out evaluations per run (plus before and at the end)")
     p.add_argument("--eval-problems", type=int, default=256)
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", type=Path, default=RESULTS / "compute_matched.json")
@@ -122,11 +135,13 @@ def main(argv: list[str] | None = None) -> dict:
     for arm in arms:
         overrides_of(arm, a.family, a.full_lr)  # a bad arm fails before any training
     work = Path(tempfile.mkdtemp(prefix="compute-matched-"))
-    todo = [(arm, seed) for arm in arms for seed in a.seeds]
     console = Console(width=140)
+    with console.status(f"probing {len(arms)} arms"), ThreadPoolExecutor(a.jobs) as pool:
+        every = dict(zip(arms, pool.map(lambda arm: eval_every(work, arm, a), arms)))
+    todo = [(arm, seed) for arm in arms for seed in a.seeds]
     with console.status(f"training {len(todo)} runs to {a.flops:.2g} FLOPs each, {a.jobs} at a time"), \
             ThreadPoolExecutor(a.jobs) as pool:
-        runs = list(pool.map(lambda job: run(work, *job, a), todo))
+        runs = list(pool.map(lambda job: run(work, job[0], job[1], every[job[0]], a), todo))
     rows = summarize(runs)
     table = Table(title=f"held-out addition after {a.flops:.2g} FLOPs of RL (T=1, {a.eval_problems} problems; "
                         f"mean over seeds {a.seeds}, min-max)")

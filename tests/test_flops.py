@@ -145,7 +145,7 @@ def test_build_family_pretrains_each_width_for_its_token_budget(tmp_path):
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "compute_matched.py"
     out = tmp_path / "cm.json"
     run = subprocess.run([sys.executable, str(bench), "--family", str(tmp_path), "--arms", "w128:lora8", "w64:full",
-                          "--seeds", "0", "--flops", "3e9", "--eval-every", "3", "--eval-problems", "8", "--out", str(out),
+                          "--seeds", "0", "--flops", "3e9", "--evals", "3", "--eval-problems", "8", "--out", str(out),
                           "rollout.prompts_per_step=4", "rollout.group_size=4", 'task.retention=""'],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -155,5 +155,6 @@ def test_build_family_pretrains_each_width_for_its_token_budget(tmp_path):
     for r in runs.values():
         assert r["flops"] >= 3e9 > r["curve"][-2]["flops"]  # stopped at the step that spent the budget
         assert r["curve"][0]["flops"] == 0.0 and r["curve"][-1]["flops"] == r["flops"]
+        assert 4 <= len(r["curve"]) <= 6  # before, about 3 at equal FLOP steps, and the last
     assert runs["w64:full"]["trained_params"] == 261440 and runs["w128:lora8"]["trained_params"] < 261440
     assert runs["w64:full"]["steps"] > runs["w128:lora8"]["steps"]  # the smaller model buys more steps
