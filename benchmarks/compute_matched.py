@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{r['accuracy_after']:.3f}", f"{r['accuracy_min']:.3f}–{r['accuracy_max']:.3f}",
                       "-" if r["retention_after"] is None else f"{r['retention_after']:.3f}")
     console.print(table)
-    report = {"command": " ".join(["python benchmarks/compute_matched.py", *(argv if argv is not None else sys.argv[1:])]),
+    command = " ".join(["python benchmarks/compute_matched.py", *(argv if argv is not None else sys.argv[1:])])
+    report = {"command": command.replace(str(a.family), "<build-family output>"),
               "flops_budget": a.flops, "full_lr": a.full_lr, "seeds": a.seeds, "arms": rows, "runs": runs}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2))
