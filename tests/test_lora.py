@@ -24,7 +24,7 @@ CASES = {
     "deepseek_v3": dict(rank=4, alpha=8.0, expert_rank=8, rslora=True),
     "kimi_k2_shaped": dict(rank=8, alpha=16.0, expert_rank_rule="divide_by_top_k"),  # experts get 8 // 4 = 2
     "qwen3_moe_router_head": dict(rank=4, alpha=4.0, targets=lora.ROLES),
-    "glm4_moe": dict(rank=4, alpha=8.0, expert_rank=2),  # q/k/v biases stay frozen under the adapters
+    "glm4_moe": dict(rank=4, alpha=8.0, expert_rank=1),  # rank-1 experts; q/k/v biases stay frozen
     "glm4_moe_air_router_head": dict(rank=4, alpha=4.0, targets=lora.ROLES),
 }
 

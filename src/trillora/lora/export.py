@@ -130,7 +130,9 @@ def save_adapter(
     config["base_model_name_or_path"] = base_model
     path = Path(path)
     with AtomicFolder(path) as tmp:
-        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        # rank 1 makes some reshapes views with odd strides; safetensors wants packed tensors
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         ours = {**dataclasses.asdict(model.lora_config), "expert_layout": expert_layout}
         (tmp / "trillora_adapter.json").write_text(json.dumps(ours, indent=2))
