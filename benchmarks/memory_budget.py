@@ -6,7 +6,8 @@
 shipped models cannot, so every memory would score noise). Each held-out ledger (6 facts, 3
 distractors, the question about one of the first two) is played at T = 1 with the whole context,
 then at 1/2, 1/4 and 1/8 of the mean whole-episode length under truncation, retrieval (BM25
-`recall:`), a summary after every turn, and Memory Diffusion (policy importance, proportional).
+`recall:`), a summary after every turn, and Memory Diffusion (policy importance, proportional),
+every policy on chunks of `--span-tokens`.
 Reported per policy and budget: success (mean and per seed) and the tokens processed per episode
 (every call's context read plus the tokens written: turns, refills, summaries; the importance
 scorer's forwards are not counted). With `--rl-steps N`, Memory Diffusion is also trained by RL
@@ -78,11 +79,12 @@ def plot(rows: list[dict], full: float, path: Path) -> None:
     plt.close(fig)
 
 
-def train_diffusion(model: str, budget: int, seed: int, steps: int, work: Path) -> tuple[Path, dict]:
+def train_diffusion(model: str, budget: int, span: int, seed: int, steps: int, work: Path) -> tuple[Path, dict]:
     """RL with Memory Diffusion at `budget` (the example config); the adapter and the run's summary."""
     name = f"diffusion-b{budget}-s{seed}"
     done = subprocess.run([sys.executable, "-m", "trillora", "train", str(ROOT / "examples" / "ledger.toml"),
-                           f"model.path={model}", f"memory.budget={budget}", f"seed={seed}", f"steps={steps}",
+                           f"model.path={model}", f"memory.budget={budget}", f"memory.span_tokens={span}",
+                           f"seed={seed}", f"steps={steps}",
                            f"eval_every={steps}", f"out_dir={work}", f"name={name}"], capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"RL at budget {budget} failed:\n{done.stderr[-3000:]}")
@@ -95,6 +97,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--episodes", type=int, default=64)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
+    p.add_argument("--span-tokens", type=int, default=6, help="chunks of every policy: spans of this many tokens "
+                   "(0: whole turns, which at 1/4 of an episode leave no room beyond the task and the latest turn)")
     p.add_argument("--rl-steps", type=int, default=0, help="also train Memory Diffusion by RL at each budget")
     p.add_argument("--rl-seeds", type=int, nargs="+", default=[0])
     p.add_argument("--out", type=Path, default=RESULTS / "memory_budget.json")
@@ -112,17 +116,17 @@ def main() -> None:
             budget = max(int(length * fraction), NEW_TOKENS + 1)
             for policy in POLICIES[:-1]:
                 status.update(f"{policy} at {fraction:g} ({budget} tokens)")
-                runs = [play(engine, tokenizer, a.episodes, s, MemorySection(policy=policy, budget=budget))
-                        for s in a.seeds]
+                memory = MemorySection(policy=policy, budget=budget, span_tokens=a.span_tokens)
+                runs = [play(engine, tokenizer, a.episodes, s, memory) for s in a.seeds]
                 rows.append({"policy": policy, "fraction": fraction, "budget": budget,
                              "success": statistics.fmean(r["success"] for r in runs),
                              "success_per_seed": [r["success"] for r in runs],
                              "tokens_processed": statistics.fmean(r["tokens_processed"] for r in runs)})
             for rl_seed in a.rl_seeds if a.rl_steps else []:
                 status.update(f"RL with Memory Diffusion at {fraction:g} ({budget} tokens), seed {rl_seed}")
-                adapter, summary = train_diffusion(a.model, budget, rl_seed, a.rl_steps, work)
+                adapter, summary = train_diffusion(a.model, budget, a.span_tokens, rl_seed, a.rl_steps, work)
                 trained = LocalEngine(load_adapter(load_model(a.model), adapter), precision="fp32")
-                memory = MemorySection(policy="diffusion", budget=budget)
+                memory = MemorySection(policy="diffusion", budget=budget, span_tokens=a.span_tokens)
                 runs = [play(trained, tokenizer, a.episodes, s, memory) for s in a.seeds]
                 rows.append({"policy": "diffusion+rl", "fraction": fraction, "budget": budget, "rl_seed": rl_seed,
                              "rl_steps": a.rl_steps, "rl_seconds": summary["seconds"], "rl_flops": summary["flops_total"],
@@ -141,7 +145,7 @@ def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python benchmarks/memory_budget.py", *sys.argv[1:]]).replace(a.model, "<build-memory output>")
     a.out.write_text(json.dumps({"command": command,
-                                 "episode_tokens": length, "whole_context": {
+                                 "episode_tokens": length, "span_tokens": a.span_tokens, "whole_context": {
                                      "success": full, "success_per_seed": [w["success"] for w in whole],
                                      "tokens_processed": statistics.fmean(w["tokens_processed"] for w in whole)},
                                  "rows": rows}, indent=2))
