@@ -286,3 +286,31 @@ def test_the_info_table_is_what_trillora_info_counts():
             else f"{c.total / 1e9:.2f}B"
         row = f"| {name} | {total} | {c.activated / 1e9:.2f}B | {size(c.bytes_bf16())} | {size(c.bytes_fp8())} |"
         assert row in README, row
+
+
+def test_the_memory_budget_table_is_the_results_file():
+    r = results("memory_budget.json")
+    rows = r["rows"]
+    names = {"truncate": "truncation", "retrieval": "retrieval (BM25 `recall:`)", "summary": "summary after every turn",
+             "diffusion": "Memory Diffusion, before RL", "diffusion+rl": "Memory Diffusion, after RL"}
+    fractions = sorted({x["fraction"] for x in rows}, reverse=True)
+    budgets = {x["fraction"]: x["budget"] for x in rows}
+    assert "| memory | " + " | ".join(f"{f:g} of the episode ({budgets[f]} tokens)" for f in fractions) + " |" in README
+    for policy, name in names.items():
+        cells = []
+        for f in fractions:
+            (x,) = [y for y in rows if y["policy"] == policy and y["fraction"] == f]
+            seeds = " / ".join(f"{s:.2f}" for s in x["success_per_seed"])
+            cells.append(f"{pct(x['success'])} ({seeds}) · {x['tokens_processed']:.0f}")
+        row = f"| {name} | " + " | ".join(cells) + " |"
+        assert row in README, row
+    whole = r["whole_context"]
+    seeds = " / ".join(f"{s:.2f}" for s in whole["success_per_seed"])
+    assert f"{pct(whole['success'])} ({seeds}) · {whole['tokens_processed']:.0f}" in README
+    assert f"(about {r['episode_tokens']:.0f} tokens)" in README and f"spans of {r['span_tokens']} tokens" in README
+    rl = {x["fraction"]: x for x in rows if x["policy"] == "diffusion+rl"}
+    assert f"{rl[0.5]['rl_steps']} steps of GRPO" in README
+    assert f"{rl[0.5]['rl_seconds'] / 60:.1f} and {rl[0.25]['rl_seconds'] / 60:.1f} minutes" in README
+    build = results("build_memory.json")
+    assert f"ended at {pct(build['history'][-1]['ledger_success'])} greedy" in README
+    assert f"--max-steps {build['steps']}` ({build['seconds'] / 60:.0f} min here" in README
