@@ -41,15 +41,20 @@ def default_arms(family: Path) -> list[str]:
 
 
 def overrides_of(arm: str, family: Path, full_lr: float) -> list[str]:
-    member, _, mode = arm.partition(":")
+    """`w256:lora8`, `w64:full`, or either with its own learning rate (`w128:full:3e-4`)."""
+    member, mode, *lr = arm.split(":")
     if not (family / member / "config.json").is_file():
         raise SystemExit(f"arm {arm!r}: no checkpoint {family / member}")
+    try:
+        lr = [f"optim.lr={float(lr[0])}"] if lr else []
+    except ValueError:
+        raise SystemExit(f"arm {arm!r}: the part after the mode is a learning rate") from None
     if mode == "full":
-        return [f"model.path={family / member}", "finetune=full", f"optim.lr={full_lr}"]
+        return [f"model.path={family / member}", "finetune=full", *(lr or [f"optim.lr={full_lr}"])]
     if not mode.startswith("lora") or not mode[4:].isdigit():
         raise SystemExit(f"arm {arm!r}: the mode after ':' is full or lora<rank>")
     rank = int(mode[4:])
-    return [f"model.path={family / member}", f"lora.rank={rank}", f"lora.alpha={2 * rank}"]
+    return [f"model.path={family / member}", f"lora.rank={rank}", f"lora.alpha={2 * rank}", *lr]
 
 
 def train(work: Path, name: str, arm: str, a, *settings: str) -> None:
@@ -95,7 +100,7 @@ def summarize(runs: list[dict]) -> list[dict]:
     return out
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def plot(runs: list[dict], task: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,7 +115,7 @@ def plot(runs: list[dict], path: Path) -> None:
         line, = ax.plot(x, [statistics.fmean(y) for y in ys], marker="o", ms=3, label=arm)
         ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
     ax.set_xlabel("cumulative FLOPs (sampling + training)")
-    ax.set_ylabel("held-out 3-digit addition (T=1)")
+    ax.set_ylabel(f"held-out {task} (T=1)")
     ax.set_title("RL at equal compute: model width × LoRA rank / full")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -120,7 +125,7 @@ def plot(runs: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", type=Path, required=True)
+    p.add_argument("--family", type=Path, help="the family's folder (python -m trillora.tiny build-family)")
     p.add_argument("--arms", nargs="+", default=None, help="width:mode, e.g. w256:lora8 w64:full")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--flops", type=float, default=4e12, help="each run's FLOP budget")
@@ -129,8 +134,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-problems", type=int, default=256)
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", type=Path, default=RESULTS / "compute_matched.json")
+    p.add_argument("--plot-only", action="store_true", help="redraw the PNG of --out without training")
     p.add_argument("overrides", nargs="*", help="key=value for every run")
     a = p.parse_args(argv)
+    task = next((o.split("=", 1)[1] for o in reversed(a.overrides) if o.startswith("task.name=")), "arithmetic")
+    if a.plot_only:
+        report = json.loads(a.out.read_text())
+        plot(report["runs"], report.get("task", task), a.out.with_suffix(".png"))
+        return report
+    if a.family is None:
+        p.error("--family is required (the folder python -m trillora.tiny build-family wrote)")
     arms = a.arms or default_arms(a.family)
     for arm in arms:
         overrides_of(arm, a.family, a.full_lr)  # a bad arm fails before any training
@@ -143,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
             ThreadPoolExecutor(a.jobs) as pool:
         runs = list(pool.map(lambda job: run(work, job[0], job[1], every[job[0]], a), todo))
     rows = summarize(runs)
-    table = Table(title=f"held-out addition after {a.flops:.2g} FLOPs of RL (T=1, {a.eval_problems} problems; "
+    table = Table(title=f"held-out {task} after {a.flops:.2g} FLOPs of RL (T=1, {a.eval_problems} problems; "
                         f"mean over seeds {a.seeds}, min-max)")
     for col in ("arm", "trained params", "steps", "before", "after", "min-max", "retention after"):
         table.add_column(col)
@@ -154,10 +167,13 @@ def main(argv: list[str] | None = None) -> dict:
     console.print(table)
     command = " ".join(["python benchmarks/compute_matched.py", *(argv if argv is not None else sys.argv[1:])])
     report = {"command": command.replace(str(a.family), "<build-family output>"),
-              "flops_budget": a.flops, "full_lr": a.full_lr, "seeds": a.seeds, "arms": rows, "runs": runs}
+              "task": task, "flops_budget": a.flops, "full_lr": a.full_lr,
+              "family": {m: json.loads((a.family / m / "pretrain_report.json").read_text())
+                         for m in sorted({arm.split(":")[0] for arm in arms})
+                         if (a.family / m / "pretrain_report.json").is_file()}, "seeds": a.seeds, "arms": rows, "runs": runs}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2))
-    plot(runs, a.out.with_suffix(".png"))
+    plot(runs, task, a.out.with_suffix(".png"))
     console.print(f"wrote {a.out} and {a.out.with_suffix('.png')}")
     return report
 

@@ -158,3 +158,8 @@ def test_build_family_pretrains_each_width_for_its_token_budget(tmp_path):
         assert 4 <= len(r["curve"]) <= 6  # before, about 3 at equal FLOP steps, and the last
     assert runs["w64:full"]["trained_params"] == 261440 and runs["w128:lora8"]["trained_params"] < 261440
     assert runs["w64:full"]["steps"] > runs["w128:lora8"]["steps"]  # the smaller model buys more steps
+    assert report["task"] == "arithmetic" and report["family"]["w64"]["params"] == 261440
+    out.with_suffix(".png").unlink()  # --plot-only redraws from the JSON, no training
+    again = subprocess.run([sys.executable, str(bench), "--plot-only", "--out", str(out)], capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0 and out.with_suffix(".png").is_file(), again.stderr[-2000:]
