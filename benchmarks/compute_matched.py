@@ -106,18 +106,21 @@ def plot(runs: list[dict], task: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for arm in dict.fromkeys(r["arm"] for r in runs):
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    arms = list(dict.fromkeys(r["arm"] for r in runs))
+    colors = plt.cm.tab20(range(len(arms)))
+    for arm, color in zip(arms, colors):
         curves = [r["curve"] for r in runs if r["arm"] == arm]
         points = min(len(c) for c in curves)
         x = [statistics.fmean(c[i]["flops"] for c in curves) for i in range(points)]
         ys = [[c[i]["accuracy"] for c in curves] for i in range(points)]
-        line, = ax.plot(x, [statistics.fmean(y) for y in ys], marker="o", ms=3, label=arm)
+        line, = ax.plot(x, [statistics.fmean(y) for y in ys], marker="o", ms=3, label=arm, color=color,
+                        ls="--" if ":full" in arm else "-")  # dashed: full-parameter
         ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
     ax.set_xlabel("cumulative FLOPs (sampling + training)")
     ax.set_ylabel(f"held-out {task} (T=1)")
     ax.set_title("RL at equal compute: model width × LoRA rank / full")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

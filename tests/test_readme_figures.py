@@ -314,3 +314,30 @@ def test_the_memory_budget_table_is_the_results_file():
     build = results("build_memory.json")
     assert f"ended at {pct(build['history'][-1]['ledger_success'])} greedy" in README
     assert f"--max-steps {build['steps']}` ({build['seconds'] / 60:.0f} min here" in README
+
+
+def test_the_compute_matched_table_is_the_results_file():
+    r = results("compute_matched.json")
+    assert r["task"] == "countdown" and r["flops_budget"] == 3e12 and r["seeds"] == [0, 1, 2]
+    arms = {a["arm"]: a for a in r["arms"]}
+    for a in arms.values():
+        ret = "–" if a["retention_after"] is None else pct(a["retention_after"])
+        row = (f"| {a['arm']} | {a['trained_params']:,} | {a['steps']:.0f} | {pct(a['accuracy_before'])} | "
+               f"{pct(a['accuracy_after'])} ({pct(a['accuracy_min'])}–{pct(a['accuracy_max'])}) | {ret} |")
+        assert row in README, row
+    for run in r["runs"]:  # every run stopped at the step that spent the budget
+        assert run["flops"] >= 3e12 > run["curve"][-2]["flops"]
+    after = {k: pct(a["accuracy_after"]) for k, a in arms.items()}
+    flat = " ".join(README.split())
+    assert (f"ends at {after['w256:lora8']} against {after['w128:full']} for width 128 trained in full (its best of three "
+            f"learning rates) and {after['w64:full']} for width 64 in full") in flat
+    best_small = max(arms[k]["accuracy_after"] for k in ("w128:full", "w128:full:3e-4", "w128:full:3e-5"))
+    assert best_small == arms["w128:full"]["accuracy_after"] < arms["w256:full"]["accuracy_before"]
+    gain = {k: 100 * (arms[k]["accuracy_after"] - arms[k]["accuracy_before"]) for k in ("w128:full", "w256:lora8")}
+    assert f"(+{gain['w128:full']:.1f} points against +{gain['w256:lora8']:.1f})" in flat
+    assert (f"{after['w256:lora8']} vs {after['w256:full']} / {after['w256:full:3e-4']} (width 256, full at 1e-4 / 3e-4) "
+            f"and {after['w128:lora8']} vs {after['w128:full']} / {after['w128:full:3e-4']} / {after['w128:full:3e-5']}") in flat
+    assert (f"rank 8 ({after['w256:lora8']}) ahead of rank 1 ({after['w256:lora1']}) and rank 64 "
+            f"({after['w256:lora64']})") in flat
+    family = results("build_family.json")["members"]
+    assert " / ".join(pct(family[w]["history"][-1]["addition_greedy"]) for w in ("w64", "w128", "w256")) in flat
