@@ -49,7 +49,7 @@ def test_mlp_only_layers_and_sparse_step():
 
 def test_unsupported_model_type_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    with pytest.raises(ConfigError, match=r"config\.json: model_type 'llama' is not supported; supported model types: deepseek_v3, kimi_k2, qwen3, qwen3_moe"):
+    with pytest.raises(ConfigError, match=r"config\.json: model_type 'llama' is not supported; supported model types: deepseek_v3, glm4_moe, kimi_k2, qwen3, qwen3_moe"):
         load_hf_config(tmp_path)
 
 
