@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -100,6 +101,12 @@ def summarize(runs: list[dict]) -> list[dict]:
     return out
 
 
+def task_label(task: str, command: str) -> str:
+    """The task's name for titles and axes: an env dataset by its module (`guessing`)."""
+    found = re.search(r'env\s*=\s*"?([\w.]+):', command) if task == "env" else None
+    return found.group(1).rsplit(".", 1)[-1] if found else task
+
+
 def plot(runs: list[dict], task: str, path: Path) -> None:
     import matplotlib
 
@@ -111,9 +118,9 @@ def plot(runs: list[dict], task: str, path: Path) -> None:
     colors = plt.cm.tab20(range(len(arms)))
     for arm, color in zip(arms, colors):
         curves = [r["curve"] for r in runs if r["arm"] == arm]
-        points = min(len(c) for c in curves)
-        x = [statistics.fmean(c[i]["flops"] for c in curves) for i in range(points)]
-        ys = [[c[i]["accuracy"] for c in curves] for i in range(points)]
+        at = list(range(min(len(c) for c in curves) - 1)) + [-1]  # seeds share the cadence; each ends at its last
+        x = [statistics.fmean(c[i]["flops"] for c in curves) for i in at]
+        ys = [[c[i]["accuracy"] for c in curves] for i in at]
         line, = ax.plot(x, [statistics.fmean(y) for y in ys], marker="o", ms=3, label=arm, color=color,
                         ls="--" if ":full" in arm else "-")  # dashed: full-parameter
         ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     task = next((o.split("=", 1)[1] for o in reversed(a.overrides) if o.startswith("task.name=")), "arithmetic")
     if a.plot_only:
         report = json.loads(a.out.read_text())
-        plot(report["runs"], report.get("task", task), a.out.with_suffix(".png"))
+        plot(report["runs"], task_label(report.get("task", task), report["command"]), a.out.with_suffix(".png"))
         return report
     if a.family is None:
         p.error("--family is required (the folder python -m trillora.tiny build-family wrote)")
@@ -176,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
                          if (a.family / m / "pretrain_report.json").is_file()}, "seeds": a.seeds, "arms": rows, "runs": runs}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2))
-    plot(runs, task, a.out.with_suffix(".png"))
+    plot(runs, task_label(task, command), a.out.with_suffix(".png"))
     console.print(f"wrote {a.out} and {a.out.with_suffix('.png')}")
     return report
 

@@ -341,3 +341,17 @@ def test_the_compute_matched_table_is_the_results_file():
             f"({after['w256:lora64']})") in flat
     family = results("build_family.json")["members"]
     assert " / ".join(pct(family[w]["history"][-1]["addition_greedy"]) for w in ("w64", "w128", "w256")) in flat
+
+
+def test_the_compute_matched_guessing_table_is_the_results_file():
+    r = results("compute_matched_guessing.json")
+    assert r["task"] == "env" and r["flops_budget"] == 4e12 and "trillora.tasks.guessing:dataset" in r["command"]
+    arms = {a["arm"]: a for a in r["arms"]}
+    for a in arms.values():
+        row = (f"| {a['arm']} | {a['trained_params']:,} | {a['steps']:.0f} | {pct(a['accuracy_before'])} | "
+               f"{pct(a['accuracy_after'])} ({pct(a['accuracy_min'])}–{pct(a['accuracy_max'])}) |")
+        assert row in README, row
+    after = {k: pct(a["accuracy_after"]) for k, a in arms.items()}
+    flat = " ".join(README.split())
+    assert (f"({after['w128:full']} vs {after['w128:lora8']}, {after['w256:full']} vs {after['w256:lora8']})") in flat
+    assert arms["w128:full"]["accuracy_after"] > arms["w256:lora8"]["accuracy_after"]  # what the prose says
