@@ -161,8 +161,8 @@ class Trainer:
             advantages = rl.group_advantages(rollout.rewards, a.advantage, a.normalize_std).reshape(-1)  # [P·G]
             advantages = advantages[rollout.trajectory_of.to(advantages.device)]  # [B]: each row its trajectory's
             metrics = self.update(dataclasses.replace(rollout.tokens, advantages=advantages))
-            metrics["flops_train"] = self.flops.train_step(rollout.row_lengths, a.epochs, a.epochs * a.minibatches > 1,
-                                                           a.kl_coef > 0)
+            metrics["flops_train"] = self.flops.train_step(rollout.row_lengths, a.epochs, self.update.proximal_pass,
+                                                           self.update.reference_pass)
             self.flops_total += rollout.stats.get("flops_rollout", 0.0) + metrics["flops_train"]
             metrics["flops_total"] = self.flops_total
         t2 = time.perf_counter()
@@ -289,7 +289,7 @@ class Trainer:
             return
         base = str(resolve_model_path(self.cfg.model.path))
         for layout in EXPERT_LAYOUTS:
-            lora.save_adapter(self.full, self.cfg.run_dir / "adapter" / layout, expert_layout=layout, base_model=base)
+            lora.save_adapter(self.full, self.export_dir / layout, expert_layout=layout, base_model=base)
 
     def _diverged(self, step: int) -> TrainingDiverged:
         u = self.update

@@ -70,6 +70,15 @@ class PolicyUpdate:
     def pipeline(self):
         return self.world.par.pipeline
 
+    @property
+    def proximal_pass(self) -> bool:
+        """The policy moves within the batch, so the one before the first step is the proximal policy."""
+        return self.algorithm.epochs * self.algorithm.minibatches > 1
+
+    @property
+    def reference_pass(self) -> bool:
+        return self.algorithm.kl_coef > 0
+
     def diverged(self) -> bool:
         k = self.optim.max_nonfinite_in_a_row
         return k > 0 and self.nonfinite_in_a_row >= k
@@ -111,14 +120,13 @@ class PolicyUpdate:
         return self.world.reduce_metrics(per_token, tokens, {"loss": sum(losses) / len(losses)}, averaged)
 
     def _fixed_passes(self, local: TokenBatch, whole_groups: bool, replay: RouterReplay | None) -> Fixed:
-        a = self.algorithm
         fixed = Fixed()
         everything = torch.arange(local.num_rows, device=local.input_ids.device)
-        if a.epochs * a.minibatches > 1:  # the policy moves within the batch: the one before the first step is proximal
+        if self.proximal_pass:
             with _replaying(replay, self.model, everything, "old") as whole:
                 fixed.old = self._logprobs(local, whole_groups, whole)
             fixed.is_weights, fixed.mismatch = self._mismatch(fixed.old, local)
-        if a.kl_coef > 0:
+        if self.reference_pass:
             with lora.disable_adapter(self.model), _replaying(replay, self.model, everything, "reference") as whole:
                 fixed.ref = self._logprobs(local, whole_groups, whole)
         return fixed
