@@ -127,7 +127,27 @@ GLM4_MOE = dict(
     rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.5),
 )
 GLM4_MOE_AIR = dict(GLM4_MOE, use_qk_norm=False, routed_scaling_factor=1.0, n_group=2, topk_group=1)
-CONFIGS = {"qwen3_moe": QWEN3_MOE, "glm4_moe": GLM4_MOE, "glm4_moe_air": GLM4_MOE_AIR, "qwen3_moe_yarn": QWEN3_MOE_YARN, "deepseek_v3": DEEPSEEK_V3, "kimi_k2_shaped": KIMI_K2_SHAPED}
+# gpt-oss's layout (q/k/v/o bias, sinks, sliding window on even layers, biased router and experts,
+# YaRN with truncate off) at toy size: 80-token sequences cross the 16-token window, and a swiglu
+# limit of 0.5 clamps many gate and up values at these weights (7.0 in the release)
+GPT_OSS = dict(
+    model_type="gpt_oss",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=16,
+    swiglu_limit=0.5,
+    max_position_embeddings=256,
+    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0,
+                         truncate=False, original_max_position_embeddings=32),
+)
+CONFIGS = {"qwen3_moe": QWEN3_MOE, "gpt_oss": GPT_OSS, "glm4_moe": GLM4_MOE, "glm4_moe_air": GLM4_MOE_AIR, "qwen3_moe_yarn": QWEN3_MOE_YARN, "deepseek_v3": DEEPSEEK_V3, "kimi_k2_shaped": KIMI_K2_SHAPED}
 
 
 def hf_model(cfg: dict, seed: int = 0):
@@ -143,6 +163,8 @@ def hf_model(cfg: dict, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("sinks"):  # large enough to take real mass from the softmax
+                p.uniform_(-1.0, 2.0)
             else:
                 p.normal_(0.0, 0.08)
         for name, b in model.named_buffers():

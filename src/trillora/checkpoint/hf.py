@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from ..errors import MissingPath, TrilloraError
 from ..models import CausalLM, ModelArgs, build_model, load_hf_config
 from .atomic import AtomicFolder
+from . import gpt_oss
 from .fp8 import dequantize_blockwise
 
 INDEX = "model.safetensors.index.json"
@@ -113,12 +114,24 @@ def load_weights(model: CausalLM, path: str | Path, block: int | None = None) ->
         quant = model.args.hf_config.get("quantization_config") or {}
         block = int((quant.get("weight_block_size") or [128])[0])
     filler = _Filler(model)
-    pending: dict[str, torch.Tensor] = {}  # fp8 weights or scales waiting for their partner (other shard)
+    released = model.args.family == "gpt_oss"
+    pending: dict[str, torch.Tensor] = {}  # fp8 / mxfp4 weights or scales waiting for their partner (other shard)
     for file in shard_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
-                if name.endswith(".weight_scale_inv"):
+                if released and name.endswith(("_blocks", "_scales")):  # gpt-oss MXFP4 experts
+                    base, _, kind = name.rpartition("_")
+                    partner = f"{base}_{'scales' if kind == 'blocks' else 'blocks'}"
+                    if partner not in pending:
+                        pending[name] = tensor
+                        continue
+                    blocks, scales = (tensor, pending.pop(partner)) if kind == "blocks" else (pending.pop(partner), tensor)
+                    for part, value in gpt_oss.mxfp4_experts(base, blocks, scales):
+                        filler.put(part, value, file.name)
+                elif released:
+                    filler.put(*gpt_oss.from_release(name, tensor), file.name)
+                elif name.endswith(".weight_scale_inv"):
                     wname = name[: -len("_scale_inv")]
                     if wname not in pending:
                         pending[name] = tensor
@@ -133,7 +146,7 @@ def load_weights(model: CausalLM, path: str | Path, block: int | None = None) ->
                 else:
                     filler.put(name, tensor, file.name)
     if pending:
-        raise CheckpointError(f"{path}: fp8 tensors without their scale (or scales without weight): {sorted(pending)[:4]}")
+        raise CheckpointError(f"{path}: quantised tensors without their scales (or scales without weights): {sorted(pending)[:4]}")
     filler.check_complete(path)
 
 
@@ -190,12 +203,19 @@ def hf_state_dict(model: CausalLM, expert_layout: str = "fused") -> dict[str, to
     """The model's tensors under Hugging Face names; `per_expert` splits stacked experts as released."""
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout={expert_layout!r}; allowed: {', '.join(EXPERT_LAYOUTS)}")
+    released = model.args.family == "gpt_oss"
+    if released and expert_layout == "per_expert":
+        raise CheckpointError("gpt-oss checkpoints have one expert layout (stacked, as released and as transformers "
+                              "loads them); use expert_layout='fused'")
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         if model.args.tie_word_embeddings and name == "lm_head.weight":
             continue
         t = t.detach()
-        out.update(expert_tensors_per_expert(name, t) if expert_layout == "per_expert" else [(name, t.contiguous())])
+        if released:
+            out.update([gpt_oss.to_release(name, t)])
+        else:
+            out.update(expert_tensors_per_expert(name, t) if expert_layout == "per_expert" else [(name, t.contiguous())])
     return out
 
 

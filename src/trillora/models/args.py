@@ -23,12 +23,14 @@ FAMILIES: dict[str, str] = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
     "glm4_moe": "glm4_moe",
+    "gpt_oss": "gpt_oss",
 }
 ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3ForCausalLM": "qwen3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 
@@ -50,7 +52,7 @@ class RopeArgs:
 
 @dataclass(kw_only=True, frozen=True)
 class ModelArgs:
-    family: str  # "qwen3_moe" | "deepseek_v3" | "glm4_moe"
+    family: str  # "qwen3_moe" | "deepseek_v3" | "glm4_moe" | "gpt_oss"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -67,18 +69,24 @@ class ModelArgs:
     qk_norm: bool = True  # per-head RMSNorm on q and k (Qwen3 always; GLM-4.5 `use_qk_norm`)
     rotary_dim: int = 0  # GQA: rope on the first `rotary_dim` dims of each head (GLM's partial rotary); 0 = all
     rope: RopeArgs = field(default_factory=RopeArgs)
+    # per layer: 0 = full causal attention, w = each query sees its last w keys (gpt-oss `layer_types`)
+    layer_windows: tuple[int, ...] = ()
+    attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss)
     # --- MoE ---
     num_experts: int = 0  # routed experts per MoE layer; 0 = dense model
     top_k: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
-    router: str = "softmax"  # "softmax" (Qwen3) | "sigmoid" (DeepSeek-V3 noaux_tc)
+    router: str = "softmax"  # "softmax" (Qwen3) | "sigmoid" (DeepSeek-V3 noaux_tc) | "topk_softmax" (gpt-oss)
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
     # which layers are MoE: Qwen3 uses decoder_sparse_step + mlp_only_layers, DeepSeek first_k_dense_replace
     moe_layers: tuple[int, ...] = ()
+    expert_bias: bool = False  # bias on every expert projection and on the router (gpt-oss)
+    swiglu_limit: float = 0.0  # > 0: gpt-oss's clamped SwiGLU, (clamp(up) + 1) · g·σ(alpha·g) with g = clamp(gate)
+    swiglu_alpha: float = 1.702
     # --- MLA (DeepSeek-V3) ---
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -95,6 +103,10 @@ class ModelArgs:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def window(self, layer: int) -> int:
+        """Sliding-window size of `layer`'s attention; 0 = full causal."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def rope_dim(self) -> int:
@@ -113,6 +125,10 @@ def _get(cfg: dict, *names: str, default: Any = None, required: bool = False, wh
 
 def _rope_args(cfg: dict, where: str) -> RopeArgs:
     params = dict(cfg.get("rope_parameters") or {})
+    if cfg.get("model_type") == "gpt_oss":
+        if not params and not cfg.get("rope_scaling"):
+            params = dict(GPT_OSS_ROPE)
+        params.setdefault("rope_theta", cfg.get("rope_theta") or 150000.0)
     # nested per-layer-type rope parameters are not used by these families
     legacy = cfg.get("rope_scaling") or {}
     params = {**legacy, **params}
@@ -172,10 +188,10 @@ def from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> ModelArgs
         num_heads=heads,
         num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
         intermediate_size=int(_get(cfg, "intermediate_size", **req)),
-        rms_norm_eps=float(_get(cfg, "rms_norm_eps", default=1e-6)),
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", default=1e-5 if family == "gpt_oss" else 1e-6)),
         tie_word_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
         max_position_embeddings=int(_get(cfg, "max_position_embeddings", default=4096)),
-        attention_bias=bool(_get(cfg, "attention_bias", default=False)),
+        attention_bias=bool(_get(cfg, "attention_bias", default=family == "gpt_oss")),
         rope=_rope_args(cfg, where),
         hf_config=dict(cfg),
     )
@@ -209,6 +225,8 @@ def from_hf_config(cfg: dict[str, Any], where: str = "config.json") -> ModelArgs
             **_sigmoid_moe(cfg, layers, num_experts, where),
             num_mtp_layers=int(_get(cfg, "num_nextn_predict_layers", default=0)),
         )
+    elif family == "gpt_oss":
+        args = ModelArgs(**common, **_gpt_oss(cfg, layers, num_experts, where))
     else:
         rope_dim = int(_get(cfg, "qk_rope_head_dim", **req))
         q_lora = cfg.get("q_lora_rank")
@@ -247,6 +265,40 @@ def _sigmoid_moe(cfg: dict, layers: int, num_experts: int, where: str) -> dict[s
         routed_scaling_factor=float(_get(cfg, "routed_scaling_factor", default=1.0)),
         n_shared_experts=int(_get(cfg, "n_shared_experts", default=0)),
         moe_layers=tuple(i for i in range(layers) if num_experts > 0 and i >= first_dense and i % freq == 0),
+    )
+
+
+GPT_OSS_ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                    original_max_position_embeddings=4096)
+"""What transformers assumes when a gpt-oss config.json names no rope parameters."""
+
+
+def _gpt_oss(cfg: dict, layers: int, num_experts: int, where: str) -> dict[str, Any]:
+    """gpt-oss: GQA with bias on q, k, v and o, no q/k norm, attention sinks, every other layer
+    a sliding window (`layer_types`); every layer MoE, routed by a softmax over the top-k logits
+    of a biased router, experts with biases and the clamped SwiGLU."""
+    window = int(_get(cfg, "sliding_window", default=128) or 0)
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if len(types) != layers:
+        raise ConfigError(f"{where}: layer_types has {len(types)} entries for num_hidden_layers={layers}")
+    for i, kind in enumerate(types):
+        if kind not in ("sliding_attention", "full_attention"):
+            raise ConfigError(f"{where}: layer_types[{i}] = {kind!r}; allowed: 'sliding_attention', 'full_attention'")
+    inter = int(_get(cfg, "intermediate_size", required=True, where=where))
+    return dict(
+        head_dim=int(_get(cfg, "head_dim", default=cfg["hidden_size"] // cfg["num_attention_heads"])),
+        attention_out_bias=bool(_get(cfg, "attention_bias", default=True)),
+        qk_norm=False,
+        layer_windows=tuple(window if kind == "sliding_attention" else 0 for kind in types),
+        attention_sinks=True,
+        num_experts=num_experts,
+        top_k=int(_get(cfg, "num_experts_per_tok", "experts_per_token", required=True, where=where)),
+        moe_intermediate_size=inter,
+        router="topk_softmax",
+        moe_layers=tuple(range(layers)) if num_experts else (),
+        expert_bias=True,
+        swiglu_limit=float(_get(cfg, "swiglu_limit", default=7.0)),
+        swiglu_alpha=float(_get(cfg, "swiglu_alpha", default=1.702)),
     )
 
 

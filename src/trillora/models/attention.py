@@ -1,4 +1,4 @@
-"""Attention: grouped-query (Qwen3, GLM-4.5) and multi-head latent (DeepSeek-V3 / Kimi K2).
+"""Attention: grouped-query (Qwen3, GLM-4.5, gpt-oss) and multi-head latent (DeepSeek-V3 / Kimi K2).
 
 Shape legend: B batch, T tokens, C hidden channels, H query heads, K key/value heads,
 D head dim, L latent (kv_lora_rank), R rope dims, N nope dims, V value head dim.
@@ -15,25 +15,57 @@ from .kv_cache import KVCache
 from .layers import RMSNorm, apply_rope, yarn_mscale
 
 
-def causal_mask(attention_mask: torch.Tensor | None, t: int, offset: int, device: torch.device) -> torch.Tensor | None:
+def causal_mask(attention_mask: torch.Tensor | None, t: int, offset: int, device: torch.device,
+                window: int = 0) -> torch.Tensor | None:
     """Boolean mask [B, 1, t, S] (True = may attend) for t new queries after `offset` cached tokens,
     from a padding mask [B, S] over all S = offset + t tokens; None means plain causal, no cache.
+    With a `window` each query sees only its last `window` keys (itself included).
 
     Each query may always see itself, so rows of padding stay finite instead of NaN.
     """
-    if attention_mask is None and offset == 0:
+    if attention_mask is None and offset == 0 and (not window or window >= t):
         return None
     s = offset + t
     q_pos = torch.arange(offset, s, device=device)[:, None]
     k_pos = torch.arange(s, device=device)[None, :]
     mask = (k_pos <= q_pos)[None, None]  # [1, 1, t, S]
+    if window:
+        mask = mask & (k_pos > q_pos - window)[None, None]
     if attention_mask is not None:
         mask = mask & attention_mask.bool()[:, None, None, :]
     return mask | (k_pos == q_pos)[None, None]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    # q [B, H, T, D], k [B, K, S, D], v [B, K, S, V] -> [B, T, H*V]
+def add_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention sinks (gpt-oss) as one extra key that every query sees: softmax over [scores, sink_h]
+    with a zero value row, so the sink only takes probability mass away.
+
+    The sink key must score sink_h for every query of head h, whatever q is. Each query gets G = H/K
+    extra dims holding the one-hot of its place in its key/value group; keys get zeros there and the
+    sink key holds sink_h / scale at its heads' places (zeros elsewhere). The scores of real keys are
+    unchanged, the sink's is sink_h, gradients reach the sinks through an ordinary key, and the mask
+    stays a boolean [.., T, S+1] shared by all heads, so SDPA keeps its fused kernels.
+    """
+    b, h, t, d = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    g = h // kv
+    place = torch.eye(g, dtype=q.dtype, device=q.device).repeat(kv, 1)  # [H, G]: head h -> e_{h mod G}
+    q = torch.cat([q, place[None, :, None, :].expand(b, h, t, g)], dim=-1)  # [B, H, T, D+G]
+    sink_key = F.pad((sinks.to(k.dtype) / scale).view(1, kv, 1, g), (d, 0)).expand(b, kv, 1, d + g)
+    k = torch.cat([F.pad(k, (0, g)), sink_key], dim=2)  # [B, K, S+1, D+G]
+    v = F.pad(v, (0, 0, 0, 1))  # [B, K, S+1, V]: the sink's value is zero
+    if mask is None:  # plain causal over S = T keys
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)[None, None]
+    mask = F.pad(mask, (0, 1), value=True)  # [B|1, 1, T, S+1]
+    return q, k, v, mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    # q [B, H, T, D], k [B, K, S, D], v [B, K, S, V] -> [B, T, H*V]; sinks [H]
+    if sinks is not None:
+        q, k, v, mask = add_sinks(q, k, v, mask, sinks, scale)
     dv = v.shape[-1]
     if q.device.type == "cpu" and dv < q.shape[-1]:
         # MLA (V < D): the CPU flash kernel wants one head size, else SDPA falls back to a kernel that
@@ -48,17 +80,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 class InnerAttention(nn.Module):
     """softmax(q k^T) v after the projections, as its own module so that a parallel plan can
-    swap it from outside (context parallelism attends to keys gathered from other ranks)."""
+    swap it from outside (context parallelism attends to keys gathered from other ranks).
+    `window` is the layer's sliding window (already in `mask` here; context parallelism, which
+    builds its own mask, reads it)."""
 
-    def forward(self, q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-        return attend(q, k, v, mask, scale)
+    def __init__(self, window: int = 0):
+        super().__init__()
+        self.window = window
+
+    def forward(self, q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return attend(q, k, v, mask, scale, sinks)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter a tensor-parallel plan split (a DTensor), else `t`."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class GQAttention(nn.Module):
     """Grouped-query attention: per-head RMSNorm on q and k (Qwen3; optional in GLM-4.5), rope on
-    the first `rotary_dim` dims of each head (all of them, or GLM's half)."""
+    the first `rotary_dim` dims of each head (all of them, or GLM's half); gpt-oss adds a learned
+    sink logit per head and a sliding window on every other layer."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         c, d, bias = args.hidden_size, args.head_dim, args.attention_bias
@@ -69,9 +113,11 @@ class GQAttention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        if args.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(args.num_heads))
         self.rotary = args.rope_dim
         self.scale = d**-0.5
-        self.inner = InnerAttention()
+        self.inner = InnerAttention(args.window(layer))
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rotary == self.head_dim:
@@ -93,7 +139,8 @@ class GQAttention(nn.Module):
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer, k, v)
-        return self.o_proj(self.inner(q, k, v, mask, self.scale))
+        sinks = local(self.sinks) if hasattr(self, "sinks") else None
+        return self.o_proj(self.inner(q, k, v, mask, self.scale, sinks))
 
 
 class MLAttention(nn.Module):

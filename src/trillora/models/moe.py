@@ -124,17 +124,33 @@ class GroupedExperts(nn.Module):
     bring results back) without the module knowing. `num_experts` stays the global count.
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden: int):
+    def __init__(self, num_experts: int, dim: int, hidden: int, bias: bool = False, limit: float = 0.0, alpha: float = 1.702):
         super().__init__()
         self.num_experts, self.hidden = num_experts, hidden
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        if bias:  # gpt-oss; gate entries first, then up, like the rows of gate_up_proj
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * hidden))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, dim))
+        self.limit, self.alpha = limit, alpha
         self.grouped = True  # False: per-expert loop (reference)
 
     def forward(self, x_RC: torch.Tensor, counts_E: torch.Tensor, token_R: torch.Tensor | None = None) -> torch.Tensor:
-        gate_up_R2I = self.project(x_RC, "gate_up_proj", counts_E, token_R)
+        gate_up_R2I = self._biased(self.project(x_RC, "gate_up_proj", counts_E, token_R), "gate_up_proj_bias", counts_E)
         gate, up = gate_up_R2I.chunk(2, dim=-1)
-        return self.project(F.silu(gate) * up, "down_proj", counts_E, token_R)  # [R, C]
+        if self.limit:  # gpt-oss: clamped, with a sharper sigmoid and up shifted by one
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            h = (up + 1) * gate * torch.sigmoid(self.alpha * gate)
+        else:
+            h = F.silu(gate) * up
+        return self._biased(self.project(h, "down_proj", counts_E, token_R), "down_proj_bias", counts_E)  # [R, C]
+
+    def _biased(self, y_RO: torch.Tensor, name: str, counts_E: torch.Tensor) -> torch.Tensor:
+        """Add each row's expert's bias (rows are sorted by expert, `counts_E` per expert)."""
+        bias = getattr(self, name, None)
+        if bias is None:
+            return y_RO
+        return y_RO + bias.to(y_RO.dtype).repeat_interleave(counts_E, dim=0, output_size=y_RO.shape[0])
 
     def project(self, x_R: torch.Tensor, name: str, counts_E: torch.Tensor, token_R: torch.Tensor | None = None) -> torch.Tensor:
         """One stacked projection over expert-sorted rows; the hook point for expert LoRA
@@ -176,6 +192,26 @@ class SoftmaxRouter(nn.Module):
         if self.norm_topk_prob:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         return weights_TK.to(x_TC.dtype)
+
+
+class TopKSoftmaxRouter(nn.Module):
+    """gpt-oss: biased logits, top-k, then a softmax over the k chosen logits only."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.top_k
+        self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
+        self.bias = nn.Parameter(torch.empty(args.num_experts))
+
+    def logits(self, x_TC: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_TC, self.weight, self.bias)  # [T, E]
+
+    def forward(self, x_TC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top_TK, indices_TK = self.logits(x_TC).topk(self.top_k, dim=-1)
+        return top_TK.softmax(dim=-1), indices_TK
+
+    def weights_for(self, x_TC: torch.Tensor, indices_TK: torch.Tensor) -> torch.Tensor:
+        return self.logits(x_TC).gather(1, indices_TK).softmax(dim=-1)
 
 
 class SigmoidRouter(nn.Module):
@@ -220,6 +256,9 @@ class SigmoidRouter(nn.Module):
         return self._weights(self.scores(x_TC), indices_TK)
 
 
+ROUTERS: dict[str, type[nn.Module]] = {"softmax": SoftmaxRouter, "sigmoid": SigmoidRouter, "topk_softmax": TopKSoftmaxRouter}
+
+
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts). The router is its own module (`gate`), called
     once per forward on the flattened tokens, so its choice can be observed or replaced from
@@ -227,8 +266,9 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate = SoftmaxRouter(args) if args.router == "softmax" else SigmoidRouter(args)
-        self.experts = GroupedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size)
+        self.gate = ROUTERS[args.router](args)
+        self.experts = GroupedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size,
+                                      bias=args.expert_bias, limit=args.swiglu_limit, alpha=args.swiglu_alpha)
         if args.n_shared_experts:
             self.shared_experts = SwiGLU(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
 

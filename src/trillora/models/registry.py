@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import deepseek_v3, glm4_moe, qwen3_moe
+from . import deepseek_v3, glm4_moe, gpt_oss, qwen3_moe
 from .args import FAMILIES, ConfigError, ModelArgs
 from .transformer import CausalLM
 
@@ -14,6 +14,7 @@ BUILDERS: dict[str, Callable[[ModelArgs], CausalLM]] = {
     "qwen3_moe": qwen3_moe.build,
     "deepseek_v3": deepseek_v3.build,
     "glm4_moe": glm4_moe.build,
+    "gpt_oss": gpt_oss.build,
 }
 
 

@@ -43,6 +43,7 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(make_layer(i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.rope, rope_dim)
+        self.windows = [args.window(i) for i in range(args.num_layers)]
 
     def forward(
         self,
@@ -60,9 +61,10 @@ class Backbone(nn.Module):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:]
         x = self.embed_tokens(input_ids)  # [B, T, C]
         rope = self.rotary_emb(position_ids, x.dtype)
-        mask = causal_mask(attention_mask, t, offset, x.device)
+        # one mask per window size in use (gpt-oss alternates sliding and full layers)
+        masks = {w: causal_mask(attention_mask, t, offset, x.device, w) for w in set(self.windows)}
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, mask, cache, i)
+            x = layer(x, rope, masks[self.windows[i]], cache, i)
         if cache is not None:
             cache.advance(t)
         return self.norm(x)

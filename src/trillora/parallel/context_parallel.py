@@ -108,20 +108,24 @@ class ContextParallel:
 class ContextParallelAttention(InnerAttention):
     """Local queries against keys and values gathered from the whole cp group, masked by position."""
 
-    def __init__(self, cp: ContextParallel):
-        super().__init__()
+    def __init__(self, cp: ContextParallel, window: int = 0):
+        super().__init__(window)
         self.cp = cp
 
-    def forward(self, q, k, v, mask, scale):
-        if mask is not None:
+    def forward(self, q, k, v, mask, scale, sinks=None):
+        if mask is not None and not self.window:
             raise ValueError("context parallel attention takes right-padded rows without a padding mask or KV cache")
         cp = self.cp
         k_all = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=cp.group)  # [B, K, T, D] rank order
         v_all = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=cp.group)
-        if q.device.type == "cpu":  # flash blocks, no [t, T] mask or scores kept (block_attention)
+        if q.device.type == "cpu" and sinks is None and not self.window:  # flash blocks, no [t, T] mask or scores kept
             return block_causal_attention(q, k_all[:, :, cp.key_order], v_all[:, :, cp.key_order], cp.plan, scale)
-        allowed = cp.key_positions[None, :] <= cp.query_positions[:, None]  # [t, T] causal by global position
-        return attend(q, k_all, v_all, allowed, scale)
+        # gpt-oss (sinks, sliding windows) and CUDA: SDPA with a [t, T] mask of global positions
+        q_pos, k_pos = cp.query_positions[:, None], cp.key_positions[None, :]
+        allowed = k_pos <= q_pos  # [t, T] causal by global position
+        if self.window:
+            allowed = allowed & (k_pos > q_pos - self.window)
+        return attend(q, k_all, v_all, allowed[None, None], scale, sinks)
 
 
 def apply_context_parallel(model: nn.Module, group, rank: int, size: int) -> ContextParallel | None:
@@ -135,7 +139,7 @@ def apply_context_parallel(model: nn.Module, group, rank: int, size: int) -> Con
     for m in list(model.modules()):
         for name, child in list(m.named_children()):
             if type(child) is InnerAttention:
-                setattr(m, name, ContextParallelAttention(cp))
+                setattr(m, name, ContextParallelAttention(cp, child.window))
 
     def shard_inputs(module, args, kwargs):
         input_ids, attention_mask, position_ids, cache = (list(args) + [None] * 4)[:4]

@@ -34,6 +34,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from ..models.attention import causal_mask
 from .vocab_parallel import head_logprobs
 from .context_parallel import padded_length
 from .dims import ParallelDims, ParallelError
@@ -102,8 +103,12 @@ class StageModule(nn.Module):
             x = cp.shard(x)[0] if self.first else x
         h = self.model.embed_tokens(x) if self.first else x
         rope = self.model.rotary_emb(positions, h.dtype)
+        masks: dict[int, torch.Tensor | None] = {0: None}  # right-padded rows: plain causal attention
         for layer in self.model.layers.values():
-            h = layer(h, rope, None)  # right-padded rows: plain causal attention
+            window = 0 if cp is not None else layer.self_attn.inner.window  # cp masks by global position itself
+            if window not in masks:
+                masks[window] = causal_mask(None, t, 0, tokens.device, window)
+            h = layer(h, rope, masks[window])
         if not self.last:
             return h
         logits = self.lm_head(self.model.norm(h)).float()  # [b, T or t, V]
