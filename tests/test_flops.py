@@ -69,6 +69,22 @@ def test_full_parameter_training_counts_every_weight_gradient_and_a_tied_head_on
     assert attention_width(mla) == 52 and attention_width(model.args) == 64
 
 
+def test_sliding_window_layers_count_only_their_window():
+    """gpt-oss: each query of a window-4 layer sees itself and 3 before: 1+2+3+4 then 4 per position."""
+    from hf_models import GPT_OSS
+    from trillora.models import from_hf_config
+    from trillora.parallel.cost import _mean_keys
+
+    assert pairs(10, 4) == 1 + 2 + 3 + 4 * 7 == 34 and pairs(3, 4) == pairs(3) == 6
+    assert _mean_keys(10, 4) == 3.4 and _mean_keys(10, 0) == 5.0  # the planner's per-query mean
+    args = from_hf_config(dict(GPT_OSS, sliding_window=4))
+    assert args.layer_windows == (4, 0, 4, 0)  # sliding on even layers, as transformers defaults
+    model = ModelFlops.of(build_model(args, device="meta"))
+    per_layer = model.attention / 4
+    assert model.forward(10) - model.weights * 10 == per_layer * (34 + 55 + 34 + 55)
+    assert model.backward(10) - (model.weights + model.trained) * 10 == 2 * per_layer * (34 + 55 + 34 + 55)
+
+
 def test_a_run_logs_rollout_train_and_cumulative_flops(tmp_path):
     """metrics.jsonl per step: every engine call (all dynamic-sampling rounds, dropped groups too)
     and the update's passes (2 epochs × 2 minibatches: a proximal pass first)."""

@@ -25,12 +25,14 @@ def hand_count(a) -> tuple[int, int]:
         attn += 2 * d if a.qk_norm else 0  # q/k norms (Qwen3; GLM-4.5 but not Air)
         attn += (a.num_heads + 2 * a.num_kv_heads) * d if a.attention_bias else 0  # GLM: q/k/v bias
         attn += h if a.attention_out_bias else 0
+        attn += a.num_heads if a.attention_sinks else 0  # gpt-oss: one sink logit per head
     expert = 3 * h * a.moe_intermediate_size
+    expert += 2 * a.moe_intermediate_size + h if a.expert_bias else 0  # gpt-oss: gate/up and down biases
     total = activated = v * h * 2 + h  # embedding, head, final norm
     for layer in range(a.num_layers):
         fixed = attn + 2 * h
         if layer in a.moe_layers:
-            fixed += a.num_experts * h + a.n_shared_experts * expert
+            fixed += a.num_experts * (h + a.expert_bias) + a.n_shared_experts * expert  # router (+ its bias)
             total += fixed + a.num_experts * expert
             activated += fixed + a.top_k * expert
         else:
@@ -58,6 +60,10 @@ PUBLISHED = {
     # (ours: 352.8B / 32.08B and 106.9B / 12.18B; 355B likely includes the MTP layer we skip)
     "glm-4.5": (355e9, 0.01, 32e9, 0.01),
     "glm-4.5-air": (106e9, 0.01, 12e9, 0.02),
+    # gpt-oss model card: 116.83B / 5.13B and 20.91B / 3.61B, active counting the unembedding but not the
+    # embedding; ours are exactly these (116,829,156,672 and 20,914,757,184 in all)
+    "gpt-oss-120b": (116.83e9, 0.0005, 5.13e9, 0.001),
+    "gpt-oss-20b": (20.91e9, 0.0005, 3.61e9, 0.001),
 }
 
 
@@ -65,9 +71,24 @@ PUBLISHED = {
 def test_counts_near_published(name):
     c = count_params(resolve_args(name))
     total, tol_t, act, tol_a = PUBLISHED[name]
-    activated = c.activated - c.embeddings if name.startswith("glm") else c.activated
+    args = resolve_args(name)
+    activated = (c.activated - c.embeddings if name.startswith("glm")
+                 else c.activated - args.vocab_size * args.hidden_size if name.startswith("gpt-oss") else c.activated)
     assert abs(c.total / total - 1) < tol_t
     assert abs(activated / act - 1) < tol_a
+
+
+def test_gpt_oss_as_released():
+    """The MXFP4 release: routed-expert matrices at 4.25 bits, the rest bf16 (published files: 65.3 GB, 13.8 GB)."""
+    for name, published in (("gpt-oss-120b", 65.3e9), ("gpt-oss-20b", 13.8e9)):
+        c = count_params(resolve_args(name))
+        assert abs(c.bytes_mxfp4_experts() / published - 1) < 0.01
+    out = subprocess.run([sys.executable, "-m", "trillora", "info", "gpt-oss-20b", "--json"], capture_output=True, text=True,
+                         check=True)
+    info = json.loads(out.stdout)
+    assert info["bytes_mxfp4_experts"] == count_params(resolve_args("gpt-oss-20b")).bytes_mxfp4_experts()
+    assert info["structure"]["attention"].endswith("learned sinks; sliding window 128 on 12 of 24 layers")
+    assert info["structure"]["experts"] == "32 routed (top-4, hidden 2880), with biases, SwiGLU clamped at 7"
 
 
 def test_sizes_bf16_and_fp8():

@@ -26,6 +26,8 @@ CASES = {
     "qwen3_moe_router_head": dict(rank=4, alpha=4.0, targets=lora.ROLES),
     "glm4_moe": dict(rank=4, alpha=8.0, expert_rank=1),  # rank-1 experts; q/k/v biases stay frozen
     "glm4_moe_air_router_head": dict(rank=4, alpha=4.0, targets=lora.ROLES),
+    "gpt_oss": dict(rank=4, alpha=8.0, expert_rank=2),  # q/k/v/o, router and expert biases and sinks stay frozen
+    "gpt_oss_router_head": dict(rank=4, alpha=4.0, targets=lora.ROLES),
 }
 
 
@@ -83,8 +85,17 @@ def test_per_expert_layout_matches_merged_transformers_reference(adapted):
     weights = load_file(str(tmp / "released" / "model.safetensors"))
     for key in [k for k in adapter if k.endswith("lora_A.weight")]:
         module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-        b = adapter[key.replace("lora_A", "lora_B")]
-        weights[f"{module}.weight"] = weights[f"{module}.weight"] + b @ adapter[key]
+        delta = adapter[key.replace("lora_A", "lora_B")] @ adapter[key]  # [out, in]
+        stacked, _, proj = module.rpartition(".")
+        expert = stacked.rpartition(".")[2]
+        if case == "gpt_oss" and expert.isdigit():  # stacked [E, in, out] as released, gate/up columns interleaved
+            e, experts = int(expert), stacked.rpartition(".")[0]
+            if proj == "down_proj":
+                weights[f"{experts}.down_proj"][e] += delta.T
+            else:
+                weights[f"{experts}.gate_up_proj"][e, :, 0 if proj == "gate_proj" else 1::2] += delta.T
+            continue
+        weights[f"{module}.weight"] = weights[f"{module}.weight"] + delta
     save_file(weights, str(tmp / "released" / "model.safetensors"))
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp / "released", attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
@@ -168,7 +179,7 @@ def test_starts_as_identity_and_only_lora_trains():
         assert (model(ids) - start).abs().max() > 0  # the step moved the adapter
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_grouped_expert_lora_equals_loop(name):
     model = _tiny_model(name, rank=4, targets=("experts",))
     randomise(model, std=0.2)

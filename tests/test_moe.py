@@ -55,7 +55,7 @@ def test_grouped_linear_slices_long_group_lists(monkeypatch):
     assert torch.allclose(y_g, y_l, atol=1e-5) and torch.allclose(gx, lx, atol=1e-4) and torch.allclose(gw, lw, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_model_grouped_equals_loop_forward_and_grads(name):
     args = from_hf_config(CONFIGS[name])
     model = build_model(args, device="cpu")

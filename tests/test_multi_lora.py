@@ -17,7 +17,7 @@ from trillora.serve.adapters import ResidentBase
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "glm4_moe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
 def resident(request, tmp_path_factory):
     hf = hf_model(CONFIGS[request.param])
     base = ResidentBase(trillora.load_model(save_fused(hf, tmp_path_factory.mktemp(request.param))))

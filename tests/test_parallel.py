@@ -22,14 +22,15 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import Shard
 
 from engine_helpers import free_port
-from hf_models import DEEPSEEK_V3, GLM4_MOE, QWEN3_MOE
+from hf_models import DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_MOE
 from trillora import lora
 from trillora.models import build_model, from_hf_config
 from trillora.trainer.logprobs import token_logprobs
 from trillora.parallel import ParallelDims, ParallelError, build_meshes, parallelize
 from trillora.parallel.data_parallel import expert_parameter_names, global_grad_norm
 
-FAMILIES = {"qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE}
+# gpt-oss with a 4-token window, so the T = 10 rows (and cp's chunks) cross it
+FAMILIES = {"qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE, "gpt_oss": dict(GPT_OSS, sliding_window=4)}
 TARGETS = ("attention", "mlp", "shared_experts", "experts", "router")
 B, T = 8, 10
 

@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="parameter counts, structure and sizes of a model (no weights needed)")
-    p.add_argument("model", help="shipped name (kimi-k2, deepseek-v3, qwen3-30b-a3b, qwen3-235b-a22b, glm-4.5, glm-4.5-air), config.json or folder")
+    p.add_argument("model", help="shipped name (kimi-k2, deepseek-v3, qwen3-30b-a3b, qwen3-235b-a22b, glm-4.5, glm-4.5-air, gpt-oss-120b, gpt-oss-20b), config.json or folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--lora-rank", type=int, default=0, help="also size a LoRA adapter of this rank")
     p.add_argument("--expert-rank-rule", default="same", choices=EXPERT_RANK_RULES)

@@ -36,6 +36,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             "routed_expert_params": counts.routed_experts,
             "bytes_bf16": counts.bytes_bf16(),
             "bytes_fp8": counts.bytes_fp8(),
+            **({"bytes_mxfp4_experts": counts.bytes_mxfp4_experts()} if model_args.family == "gpt_oss" else {}),
             "structure": dict(structure(model_args)),
             **({"lora": lora_size(model_args, args.lora_rank, args.expert_rank_rule)[0]} if args.lora_rank else {}),
         }, indent=2))
@@ -50,6 +51,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     table.add_row("routed experts", f"{human(counts.routed_experts)} ({100 * counts.routed_experts / counts.total:.1f}% of all)")
     table.add_row("weights at bf16", human_bytes(counts.bytes_bf16()))
     table.add_row("weights at fp8", human_bytes(counts.bytes_fp8()) + " (128×128 block scales, norms/embeddings bf16)")
+    if model_args.family == "gpt_oss":
+        table.add_row("as released", human_bytes(counts.bytes_mxfp4_experts()) + " (MXFP4 routed experts, the rest bf16)")
     if args.lora_rank:
         stats, expert_rank = lora_size(model_args, args.lora_rank, args.expert_rank_rule)
         table.add_row(
@@ -69,9 +72,14 @@ def structure(args: ModelArgs) -> list[tuple[str, str]]:
         f"rope {args.qk_rope_head_dim}, v {args.v_head_dim}), {args.num_heads} heads"
         if args.family == "deepseek_v3"
         else f"GQA {args.num_heads} q / {args.num_kv_heads} kv heads × {args.head_dim}"
-        + (", q/k RMSNorm" if args.qk_norm else "") + (", q/k/v bias" if args.attention_bias else "")
+        + (", q/k RMSNorm" if args.qk_norm else "")
+        + ((", q/k/v/o bias" if args.attention_out_bias else ", q/k/v bias") if args.attention_bias else "")
         + (f", rope on {args.rope_dim} of {args.head_dim} dims" if args.rope_dim != args.head_dim else "")
+        + (", learned sinks" if args.attention_sinks else "")
     )
+    windows = [w for w in args.layer_windows if w]
+    if windows:
+        attention += f"; sliding window {max(windows)} on {len(windows)} of {args.num_layers} layers"
     rows = [
         ("model type", f"{args.model_type} (family {args.family})"),
         ("layers", f"{args.num_layers} ({len(args.moe_layers)} MoE, {args.num_layers - len(args.moe_layers)} dense)"),
@@ -84,11 +92,14 @@ def structure(args: ModelArgs) -> list[tuple[str, str]]:
         router = (
             f"sigmoid + bias, groups {args.topk_group}/{args.n_group}, scale {args.routed_scaling_factor:g}"
             if args.router == "sigmoid"
+            else "biased logits, softmax over the top-k" if args.router == "topk_softmax"
             else "softmax" + (", renormalised top-k" if args.norm_topk_prob else "")
         )
         rows += [
             ("experts", f"{args.num_experts} routed (top-{args.top_k}, hidden {args.moe_intermediate_size})"
-             + (f" + {args.n_shared_experts} shared" if args.n_shared_experts else "")),
+             + (f" + {args.n_shared_experts} shared" if args.n_shared_experts else "")
+             + (", with biases" if args.expert_bias else "")
+             + (f", SwiGLU clamped at {args.swiglu_limit:g}" if args.swiglu_limit else "")),
             ("router", router),
         ]
     if args.num_mtp_layers:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..models.moe import GroupedExperts, SigmoidRouter, SoftmaxRouter
+from ..models.moe import ROUTERS, GroupedExperts
 from ..models.transformer import CausalLM
 from .config import LoraConfig
 from .layers import LoraMixin, add_adapter, merge_module
@@ -21,7 +21,7 @@ _ROLE_PATTERNS = (
     ("attention", re.compile(_LAYER + r"self_attn\.[a-z_]+$"), nn.Linear),
     ("shared_experts", re.compile(_LAYER + r"mlp\.shared_experts\.(gate|up|down)_proj$"), nn.Linear),
     ("experts", re.compile(_LAYER + r"mlp\.experts$"), GroupedExperts),
-    ("router", re.compile(_LAYER + r"mlp\.gate$"), (SoftmaxRouter, SigmoidRouter)),
+    ("router", re.compile(_LAYER + r"mlp\.gate$"), tuple(ROUTERS.values())),
     ("mlp", re.compile(_LAYER + r"mlp\.(gate|up|down)_proj$"), nn.Linear),
     ("lm_head", re.compile(r"lm_head$"), nn.Linear),
 )

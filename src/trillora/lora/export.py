@@ -11,6 +11,10 @@ Two expert layouts, named explicitly because they differ in exactly the ways tha
   A [E·r, in] is expert-major, B [out, E·r] has the expert index fastest.
   Our separate gate and up adapters (rank r each) become one block-diagonal rank-2r adapter.
 
+gpt-oss differs in two places, as its stacked experts do in transformers: the router is
+`mlp.router`, and the fused gate_up B has gate and up rows interleaved (its [E, C, 2I] weight
+interleaves them column by column); PEFT's `is_transposed` experts take A and B as above.
+
 Every exported B carries its module's scaling (the file says lora_alpha = r), so any
 reader that computes alpha / r gets the update we trained, whatever our rank rule or rsLoRA.
 Dense layers go through `target_parameters` too in the fused layout: PEFT rewrites
@@ -27,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..checkpoint import gpt_oss
 from ..checkpoint.atomic import AtomicFolder
 from ..checkpoint.hf import EXPERT_LAYOUTS
 from .apply import apply_lora, lora_modules
@@ -48,7 +53,7 @@ def _dense_tensors(name: str, m: LoraMixin) -> dict[str, torch.Tensor]:
     }
 
 
-def _expert_tensors(name: str, m: LoraGroupedExperts, layout: str) -> dict[str, torch.Tensor]:
+def _expert_tensors(name: str, m: LoraGroupedExperts, layout: str, released: bool) -> dict[str, torch.Tensor]:
     s, e = m.lora_scaling, m.num_experts
     g_a, u_a, d_a = (t.detach().float() for t in (m.lora_gate_A, m.lora_up_A, m.lora_down_A))
     g_b, u_b, d_b = (t.detach().float() * s for t in (m.lora_gate_B, m.lora_up_B, m.lora_down_B))
@@ -64,7 +69,8 @@ def _expert_tensors(name: str, m: LoraGroupedExperts, layout: str) -> dict[str, 
     b_gu = torch.zeros(e, 2 * inter, 2 * r)  # block diagonal: gate rows use the first r, up rows the last r
     b_gu[:, :inter, :r], b_gu[:, inter:, r:] = g_b, u_b
     out[f"{PREFIX}{name}.base_layer.lora_A.weight"] = a_gu.reshape(e * 2 * r, -1)  # expert-major
-    out[f"{PREFIX}{name}.base_layer.lora_B.weight"] = b_gu.permute(1, 2, 0).reshape(2 * inter, 2 * r * e)  # expert fastest
+    b_gu = b_gu.permute(1, 2, 0).reshape(2 * inter, 2 * r * e)  # expert fastest
+    out[f"{PREFIX}{name}.base_layer.lora_B.weight"] = gpt_oss.interleave(b_gu, dim=0) if released else b_gu
     out[f"{PREFIX}{name}.lora_A.weight"] = d_a.reshape(e * r, -1)
     out[f"{PREFIX}{name}.lora_B.weight"] = d_b.permute(1, 2, 0).reshape(d_b.shape[1], r * e)
     return out
@@ -77,9 +83,11 @@ def adapter_tensors(model: torch.nn.Module, layout: str) -> tuple[dict[str, torc
     tensors: dict[str, torch.Tensor] = {}
     modules, parameters, ranks = set(), set(), {}
     base_rank = model.lora_config.rank
-    for name, m in lora_modules(model):
+    released = model.args.family == "gpt_oss"
+    for ours, m in lora_modules(model):
+        name = gpt_oss.module_name(ours) if released else ours
         if isinstance(m, LoraGroupedExperts):
-            tensors.update(_expert_tensors(name, m, layout))
+            tensors.update(_expert_tensors(name, m, layout, released))
             if layout == "per_expert":
                 modules.update({"gate_proj", "up_proj", "down_proj"})
                 if m.lora_rank != base_rank:
@@ -168,9 +176,11 @@ def load_adapter(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
     tensors = load_file(str(path / "adapter_model.safetensors"))
     file_scale = _file_scaling(config)
     fused = any(".experts.base_layer.lora_A" in k for k in tensors)
-    for name, m in lora_modules(model):
+    released = model.args.family == "gpt_oss"
+    for ours, m in lora_modules(model):
+        name = gpt_oss.module_name(ours) if released else ours
         if isinstance(m, LoraGroupedExperts):
-            _load_experts(name, m, tensors, fused, file_scale, path)
+            _load_experts(name, m, tensors, fused, file_scale, path, released)
             continue
         a = _take(tensors, f"{PREFIX}{name}.lora_A.weight", tuple(m.lora_A.shape), path)
         b = _take(tensors, f"{PREFIX}{name}.lora_B.weight", tuple(m.lora_B.shape), path)
@@ -200,7 +210,7 @@ def _file_scaling(config: dict):
     return scaling
 
 
-def _load_experts(name, m: LoraGroupedExperts, tensors, fused, file_scale, where) -> None:
+def _load_experts(name, m: LoraGroupedExperts, tensors, fused, file_scale, where, released: bool) -> None:
     e, r, inter, c = m.num_experts, m.lora_rank, m.hidden, m.down_proj.shape[1]
     s = m.lora_scaling
     if not fused:
@@ -223,6 +233,7 @@ def _load_experts(name, m: LoraGroupedExperts, tensors, fused, file_scale, where
         raise AdapterError(f"{where}: fused gate_up adapter of {name} has rank {rank_gu}; this model's expert rank is {r} (accepts {r} or {2 * r})")
     a_gu = _take(tensors, f"{gu_key}.lora_A.weight", (e * rank_gu, c), where).view(e, rank_gu, c)
     b_gu = _take(tensors, f"{gu_key}.lora_B.weight", (2 * inter, e * rank_gu), where)
+    b_gu = gpt_oss.deinterleave(b_gu, dim=0) if released else b_gu
     b_gu = b_gu.view(2 * inter, rank_gu, e).permute(2, 0, 1) * (file_scale(f"{name}.gate_up_proj", rank_gu) / s)  # [E, 2I, R]
     if rank_gu == 2 * r:  # block diagonal, as we write it
         off = torch.cat([b_gu[:, :inter, r:], b_gu[:, inter:, :r]]).abs().max()

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .multi import RowAdapters
-from ..models.moe import GroupedExperts, SigmoidRouter, SoftmaxRouter, compute_dtype, grouped_linear
+from ..models.moe import GroupedExperts, SigmoidRouter, SoftmaxRouter, TopKSoftmaxRouter, compute_dtype, grouped_linear
 
 
 class LoraMixin:
@@ -106,6 +106,10 @@ class LoraSigmoidRouter(LoraRouterMixin, SigmoidRouter):
     pass
 
 
+class LoraTopKSoftmaxRouter(LoraRouterMixin, TopKSoftmaxRouter):
+    pass
+
+
 class LoraGroupedExperts(LoraMixin, GroupedExperts):
     """Stacked per-expert adapters for gate, up and down, computed as grouped GEMMs on the
     same expert-sorted rows as the base experts: never a Python loop over experts (unless
@@ -171,6 +175,7 @@ LORA_CLASSES: dict[type, type] = {
     GroupedExperts: LoraGroupedExperts,
     SoftmaxRouter: LoraSoftmaxRouter,
     SigmoidRouter: LoraSigmoidRouter,
+    TopKSoftmaxRouter: LoraTopKSoftmaxRouter,
 }
 
 

@@ -17,7 +17,8 @@ from .args import ModelArgs, from_hf_config, load_hf_config
 from .moe import GroupedExperts
 from .registry import build_model
 
-SHIPPED = ("kimi-k2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "glm-4.5-air")
+SHIPPED = ("kimi-k2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "glm-4.5-air", "gpt-oss-120b",
+           "gpt-oss-20b")
 FP8_BLOCK = 128
 
 
@@ -49,6 +50,7 @@ class ParamCounts:
     routed_experts: int
     embeddings: int  # input embedding + output head
     matrix_weights: int  # 2-D (and stacked 3-D) projection weights, the ones FP8 checkpoints quantise
+    expert_matrices: int  # the stacked routed-expert weights (no biases), the ones gpt-oss ships in MXFP4
 
     def bytes_bf16(self) -> int:
         return 2 * self.total
@@ -58,10 +60,15 @@ class ParamCounts:
         scales = 4 * self.matrix_weights // (FP8_BLOCK * FP8_BLOCK)
         return self.matrix_weights + scales + 2 * (self.total - self.matrix_weights)
 
+    def bytes_mxfp4_experts(self) -> int:
+        """Routed-expert weights in MXFP4 (half a byte each + a one-byte scale per 32), the rest bf16:
+        how gpt-oss is released."""
+        return self.expert_matrices // 2 + self.expert_matrices // 32 + 2 * (self.total - self.expert_matrices)
+
 
 def count_params(args: ModelArgs) -> ParamCounts:
     model = build_model(args, device="meta")
-    total = routed = activated_routed = matrix = 0
+    total = routed = activated_routed = matrix = expert_matrices = 0
     embeddings = model.model.embed_tokens.weight.numel()
     if not args.tie_word_embeddings:
         embeddings += model.lm_head.weight.numel()
@@ -72,6 +79,7 @@ def count_params(args: ModelArgs) -> ParamCounts:
         if id(p) in expert_params:
             routed += n
             activated_routed += n * args.top_k // args.num_experts
+            expert_matrices += n if p.dim() == 3 else 0
         if p.dim() >= 2 and "embed_tokens" not in name and "lm_head" not in name and ".gate.weight" not in name:
             matrix += n
     return ParamCounts(
@@ -80,4 +88,5 @@ def count_params(args: ModelArgs) -> ParamCounts:
         routed_experts=routed,
         embeddings=embeddings,
         matrix_weights=matrix,
+        expert_matrices=expert_matrices,
     )

@@ -6,7 +6,7 @@ adapter follows its base layer so its math stays local: column-parallel W [O/tp,
 A [r, I] replicated and B [O/tp, r] split; row-parallel W [O, I/tp] gets A [r, I/tp] split
 and B [O, r] replicated, whose partial output joins the base's partial sum in the same
 all-reduce. Attention splits heads (q/k/v and MLA's up-projections column-wise, o_proj
-row-wise); MLA's small down-projections (q_a_proj, kv_a_proj_with_mqa) stay replicated.
+row-wise, gpt-oss's per-head sinks with them); MLA's small down-projections (q_a_proj, kv_a_proj_with_mqa) stay replicated.
 Routers, routed experts (see expert_parallel), norms, embeddings and the head are replicated.
 
 With sequence parallelism (`sp`), the residual stream between blocks is split over the
@@ -151,6 +151,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
         for m in model.modules():
             if isinstance(m, MLAttention):
                 _share_k_rope(m, tp_mesh.get_group())
+            if isinstance(m, GQAttention) and hasattr(m, "sinks"):  # gpt-oss: one sink per head, split with the heads
+                _distribute(m, tp_mesh, {"sinks": [Shard(0)]})
         if vocab_parallel:  # trillora.trainer.logprobs.token_logprobs combines the slices over this group
             model.vocab_parallel_group = tp_mesh.get_group()
     return plan

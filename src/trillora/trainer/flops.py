@@ -33,6 +33,7 @@ class ModelFlops:
     head: float  # 2 × the LM head's weights (part of `frozen` or `trained`)
     adapter: float  # 2 × LoRA weights a token goes through (part of `trained`; off in a reference pass)
     attention: float  # 2·layers·H·(D_qk + D_v): all layers' FLOPs for one (query, key) pair
+    windows: tuple[int, ...] = ()  # per layer, gpt-oss's sliding windows (0 = full); () = all full
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModelFlops":
@@ -53,7 +54,8 @@ class ModelFlops:
                 trained += 2 * n
             else:
                 frozen += 2 * n
-        return cls(frozen, trained, 2 * head.numel(), adapter, 2 * a.num_layers * a.num_heads * attention_width(a))
+        return cls(frozen, trained, 2 * head.numel(), adapter, 2 * a.num_layers * a.num_heads * attention_width(a),
+                   tuple(a.layer_windows))
 
     @property
     def weights(self) -> float:
@@ -62,15 +64,21 @@ class ModelFlops:
     def sample(self, prompt: int, new: int) -> float:
         """One engine call: a `prompt`-token context, `new` tokens written."""
         fed = max(prompt + new - 1, 0)
-        return (self.weights - self.head) * fed + self.head * new + self.attention * pairs(fed)
+        return (self.weights - self.head) * fed + self.head * new + self.attend(fed)
 
     def forward(self, length: int, adapters: bool = True) -> float:
         """One row of `length` tokens through the model (`adapters=False`: the reference pass)."""
         weights = self.weights if adapters else self.weights - self.adapter
-        return weights * length + self.attention * pairs(length)
+        return weights * length + self.attend(length)
 
     def backward(self, length: int) -> float:
-        return (self.weights + self.trained) * length + 2 * self.attention * pairs(length)
+        return (self.weights + self.trained) * length + 2 * self.attend(length)
+
+    def attend(self, length: int) -> float:
+        """Attention over a row of `length` tokens in all layers (a windowed layer sees fewer pairs)."""
+        if not any(self.windows):
+            return self.attention * pairs(length)
+        return self.attention / len(self.windows) * sum(pairs(length, w) for w in self.windows)
 
     def train_step(self, lengths: list[int], epochs: int, proximal: bool, reference: bool) -> float:
         """A policy update over rows of `lengths`: forward + backward of every row once per epoch
@@ -81,9 +89,12 @@ class ModelFlops:
             sum(self.forward(n, adapters=False) for n in lengths) * reference
 
 
-def pairs(length: int) -> int:
-    """Causal (query, key) pairs of a row: each position attends to itself and everything before."""
-    return length * (length + 1) // 2
+def pairs(length: int, window: int = 0) -> int:
+    """Causal (query, key) pairs of a row: each position attends to itself and everything before
+    (under a sliding window, to itself and the window - 1 before)."""
+    if not window or length <= window:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
 
 
 def attention_width(args) -> int:
