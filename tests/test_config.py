@@ -47,9 +47,22 @@ def test_mlp_only_layers_and_sparse_step():
     assert not from_hf_config(dense).is_moe
 
 
+def test_gpt_oss_windows_and_their_errors():
+    cfg = shipped_config("gpt-oss-20b")
+    args = from_hf_config(cfg)
+    assert args.layer_windows[:4] == (128, 0, 128, 0) and args.router == "topk_softmax" and args.rope.kind == "yarn"
+    assert (args.rope.theta, args.rope.factor, args.rope.truncate) == (150000.0, 32.0, False)
+    bare = {k: v for k, v in cfg.items() if k not in ("layer_types", "rope_scaling", "rope_theta")}
+    assert from_hf_config(bare) == args  # transformers' defaults for a config that names none of these
+    with pytest.raises(ConfigError, match=r"layer_types\[1\] = 'chunked_attention'; allowed: 'sliding_attention', 'full_attention'"):
+        from_hf_config(dict(cfg, layer_types=["sliding_attention", "chunked_attention"] + cfg["layer_types"][2:]))
+    with pytest.raises(ConfigError, match="layer_types has 2 entries for num_hidden_layers=24"):
+        from_hf_config(dict(cfg, layer_types=["sliding_attention", "full_attention"]))
+
+
 def test_unsupported_model_type_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    with pytest.raises(ConfigError, match=r"config\.json: model_type 'llama' is not supported; supported model types: deepseek_v3, glm4_moe, kimi_k2, qwen3, qwen3_moe"):
+    with pytest.raises(ConfigError, match=r"config\.json: model_type 'llama' is not supported; supported model types: deepseek_v3, glm4_moe, gpt_oss, kimi_k2, qwen3, qwen3_moe"):
         load_hf_config(tmp_path)
 
 

@@ -280,12 +280,15 @@ def test_the_info_table_is_what_trillora_info_counts():
     def size(b: float) -> str:
         return f"{b / 2**40:.2f} TiB" if b >= 2**40 else f"{three(b / 2**30)} GiB"
 
-    for name in ("kimi-k2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "glm-4.5-air"):
+    for name in ("kimi-k2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "glm-4.5-air", "gpt-oss-120b",
+                 "gpt-oss-20b"):
         c = count_params(resolve_args(name))
         total = f"{c.total / 1e12:.3f}T" if c.total >= 1e12 else f"{c.total / 1e9:.1f}B" if c.total >= 1e11 \
             else f"{c.total / 1e9:.2f}B"
         row = f"| {name} | {total} | {c.activated / 1e9:.2f}B | {size(c.bytes_bf16())} | {size(c.bytes_fp8())} |"
         assert row in README, row
+        if name.startswith("gpt-oss"):
+            assert f"{size(c.bytes_mxfp4_experts())}" in README.split("As released (MXFP4 routed experts")[1][:120]
 
 
 def test_the_memory_budget_table_is_the_results_file():

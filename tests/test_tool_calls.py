@@ -64,7 +64,8 @@ def test_deepseek_v3_and_v31_calls():
 @pytest.mark.parametrize("fmt", TOOL_FORMATS)
 def test_each_format_parses_what_it_writes(fmt):
     call = ToolCall("multiply", {"a": 1234, "b": 567})
-    p = parse_tool_calls("ok " + format_tool_call(call, fmt), fmt)
+    before = "<|channel|>commentary<|message|>ok<|end|><|start|>assistant" if fmt == "harmony" else "ok "  # a preamble
+    p = parse_tool_calls(before + format_tool_call(call, fmt), fmt)
     assert [(c.name, c.arguments) for c in p.tool_calls] == [("multiply", {"a": 1234, "b": 567})]
     assert p.content == "ok" and p.errors == []
 
@@ -109,9 +110,9 @@ def test_glm45_calls_as_its_chat_template_writes_them():
 def test_format_chosen_by_the_tokenizer_or_named_or_refused():
     assert detect_format(build_chat_tokenizer()) == "hermes"
     assert detect_format(build_tokenizer(), "kimi_k2") == "kimi_k2"
-    with pytest.raises(ConfigError, match="hermes, kimi_k2, deepseek_v3, glm45"):
+    with pytest.raises(ConfigError, match="hermes, kimi_k2, deepseek_v3, glm45, harmony"):
         detect_format(build_tokenizer())
-    with pytest.raises(ConfigError, match="unknown tool-call format 'mistral'; allowed: hermes, kimi_k2, deepseek_v3, glm45"):
+    with pytest.raises(ConfigError, match="unknown tool-call format 'mistral'; allowed: hermes, kimi_k2, deepseek_v3, glm45, harmony"):
         parse_tool_calls("x", "mistral")
 
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from .tool_calls import ParsedTurn, detect_format, parse_tool_calls
+from .tool_calls import CALL_END_TOKENS, ParsedTurn, detect_format, parse_tool_calls
 
 _PROBE = "QZXJV"  # a marker no template rewrites
 
@@ -41,7 +41,9 @@ class ChatRenderer:
         self.end_text, self.separator = self._turn_end()
         ids = self._encode(self.end_text) if self.end_text else []
         eos = tokenizer.eos_token_id
-        self.stop_tokens = sorted({*ids[:1], *([eos] if eos is not None else [])})
+        vocab = tokenizer.get_vocab()
+        calls = [vocab[t] for t in CALL_END_TOKENS if t in vocab]  # Harmony ends a turn at a call too
+        self.stop_tokens = sorted({*ids[:1], *([eos] if eos is not None else []), *calls})
 
     @property
     def tool_format(self) -> str:
@@ -99,7 +101,14 @@ class ChatRenderer:
         think = re.match(r"\s*<think>(.*?)</think>\s*", text, re.S)
         if think:
             reasoning, text = think.group(1).strip(), text[think.end():]
-        parsed = parse_tool_calls(text, self.tool_format) if with_tools else ParsedTurn(text.strip())
+        harmony = "<|channel|>" in text and self._tool_format in (None, "harmony")
+        if with_tools or harmony:  # Harmony's channels carry the answer apart from the reasoning, calls or not
+            parsed = parse_tool_calls(text, "harmony" if harmony else self.tool_format)
+            reasoning = reasoning or parsed.reasoning
+            if not with_tools:  # an env without tools answers no calls
+                parsed = ParsedTurn(parsed.content, reasoning=parsed.reasoning)
+        else:
+            parsed = ParsedTurn(text.strip())
         parsed.content = _strip_specials(self.tokenizer, parsed.content)
         message: dict = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:

@@ -13,6 +13,11 @@ model's chat template shows it, or every call reads as plain text:
   (strings raw, anything else as JSON), `</tool_call>`. Without the tool's schema a value that reads
   as JSON is taken as JSON: a string argument "12" comes back as the number 12.
 
+- `harmony` (gpt-oss): a turn is messages `<|start|>assistant<|channel|>CHANNEL<|message|>BODY<|end|>`; a
+  call is a message to `functions.NAME` (`to=` after the channel as the model writes it, or after the
+  role as the chat template replays it), its body JSON, ended by `<|call|>`. The `analysis` channel is
+  reasoning, `final` the answer (else the `commentary` preambles).
+
 A call that is there but broken (bad JSON, no name, arguments that are not an object) is kept as
 an error rather than dropped, so the env can answer it and the metrics count it.
 """
@@ -26,7 +31,7 @@ from typing import Literal, get_args
 
 from ..errors import ConfigError
 
-ToolFormat = Literal["hermes", "kimi_k2", "deepseek_v3", "glm45"]
+ToolFormat = Literal["hermes", "kimi_k2", "deepseek_v3", "glm45", "harmony"]
 TOOL_FORMATS: tuple[str, ...] = get_args(ToolFormat)
 
 
@@ -44,6 +49,7 @@ class ParsedTurn:
     content: str
     tool_calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    reasoning: str = ""  # what the format marks as reasoning (Harmony's analysis channel)
 
 
 def _arguments(raw, where: str) -> tuple[dict | None, str | None]:
@@ -152,9 +158,40 @@ def _glm45(text: str) -> ParsedTurn:
     return ParsedTurn(content, calls, errors)
 
 
-PARSERS = {"hermes": _hermes, "kimi_k2": _kimi_k2, "deepseek_v3": _deepseek_v3, "glm45": _glm45}
+_HARMONY_BODY = re.compile(r"(.*?)<\|message\|>(.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|$)", re.S)
+CALL_END_TOKENS = ("<|call|>",)
+"""Tokens that end a turn at a tool call (Harmony): the engine stops there so the env can answer."""
 
-_MARKERS = (("<|tool_calls_section_begin|>", "kimi_k2"), ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
+
+def _harmony(text: str) -> ParsedTurn:
+    if "<|message|>" not in text:
+        return ParsedTurn(text.strip())
+    final, preamble, reasoning, calls, errors = [], [], [], [], []
+    for header, body in (m.groups() for part in text.split("<|start|>") if (m := _HARMONY_BODY.match(part))):
+        channel = re.search(r"<\|channel\|>\s*(\w+)", header)
+        recipient = re.search(r"\bto=(\S+?)(?:\s|<\||$)", header)
+        if recipient:
+            name, k = recipient.group(1), len(calls) + len(errors)
+            if not name.startswith("functions."):
+                errors.append(f"tool call {k}: recipient {name!r} is not a function (functions.NAME)")
+                continue
+            args, err = _arguments(body.strip(), f"tool call {k} ({name})")
+            if err:
+                errors.append(err)
+            else:
+                calls.append(ToolCall(name.removeprefix("functions."), args, f"call_{k}"))
+        elif channel and channel.group(1) == "analysis":
+            reasoning.append(body.strip())
+        elif channel and channel.group(1) == "final":
+            final.append(body.strip())
+        elif channel and channel.group(1) == "commentary":
+            preamble.append(body.strip())
+    return ParsedTurn("\n".join(final or preamble), calls, errors, reasoning="\n".join(reasoning))
+
+
+PARSERS = {"hermes": _hermes, "kimi_k2": _kimi_k2, "deepseek_v3": _deepseek_v3, "glm45": _glm45, "harmony": _harmony}
+
+_MARKERS = (("<|channel|>", "harmony"), ("<|tool_calls_section_begin|>", "kimi_k2"), ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
             ("<arg_key>", "glm45"), ("<tool_call>", "hermes"))
 
 
@@ -192,6 +229,8 @@ def format_tool_call(call: ToolCall, fmt: str, index: int = 0) -> str:
     if fmt == "kimi_k2":
         return (f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{call.name}:{index}"
                 f"<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>")
+    if fmt == "harmony":  # as gpt-oss writes it after the `<|start|>assistant` generation prompt
+        return f"<|channel|>commentary to=functions.{call.name} <|constrain|>json<|message|>{args}<|call|>"
     if fmt == "glm45":
         pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
                         f"</arg_value>\n" for k, v in call.arguments.items())
