@@ -78,6 +78,34 @@ def test_merged_sync_reaches_vllm_on_moe(tmp_path):
         engine.close()
 
 
+def test_merged_sync_reaches_vllm_on_gpt_oss(tmp_path):
+    """gpt-oss in vLLM (sinks, sliding windows, biased router and experts): the base agrees with us,
+    and the merged attention, router and expert tensors land in vLLM's own layout (qkv fused, the
+    router `mlp.router`, gate/up interleaved rows for its clamped SwiGLU). vLLM's CPU kernels need
+    64-wide heads, and clamp at the released limit (7) whatever the config says."""
+    from hf_models import GPT_OSS, hf_model
+    from trillora.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    hf = hf_model(dict(GPT_OSS, vocab_size=len(tok), head_dim=64, num_attention_heads=4, swiglu_limit=7.0))
+    hf.save_pretrained(tmp_path / "gpt-oss")
+    tok.save_pretrained(tmp_path / "gpt-oss")
+    model = load_model(tmp_path / "gpt-oss")
+    lora.apply_lora(model, lora.LoraConfig(rank=4, targets=("attention", "experts", "router")))
+    engine = VLLMEngine(tmp_path / "gpt-oss", model, max_model_len=64)
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11]]  # 24 tokens: past the 16-token window
+    try:
+        agree(engine, model, prompts=prompts)
+        randomize(model, 0)
+        engine.sync(model)
+        after = agree(engine, model, prompts=prompts)
+        base, theirs = trainer_logprobs(load_model(tmp_path / "gpt-oss"), after)
+        assert (base - theirs).abs().max() > 1e-2  # vLLM runs the adapter, not the base
+        assert "model.layers.1.mlp.router.weight" in merged_tensors(model)
+    finally:
+        engine.close()
+
+
 def test_adapter_sync_on_dense(dense_path, tmp_path):
     """A dense model: vLLM applies the adapter itself (LoRARequest), revision after revision."""
     model = load_model(dense_path)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..checkpoint import gpt_oss
 from ..checkpoint.hf import expert_tensors_per_expert
 from ..lora.apply import lora_modules
 from ..errors import TrilloraError
@@ -41,7 +42,9 @@ def merged_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """{HF checkpoint name: merged tensor} for every tensor an adapter changes, and the siblings
     vLLM fuses with them. Experts come per expert: `...experts.{e}.{gate|up|down}_proj.weight`."""
     out: dict[str, torch.Tensor] = {}
-    for name, m in lora_modules(model):
+    released = model.args.family == "gpt_oss"
+    for ours, m in lora_modules(model):
+        name = gpt_oss.module_name(ours) if released else ours  # gpt-oss's router is `mlp.router`
         for tensor_name, delta in m.delta().items():
             base = getattr(m, tensor_name)
             merged = (base if m.lora_merged else base + delta.to(base.dtype)).detach()
@@ -81,6 +84,9 @@ def _group(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
 
 
 def _find(model: nn.Module, path: str) -> nn.Module:
+    mapper = getattr(model, "hf_to_vllm_mapper", None)  # e.g. gpt-oss: vLLM names `self_attn` `attn`
+    for old, new in (getattr(mapper, "orig_to_new_substr", None) or {}).items():
+        path = path.replace(old, new)
     try:
         module = model.get_submodule(path)
     except AttributeError:
@@ -112,11 +118,15 @@ def _write_experts(module: nn.Module, path: str, g: dict) -> None:
     if missing:
         raise SyncError(f"{path}: merged sync needs gate/up/down of all {n_exp} experts; missing expert {missing[0]}")
     inter, pad = g["gate"][0].shape[0], w2.shape[2]
+    interleaved = str(getattr(module, "activation", "")).lower().endswith("swigluoai")  # gpt-oss: g0, u0, g1, u1, ...
     new13 = w13.new_zeros(w13.shape)
     new2 = w2.new_zeros(w2.shape)
     for e in range(n_exp):
-        new13[e, :inter] = g["gate"][e]
-        new13[e, pad:pad + inter] = g["up"][e]
+        if interleaved:
+            new13[e, 0:2 * inter:2], new13[e, 1:2 * inter:2] = g["gate"][e], g["up"][e]
+        else:
+            new13[e, :inter] = g["gate"][e]
+            new13[e, pad:pad + inter] = g["up"][e]
         new2[e, :, :inter] = g["down"][e]
     kernel = getattr(module.quant_method, "moe_kernel", None)
     experts = getattr(getattr(kernel, "impl", kernel), "fused_experts", None)
