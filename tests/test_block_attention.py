@@ -46,3 +46,42 @@ def test_each_rank_matches_full_causal_attention(heads, kv_heads, d, dv, cp):
     for got, want in zip((dq, dk, dv_sum), ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_sinks_are_one_more_merged_part(cp):
+    """gpt-oss's sinks in the block path: output and dq, dk, dv, d_sinks equal attention whose softmax
+    has sink_h in every row's denominator, written out in full (scores, masked, softmax with the sink)."""
+    from trillora.models.attention import attend
+
+    g = torch.Generator().manual_seed(1)
+    b, heads, kv_heads, d, t = 2, 4, 2, 16, 8 * cp
+    q = torch.randn(b, heads, t, d, generator=g, requires_grad=True)
+    k = torch.randn(b, kv_heads, t, d, generator=g, requires_grad=True)
+    v = torch.randn(b, kv_heads, t, d, generator=g, requires_grad=True)
+    sinks = (torch.randn(heads, generator=g) * 2).requires_grad_()
+    grad = torch.randn(b, t, heads * d, generator=g)
+    scale = 0.25
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * scale  # [B, H, T, T]
+    scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    probs = torch.cat([scores, sinks[None, :, None, None].expand(b, heads, t, 1)], -1).softmax(-1)[..., :-1]
+    ref = (probs @ v.repeat_interleave(2, 1)).transpose(1, 2).reshape(b, t, heads * d)
+    ref_grads = torch.autograd.grad(ref, (q, k, v, sinks), grad)
+    # the single-process path (SDPA with the sink as an extra key) against the same reference
+    single = attend(q, k, v, None, scale, sinks)
+    torch.testing.assert_close(single, ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(torch.autograd.grad(single, (q, k, v, sinks), grad), ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    total = [torch.zeros_like(x) for x in (q, k, v, sinks)]
+    for rank in range(cp):
+        pos = local_positions(t, cp, rank)
+        q_local = q.detach()[:, :, pos].requires_grad_()
+        k_all, v_all, s = k.detach().requires_grad_(), v.detach().requires_grad_(), sinks.detach().requires_grad_()
+        out = block_causal_attention(q_local, k_all, v_all, zigzag_plan([rank, 2 * cp - 1 - rank], t // (2 * cp)), scale, s)
+        torch.testing.assert_close(out, ref[:, pos], rtol=1e-5, atol=1e-5)
+        gq, gk, gv, gs = torch.autograd.grad(out, (q_local, k_all, v_all, s), grad[:, pos])
+        total[0][:, :, pos] += gq
+        for acc, part in zip(total[1:], (gk, gv, gs)):
+            acc += part
+    for got, want in zip(total, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -16,6 +16,10 @@ backward per part with the *merged* out and lse (the softmax of the whole row is
 and rowsum(dO·O) uses the whole row's output), so each part's dq, dk, dv are exact and add up.
 This is the block algebra of ring attention, here over gathered keys.
 
+Attention sinks (gpt-oss) are one more part: a zero output with lse_sink = sink_h. Merged in like the
+others, out and lse become the whole row's with the sink in the denominator, so the same per-part
+backward stays exact, and the sink's own gradient is -exp(sink - lse) · rowsum(dO·O).
+
 CPU only: the kernels are `aten::_scaled_dot_product_flash_attention_for_cpu` and its backward.
 Shape legend: B rows, H heads, t local queries, T keys (global order), D head dim, s chunk size.
 """
@@ -59,7 +63,7 @@ class BlockCausalAttention(torch.autograd.Function):
     grouped-query attention keeps K/H of the gathered K/V for backward."""
 
     @staticmethod
-    def forward(ctx, q, k_kv, v_kv, plan: Plan, scale: float):
+    def forward(ctx, q, k_kv, v_kv, sinks, plan: Plan, scale: float):
         q = q.contiguous()
         k, v = _repeat_heads(k_kv, q.shape[1]).contiguous(), _repeat_heads(v_kv, q.shape[1]).contiguous()
         out = torch.empty_like(q)
@@ -74,14 +78,17 @@ class BlockCausalAttention(torch.autograd.Function):
                 merged = torch.logaddexp(l_run, lse_part)
                 o_run = o_run * (l_run - merged).exp()[..., None] + o * (lse_part - merged).exp()[..., None]
                 l_run = merged
+            if sinks is not None:  # one more part: output 0, log-sum-exp sink_h
+                merged = torch.logaddexp(l_run, sinks.to(l_run.dtype)[None, :, None])
+                o_run, l_run = o_run * (l_run - merged).exp()[..., None], merged
             out[:, :, rows], lse[:, :, rows] = o_run, l_run
-        ctx.save_for_backward(q, k_kv, v_kv, out, lse)
+        ctx.save_for_backward(q, k_kv, v_kv, out, lse, sinks)
         ctx.plan, ctx.scale = plan, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k_kv, v_kv, out, lse = ctx.saved_tensors
+        q, k_kv, v_kv, out, lse, sinks = ctx.saved_tensors
         k, v = _repeat_heads(k_kv, q.shape[1]).contiguous(), _repeat_heads(v_kv, q.shape[1]).contiguous()
         grad_out = grad_out.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -94,16 +101,20 @@ class BlockCausalAttention(torch.autograd.Function):
                 dq[:, :, rows] += gq
                 dk[:, :, keys] += gk
                 dv[:, :, keys] += gv
-        return dq, _sum_heads(dk, k_kv.shape[1]), _sum_heads(dv, v_kv.shape[1]), None, None
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:  # -p_sink · rowsum(dO·O), summed over rows and queries
+            d_sinks = -((sinks[None, :, None] - lse).exp() * (grad_out * out).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        return dq, _sum_heads(dk, k_kv.shape[1]), _sum_heads(dv, v_kv.shape[1]), d_sinks, None, None
 
 
-def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, scale: float) -> torch.Tensor:
-    """q [B, H, t, D], k [B, K, T, D], v [B, K, T, V] in global key order -> [B, t, H·V].
+def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, scale: float,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, t, D], k [B, K, T, D], v [B, K, T, V] in global key order, sinks [H] -> [B, t, H·V].
 
     Heads of different sizes (MLA: V ≠ D) are zero-padded to the wider for the kernel and cut after."""
     h, dv = q.shape[1], v.shape[-1]
     width = max(q.shape[-1], dv)  # the kernel wants one head size; zero columns change no score
     q, k, v = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
-    out = BlockCausalAttention.apply(q, k, v, plan, scale)[..., :dv]  # [B, H, t, V]
+    out = BlockCausalAttention.apply(q, k, v, sinks, plan, scale)[..., :dv]  # [B, H, t, V]
     b, _, t, _ = out.shape
     return out.transpose(1, 2).reshape(b, t, h * dv)

@@ -118,9 +118,9 @@ class ContextParallelAttention(InnerAttention):
         cp = self.cp
         k_all = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=cp.group)  # [B, K, T, D] rank order
         v_all = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=cp.group)
-        if q.device.type == "cpu" and sinks is None and not self.window:  # flash blocks, no [t, T] mask or scores kept
-            return block_causal_attention(q, k_all[:, :, cp.key_order], v_all[:, :, cp.key_order], cp.plan, scale)
-        # gpt-oss (sinks, sliding windows) and CUDA: SDPA with a [t, T] mask of global positions
+        if q.device.type == "cpu" and not self.window:  # flash blocks, no [t, T] mask or scores kept
+            return block_causal_attention(q, k_all[:, :, cp.key_order], v_all[:, :, cp.key_order], cp.plan, scale, sinks)
+        # sliding windows (gpt-oss) and CUDA: SDPA with a [t, T] mask of global positions
         q_pos, k_pos = cp.query_positions[:, None], cp.key_positions[None, :]
         allowed = k_pos <= q_pos  # [t, T] causal by global position
         if self.window:
