@@ -282,6 +282,27 @@ def test_attention_mass_equals_transformers_attention_weights():
     assert sum(got) < 4  # the turn's 4 queries spread one unit each, part of it on the task and on themselves
 
 
+def test_attention_mass_with_sinks_and_windows_equals_transformers(tmp_path):
+    """gpt-oss: the sinks take their share of every row and the sliding layers see 4 keys; transformers'
+    eager attention weights (the sink column dropped) are the oracle."""
+    from hf_models import GPT_OSS, hf_model, save_fused
+
+    from trillora.checkpoint import load_model
+    from trillora.memory import attention_mass
+
+    hf = hf_model(dict(GPT_OSS, sliding_window=4))
+    chunks = [Chunk([1, 14, 15, 16], 0), Chunk([20, 21, 22, 23, 24], 1), Chunk([30, 31], 2), Chunk([40, 41, 42], 3),
+              Chunk([14, 84, 15, 98], 4)]
+    ids = torch.tensor([[t for c in chunks for t in c.tokens]])
+    with torch.no_grad():
+        weights = torch.stack(hf(ids, output_attentions=True).attentions)  # [layers, 1, H, S, S]
+    per_key = weights[:, 0, :, -4:, :].mean(dim=1).sum(dim=1).mean(dim=0)
+    expected = [float(per_key[9:11].sum()), float(per_key[4:9].sum()), float(per_key[11:14].sum())]
+    got = attention_mass(load_model(save_fused(hf, tmp_path / "gpt-oss")))(chunks, [2, 1, 3])
+    assert got == pytest.approx(expected, abs=1e-5)
+    assert got[1] > 0  # chunk 1 lies past the window of the sliding layers: only the full layers see it
+
+
 def test_refills_are_trained_as_actions_of_the_episode(tiny_engine):
     from trillora.memory import MemoryDiffusion, recency
     from trillora.rollout import SamplingParams

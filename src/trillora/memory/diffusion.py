@@ -78,12 +78,21 @@ def attention_mass(model) -> Importance:
         mass = []  # per layer: [S] attention each key position gets from the latest turn's queries
 
         def capture(module, args, out):
-            q, k, _, _, scale = args  # q [1, H, S, D], k [1, K, S, D]
+            q, k, _, _, scale = args[:5]  # q [1, H, S, D], k [1, K, S, D]
+            sinks = args[5] if len(args) > 5 else None  # gpt-oss: [H], in every row's denominator
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             s = q.shape[2]
             logits = (q[:, :, s - turn:].float() @ k.float().transpose(-1, -2)) * scale  # [1, H, turn, S]
-            causal = torch.arange(s, device=q.device)[None, :] <= torch.arange(s - turn, s, device=q.device)[:, None]
-            probs = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            keys, queries = torch.arange(s, device=q.device)[None, :], torch.arange(s - turn, s, device=q.device)[:, None]
+            seen = keys <= queries
+            if module.window:  # gpt-oss's sliding-window layers
+                seen = seen & (keys > queries - module.window)
+            logits = logits.masked_fill(~seen, float("-inf"))
+            if sinks is not None:
+                sink = sinks.float()[None, :, None, None].expand(1, -1, turn, 1)
+                probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+            else:
+                probs = logits.softmax(dim=-1)
             mass.append(probs.mean(dim=1).sum(dim=1)[0])  # mean over heads, sum over the turn's queries
 
         hooks = [m.inner.register_forward_hook(capture) for m in model.modules() if hasattr(m, "inner")]
