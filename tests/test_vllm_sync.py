@@ -60,6 +60,17 @@ def test_auto_sync_choice():
     assert choose_sync(adapted(targets=("experts",)), "adapter") == "adapter"
 
 
+def test_adapter_sync_writes_the_layout_vllm_reads_for_the_family():
+    """vLLM keeps gpt-oss's experts 3-D (`is_3d_moe_weight`) and reads PEFT's fused form for it;
+    the other families' experts it reads per expert."""
+    from hf_models import GPT_OSS
+    from trillora.lora.export import vllm_layout
+    from trillora.models import build_model, from_hf_config
+
+    assert vllm_layout(adapted(targets=("experts",))) == "per_expert"
+    assert vllm_layout(build_model(from_hf_config(GPT_OSS), device="meta")) == "fused"
+
+
 def test_the_worker_extension_loads_only_safetensors_inside_the_sync_dir(tmp_path, monkeypatch):
     """vLLM's /collective_rpc is outside what its --api-key guards: the extension itself refuses
     any file but a .safetensors inside TRILLORA_SYNC_DIR, as a result string (no worker raise)."""

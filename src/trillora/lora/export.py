@@ -76,6 +76,12 @@ def _expert_tensors(name: str, m: LoraGroupedExperts, layout: str, released: boo
     return out
 
 
+def vllm_layout(model: torch.nn.Module) -> str:
+    """The expert layout vLLM reads for this family: per expert, except for models whose experts
+    vLLM keeps as 3-D tensors (gpt-oss, `is_3d_moe_weight`), which load PEFT's fused form."""
+    return "fused" if model.args.family == "gpt_oss" else "per_expert"
+
+
 def adapter_tensors(model: torch.nn.Module, layout: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, PEFT adapter_config) for the model's adapters in `layout`."""
     if layout not in EXPERT_LAYOUTS:

@@ -151,6 +151,7 @@ class OpenAIEngine:
     def sync(self, model: nn.Module) -> dict[str, float]:
         """Adapter-only sync: a new revision loaded by every server, the previous one unloaded."""
         from ..lora import save_adapter
+        from ..lora.export import vllm_layout
 
         if self.sync_dir is None:
             raise ValueError("OpenAIEngine.sync needs sync_dir: a folder the servers can read adapters from")
@@ -159,7 +160,7 @@ class OpenAIEngine:
         if self.sync_mode == "merged":
             return self._sync_merged(model, start)
         name = f"{self.base_model}-{self.tag}-r{self.revision}"
-        path = save_adapter(model, self.sync_dir / name, expert_layout="per_expert", base_model=self.base_model)
+        path = save_adapter(model, self.sync_dir / name, expert_layout=vllm_layout(model), base_model=self.base_model)
         for url in self.urls:
             self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path.resolve())})
         self.model = name

@@ -113,10 +113,11 @@ class VLLMEngine:
         from vllm.lora.request import LoRARequest
 
         from ..lora import save_adapter
+        from ..lora.export import vllm_layout
 
         self.revision += 1
         name = f"rev-{self.revision}"
-        path = save_adapter(model, self.sync_dir / name, expert_layout="per_expert")
+        path = save_adapter(model, self.sync_dir / name, expert_layout=vllm_layout(model))
         previous, self.lora = self.lora, LoRARequest(name, self.revision, str(path.resolve()))
         self.llm.llm_engine.add_lora(self.lora)
         if previous is not None:
