@@ -225,7 +225,8 @@ def test_parallel_auto_picks_a_layout_the_trainer_runs(tmp_path):
 
 
 @pytest.mark.parametrize("example,model,gpus,gpu", [("kimi-k2-64xh800.toml", "kimi-k2", 64, "h800"),
-                                                    ("qwen3-30b-a3b-8gpu.toml", "qwen3-30b-a3b", 8, "h100")])
+                                                    ("qwen3-30b-a3b-8gpu.toml", "qwen3-30b-a3b", 8, "h100"),
+                                                    ("gpt-oss-20b-python-tool.toml", "gpt-oss-20b", 8, "h100")])
 def test_scale_examples_load_validate_and_fit(example, model, gpus, gpu):
     """The shipped scale configs: they load and validate, their layout suits the model and the
     world size, and the planner says that layout fits the GPUs' memory."""
