@@ -65,7 +65,3 @@ def to_release(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
 def module_name(name: str) -> str:
     """Our module name -> transformers' (for adapter keys): the router is `mlp.router`."""
     return name.replace(".mlp.gate", ".mlp.router") if name.endswith(".mlp.gate") else name
-
-
-def our_module_name(name: str) -> str:
-    return name.replace(".mlp.router", ".mlp.gate") if name.endswith(".mlp.router") else name

@@ -113,6 +113,8 @@ class ContextParallelAttention(InnerAttention):
         self.cp = cp
 
     def forward(self, q, k, v, mask, scale, sinks=None):
+        # the backbone hands a sliding layer its local-index window mask; here the window is re-applied
+        # by global position, so only a full layer's mask (padding, a cache) is refused
         if mask is not None and not self.window:
             raise ValueError("context parallel attention takes right-padded rows without a padding mask or KV cache")
         cp = self.cp
