@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..rl.tinker_losses import datum_loss
 from .tinker_service import BadRequest, FwdBwd, TinkerService, adam_settings
 from .tinker_types import Session
 
@@ -71,54 +70,19 @@ class DataParallelService(TinkerService):
 
     def forward_backward_many(self, calls: list[FwdBwd]) -> list:
         self._mirror("forward_backward_many", calls)
-        outcomes: list = [None] * len(calls)
-        live = []
-        for i, c in enumerate(calls):
-            try:
-                adapter = self.client(c.model_id).adapter
-            except BadRequest as e:
-                outcomes[i] = e
-                continue
-            n = len(c.data)
-            lo, hi = n * self.rank // self.world, n * (self.rank + 1) // self.world  # this rank's block
-            live.append((i, c, adapter, lo, hi))
-        mine = [x for x in live if x[4] > x[3]]
-        grad = any(not c.forward_only for _, c, *_ in live)
-        logps: list[torch.Tensor] = []
-        if mine:
-            rows = [hi - lo for *_, lo, hi in mine]
-            adapters = [a for _, _, a, _, _ in mine]
-            use = self.base.use(adapters[0]) if len(mine) == 1 else self.base.use_many(adapters, rows)
-            with use as model, torch.set_grad_enabled(grad):
-                logps = self._target_logprobs(model, [d for _, c, _, lo, hi in mine for d in c.data[lo:hi]],
-                                              [t for _, c, _, lo, hi in mine for t in c.tensors[lo:hi]])
-                self._losses_and_backward(live, logps, outcomes)
-        else:
-            self._losses_and_backward(live, [], outcomes)
-        return outcomes
+        return super().forward_backward_many(calls)
 
-    def _losses_and_backward(self, live, logps: list[torch.Tensor], outcomes: list) -> None:
-        """Each call's loss over this rank's block, summed over ranks; the backward of the kept ones."""
-        partial, start, mine = [], 0, {}
-        for i, c, _, lo, hi in live:
-            lps, start = logps[start:start + hi - lo], start + hi - lo
-            mine[i] = lps
-            partial.append(sum((datum_loss(c.loss_fn, lp, {k: v.to(self.device) for k, v in t.items()}, c.config)
-                                for lp, t in zip(lps, c.tensors[lo:hi])), torch.zeros((), device=self.device)))
+    def _block(self, n: int) -> tuple[int, int]:
+        return n * self.rank // self.world, n * (self.rank + 1) // self.world  # contiguous, in rank order
+
+    def _combine(self, partial: list[torch.Tensor], logps: dict[int, list[torch.Tensor]]) -> tuple[list[float], dict]:
+        """Losses summed over ranks (every rank then refuses the same non-finite calls); logprobs
+        gathered in datum order."""
         totals = torch.stack([p.detach() for p in partial]) if partial else torch.zeros(0, device=self.device)
         dist.all_reduce(totals)  # [calls]: each call's whole loss, the same on every rank
         gathered = [None] * self.world
-        dist.all_gather_object(gathered, {i: [lp.detach().cpu().numpy() for lp in lps] for i, lps in mine.items()})
-        kept = []
-        for (i, c, *_), loss, total in zip(live, partial, totals.tolist()):
-            if not c.forward_only and not torch.isfinite(torch.tensor(total)):
-                outcomes[i] = BadRequest(f"the {c.loss_fn} loss is not finite ({total}): check logprobs and advantages")
-                continue
-            if not c.forward_only and loss.requires_grad:
-                kept.append(loss)
-            outcomes[i] = ([lp for g in gathered for lp in g[i]], {"loss:sum": total})
-        if kept:
-            torch.stack(kept).sum().backward()
+        dist.all_gather_object(gathered, {i: [lp.detach().cpu().numpy() for lp in lps] for i, lps in logps.items()})
+        return totals.tolist(), {i: [lp for g in gathered for lp in g[i]] for i in logps}
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
         self._mirror("optim_step", model_id, adam)

@@ -131,33 +131,55 @@ class TinkerService:
         returns, or the BadRequest it raises. The summed loss's backward gives each adapter exactly
         its own calls' gradients: rows never mix in a causal LM."""
         outcomes: list = [None] * len(calls)
-        live = []
+        live = []  # (index, call, adapter, first datum, end): the datums this process runs
         for i, c in enumerate(calls):
             try:
-                live.append((i, c, self.client(c.model_id).adapter))
+                adapter = self.client(c.model_id).adapter
             except BadRequest as e:
                 outcomes[i] = e
-        if not live:
+                continue
+            live.append((i, c, adapter, *self._block(len(c.data))))
+        mine = [x for x in live if x[4] > x[3]]
+        if not mine:
+            self._losses_and_backward(live, [], outcomes)
             return outcomes
-        rows = [len(c.data) for _, c, _ in live]
-        use = self.base.use(live[0][2]) if len(live) == 1 else self.base.use_many([a for _, _, a in live], rows)
-        with use as model, torch.set_grad_enabled(any(not c.forward_only for _, c, _ in live)):
-            logps = self._target_logprobs(model, [d for _, c, _ in live for d in c.data],
-                                          [t for _, c, _ in live for t in c.tensors])
-            losses, start = [], 0
-            for (i, c, _), n in zip(live, rows):
-                mine, start = logps[start:start + n], start + n
-                loss = sum((datum_loss(c.loss_fn, lp, {k: v.to(self.device) for k, v in t.items()}, c.config)
-                            for lp, t in zip(mine, c.tensors)), torch.zeros((), device=self.device))
-                if not c.forward_only and not torch.isfinite(loss):
-                    outcomes[i] = BadRequest(f"the {c.loss_fn} loss is not finite ({float(loss)}): check logprobs and advantages")
-                    continue
-                if not c.forward_only and loss.requires_grad:
-                    losses.append(loss)
-                outcomes[i] = ([lp.detach().cpu().numpy() for lp in mine], {"loss:sum": float(loss.detach())})
-            if losses:
-                torch.stack(losses).sum().backward()
+        rows = [hi - lo for *_, lo, hi in mine]
+        adapters = [a for _, _, a, _, _ in mine]
+        use = self.base.use(adapters[0]) if len(mine) == 1 else self.base.use_many(adapters, rows)
+        with use as model, torch.set_grad_enabled(any(not c.forward_only for _, c, *_ in live)):
+            logps = self._target_logprobs(model, [d for _, c, _, lo, hi in mine for d in c.data[lo:hi]],
+                                          [t for _, c, _, lo, hi in mine for t in c.tensors[lo:hi]])
+            self._losses_and_backward(live, logps, outcomes)
         return outcomes
+
+    def _losses_and_backward(self, live: list, logps: list[torch.Tensor], outcomes: list) -> None:
+        """Each call's loss over its datums (`logps` in call order); a non-finite one is refused; the
+        backward of the summed kept losses."""
+        partial, start, mine = [], 0, {}
+        for i, c, _, lo, hi in live:
+            lps, start = logps[start:start + hi - lo], start + hi - lo
+            mine[i] = lps
+            partial.append(sum((datum_loss(c.loss_fn, lp, {k: v.to(self.device) for k, v in t.items()}, c.config)
+                                for lp, t in zip(lps, c.tensors[lo:hi])), torch.zeros((), device=self.device)))
+        totals, every = self._combine(partial, mine)
+        kept = []
+        for (i, c, *_), loss, total in zip(live, partial, totals):
+            if not c.forward_only and not math.isfinite(total):
+                outcomes[i] = BadRequest(f"the {c.loss_fn} loss is not finite ({total}): check logprobs and advantages")
+                continue
+            if not c.forward_only and loss.requires_grad:
+                kept.append(loss)
+            outcomes[i] = (every[i], {"loss:sum": total})
+        if kept:
+            torch.stack(kept).sum().backward()
+
+    def _block(self, n: int) -> tuple[int, int]:
+        """Which of a call's n datums this process runs: all of them (a data-parallel rank: its share)."""
+        return 0, n
+
+    def _combine(self, partial: list[torch.Tensor], logps: dict[int, list[torch.Tensor]]) -> tuple[list[float], dict]:
+        """Each call's whole loss and per-datum logprobs from this process's parts (data parallel: all ranks')."""
+        return [float(p.detach()) for p in partial], {i: [lp.detach().cpu().numpy() for lp in lps] for i, lps in logps.items()}
 
     def check_data(self, loss_fn: str, config: dict, data: list[Datum]) -> list[dict[str, torch.Tensor]]:
         """Each datum's loss inputs as tensors, or BadRequest naming the datum and key."""
