@@ -93,7 +93,8 @@ def test_per_expert_layout_matches_merged_transformers_reference(adapted):
             if proj == "down_proj":
                 weights[f"{experts}.down_proj"][e] += delta.T
             else:
-                weights[f"{experts}.gate_up_proj"][e, :, 0 if proj == "gate_proj" else 1::2] += delta.T
+                column = 0 if proj == "gate_proj" else 1  # gate in even columns, up in odd
+                weights[f"{experts}.gate_up_proj"][e, :, column::2] += delta.T
             continue
         weights[f"{module}.weight"] = weights[f"{module}.weight"] + delta
     save_file(weights, str(tmp / "released" / "model.safetensors"))
