@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,8 +231,6 @@ def test_parallel_auto_picks_a_layout_the_trainer_runs(tmp_path):
 def test_scale_examples_load_validate_and_fit(example, model, gpus, gpu):
     """The shipped scale configs: they load and validate, their layout suits the model and the
     world size, and the planner says that layout fits the GPUs' memory."""
-    from pathlib import Path
-
     from trillora.config import load_config
 
     cfg = load_config(Path(__file__).parent.parent / "examples" / example)
@@ -245,3 +244,59 @@ def test_scale_examples_load_validate_and_fit(example, model, gpus, gpu):
     e = estimate(Footprint(args, training), dims, Workload(seq_len=cfg.rollout.max_model_len, rollouts_per_step=rows),
                  CLUSTERS[gpu])
     assert e.memory_total <= CLUSTERS[gpu].memory_gib * 2**30 * 0.9, {k: v / 2**30 for k, v in e.memory.items()}
+
+
+def test_service_plan_counts_what_an_expert_parallel_service_holds():
+    """`plan_service` on the shipped tiny MoE at ep=2: the base bytes and one client's adapter
+    numel per rank are what rank 0 of a two-way expert-sharded service actually holds."""
+    from trillora.checkpoint import load_model, resolve_model_path
+    from trillora.models.moe import GroupedExperts
+    from trillora.parallel.expert_parallel import shard_experts
+    from trillora.parallel.planner import REVISION_BYTES, plan_service
+    from trillora.serve.adapters import ExpertShard, ResidentBase, roles_of
+
+    model = load_model(resolve_model_path("tiny-moe-chat"))
+    base = ResidentBase(model)
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            shard_experts(m, 0, 2)
+    base.experts = ExpertShard(None, 0, 2, model.args.num_experts)
+    adapter = base.new_adapter(8, roles_of(True, True, True))
+    held_base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
+    held_client = sum(p.numel() for p in adapter.params.values())
+    layouts = {lay.ep: lay for lay in plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=8, seq_len=64,
+                                                   rows=4, base_bytes=4)}
+    assert sorted(layouts) == [1, 2]
+    two = layouts[2]
+    assert two.estimate.memory["base weights"] == held_base * 4
+    assert two.per_client_bytes == held_client * (16 + REVISION_BYTES)
+    assert two.estimate.memory["clients: adapter + grads + AdamW + revision"] == 3 * two.per_client_bytes
+    assert layouts[1].estimate.memory["base weights"] > two.estimate.memory["base weights"]  # the experts halved
+    assert two.fits and two.max_clients >= 3
+
+
+def test_readme_service_plan_command():
+    """The README's `trillora plan --tinker` example and the figures it quotes."""
+    from trillora.cli import main
+
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["plan", "--model", "qwen3-30b-a3b", "--tinker", "--gpus", "8", "--gpu", "h100", "--seq-len", "4096",
+                     "--rollouts", "8", "--lora-rank", "8", "--clients", "8", "--json"]) == 0
+    out = json.loads(buf.getvalue())
+    assert out["chosen_ep"] == 8 and "--ep 8" in out["command"]
+    eight = next(x for x in out["layouts"] if x["ep"] == 8)
+    m = eight["memory_gib"]
+    assert (round(m["base weights"], 1), round(m["activations"] + m["transient"], 1), round(eight["per_client_gib"], 1),
+            eight["max_clients"]) == (9.6, 45.9, 1.1, 14)
+    one = next(x for x in out["layouts"] if x["ep"] == 1)
+    assert one["memory_gib"]["base weights"] + one["memory_gib"]["activations"] > 72 and not one["fits"]
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert ("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 4096 --rollouts 8 "
+            "--lora-rank 8 --clients 8") in readme
+    assert (f"this gives ep={out['chosen_ep']} ({eight['max_clients']} clients would fit). The base takes "
+            f"{m['base weights']:.1f} GiB of each GPU and one pass of a 4096-token datum per GPU takes "
+            f"{m['activations'] + m['transient']:.1f}. Each client costs {eight['per_client_gib']:.1f} GiB") in readme

@@ -1,5 +1,6 @@
-"""`torchrun --nproc-per-node 2 -m trillora serve MODEL --tinker` (gloo): the real SDK trains a client
-on two data-parallel ranks and gets the losses, logprobs and adapter one process gives."""
+"""`torchrun --nproc-per-node 2 -m trillora serve MODEL --tinker [--ep 2]` (gloo): the real SDK trains a
+client on two data-parallel ranks, or two ranks that each hold half of every MoE layer's experts,
+and gets the losses, logprobs, adapter, resumed steps and samples one process gives."""
 
 from __future__ import annotations
 
@@ -70,33 +71,98 @@ def train(port: int, state_dir: Path, tokenizer) -> dict:
             "samples": res.sequences}
 
 
-def test_two_data_parallel_ranks_train_as_one_process(tmp_path):
-    gen = tinker_server(tmp_path / "one", KEY)
+def more(port: int, state_dir: Path, tokenizer) -> dict:
+    """What an expert-parallel service must also get right: a clipped step (the norm spans every
+    rank's experts), a call of one datum (one rank runs none), a resumed client, and samplers from
+    a named revision and from the base (their prompt logprobs pass through every rank's experts)."""
+    sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY)
+    try:
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=2).result()
+        tokens = tokenizer.encode("987+12=999", add_special_tokens=False)
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        losses, norms = [], []
+        for _ in range(2):
+            losses.append(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+            norms.append(tc.optim_step(types.AdamParams(learning_rate=2e-2, grad_clip_norm=0.05)).result()
+                         .metrics["grad_norm:mean"])
+        path = tc.save_state("two").result().path
+        resumed = sc.create_training_client_from_state_with_optimizer(path).result()
+        resumed.forward_backward([datum], "cross_entropy").result()
+        resumed.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        losses.append(resumed.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+        prompt = types.ModelInput.from_ints(tokenizer.encode("98+12=", add_special_tokens=False))
+        named = sc.create_sampling_client(model_path=resumed.save_weights_for_sampler("named").result().path).result()
+        base = sc.create_sampling_client(base_model=MODEL).result()
+        greedy = named.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=5, temperature=0.0)
+                              ).result().sequences[0]
+        return {"losses": losses, "norms": norms, "named": named.compute_logprobs(prompt).result()[1:],
+                "base": base.compute_logprobs(prompt).result()[1:], "greedy": greedy.tokens, "greedy_lp": greedy.logprobs}
+    finally:
+        sc.close("success").result()
+
+
+def launch(port: int, state_dir: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                             str(free_port()), "-m", "trillora", "serve", MODEL, "--tinker", "--port", str(port),
+                             "--api-key", KEY, "--state-dir", str(state_dir), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory) -> dict:
+    """Both scenarios on one process: what every layout must give."""
+    folder = tmp_path_factory.mktemp("one")
+    gen = tinker_server(folder, KEY)
     one = next(gen)
     try:
-        alone = train(one.cfg.port, tmp_path / "one", one.service.tokenizer)
+        return {"train": train(one.cfg.port, folder, one.service.tokenizer),
+                "more": more(one.cfg.port, folder, one.service.tokenizer), "tokenizer": one.service.tokenizer}
     finally:
         next(gen, None)
+
+
+@pytest.mark.parametrize("layout", ["dp", "ep"])
+def test_two_ranks_train_as_one_process(tmp_path, alone, layout):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                             str(free_port()), "-m", "trillora", "serve", MODEL, "--tinker", "--port", str(port),
-                             "--api-key", KEY, "--state-dir", str(tmp_path / "dp")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = launch(port, tmp_path / layout, *(["--ep", "2"] if layout == "ep" else []))
     try:
         wait_healthy(port, proc)
-        dp = train(port, tmp_path / "dp", one.service.tokenizer)
+        got = train(port, tmp_path / layout, alone["tokenizer"])
+        extra = more(port, tmp_path / layout, alone["tokenizer"])
     finally:
         proc.terminate()
         out = proc.communicate(timeout=60)[0]
     assert "data parallel over 2 ranks" in out
-    np.testing.assert_allclose(dp["losses"], alone["losses"], rtol=1e-5)
-    for a, b in zip(dp["logprobs"], alone["logprobs"], strict=True):
+    assert ("experts sharded over groups of 2" in out) == (layout == "ep")
+    want = alone["more"]
+    np.testing.assert_allclose(extra["losses"], want["losses"], rtol=1e-5)
+    np.testing.assert_allclose(extra["norms"], want["norms"], rtol=1e-5)
+    assert want["norms"][0] > 0.05  # the clip acted, so a norm missing the other rank's experts would show
+    np.testing.assert_allclose(extra["named"], want["named"], atol=1e-5)
+    np.testing.assert_allclose(extra["base"], want["base"], atol=1e-5)
+    assert extra["named"] != pytest.approx(extra["base"], abs=1e-3)  # the revision is not the base
+    assert extra["greedy"] == want["greedy"]
+    np.testing.assert_allclose(extra["greedy_lp"], want["greedy_lp"], atol=5e-5)  # decoded with a KV cache
+    alone = alone["train"]
+    np.testing.assert_allclose(got["losses"], alone["losses"], rtol=1e-5)
+    for a, b in zip(got["logprobs"], alone["logprobs"], strict=True):
         for x, y in zip(a, b, strict=True):
             np.testing.assert_allclose(x, y, atol=1e-5)
     assert alone["losses"][2] != alone["losses"][0]  # the steps moved the adapter
-    assert set(dp["state"]) == set(alone["state"])
+    assert set(got["state"]) == set(alone["state"])
     for k, t in alone["state"].items():
         if k == "rng.torch":  # the server process's own random state, not the client's
             continue
-        torch.testing.assert_close(dp["state"][k], t, atol=1e-5, rtol=1e-4)
-    assert len(dp["samples"]) == 2 and all(len(s.tokens) == len(s.logprobs) >= 1 for s in dp["samples"])
+        torch.testing.assert_close(got["state"][k], t, atol=1e-5, rtol=1e-4)
+    assert len(got["samples"]) == 2 and all(len(s.tokens) == len(s.logprobs) >= 1 for s in got["samples"])
+
+
+def test_an_expert_layout_that_cannot_work_is_named(tmp_path):
+    alone = subprocess.run([sys.executable, "-m", "trillora", "serve", MODEL, "--tinker", "--ep", "2"],
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode != 0 and "needs several ranks" in alone.stderr
+    proc = launch(free_port(), tmp_path, "--ep", "4")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode != 0
+    assert "--ep 4 on 2 ranks: parallel.ep=4 must divide parallel.dp=2" in out

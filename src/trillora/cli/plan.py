@@ -1,5 +1,6 @@
 """`trillora plan`: the chosen layout, its memory and traffic, the runners-up, LoRA vs full-parameter
-and the rollout engine's layout, as tables or as JSON."""
+and the rollout engine's layout, as tables or as JSON; with --tinker, the Tinker service's layouts
+(experts over ep) and how many training clients each holds."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from dataclasses import asdict, replace
 
 import json
 import sys
+from pathlib import Path
 
 from ..models.params import resolve_args
 from ..parallel.cost import CLUSTERS, Estimate, Footprint, Training, Workload, short
 from ..parallel.dims import ParallelDims
-from ..parallel.planner import Plan, lora_vs_full, plan, rollout_layout, smallest_cluster
+from ..parallel.planner import Plan, lora_vs_full, plan, plan_service, rollout_layout, smallest_cluster
 from .info import human
 
 GIB = 2**30
@@ -40,9 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-base", action="store_true", help="keep the frozen base in fp8 (LoRA only)")
     p.add_argument("--top", type=int, default=5, help="layouts to list")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--tinker", action="store_true", help="plan `trillora serve --tinker` instead: --rollouts datums "
+                                                         "per forward_backward call, --lora-rank per client")
+    p.add_argument("--clients", type=int, default=16, help="--tinker: training clients held at once")
 
 
 def run(a: argparse.Namespace) -> dict:
+    if a.tinker:
+        return run_service(a)
     args = resolve_args(a.model)
     cluster = CLUSTERS[a.gpu]
     training = Training(lora_rank=a.lora_rank, expert_rank=a.expert_rank, full=a.full,
@@ -65,10 +72,62 @@ def run(a: argparse.Namespace) -> dict:
     return out
 
 
+def run_service(a: argparse.Namespace) -> dict:
+    """The service's layouts on --gpus ranks (0: the fewest GPUs, doubling, on which one fits)."""
+    if a.clients < 1 or a.rollouts < 1:
+        raise ValueError(f"--clients {a.clients} and --rollouts {a.rollouts}: both must be >= 1")
+    args, cluster = resolve_args(a.model), CLUSTERS[a.gpu]
+    base_bytes = 4 if cluster.act_bytes == 4 else 2
+
+    def layouts(world: int):
+        return plan_service(args, world, cluster, a.clients, a.lora_rank, a.seq_len, a.rollouts, base_bytes)
+
+    world = a.gpus or next((w for w in (2**i for i in range(11)) if any(x.fits for x in layouts(w))), 1024)
+    found = layouts(world)
+    ok = [x for x in found if x.fits]
+    out = {"model": a.model, "cluster": asdict(cluster), "tinker": True, "gpus": world, "clients": a.clients,
+           "lora_rank": a.lora_rank, "seq_len": a.seq_len, "datums_per_call": a.rollouts, "fits": bool(ok),
+           "layouts": [{"ep": x.ep, "memory_gib": {k: v / GIB for k, v in x.estimate.memory.items()},
+                        "memory_total_gib": x.estimate.memory_total / GIB, "per_client_gib": x.per_client_bytes / GIB,
+                        "max_clients": x.max_clients, "fits": x.fits} for x in found]}
+    if ok:  # the fewest expert shards that fit: the least all-to-all traffic
+        out["chosen_ep"] = ok[0].ep
+        weights = a.model if Path(a.model).is_dir() else f"<{a.model} checkpoint>"  # a shipped name is a config only
+        out["command"] = (f"torchrun --nproc-per-node {world} -m trillora serve {weights} --tinker --device cuda "
+                          f"--precision bf16{f' --ep {ok[0].ep}' if ok[0].ep > 1 else ''} --max-clients {a.clients}")
+    return out
+
+
+def render_service(out: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    c = out["cluster"]
+    console.print(f"[bold]{out['model']}[/] served to {out['clients']} Tinker clients (LoRA rank {out['lora_rank']} on "
+                  f"every role), {out['datums_per_call']} × {out['seq_len']} tokens per call, on {out['gpus']} "
+                  f"{c['name']} ({c['memory_gib']:.0f} GiB, {c['memory_gib'] * (1 - c['reserve']):.0f} usable)")
+    t = Table(title="memory per GPU (GiB) by layout")
+    for col in ("ep", "base", "one pass", "clients", "total", "clients that fit"):
+        t.add_column(col, justify="right")
+    for x in out["layouts"]:
+        m = x["memory_gib"]
+        t.add_row(str(x["ep"]), f"{m['base weights']:.1f}", f"{m['activations'] + m['transient']:.1f}",
+                  f"{m['clients: adapter + grads + AdamW + revision']:.1f}", f"{x['memory_total_gib']:.1f}",
+                  f"{x['max_clients']}" if x["fits"] else f"[red]{x['max_clients']}[/]")
+    console.print(t)
+    if out["fits"]:
+        console.print(f"chosen: ep={out['chosen_ep']} (the fewest expert shards that fit)\n  {out['command']}")
+    else:
+        console.print(f"[red]no layout of {out['gpus']} GPUs holds {out['clients']} clients[/]")
+
+
 def render(out: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    if out.get("tinker"):
+        return render_service(out)
     console = Console()
     c, w = out["cluster"], out["workload"]
     kind = "full-parameter" if out["training"]["full"] else f"LoRA rank {out['training']['lora_rank']}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..models.args import ModelArgs
-from .cost import CLUSTERS, Cluster, Estimate, Footprint, Training, Workload, estimate, short
+from .cost import ADAPTER_STATE_BYTES, CLUSTERS, Cluster, Estimate, Footprint, Training, Workload, estimate, short
 from .dims import ParallelDims, ParallelError
 
 
@@ -148,5 +148,49 @@ def auto_dims(args: ModelArgs, lora_cfg, world: int, seq_len: int, rows: int, mi
                         f"the leanest ({short(least.layout)}) needs {least.memory_total / 2**30:.1f} GiB")
 
 
-__all__ = ["auto_dims", "CLUSTERS", "Plan", "RolloutLayout", "lora_vs_full", "plan", "rollout_layout", "smallest_cluster",
+SERVICE_TARGETS = ("attention", "mlp", "shared_experts", "experts", "lm_head")  # what a Tinker client may train
+REVISION_BYTES = 4  # a sampler revision: an fp32 copy of the adapter
+
+
+@dataclass
+class ServiceLayout:
+    """One layout of the Tinker service (`trillora serve --tinker`): `estimate` holds one pass's
+    memory per GPU with `clients` adapters resident; `max_clients` is how many fit beside the
+    base and that pass."""
+
+    ep: int
+    estimate: Estimate
+    clients: int
+    per_client_bytes: float
+    max_clients: int
+
+    @property
+    def fits(self) -> bool:
+        return self.max_clients >= self.clients
+
+
+def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lora_rank: int, seq_len: int, rows: int,
+                 base_bytes: int = 2) -> list[ServiceLayout]:
+    """The service's layouts on `world` ranks, fewest expert shards first: every rank takes a block
+    of each call's `rows` datums of `seq_len` tokens in one pass (no microbatches), the routed
+    experts split over ep (the rest replicated), and each client's adapter, AdamW state and one
+    sampler revision held at rank `lora_rank` on every role. Resident memory: loading passes
+    through the whole model first, as `trillora train` does."""
+    fp = Footprint(args, Training(lora_rank=lora_rank, targets=SERVICE_TARGETS, base_bytes=base_bytes))
+    budget = cluster.memory_gib * 2**30 * (1 - cluster.reserve)
+    work = Workload(seq_len=seq_len, rollouts_per_step=rows, micro_batch_rows=-(-rows // world))
+    out = []
+    for ep in divisors(world):
+        if (args.num_experts % ep) if args.num_experts else ep > 1:
+            continue
+        est = estimate(fp, ParallelDims(dp=world, ep=ep, fsdp=False), work, cluster)
+        one = est.memory.pop("adapter + grads + optimizer")
+        per_client = one / ADAPTER_STATE_BYTES * (ADAPTER_STATE_BYTES + REVISION_BYTES)
+        room = budget - est.memory_total
+        est.memory["clients: adapter + grads + AdamW + revision"] = per_client * clients
+        out.append(ServiceLayout(ep, est, clients, per_client, max(0, int(room // per_client))))
+    return out
+
+
+__all__ = ["auto_dims", "CLUSTERS", "Plan", "RolloutLayout", "lora_vs_full", "plan", "plan_service", "rollout_layout", "ServiceLayout", "smallest_cluster",
            "valid_layouts"]

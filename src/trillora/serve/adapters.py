@@ -9,6 +9,11 @@ A `Revision` is a frozen copy of an adapter's tensors (what a sampler samples fr
 Requests run one at a time on the service's worker, so one set of slots serves every client;
 `use_many` puts several adapters in the slots at once, for one pass whose consecutive rows
 belong to different clients (`lora.multi`).
+
+Under expert parallelism (`ExpertShard`) the routed experts are sliced over the ranks of an ep
+group, their adapter slices with them: a new adapter draws the whole [E, ...] tensors from its
+seed and keeps this rank's rows (so it equals the one-process adapter), saved states stay whole
+(`full` gathers, `local` slices), so a state saved by one layout loads into any other.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import lora
@@ -56,11 +62,32 @@ class Revision:
 
     config: lora.LoraConfig | None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    sampler_id: str = ""
+    """The sampling session it serves (the other ranks of an expert-parallel service find theirs by it)."""
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """This rank's slice of the routed experts: rows [rank·E/size, (rank+1)·E/size) of every [E, ...] tensor."""
+
+    group: object
+    rank: int
+    size: int
+    num_experts: int
+
+    @property
+    def rows(self) -> slice:
+        local = self.num_experts // self.size
+        return slice(self.rank * local, (self.rank + 1) * local)
 
 
 class ResidentBase:
     def __init__(self, model: nn.Module, alpha: float = 16.0):
         self.model, self.alpha = model, alpha
+        self.experts: ExpertShard | None = None
+        """Set by the service once the experts are sharded (`parallel.expert_parallel`)."""
+        self.in_use: Adapter | Revision | None = None
+        """What `use` put in the slots (an expert-parallel sampler tells the other ranks)."""
         slots = lora.LoraConfig(rank=1, alpha=alpha, targets=("attention", "mlp", "shared_experts", "experts", "lm_head"))
         self.roles = lora.apply_lora(model, slots)  # {module name: role}
         self.slots = dict(lora_modules(model))
@@ -82,6 +109,9 @@ class ResidentBase:
                 p = getattr(m, pname)
                 if pname.endswith("_A"):
                     init_a(p, cfg.init, generator if p.device.type == "cpu" else None)
+                if self.experts is not None and self.roles[name] == "experts":  # drawn whole, kept in part
+                    p = nn.Parameter(p.detach()[self.experts.rows].clone())
+                    m.register_parameter(pname, p)
                 params[f"{name}.{pname}"] = p
             m.lora_enabled = False
         if not params:
@@ -91,6 +121,7 @@ class ResidentBase:
     def adapter_from(self, config: lora.LoraConfig, tensors: dict[str, torch.Tensor]) -> Adapter:
         """An adapter holding copies of `tensors` (a saved state or a revision)."""
         adapter = self.new_adapter(config.rank, config.targets, config.seed)
+        tensors = self.local(tensors)
         missing = set(adapter.params) ^ set(tensors)
         if missing:
             raise ValueError(f"saved adapter tensors do not fit this model: {sorted(missing)[:3]}")
@@ -105,6 +136,7 @@ class ResidentBase:
     def use(self, adapter: Adapter | Revision | None):
         """The model with `adapter` in its slots (the other slots off); every slot off afterwards."""
         tensors, config = _tensors(adapter), adapter.config if adapter is not None else None
+        self.in_use = adapter
         try:
             for name, m in self.slots.items():
                 mine = [k for k in (f"{name}.{p}" for p in SLOT_TENSORS) if k in tensors]
@@ -119,12 +151,15 @@ class ResidentBase:
                 m.lora_enabled = True
             yield self.model
         finally:
+            self.in_use = None
             for m in self.slots.values():
                 m.lora_enabled = False
 
     @contextlib.contextmanager
     def use_many(self, adapters: list[Adapter | Revision | None], rows: list[int]):
         """The model with adapter k on the next `rows[k]` batch rows (in order), in one pass."""
+        if self.experts is not None:  # a routed row's adapter would have to travel with it to the expert's rank
+            raise ValueError("several adapters in one pass under expert parallelism; run them one at a time")
         device = next(self.model.parameters()).device
         scaling = [a.config.scaling(a.config.rank) if a is not None and a.config is not None else 0.0 for a in adapters]
         multi = RowAdapters(rows, scaling, device)
@@ -152,6 +187,40 @@ class ResidentBase:
     @staticmethod
     def revision(adapter: Adapter) -> Revision:
         return Revision(adapter.config, {k: t.clone() for k, t in adapter.tensors().items()})
+
+    # --- whole and sliced expert tensors ---------------------------------------------------
+    def expert_param(self, key: str) -> bool:
+        """`key` names a routed-expert adapter tensor, bare ("m.lora_up_A") or as a saved state
+        names it ("param.m.lora_up_A", "optim.m.lora_up_A.exp_avg")."""
+        if key.startswith("param."):
+            key = key[len("param."):]
+        elif key.startswith("optim."):
+            key = key[len("optim."):].rpartition(".")[0]
+        module = key.rpartition(".")[0]
+        return module in self.slots and self.roles[module] == "experts"
+
+    def local(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Whole expert tensors [E, ...] sliced to this rank's experts; every other tensor as it is."""
+        if self.experts is None:
+            return tensors
+        e = self.experts.num_experts
+        return {k: t[self.experts.rows] if self.expert_param(k) and t.dim() and t.shape[0] == e else t
+                for k, t in tensors.items()}
+
+    def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's expert slices gathered over the ep group into whole tensors (a collective:
+        every rank of the group calls it with the same keys)."""
+        if self.experts is None:
+            return tensors
+        out, device = {}, next(self.model.parameters()).device  # NCCL gathers device tensors
+        for k in sorted(tensors):  # the same order on every rank
+            t = tensors[k]
+            if self.expert_param(k) and t.dim():
+                parts = [torch.empty_like(t, device=device) for _ in range(self.experts.size)]
+                dist.all_gather(parts, t.to(device).contiguous(), group=self.experts.group)
+                t = torch.cat(parts).to(t.device)
+            out[k] = t
+        return out
 
 
 def _tensors(adapter: Adapter | Revision | None) -> dict[str, torch.Tensor]:

@@ -11,8 +11,7 @@ sum of the blocks' gradients is the whole call's), then every rank takes the sam
 the adapters stay identical without being sent. Sampling, saving and sampler sessions run on
 rank 0 alone: they read an adapter every rank has, and change nothing the others need.
 
-Only data parallelism: the base is replicated. Tensor, expert and pipeline layouts would shard
-the base and each client's adapter, which `ResidentBase` creates per request; they are refused.
+Here the base is replicated; `serve.tinker_ep` shards its routed experts on top of this.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ class DataParallelService(TinkerService):
     def __init__(self, cfg, model=None):
         super().__init__(cfg, model)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.writes = self.rank == 0
 
     # --- what rank 0 sends ----------------------------------------------------------------
     def _mirror(self, name: str, *args) -> None:
@@ -88,16 +88,25 @@ class DataParallelService(TinkerService):
         self._mirror("optim_step", model_id, adam)
         client = self.client(model_id)
         adam_settings(adam)  # refused before the gradients are summed, so a retry does not sum them twice
-        params = list(client.adapter.params.values())
-        has = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
+        params = client.adapter.params
+        has = torch.tensor([float(p.grad is not None) for p in params.values()], device=self.device)
         dist.all_reduce(has, op=dist.ReduceOp.MAX)  # a rank with no rows of this client has no gradient
-        for p, h in zip(params, has.tolist()):
+        for p, h in zip(params.values(), has.tolist()):
             if h and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
+        self._sum_gradients(params)
         return super().optim_step(model_id, adam)
+
+    def _sum_gradients(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """Every rank's gradients summed: the whole call's gradient, the same on every rank."""
+        sum_over([p.grad for p in params.values() if p.grad is not None], None)
+
+
+@torch.no_grad()
+def sum_over(grads: list[torch.Tensor], group) -> None:
+    """All-reduce (sum) `grads` in place over `group` (None: the world), as one flat collective."""
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))

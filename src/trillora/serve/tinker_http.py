@@ -83,6 +83,17 @@ class TinkerServer:
         self.worker.submit(Job(fn, settle, model_id, fuse, payload), seq_id)
         return {"request_id": rid, **({"model_id": model_id} if model_id else {})}
 
+    def now(self, fn):
+        """`fn`'s result (or the error it raised), run on the worker between requests: calls that
+        answer at once still change the model's state only there (a parallel service mirrors
+        them to its other ranks in the worker's order)."""
+        box, done = [], threading.Event()
+        self.worker.submit(Job(fn, lambda out: (box.append(out), done.set())))
+        done.wait()
+        if isinstance(box[0], Exception):
+            raise box[0]
+        return box[0]
+
     def _fused_forward_backward(self, calls: list[FwdBwd]) -> list:
         outs = self.service.forward_backward_many(calls)
         return [o if isinstance(o, Exception) else wire.forward_backward_output({"logprobs": o[0]}, o[1], len(c.data))
@@ -208,15 +219,17 @@ class TinkerServer:
         return self.start(lambda: s.load_state(sid, seq, path, optimizer), model_id=f"{sid}:train:{seq}")
 
     def _create_sampler(self, b: dict) -> dict:
-        sid = self.service.create_sampler(b.get("session_id", ""), b.get("sampling_session_seq_id", 0),
-                                          b.get("model_path"), b.get("base_model"))
+        s = self.service
+        sid = self.now(lambda: s.create_sampler(b.get("session_id", ""), b.get("sampling_session_seq_id", 0),
+                                                b.get("model_path"), b.get("base_model")))
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     def _sample(self, b: dict) -> dict:
         s = self.service
         sid = b.get("sampling_session_id") or ""
         if not sid and b.get("base_model"):
-            sid = s.create_sampler(s.create_session(), 0, b.get("model_path"), b.get("base_model"))
+            session = s.create_session()
+            sid = self.now(lambda: s.create_sampler(session, 0, b.get("model_path"), b.get("base_model")))
         s.sampler(sid)
         chunks = (b.get("prompt") or {}).get("chunks") or []
         if any(c.get("type", "encoded_text") != "encoded_text" for c in chunks):

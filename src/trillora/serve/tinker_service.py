@@ -35,6 +35,11 @@ __all__ = ["BadRequest", "FwdBwd", "SampleCall", "TinkerConfig", "TinkerService"
 
 
 class TinkerService:
+    writes = True
+    """This process writes saved states (a parallel service's rank 0 alone)."""
+    joins_every_pass = False
+    """A process with no datums of a pass still runs one (expert parallelism's all-to-alls need every rank)."""
+
     def __init__(self, cfg: TinkerConfig, model=None):
         """`model`: an already built model to serve instead of the checkpoint's weights (benchmarks
         of real shapes with random weights); the tokenizer still comes from `cfg.model`."""
@@ -140,27 +145,34 @@ class TinkerService:
                 continue
             live.append((i, c, adapter, *self._block(len(c.data))))
         mine = [x for x in live if x[4] > x[3]]
-        if not mine:
+        if not mine and not (self.joins_every_pass and live):
             self._losses_and_backward(live, [], outcomes)
             return outcomes
         rows = [hi - lo for *_, lo, hi in mine]
-        adapters = [a for _, _, a, _, _ in mine]
-        use = self.base.use(adapters[0]) if len(mine) == 1 else self.base.use_many(adapters, rows)
+        adapters = [a for _, _, a, _, _ in mine] or [live[0][2]]
+        use = self.base.use(adapters[0]) if len(adapters) == 1 else self.base.use_many(adapters, rows)
         with use as model, torch.set_grad_enabled(any(not c.forward_only for _, c, *_ in live)):
+            if not mine:  # one token through the pass, weighted 0: its collectives, not its loss
+                filler = self._target_logprobs(model, [Datum([0], {})], [{"target_tokens": torch.zeros(1)}])[0]
+                self._losses_and_backward(live, [], outcomes, filler.sum() * 0)
+                return outcomes
             logps = self._target_logprobs(model, [d for _, c, _, lo, hi in mine for d in c.data[lo:hi]],
                                           [t for _, c, _, lo, hi in mine for t in c.tensors[lo:hi]])
             self._losses_and_backward(live, logps, outcomes)
         return outcomes
 
-    def _losses_and_backward(self, live: list, logps: list[torch.Tensor], outcomes: list) -> None:
+    def _losses_and_backward(self, live: list, logps: list[torch.Tensor], outcomes: list,
+                             filler: torch.Tensor | None = None) -> None:
         """Each call's loss over its datums (`logps` in call order); a non-finite one is refused; the
-        backward of the summed kept losses."""
+        backward of the summed kept losses. `filler` (a zero with a graph) joins the first call's loss."""
         partial, start, mine = [], 0, {}
         for i, c, _, lo, hi in live:
             lps, start = logps[start:start + hi - lo], start + hi - lo
             mine[i] = lps
             partial.append(sum((datum_loss(c.loss_fn, lp, {k: v.to(self.device) for k, v in t.items()}, c.config)
                                 for lp, t in zip(lps, c.tensors[lo:hi])), torch.zeros((), device=self.device)))
+        if filler is not None:
+            partial[0] = partial[0] + filler
         totals, every = self._combine(partial, mine)
         kept = []
         for (i, c, *_), loss, total in zip(live, partial, totals):
@@ -209,7 +221,7 @@ class TinkerService:
         for g in a.optimizer.param_groups:
             g.update(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
         grads = [p.grad for p in params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        norm = self._grad_norm(a)
         if not math.isfinite(norm):  # a NaN never reaches the adapter
             a.optimizer.zero_grad(set_to_none=True)
             raise BadRequest("the accumulated gradient is not finite; the step was dropped")
@@ -220,6 +232,11 @@ class TinkerService:
         a.optimizer.zero_grad(set_to_none=True)
         a.steps += 1
         return {"metrics": {"grad_norm:mean": norm}}
+
+    def _grad_norm(self, adapter) -> float:
+        """The L2 norm of the adapter's whole gradient (an expert-parallel service adds the other ranks' experts)."""
+        grads = [p.grad for p in adapter.params.values() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
 
     # --- saved states --------------------------------------------------------------------
     def state_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
@@ -249,9 +266,11 @@ class TinkerService:
             a.optimizer = torch.optim.AdamW(list(a.params.values()))
         meta = {"rank": client.rank, "roles": list(client.roles), "seed": a.config.seed, "steps": a.steps,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in a.optimizer.param_groups]}
-        with AtomicFolder(folder) as tmp:
-            save_file({k: t.cpu() for k, t in rank_tensors(a.params, a.optimizer).items()}, str(tmp / "adapter.safetensors"))
-            (tmp / "state.json").write_text(json.dumps(meta))
+        tensors = self.base.full(rank_tensors(a.params, a.optimizer))
+        if self.writes:
+            with AtomicFolder(folder) as tmp:
+                save_file({k: t.cpu() for k, t in tensors.items()}, str(tmp / "adapter.safetensors"))
+                (tmp / "state.json").write_text(json.dumps(meta))
         return {"path": path, "type": "save_weights"}
 
     def load_state(self, sid: str, seq: int, tinker_path: str, optimizer: bool) -> dict:
@@ -267,7 +286,7 @@ class TinkerService:
                                          {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")})
         adapter.optimizer = torch.optim.AdamW(list(adapter.params.values()))
         if optimizer:
-            restore_rank_tensors(tensors, adapter.params, adapter.optimizer, folder)
+            restore_rank_tensors(self.base.local(tensors), adapter.params, adapter.optimizer, folder)
             for g, saved in zip(adapter.optimizer.param_groups, meta["param_groups"]):
                 g.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
             adapter.steps = meta["steps"]
@@ -282,16 +301,18 @@ class TinkerService:
         if name is None:
             return {"sampling_session_id": self._add_sampler(sid or model_id.split(":")[0], sampler_seq, revision)}
         path, folder = self.state_path(model_id, "sampler_weights", name)
-        with AtomicFolder(folder) as tmp:
-            save_file({k: t.contiguous().cpu() for k, t in revision.tensors.items()}, str(tmp / "adapter.safetensors"))
-            (tmp / "state.json").write_text(json.dumps({"rank": client.rank, "roles": list(client.roles),
-                                                        "seed": client.adapter.config.seed}))
+        tensors = self.base.full(revision.tensors)
+        if self.writes:
+            with AtomicFolder(folder) as tmp:
+                save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(tmp / "adapter.safetensors"))
+                (tmp / "state.json").write_text(json.dumps({"rank": client.rank, "roles": list(client.roles),
+                                                            "seed": client.adapter.config.seed}))
         return {"path": path, "type": "save_weights_for_sampler"}
 
     # --- sampling ------------------------------------------------------------------------
     def _add_sampler(self, sid: str, seq: int, revision: Revision) -> str:
         session = self.session(sid)
-        sampler_id = f"{sid}:sample:{seq}"
+        sampler_id = revision.sampler_id = f"{sid}:sample:{seq}"
         with self.lock:
             session.samplers[sampler_id] = revision
         return sampler_id
@@ -304,7 +325,7 @@ class TinkerService:
         meta = json.loads((folder / "state.json").read_text())
         tensors = load_file(str(folder / "adapter.safetensors"))
         tensors = {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")} or tensors
-        tensors = {k: v.to(self.device) for k, v in tensors.items()}
+        tensors = {k: v.to(self.device) for k, v in self.base.local(tensors).items()}
         config = lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=tuple(meta["roles"]), seed=meta["seed"])
         return self._add_sampler(sid, seq, Revision(config, tensors))
 
@@ -331,6 +352,8 @@ class TinkerService:
                 outcomes[i] = e
                 continue
             key = (c.n, sp, stops) if sp.seed is None and not c.prompt_logprobs else ("alone", i)
+            if self.base.experts is not None:  # one revision per pass (`ResidentBase.use_many`)
+                key += (c.sampler_id,)
             groups.setdefault(key, []).append((i, c, revision, sp, stops))
         for group in groups.values():
             revisions = list({id(r): r for _, _, r, _, _ in group}.values())
