@@ -253,20 +253,21 @@ def test_service_plan_counts_what_an_expert_parallel_service_holds():
     from trillora.models.moe import GroupedExperts
     from trillora.parallel.expert_parallel import shard_experts
     from trillora.parallel.planner import REVISION_BYTES, plan_service
-    from trillora.serve.adapters import ExpertShard, ResidentBase, roles_of
+    from trillora.serve.adapters import ResidentBase, roles_of
+    from trillora.serve.shards import ExpertShard
 
     model = load_model(resolve_model_path("tiny-moe-chat"))
     base = ResidentBase(model)
     for m in model.modules():
         if isinstance(m, GroupedExperts):
             shard_experts(m, 0, 2)
-    base.experts = ExpertShard(None, 0, 2, model.args.num_experts)
+    base.placement.experts = ExpertShard(None, 0, 2, model.args.num_experts)
     adapter = base.new_adapter(8, roles_of(True, True, True))
     held_base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
     held_client = sum(p.numel() for p in adapter.params.values())
-    layouts = {lay.ep: lay for lay in plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=8, seq_len=64,
-                                                   rows=4, base_bytes=4)}
-    assert sorted(layouts) == [1, 2]
+    found = plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=8, seq_len=64, rows=4, base_bytes=4)
+    assert sorted((x.layout.tp, x.layout.ep) for x in found) == [(1, 1), (1, 2), (2, 1)]
+    layouts = {x.layout.ep: x for x in found if x.layout.tp == 1}
     two = layouts[2]
     assert two.estimate.memory["base weights"] == held_base * 4
     assert two.per_client_bytes == held_client * (16 + REVISION_BYTES)
@@ -287,16 +288,18 @@ def test_readme_service_plan_command():
         assert main(["plan", "--model", "qwen3-30b-a3b", "--tinker", "--gpus", "8", "--gpu", "h100", "--seq-len", "4096",
                      "--rollouts", "8", "--lora-rank", "8", "--clients", "8", "--json"]) == 0
     out = json.loads(buf.getvalue())
-    assert out["chosen_ep"] == 8 and "--ep 8" in out["command"]
-    eight = next(x for x in out["layouts"] if x["ep"] == 8)
+    assert out["chosen"] == {"tp": 1, "ep": 8} and "--ep 8" in out["command"] and "--tp" not in out["command"]
+    assert [x["call_s"] for x in out["layouts"]] == sorted(x["call_s"] for x in out["layouts"])
+    eight = next(x for x in out["layouts"] if (x["tp"], x["ep"]) == (1, 8))
     m = eight["memory_gib"]
     assert (round(m["base weights"], 1), round(m["activations"] + m["transient"], 1), round(eight["per_client_gib"], 1),
             eight["max_clients"]) == (9.6, 45.9, 1.1, 14)
-    one = next(x for x in out["layouts"] if x["ep"] == 1)
+    assert [x["fits"] for x in out["layouts"]].count(True) == 1  # ep=4 has room for 4 clients, not 8
+    one = next(x for x in out["layouts"] if (x["tp"], x["ep"]) == (1, 1))
     assert one["memory_gib"]["base weights"] + one["memory_gib"]["activations"] > 72 and not one["fits"]
     readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     assert ("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 4096 --rollouts 8 "
             "--lora-rank 8 --clients 8") in readme
-    assert (f"this gives ep={out['chosen_ep']} ({eight['max_clients']} clients would fit). The base takes "
+    assert (f"this gives ep={out['chosen']['ep']} ({eight['max_clients']} clients would fit). The base takes "
             f"{m['base weights']:.1f} GiB of each GPU and one pass of a 4096-token datum per GPU takes "
             f"{m['activations'] + m['transient']:.1f}. Each client costs {eight['per_client_gib']:.1f} GiB") in readme

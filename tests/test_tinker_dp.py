@@ -102,8 +102,8 @@ def more(port: int, state_dir: Path, tokenizer) -> dict:
         sc.close("success").result()
 
 
-def launch(port: int, state_dir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+def launch(port: int, state_dir: Path, *extra: str, ranks: int = 2) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
                              str(free_port()), "-m", "trillora", "serve", MODEL, "--tinker", "--port", str(port),
                              "--api-key", KEY, "--state-dir", str(state_dir), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -122,10 +122,16 @@ def alone(tmp_path_factory) -> dict:
         next(gen, None)
 
 
-@pytest.mark.parametrize("layout", ["dp", "ep"])
+LAYOUTS = {"dp": (2, [], "data parallel over 2 ranks"), "ep": (2, ["--ep", "2"], "data parallel over 2 ranks, experts over ep=2"),
+           "tp": (2, ["--tp", "2"], "data parallel over 1 ranks, layers over tp=2"),
+           "tp-ep": (4, ["--tp", "2", "--ep", "2"], "data parallel over 2 ranks, layers over tp=2, experts over ep=2")}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_ranks_train_as_one_process(tmp_path, alone, layout):
     port = free_port()
-    proc = launch(port, tmp_path / layout, *(["--ep", "2"] if layout == "ep" else []))
+    ranks, flags, banner = LAYOUTS[layout]
+    proc = launch(port, tmp_path / layout, *flags, ranks=ranks)
     try:
         wait_healthy(port, proc)
         got = train(port, tmp_path / layout, alone["tokenizer"])
@@ -133,14 +139,13 @@ def test_two_ranks_train_as_one_process(tmp_path, alone, layout):
     finally:
         proc.terminate()
         out = proc.communicate(timeout=60)[0]
-    assert "data parallel over 2 ranks" in out
-    assert ("experts sharded over groups of 2" in out) == (layout == "ep")
+    assert banner in out
     want = alone["more"]
     np.testing.assert_allclose(extra["losses"], want["losses"], rtol=1e-5)
     np.testing.assert_allclose(extra["norms"], want["norms"], rtol=1e-5)
     assert want["norms"][0] > 0.05  # the clip acted, so a norm missing the other rank's experts would show
-    np.testing.assert_allclose(extra["named"], want["named"], atol=1e-5)
-    np.testing.assert_allclose(extra["base"], want["base"], atol=1e-5)
+    np.testing.assert_allclose(extra["named"], want["named"], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(extra["base"], want["base"], atol=1e-5, rtol=1e-5)
     assert extra["named"] != pytest.approx(extra["base"], abs=1e-3)  # the revision is not the base
     assert extra["greedy"] == want["greedy"]
     np.testing.assert_allclose(extra["greedy_lp"], want["greedy_lp"], atol=5e-5)  # decoded with a KV cache
@@ -148,21 +153,23 @@ def test_two_ranks_train_as_one_process(tmp_path, alone, layout):
     np.testing.assert_allclose(got["losses"], alone["losses"], rtol=1e-5)
     for a, b in zip(got["logprobs"], alone["logprobs"], strict=True):
         for x, y in zip(a, b, strict=True):
-            np.testing.assert_allclose(x, y, atol=1e-5)
+            np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)  # tp all-reduces reorder fp32 sums
     assert alone["losses"][2] != alone["losses"][0]  # the steps moved the adapter
     assert set(got["state"]) == set(alone["state"])
     for k, t in alone["state"].items():
         if k == "rng.torch":  # the server process's own random state, not the client's
             continue
-        torch.testing.assert_close(got["state"][k], t, atol=1e-5, rtol=1e-4)
+        # AdamW divides by the gradient's own size, so where a gradient is ~0 the fp32 reorderings of tp's
+        # all-reduces move a step by a little more; a wrong part or a missing sum moves it by the lr (1e-2)
+        torch.testing.assert_close(got["state"][k], t, atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
     assert len(got["samples"]) == 2 and all(len(s.tokens) == len(s.logprobs) >= 1 for s in got["samples"])
 
 
 def test_an_expert_layout_that_cannot_work_is_named(tmp_path):
     alone = subprocess.run([sys.executable, "-m", "trillora", "serve", MODEL, "--tinker", "--ep", "2"],
                            capture_output=True, text=True, timeout=120)
-    assert alone.returncode != 0 and "needs several ranks" in alone.stderr
+    assert alone.returncode != 0 and "a sharded base needs several ranks" in alone.stderr
     proc = launch(free_port(), tmp_path, "--ep", "4")
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0
-    assert "--ep 4 on 2 ranks: parallel.ep=4 must divide parallel.dp=2" in out
+    assert "--tp 1 --ep 4 on 2 ranks: parallel.ep=4 must divide parallel.dp=2" in out

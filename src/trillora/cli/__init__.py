@@ -92,13 +92,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = TinkerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                            state_dir=args.state_dir, max_connections=args.max_connections, max_clients=args.max_clients,
                            device=args.device, precision=args.precision, max_fused=args.max_fused,
-                           trust_remote_code=args.trust_remote_code, ep=args.ep)
+                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep)
         from ..trainer.world import launched
 
         if not launched():
-            if cfg.ep > 1:
-                raise SystemExit(f"trillora serve --tinker --ep {cfg.ep}: expert parallelism needs several ranks; "
-                                 f"launch with torchrun --nproc-per-node N (N a multiple of {cfg.ep})")
+            if cfg.ep > 1 or cfg.tp > 1:
+                raise SystemExit(f"trillora serve --tinker --tp {cfg.tp} --ep {cfg.ep}: a sharded base needs several "
+                                 f"ranks; launch with torchrun --nproc-per-node N (N a multiple of {cfg.tp * cfg.ep})")
             serve_tinker(cfg)
             return 0
         return _serve_tinker_parallel(cfg)
@@ -109,25 +109,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_tinker_parallel(cfg) -> int:
-    """Under torchrun: every rank holds the base (its experts sharded with --ep) and the clients;
-    rank 0 serves HTTP (`serve.tinker_dp`, `serve.tinker_ep`)."""
+    """Under torchrun: every rank holds the base (split with --tp / --ep) and the clients' adapters;
+    rank 0 serves HTTP (`serve.tinker_dp`, `serve.tinker_sharded`)."""
     import dataclasses
 
     import torch.distributed as dist
 
     from ..serve.tinker_dp import DataParallelService
-    from ..serve.tinker_ep import ExpertParallelService
+    from ..serve.tinker_sharded import ShardedService
     from ..serve.tinker_http import TinkerServer, serve_tinker
     from ..trainer.world import pick_device
 
     device = pick_device(cfg.device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     cfg = dataclasses.replace(cfg, device=str(device))
-    service = ExpertParallelService(cfg) if cfg.ep > 1 else DataParallelService(cfg)
+    service = ShardedService(cfg) if cfg.ep > 1 or cfg.tp > 1 else DataParallelService(cfg)
     try:
         if service.rank == 0:
-            experts = f", experts sharded over groups of {cfg.ep}" if cfg.ep > 1 else ""
-            print(f"trillora serve --tinker: data parallel over {service.world} ranks{experts}", flush=True)
+            split = (f", layers over tp={cfg.tp}" if cfg.tp > 1 else "") + (f", experts over ep={cfg.ep}" if cfg.ep > 1 else "")
+            print(f"trillora serve --tinker: data parallel over {service.dp_size} ranks{split}", flush=True)
             serve_tinker(cfg, server=TinkerServer(cfg, service))
         else:
             service.follow()
@@ -200,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default="tinker-state", help="--tinker: where saved states and sampler weights go")
     p.add_argument("--max-clients", type=int, default=16, help="--tinker: training clients held at once")
     p.add_argument("--device", default="cpu", help="--tinker: where the base and the adapters live (cpu, cuda)")
+    p.add_argument("--tp", type=int, default=1, help="--tinker under torchrun: split attention and dense MLP layers "
+                                                     "(and the clients' adapters on them) over groups of TP ranks")
     p.add_argument("--ep", type=int, default=1, help="--tinker under torchrun: shard the routed experts (and the "
                                                      "clients' expert adapters) over groups of EP ranks")
     p.add_argument("--max-fused", type=int, default=16,

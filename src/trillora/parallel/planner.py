@@ -154,11 +154,11 @@ REVISION_BYTES = 4  # a sampler revision: an fp32 copy of the adapter
 
 @dataclass
 class ServiceLayout:
-    """One layout of the Tinker service (`trillora serve --tinker`): `estimate` holds one pass's
+    """One layout of the Tinker service (`trillora serve --tinker`): `estimate` holds one call's
     memory per GPU with `clients` adapters resident; `max_clients` is how many fit beside the
-    base and that pass."""
+    base and that call's pass."""
 
-    ep: int
+    layout: ParallelDims
     estimate: Estimate
     clients: int
     per_client_bytes: float
@@ -171,25 +171,34 @@ class ServiceLayout:
 
 def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lora_rank: int, seq_len: int, rows: int,
                  base_bytes: int = 2) -> list[ServiceLayout]:
-    """The service's layouts on `world` ranks, fewest expert shards first: every rank takes a block
-    of each call's `rows` datums of `seq_len` tokens in one pass (no microbatches), the routed
-    experts split over ep (the rest replicated), and each client's adapter, AdamW state and one
-    sampler revision held at rank `lora_rank` on every role. Resident memory: loading passes
-    through the whole model first, as `trillora train` does."""
+    """The service's layouts on `world` ranks, fastest first (the cost model's time for one call):
+    tp within a node and dividing the heads, ep dividing dp and the experts; each call's `rows`
+    datums of `seq_len` tokens split over dp in one pass (no microbatches); each client's adapter,
+    AdamW state and one sampler revision held at rank `lora_rank` on every role, split with its
+    layers. Resident memory: loading passes through the whole model first, as `trillora train` does."""
     fp = Footprint(args, Training(lora_rank=lora_rank, targets=SERVICE_TARGETS, base_bytes=base_bytes))
     budget = cluster.memory_gib * 2**30 * (1 - cluster.reserve)
-    work = Workload(seq_len=seq_len, rollouts_per_step=rows, micro_batch_rows=-(-rows // world))
     out = []
-    for ep in divisors(world):
-        if (args.num_experts % ep) if args.num_experts else ep > 1:
+    for tp in divisors(world):
+        if tp > cluster.gpus_per_node or args.num_heads % tp or (not args.kv_lora_rank and args.num_kv_heads % tp):
             continue
-        est = estimate(fp, ParallelDims(dp=world, ep=ep, fsdp=False), work, cluster)
-        one = est.memory.pop("adapter + grads + optimizer")
-        per_client = one / ADAPTER_STATE_BYTES * (ADAPTER_STATE_BYTES + REVISION_BYTES)
-        room = budget - est.memory_total
-        est.memory["clients: adapter + grads + AdamW + revision"] = per_client * clients
-        out.append(ServiceLayout(ep, est, clients, per_client, max(0, int(room // per_client))))
-    return out
+        dp = world // tp
+        for ep in divisors(dp):
+            if (args.num_experts % ep) if args.num_experts else ep > 1:
+                continue
+            layout = ParallelDims(dp=dp, tp=tp, ep=ep, fsdp=False)
+            try:
+                layout.check_model(args)
+            except ParallelError:
+                continue
+            work = Workload(seq_len=seq_len, rollouts_per_step=rows, micro_batch_rows=-(-rows // dp))
+            est = estimate(fp, layout, work, cluster)
+            one = est.memory.pop("adapter + grads + optimizer")
+            per_client = one / ADAPTER_STATE_BYTES * (ADAPTER_STATE_BYTES + REVISION_BYTES)
+            room = budget - est.memory_total
+            est.memory["clients: adapter + grads + AdamW + revision"] = per_client * clients
+            out.append(ServiceLayout(layout, est, clients, per_client, max(0, int(room // per_client))))
+    return sorted(out, key=lambda x: (x.estimate.step_s, x.estimate.memory_total))
 
 
 __all__ = ["auto_dims", "CLUSTERS", "Plan", "RolloutLayout", "lora_vs_full", "plan", "plan_service", "rollout_layout", "ServiceLayout", "smallest_cluster",

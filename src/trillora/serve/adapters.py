@@ -10,10 +10,8 @@ Requests run one at a time on the service's worker, so one set of slots serves e
 `use_many` puts several adapters in the slots at once, for one pass whose consecutive rows
 belong to different clients (`lora.multi`).
 
-Under expert parallelism (`ExpertShard`) the routed experts are sliced over the ranks of an ep
-group, their adapter slices with them: a new adapter draws the whole [E, ...] tensors from its
-seed and keeps this rank's rows (so it equals the one-process adapter), saved states stay whole
-(`full` gathers, `local` slices), so a state saved by one layout loads into any other.
+On a sharded base (`serve.shards.Placement`: experts over ep, layers over tp) a new adapter draws
+its whole tensors from its seed and keeps this rank's part, so it equals the one-process adapter.
 """
 
 from __future__ import annotations
@@ -22,13 +20,13 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import lora
 from ..lora.apply import lora_modules
 from ..lora.layers import LoraGroupedExperts, init_a
 from ..lora.multi import RowAdapters, stack_padded
+from .shards import Placement
 
 SLOT_TENSORS = ("lora_A", "lora_B", "lora_gate_A", "lora_gate_B", "lora_up_A", "lora_up_B", "lora_down_A", "lora_down_B")
 TINKER_ROLES = {"train_attn": ("attention",), "train_mlp": ("mlp", "shared_experts", "experts"),
@@ -63,33 +61,18 @@ class Revision:
     config: lora.LoraConfig | None
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     sampler_id: str = ""
-    """The sampling session it serves (the other ranks of an expert-parallel service find theirs by it)."""
-
-
-@dataclass(frozen=True)
-class ExpertShard:
-    """This rank's slice of the routed experts: rows [rank·E/size, (rank+1)·E/size) of every [E, ...] tensor."""
-
-    group: object
-    rank: int
-    size: int
-    num_experts: int
-
-    @property
-    def rows(self) -> slice:
-        local = self.num_experts // self.size
-        return slice(self.rank * local, (self.rank + 1) * local)
+    """The sampling session it serves (the other ranks of a sharded service find theirs by it)."""
 
 
 class ResidentBase:
     def __init__(self, model: nn.Module, alpha: float = 16.0):
         self.model, self.alpha = model, alpha
-        self.experts: ExpertShard | None = None
-        """Set by the service once the experts are sharded (`parallel.expert_parallel`)."""
         self.in_use: Adapter | Revision | None = None
-        """What `use` put in the slots (an expert-parallel sampler tells the other ranks)."""
+        """What `use` put in the slots (a sharded service's sampler tells the other ranks)."""
         slots = lora.LoraConfig(rank=1, alpha=alpha, targets=("attention", "mlp", "shared_experts", "experts", "lm_head"))
         self.roles = lora.apply_lora(model, slots)  # {module name: role}
+        self.placement = Placement(self.roles)
+        """Filled in by a sharded service once it has split the base."""
         self.slots = dict(lora_modules(model))
         for m in self.slots.values():
             m.lora_enabled = False
@@ -109,10 +92,11 @@ class ResidentBase:
                 p = getattr(m, pname)
                 if pname.endswith("_A"):
                     init_a(p, cfg.init, generator if p.device.type == "cpu" else None)
-                if self.experts is not None and self.roles[name] == "experts":  # drawn whole, kept in part
-                    p = nn.Parameter(p.detach()[self.experts.rows].clone())
+                key = f"{name}.{pname}"
+                if self.sharded:  # drawn whole, kept in part
+                    p = nn.Parameter(self.placement.shard(key, p.detach()))
                     m.register_parameter(pname, p)
-                params[f"{name}.{pname}"] = p
+                params[key] = p
             m.lora_enabled = False
         if not params:
             raise ValueError(f"LoRA roles {roles} match no module of this model")
@@ -121,16 +105,21 @@ class ResidentBase:
     def adapter_from(self, config: lora.LoraConfig, tensors: dict[str, torch.Tensor]) -> Adapter:
         """An adapter holding copies of `tensors` (a saved state or a revision)."""
         adapter = self.new_adapter(config.rank, config.targets, config.seed)
-        tensors = self.local(tensors)
         missing = set(adapter.params) ^ set(tensors)
         if missing:
             raise ValueError(f"saved adapter tensors do not fit this model: {sorted(missing)[:3]}")
         with torch.no_grad():
             for k, p in adapter.params.items():
-                if p.shape != tensors[k].shape:
-                    raise ValueError(f"saved adapter tensor {k}: shape {tuple(tensors[k].shape)}, want {tuple(p.shape)}")
-                p.copy_(tensors[k])
+                local, part = p.to_local() if hasattr(p, "to_local") else p, self.placement.slice(k, tensors[k])
+                if local.shape != part.shape:
+                    raise ValueError(f"saved adapter tensor {k}: shape {tuple(tensors[k].shape)} does not fit "
+                                     f"{tuple(p.shape)} (this rank's part: {tuple(local.shape)})")
+                local.copy_(part)
         return adapter
+
+    @property
+    def sharded(self) -> bool:
+        return self.placement.experts is not None or self.placement.tp is not None
 
     @contextlib.contextmanager
     def use(self, adapter: Adapter | Revision | None):
@@ -158,8 +147,8 @@ class ResidentBase:
     @contextlib.contextmanager
     def use_many(self, adapters: list[Adapter | Revision | None], rows: list[int]):
         """The model with adapter k on the next `rows[k]` batch rows (in order), in one pass."""
-        if self.experts is not None:  # a routed row's adapter would have to travel with it to the expert's rank
-            raise ValueError("several adapters in one pass under expert parallelism; run them one at a time")
+        if self.sharded:  # a routed row's adapter would have to travel with it to the expert's rank
+            raise ValueError("several adapters in one pass on a sharded base; run them one at a time")
         device = next(self.model.parameters()).device
         scaling = [a.config.scaling(a.config.rank) if a is not None and a.config is not None else 0.0 for a in adapters]
         multi = RowAdapters(rows, scaling, device)
@@ -187,40 +176,6 @@ class ResidentBase:
     @staticmethod
     def revision(adapter: Adapter) -> Revision:
         return Revision(adapter.config, {k: t.clone() for k, t in adapter.tensors().items()})
-
-    # --- whole and sliced expert tensors ---------------------------------------------------
-    def expert_param(self, key: str) -> bool:
-        """`key` names a routed-expert adapter tensor, bare ("m.lora_up_A") or as a saved state
-        names it ("param.m.lora_up_A", "optim.m.lora_up_A.exp_avg")."""
-        if key.startswith("param."):
-            key = key[len("param."):]
-        elif key.startswith("optim."):
-            key = key[len("optim."):].rpartition(".")[0]
-        module = key.rpartition(".")[0]
-        return module in self.slots and self.roles[module] == "experts"
-
-    def local(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole expert tensors [E, ...] sliced to this rank's experts; every other tensor as it is."""
-        if self.experts is None:
-            return tensors
-        e = self.experts.num_experts
-        return {k: t[self.experts.rows] if self.expert_param(k) and t.dim() and t.shape[0] == e else t
-                for k, t in tensors.items()}
-
-    def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's expert slices gathered over the ep group into whole tensors (a collective:
-        every rank of the group calls it with the same keys)."""
-        if self.experts is None:
-            return tensors
-        out, device = {}, next(self.model.parameters()).device  # NCCL gathers device tensors
-        for k in sorted(tensors):  # the same order on every rank
-            t = tensors[k]
-            if self.expert_param(k) and t.dim():
-                parts = [torch.empty_like(t, device=device) for _ in range(self.experts.size)]
-                dist.all_gather(parts, t.to(device).contiguous(), group=self.experts.group)
-                t = torch.cat(parts).to(t.device)
-            out[k] = t
-        return out
 
 
 def _tensors(adapter: Adapter | Revision | None) -> dict[str, torch.Tensor]:

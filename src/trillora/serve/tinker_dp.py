@@ -11,7 +11,8 @@ sum of the blocks' gradients is the whole call's), then every rank takes the sam
 the adapters stay identical without being sent. Sampling, saving and sampler sessions run on
 rank 0 alone: they read an adapter every rank has, and change nothing the others need.
 
-Here the base is replicated; `serve.tinker_ep` shards its routed experts on top of this.
+Here the base is replicated; `serve.tinker_sharded` splits it over tensor and expert parallel
+ranks on top of this (its data-parallel group is then `dp_group`, not the world).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class DataParallelService(TinkerService):
         super().__init__(cfg, model)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.writes = self.rank == 0
+        self.dp_group, self.dp_rank, self.dp_size = None, self.rank, self.world  # ranks that split the datums
 
     # --- what rank 0 sends ----------------------------------------------------------------
     def _mirror(self, name: str, *args) -> None:
@@ -73,15 +75,16 @@ class DataParallelService(TinkerService):
         return super().forward_backward_many(calls)
 
     def _block(self, n: int) -> tuple[int, int]:
-        return n * self.rank // self.world, n * (self.rank + 1) // self.world  # contiguous, in rank order
+        return n * self.dp_rank // self.dp_size, n * (self.dp_rank + 1) // self.dp_size  # contiguous, in rank order
 
     def _combine(self, partial: list[torch.Tensor], logps: dict[int, list[torch.Tensor]]) -> tuple[list[float], dict]:
         """Losses summed over ranks (every rank then refuses the same non-finite calls); logprobs
         gathered in datum order."""
         totals = torch.stack([p.detach() for p in partial]) if partial else torch.zeros(0, device=self.device)
-        dist.all_reduce(totals)  # [calls]: each call's whole loss, the same on every rank
-        gathered = [None] * self.world
-        dist.all_gather_object(gathered, {i: [lp.detach().cpu().numpy() for lp in lps] for i, lps in logps.items()})
+        dist.all_reduce(totals, group=self.dp_group)  # [calls]: each call's whole loss, the same on every rank
+        gathered = [None] * self.dp_size
+        dist.all_gather_object(gathered, {i: [lp.detach().cpu().numpy() for lp in lps] for i, lps in logps.items()},
+                               group=self.dp_group)
         return totals.tolist(), {i: [lp for g in gathered for lp in g[i]] for i in logps}
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
@@ -99,7 +102,7 @@ class DataParallelService(TinkerService):
 
     def _sum_gradients(self, params: dict[str, torch.nn.Parameter]) -> None:
         """Every rank's gradients summed: the whole call's gradient, the same on every rank."""
-        sum_over([p.grad for p in params.values() if p.grad is not None], None)
+        sum_over([p.grad for p in params.values() if p.grad is not None], self.dp_group)
 
 
 @torch.no_grad()

@@ -266,7 +266,7 @@ class TinkerService:
             a.optimizer = torch.optim.AdamW(list(a.params.values()))
         meta = {"rank": client.rank, "roles": list(client.roles), "seed": a.config.seed, "steps": a.steps,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in a.optimizer.param_groups]}
-        tensors = self.base.full(rank_tensors(a.params, a.optimizer))
+        tensors = self.base.placement.full(rank_tensors(a.params, a.optimizer), self.device)
         if self.writes:
             with AtomicFolder(folder) as tmp:
                 save_file({k: t.cpu() for k, t in tensors.items()}, str(tmp / "adapter.safetensors"))
@@ -286,7 +286,7 @@ class TinkerService:
                                          {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")})
         adapter.optimizer = torch.optim.AdamW(list(adapter.params.values()))
         if optimizer:
-            restore_rank_tensors(self.base.local(tensors), adapter.params, adapter.optimizer, folder)
+            restore_rank_tensors(self.base.placement.local(tensors), adapter.params, adapter.optimizer, folder)
             for g, saved in zip(adapter.optimizer.param_groups, meta["param_groups"]):
                 g.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
             adapter.steps = meta["steps"]
@@ -301,7 +301,7 @@ class TinkerService:
         if name is None:
             return {"sampling_session_id": self._add_sampler(sid or model_id.split(":")[0], sampler_seq, revision)}
         path, folder = self.state_path(model_id, "sampler_weights", name)
-        tensors = self.base.full(revision.tensors)
+        tensors = self.base.placement.full(revision.tensors, self.device)
         if self.writes:
             with AtomicFolder(folder) as tmp:
                 save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(tmp / "adapter.safetensors"))
@@ -325,7 +325,7 @@ class TinkerService:
         meta = json.loads((folder / "state.json").read_text())
         tensors = load_file(str(folder / "adapter.safetensors"))
         tensors = {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")} or tensors
-        tensors = {k: v.to(self.device) for k, v in self.base.local(tensors).items()}
+        tensors = {k: self.base.placement.shard(k, v.to(self.device)) for k, v in tensors.items()}
         config = lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=tuple(meta["roles"]), seed=meta["seed"])
         return self._add_sampler(sid, seq, Revision(config, tensors))
 
@@ -352,7 +352,7 @@ class TinkerService:
                 outcomes[i] = e
                 continue
             key = (c.n, sp, stops) if sp.seed is None and not c.prompt_logprobs else ("alone", i)
-            if self.base.experts is not None:  # one revision per pass (`ResidentBase.use_many`)
+            if self.base.sharded:  # one revision per pass (`ResidentBase.use_many`)
                 key += (c.sampler_id,)
             groups.setdefault(key, []).append((i, c, revision, sp, stops))
         for group in groups.values():

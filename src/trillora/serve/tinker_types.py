@@ -51,12 +51,15 @@ class TinkerConfig:
     """How long a lone request may wait for other clients' to share its pass (only while others are active)."""
     trust_remote_code: bool = False
     """Let the tokenizer run its own Python code (Kimi K2's tiktoken tokenizer)."""
+    tp: int = 1
+    """Under torchrun: split attention and dense MLP layers over groups of this many ranks (`serve.tinker_sharded`)."""
     ep: int = 1
-    """Under torchrun: shard the routed experts over groups of this many ranks (`serve.tinker_ep`)."""
+    """Under torchrun: shard the routed experts over groups of this many ranks (`serve.tinker_sharded`)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.ep, int) or self.ep < 1:
-            raise BadRequest(f"ep={self.ep!r}; allowed: an integer >= 1 dividing the number of ranks")
+        for key in ("tp", "ep"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1 dividing the number of ranks")
         if not isinstance(self.max_fused, int) or self.max_fused < 1:
             raise BadRequest(f"max_fused={self.max_fused!r}; allowed: an integer >= 1 (1: every request alone)")
         if not 0 <= self.gather_seconds <= 1:

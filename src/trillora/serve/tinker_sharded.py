@@ -1,0 +1,150 @@
+"""The Tinker service on a sharded base: `torchrun --nproc-per-node N -m trillora serve MODEL --tinker --tp T --ep K`.
+
+The base is split as `trillora train` splits it (`parallel.dims`): N = dp × T ranks, the
+attention and dense MLP layers over the T ranks of a tensor-parallel group (which see the same
+tokens), the routed experts over K ranks borrowed from data parallelism. Every client's adapter
+is split with its layers (`serve.shards`), so a large MoE's experts, its layers and the clients'
+adapters cost a fraction per rank. Beyond data parallelism (`serve.tinker_dp`):
+
+- each call's datums are split over the dp ranks; the ranks of a tp group run the same block;
+- every rank joins every pass, since each MoE layer's all-to-all sends routed rows to the rank
+  that owns their expert and each tp layer all-reduces within its group. A rank with no datums
+  of a call runs one token weighted 0. A pass holds one client (a routed row's adapter does not
+  travel with it);
+- optim_step first completes the tp layers' partial gradients, then sums the dense adapters
+  over dp and the expert slices over the ranks holding the same experts (dp/K); the clipping
+  norm counts every part once;
+- saved states and sampler weights are whole (gathered) and load into any layout;
+- sampling: the tp group of rank 0 drives the engine, every member the same generate (same
+  logits after the all-reduce, same seeded generator, so the same tokens). Before each forward
+  rank 0 names the sampler to the rest, which run one token through the same revision so that
+  their experts serve the drivers' rows. Sampler sessions therefore exist on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.dims import ParallelDims, ParallelError, build_meshes
+from ..parallel.expert_parallel import apply_expert_parallel
+from ..parallel.tensor_parallel import apply_tensor_parallel
+from .shards import ExpertShard, TensorShard
+from .tinker_dp import DataParallelService, sum_over
+
+
+class ShardedService(DataParallelService):
+    joins_every_pass = True
+
+    def __init__(self, cfg, model=None):
+        super().__init__(cfg, model)
+        args = self.base.model.args
+        try:
+            if cfg.ep > 1 and not args.num_experts:
+                raise ParallelError(f"{cfg.model} has no routed experts to shard")
+            if self.world % cfg.tp:
+                raise ParallelError(f"parallel.tp={cfg.tp} must divide the {self.world} ranks")
+            dims = ParallelDims(dp=self.world // cfg.tp, tp=cfg.tp, ep=cfg.ep)  # ep must divide dp ...
+            dims.check_model(args)  # ... and the experts; tp the heads and MLP widths
+        except ParallelError as e:
+            raise ParallelError(f"--tp {cfg.tp} --ep {cfg.ep} on {self.world} ranks: {e}") from None
+        meshes = build_meshes(dims, self.device.type)
+        self.dims = dims
+        self.dp_group, self.dp_rank, self.dp_size = meshes.group("dp"), meshes.rank("dp"), dims.dp
+        self.edp_group = meshes.group("edp")
+        placement = self.base.placement
+        model = self.base.model
+        if dims.ep > 1:
+            apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
+            placement.experts = ExpertShard(meshes.group("ep"), meshes.rank("ep"), dims.ep, args.num_experts)
+        if dims.tp > 1:
+            plan = apply_tensor_parallel(model, meshes.mesh("tp"))
+            split = {}
+            for name, style in plan.items():
+                if name not in self.base.slots:
+                    continue
+                weight = self.base.slots[name].weight  # a DTensor: its shape is the whole layer's
+                if type(style).__name__ == "LoraColwiseParallel":
+                    split[f"{name}.lora_B"] = (0, weight.shape[0])
+                elif type(style).__name__ == "LoraRowwiseParallel":
+                    split[f"{name}.lora_A"] = (1, weight.shape[1])
+            placement.tp = TensorShard(meshes.mesh("tp"), frozenset(n for n in plan if n in self.base.slots), split)
+        self.tp_group = meshes.group("tp")
+
+    # --- the calls every rank runs, beyond data parallelism's ---------------------------------
+    def save_state(self, model_id, name, optimizer=True):
+        self._mirror("save_state", model_id, name, optimizer)
+        return super().save_state(model_id, name, optimizer)
+
+    def save_for_sampler(self, model_id, name, sid=None, sampler_seq=0):
+        self._mirror("save_for_sampler", model_id, name, sid, sampler_seq)
+        return super().save_for_sampler(model_id, name, sid, sampler_seq)
+
+    def create_sampler(self, sid, seq, model_path, base_model):
+        self._mirror("create_sampler", sid, seq, model_path, base_model)
+        return super().create_sampler(sid, seq, model_path, base_model)
+
+    def forward_backward_many(self, calls):
+        """One pass per call, every rank in each (`ResidentBase.use_many` cannot route adapters)."""
+        outcomes = []
+        for c in calls:
+            outcomes += super().forward_backward_many([c])
+        return outcomes
+
+    def sample_many(self, calls):
+        self._mirror("sample_many", calls)
+        if self.dp_rank == 0:  # rank 0's tp group: every member drives the same generate
+            hook = self.base.model.register_forward_pre_hook(self._before_forward)
+            try:
+                return super().sample_many(calls)
+            finally:
+                hook.remove()
+                self._announce(None)
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        while (sampler_id := self._announce(None)) is not None:
+            with self.base.use(self.sampler(sampler_id)) as model, torch.no_grad():
+                model(ids)
+        return []
+
+    def _before_forward(self, module, args) -> None:
+        self._announce(self.base.in_use.sampler_id)
+
+    def _announce(self, sampler_id: str | None) -> str | None:
+        """Rank 0's `sampler_id`, on every rank (what the others pass is ignored)."""
+        box = [sampler_id]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # --- gradients ----------------------------------------------------------------------------
+    def _sum_gradients(self, params):
+        """tp layers' partial sums completed; dense adapters summed over dp; expert slices over the
+        ranks that hold the same experts (expert parallelism already brought each of them every
+        token routed to it)."""
+        for p in params.values():
+            if p.grad is not None and hasattr(p.grad, "placements") and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # Partial -> Replicate: all-reduce over tp
+        is_expert = self.base.placement.is_expert
+        sum_over([_local(p.grad) for k, p in params.items() if p.grad is not None and not is_expert(k)], self.dp_group)
+        if self.dims.edp > 1:
+            sum_over([p.grad for k, p in params.items() if p.grad is not None and is_expert(k)], self.edp_group)
+
+    @torch.no_grad()
+    def _grad_norm(self, adapter) -> float:
+        """Squares of replicated gradients counted once, of tp-split parts summed over tp, of expert
+        slices summed over ep."""
+        squares = torch.zeros(3, dtype=torch.float64, device=self.device)  # [replicated, tp parts, expert slices]
+        placement = self.base.placement
+        for k, p in adapter.params.items():
+            if p.grad is not None:
+                part = 2 if placement.is_expert(k) else 1 if placement.is_tp_split(k) else 0
+                squares[part] += _local(p.grad).double().square().sum()
+        tp_parts, expert_parts = squares[1:2].clone(), squares[2:3].clone()
+        if self.dims.tp > 1:
+            dist.all_reduce(tp_parts, group=self.tp_group)
+        if self.dims.ep > 1:
+            dist.all_reduce(expert_parts, group=placement.experts.group)
+        return float((squares[0] + tp_parts[0] + expert_parts[0]).sqrt())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
