@@ -164,3 +164,55 @@ def test_shipped_tiny_moe_loads_in_transformers_with_same_logits():
         assert (ours(ids) - hf(ids).logits).abs().max() < 1e-4
     greedy = hf.generate(ids[:, :9], max_new_tokens=4, do_sample=False)
     assert greedy.shape[1] == 13  # transformers can decode from it too
+
+
+def assert_expert_slice(part, whole, rank: int, size: int) -> None:
+    """`part` holds exactly rows [rank·E/size, (rank+1)·E/size) of `whole`'s routed experts and
+    every other tensor of it, and allocated nothing more."""
+    from trillora.parallel.data_parallel import expert_parameter_names
+
+    experts = expert_parameter_names(whole)
+    local = whole.args.num_experts // size
+    got, want = part.state_dict(), whole.state_dict()
+    assert got.keys() == want.keys()
+    for k, t in want.items():
+        assert torch.equal(got[k], t[rank * local:(rank + 1) * local] if k in experts else t), k
+    assert sum(p.numel() for n, p in part.named_parameters() if n in experts) * size == \
+        sum(p.numel() for n, p in whole.named_parameters() if n in experts)
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_a_rank_loads_only_its_experts(tmp_path, layout, monkeypatch):
+    """`load_model(experts=(rank, size))`, as a sharded Tinker service loads its base: the tensors
+    one rank keeps under expert parallelism, from fused and from per-expert files; others are not read."""
+    whole = trillora.load_model("tiny-moe-chat")
+    path = trillora.save_model(whole, tmp_path / layout, expert_layout=layout)
+    for rank in range(4):
+        assert_expert_slice(trillora.load_model(path, experts=(rank, 4)), whole, rank, 4)
+    with pytest.raises(CheckpointError, match="cannot keep experts slice 0 of 3"):
+        trillora.load_model(path, experts=(0, 3))
+    if layout == "per_expert":  # another rank's experts are not even read
+        read, real = [], hf_io.safe_open
+
+        class Spy:
+            def __init__(self, *args, **kwargs):
+                self.f = real(*args, **kwargs)
+
+            def __enter__(self):
+                self.inner = self.f.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self.f.__exit__(*exc)
+
+            def keys(self):
+                return self.inner.keys()
+
+            def get_tensor(self, name):
+                read.append(name)
+                return self.inner.get_tensor(name)
+
+        monkeypatch.setattr(hf_io, "safe_open", Spy)
+        assert_expert_slice(trillora.load_model(path, experts=(1, 2)), whole, 1, 2)
+        experts_read = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
+        assert experts_read == {4, 5, 6, 7}

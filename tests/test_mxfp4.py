@@ -89,6 +89,9 @@ def test_mxfp4_release_loads_like_transformers(tmp_path):
         got, want, unquantised = ours(ids), ref(ids).logits, model(ids).logits
     assert (got - want).abs().max().item() <= 1e-4
     assert (got - unquantised).abs().max().item() > 1e-2
+    from test_checkpoint import assert_expert_slice
+
+    assert_expert_slice(trillora.load_model(path, experts=(1, 4)), ours, 1, 4)
     saved = trillora.save_model(ours, tmp_path / "dequantised")  # written back dequantised, without the quant config
     assert "quantization_config" not in json.loads((saved / "config.json").read_text())
     again = transformers.AutoModelForCausalLM.from_pretrained(saved, attn_implementation="eager", dtype=torch.float32)

@@ -266,8 +266,9 @@ def test_service_plan_counts_what_an_expert_parallel_service_holds():
     held_base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
     held_client = sum(p.numel() for p in adapter.params.values())
     found = plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=8, seq_len=64, rows=4, base_bytes=4)
-    assert sorted((x.layout.tp, x.layout.ep) for x in found) == [(1, 1), (1, 2), (2, 1)]
-    layouts = {x.layout.ep: x for x in found if x.layout.tp == 1}
+    assert sorted((x.layout.tp, x.layout.ep, x.layout.activation_checkpoint_every) for x in found) == \
+        [(1, 1, 0), (1, 1, 1), (1, 2, 0), (1, 2, 1), (2, 1, 0), (2, 1, 1)]
+    layouts = {x.layout.ep: x for x in found if x.layout.tp == 1 and not x.layout.activation_checkpoint_every}
     two = layouts[2]
     assert two.estimate.memory["base weights"] == held_base * 4
     assert two.per_client_bytes == held_client * (16 + REVISION_BYTES)
@@ -288,13 +289,15 @@ def test_readme_service_plan_command():
         assert main(["plan", "--model", "qwen3-30b-a3b", "--tinker", "--gpus", "8", "--gpu", "h100", "--seq-len", "4096",
                      "--rollouts", "8", "--lora-rank", "8", "--clients", "8", "--json"]) == 0
     out = json.loads(buf.getvalue())
-    assert out["chosen"] == {"tp": 1, "ep": 8} and "--ep 8" in out["command"] and "--tp" not in out["command"]
+    assert out["chosen"] == {"tp": 1, "ep": 8, "activation_checkpoint_every": 0} and "--ep 8" in out["command"]
+    assert "--tp" not in out["command"] and "--activation" not in out["command"]
     assert [x["call_s"] for x in out["layouts"]] == sorted(x["call_s"] for x in out["layouts"])
     eight = next(x for x in out["layouts"] if (x["tp"], x["ep"]) == (1, 8))
     m = eight["memory_gib"]
     assert (round(m["base weights"], 1), round(m["activations"] + m["transient"], 1), round(eight["per_client_gib"], 1),
             eight["max_clients"]) == (9.6, 45.9, 1.1, 14)
-    assert [x["fits"] for x in out["layouts"]].count(True) == 1  # ep=4 has room for 4 clients, not 8
+    assert [(x["ep"], x["activation_checkpoint_every"]) for x in out["layouts"] if x["fits"] and x["tp"] == 1] == \
+        [(8, 0), (2, 1), (4, 1), (8, 1)]  # fastest first; without ac only ep=8 holds 8 clients
     one = next(x for x in out["layouts"] if (x["tp"], x["ep"]) == (1, 1))
     assert one["memory_gib"]["base weights"] + one["memory_gib"]["activations"] > 72 and not one["fits"]
     readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
@@ -303,3 +306,25 @@ def test_readme_service_plan_command():
     assert (f"this gives ep={out['chosen']['ep']} ({eight['max_clients']} clients would fit). The base takes "
             f"{m['base weights']:.1f} GiB of each GPU and one pass of a 4096-token datum per GPU takes "
             f"{m['activations'] + m['transient']:.1f}. Each client costs {eight['per_client_gib']:.1f} GiB") in readme
+
+
+def test_readme_service_plan_for_kimi_k2():
+    from trillora.cli import main
+
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["plan", "--model", "kimi-k2", "--tinker", "--gpus", "64", "--gpu", "h800", "--seq-len", "4096",
+                     "--rollouts", "64", "--lora-rank", "8", "--clients", "2", "--json"]) == 0
+    out = json.loads(buf.getvalue())
+    assert out["chosen"] == {"tp": 1, "ep": 64, "activation_checkpoint_every": 1}
+    assert [(x["tp"], x["ep"], x["activation_checkpoint_every"]) for x in out["layouts"] if x["fits"]] == [(1, 64, 1)]
+    best = next(x for x in out["layouts"] if x["fits"])
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert ("trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 --rollouts 64 --lora-rank 8 "
+            "--clients 2") in readme
+    assert (f"Only ep=64 with activation checkpointing fits: {best['memory_gib']['base weights']:.1f} GiB of base per "
+            f"GPU and {best['per_client_gib']:.1f} GiB per client (rank 8 on each of the 384 experts), so "
+            f"{best['max_clients']} clients.") in readme

@@ -2,7 +2,8 @@
 
 Loading builds the model on the meta device, allocates it once, and streams
 tensors shard by shard into the allocated parameters, so a checkpoint never
-lives twice in memory. Expert weights come either per expert
+lives twice in memory. With `experts=(rank, size)` a rank allocates and reads only its slice
+of the routed experts (expert parallelism's), so it never holds the others. Expert weights come either per expert
 (`experts.{e}.gate_proj.weight`, as released) or fused (`experts.gate_up_proj`,
 as transformers 5 holds them); both land in the same stacked parameters.
 """
@@ -62,15 +63,28 @@ def shard_files(path: Path) -> list[Path]:
 class _Filler:
     """Copies checkpoint tensors into the model's allocated parameters and tracks coverage."""
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, experts: tuple[int, int] | None = None):
+        from ..models.moe import GroupedExperts
+
         self.model = model
         self.args = model.args
+        self.rows = None  # this rank's routed experts, when it holds only them
+        if experts is not None:
+            local = self.args.num_experts // experts[1]
+            self.rows = range(experts[0] * local, (experts[0] + 1) * local)
+        self.expert_params = {f"{n}.{p}" for n, m in model.named_modules() if isinstance(m, GroupedExperts)
+                              for p, _ in m.named_parameters(recurse=False)}
         self.targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=True))
         self.targets.update(dict(model.named_buffers()))
         persistent = set(model.state_dict().keys())
         self.targets = {k: v for k, v in self.targets.items() if k in persistent}
         self.filled: dict[str, int] = defaultdict(int)
         self.skipped_mtp = 0
+
+    def wanted(self, name: str) -> bool:
+        """False for another rank's per-expert tensor (or its fp8 scale): not even read."""
+        expert = _PER_EXPERT.match(name.removesuffix("_scale_inv"))
+        return self.rows is None or expert is None or int(expert.group(2)) in self.rows
 
     @torch.no_grad()
     def put(self, name: str, tensor: torch.Tensor, where: str) -> None:
@@ -92,6 +106,13 @@ class _Filler:
                 target, index = f"{prefix}.gate_up_proj", (e, rows)
         if target not in self.targets:
             raise CheckpointError(f"{where}: tensor {name!r} has no place in a {self.args.model_type} model")
+        if self.rows is not None and target in self.expert_params:  # only this rank's experts
+            if index:
+                if index[0] not in self.rows:
+                    return
+                index = (index[0] - self.rows.start, *index[1:])
+            elif tensor.shape[0] == self.args.num_experts:
+                tensor = tensor[self.rows.start:self.rows.stop]
         dest = self.targets[target][index] if index else self.targets[target]
         if tuple(dest.shape) != tuple(tensor.shape):
             raise CheckpointError(
@@ -107,18 +128,22 @@ class _Filler:
             raise CheckpointError(f"{path}: checkpoint lacks weights for {shown}")
 
 
-def load_weights(model: CausalLM, path: str | Path, block: int | None = None) -> None:
-    """Stream every tensor of the checkpoint at `path` into `model` (already materialised)."""
+def load_weights(model: CausalLM, path: str | Path, block: int | None = None,
+                 experts: tuple[int, int] | None = None) -> None:
+    """Stream every tensor of the checkpoint at `path` into `model` (already materialised; with
+    `experts=(rank, size)` its routed experts already cut to that rank's slice)."""
     path = Path(path)
     if block is None:
         quant = model.args.hf_config.get("quantization_config") or {}
         block = int((quant.get("weight_block_size") or [128])[0])
-    filler = _Filler(model)
+    filler = _Filler(model, experts)
     released = model.args.family == "gpt_oss"
     pending: dict[str, torch.Tensor] = {}  # fp8 / mxfp4 weights or scales waiting for their partner (other shard)
     for file in shard_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
+                if not filler.wanted(name):
+                    continue
                 tensor = f.get_tensor(name)
                 if released and name.endswith(("_blocks", "_scales")):  # gpt-oss MXFP4 experts
                     base, _, kind = name.rpartition("_")
@@ -162,15 +187,27 @@ def resolve_model_path(path: str | Path) -> Path:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    experts: tuple[int, int] | None = None,
 ) -> CausalLM:
     """A model from a Hugging Face folder (config.json + safetensors), weights in `dtype` on `device`;
-    `tiny-moe` loads the shipped one."""
+    `tiny-moe` loads the shipped one. `experts=(rank, size)`: only routed experts
+    [rank·E/size, (rank+1)·E/size) are allocated and read, as `parallel.expert_parallel` keeps them."""
+    from ..models.moe import GroupedExperts
+    from ..parallel.expert_parallel import shard_experts
+
     path = resolve_model_path(path)
     if not path.is_dir():
         raise MissingPath(f"{path}: not a checkpoint folder")
     args, _ = load_hf_config(path)
     model = build_model(args, device="meta", dtype=dtype)
+    if experts is not None:
+        if not args.num_experts or args.num_experts % experts[1] or not 0 <= experts[0] < experts[1]:
+            raise CheckpointError(f"{path}: cannot keep experts slice {experts[0]} of {experts[1]} "
+                                  f"(num_experts={args.num_experts})")
+        for m in model.modules():
+            if isinstance(m, GroupedExperts):
+                shard_experts(m, *experts)  # on meta: nothing allocated yet
     model.to_empty(device=device)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -178,7 +215,7 @@ def load_model(
     for m in model.modules():  # routing bias stays fp32 whatever the weights' dtype
         if hasattr(m, "e_score_correction_bias"):
             m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()
-    load_weights(model, path)
+    load_weights(model, path, experts=experts)
     return model.eval()
 
 

@@ -92,7 +92,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = TinkerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                            state_dir=args.state_dir, max_connections=args.max_connections, max_clients=args.max_clients,
                            device=args.device, precision=args.precision, max_fused=args.max_fused,
-                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep)
+                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep,
+                           activation_checkpoint_every=args.activation_checkpoint_every)
         from ..trainer.world import launched
 
         if not launched():
@@ -204,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(and the clients' adapters on them) over groups of TP ranks")
     p.add_argument("--ep", type=int, default=1, help="--tinker under torchrun: shard the routed experts (and the "
                                                      "clients' expert adapters) over groups of EP ranks")
+    p.add_argument("--activation-checkpoint-every", type=int, default=0,
+                   help="--tinker: recompute every k-th decoder layer in backward instead of keeping its activations")
     p.add_argument("--max-fused", type=int, default=16,
                    help="--tinker: waiting requests (of several clients) sharing one pass through the base; 1: never")
     p.add_argument("--adapter-root", default=None, help="folder adapters may be loaded from (load_lora_adapter)")

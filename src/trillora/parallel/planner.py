@@ -172,7 +172,8 @@ class ServiceLayout:
 def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lora_rank: int, seq_len: int, rows: int,
                  base_bytes: int = 2) -> list[ServiceLayout]:
     """The service's layouts on `world` ranks, fastest first (the cost model's time for one call):
-    tp within a node and dividing the heads, ep dividing dp and the experts; each call's `rows`
+    tp within a node and dividing the heads, ep dividing dp and the experts, with and without
+    activation checkpointing (every layer); each call's `rows`
     datums of `seq_len` tokens split over dp in one pass (no microbatches); each client's adapter,
     AdamW state and one sampler revision held at rank `lora_rank` on every role, split with its
     layers. Resident memory: loading passes through the whole model first, as `trillora train` does."""
@@ -186,18 +187,19 @@ def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lo
         for ep in divisors(dp):
             if (args.num_experts % ep) if args.num_experts else ep > 1:
                 continue
-            layout = ParallelDims(dp=dp, tp=tp, ep=ep, fsdp=False)
-            try:
-                layout.check_model(args)
-            except ParallelError:
-                continue
-            work = Workload(seq_len=seq_len, rollouts_per_step=rows, micro_batch_rows=-(-rows // dp))
-            est = estimate(fp, layout, work, cluster)
-            one = est.memory.pop("adapter + grads + optimizer")
-            per_client = one / ADAPTER_STATE_BYTES * (ADAPTER_STATE_BYTES + REVISION_BYTES)
-            room = budget - est.memory_total
-            est.memory["clients: adapter + grads + AdamW + revision"] = per_client * clients
-            out.append(ServiceLayout(layout, est, clients, per_client, max(0, int(room // per_client))))
+            for ac in (0, 1):
+                layout = ParallelDims(dp=dp, tp=tp, ep=ep, fsdp=False, activation_checkpoint_every=ac)
+                try:
+                    layout.check_model(args)
+                except ParallelError:
+                    continue
+                work = Workload(seq_len=seq_len, rollouts_per_step=rows, micro_batch_rows=-(-rows // dp))
+                est = estimate(fp, layout, work, cluster)
+                one = est.memory.pop("adapter + grads + optimizer")
+                per_client = one / ADAPTER_STATE_BYTES * (ADAPTER_STATE_BYTES + REVISION_BYTES)
+                room = budget - est.memory_total
+                est.memory["clients: adapter + grads + AdamW + revision"] = per_client * clients
+                out.append(ServiceLayout(layout, est, clients, per_client, max(0, int(room // per_client))))
     return sorted(out, key=lambda x: (x.estimate.step_s, x.estimate.memory_total))
 
 

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from .. import lora
 from ..checkpoint.atomic import AtomicFolder
 from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
+from ..parallel.checkpointing import apply_activation_checkpointing
 from ..rl.tinker_losses import datum_loss
 from ..rollout.local import LocalEngine
 from ..rollout.types import SamplingParams
@@ -43,7 +44,7 @@ class TinkerService:
     def __init__(self, cfg: TinkerConfig, model=None):
         """`model`: an already built model to serve instead of the checkpoint's weights (benchmarks
         of real shapes with random weights); the tokenizer still comes from `cfg.model`."""
-        from ..checkpoint import check_tokenizer_fits, load_model, load_tokenizer, resolve_model_path
+        from ..checkpoint import check_tokenizer_fits, load_tokenizer, resolve_model_path
 
         self.cfg = cfg
         path = resolve_model_path(cfg.model)
@@ -51,15 +52,21 @@ class TinkerService:
         if cfg.precision not in ("fp32", "bf16"):
             raise BadRequest(f"precision {cfg.precision!r}; allowed for --tinker: fp32, bf16")
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        model = model if model is not None else load_model(path, dtype=dtype, device=cfg.device)
+        model = model if model is not None else self._load_base(path, dtype)
         check_tokenizer_fits(self.tokenizer, model.args.vocab_size, path)
         self.base = ResidentBase(model, alpha=cfg.lora_alpha)
+        apply_activation_checkpointing(self.base.model, cfg.activation_checkpoint_every)  # a long call's pass
         self.device = torch.device(cfg.device)
         self.vocab = self.base.model.args.vocab_size
         self.engine = LocalEngine.sharing(self.base.model, pad_id=self.tokenizer.pad_token_id or 0)
         self.sessions: dict[str, Session] = {}
         self.lock = threading.Lock()  # the registry (sessions, clients, samplers), not the model
         self.root = Path(cfg.state_dir)
+
+    def _load_base(self, path: Path, dtype: torch.dtype):
+        from ..checkpoint import load_model
+
+        return load_model(path, dtype=dtype, device=self.cfg.device)
 
     # --- registry ------------------------------------------------------------------------
     def create_session(self) -> str:

@@ -37,19 +37,23 @@ class ShardedService(DataParallelService):
     joins_every_pass = True
 
     def __init__(self, cfg, model=None):
-        super().__init__(cfg, model)
-        args = self.base.model.args
+        from ..checkpoint import resolve_model_path
+        from ..models import load_hf_config
+
+        args = model.args if model is not None else load_hf_config(resolve_model_path(cfg.model))[0]
+        world = dist.get_world_size()
         try:
             if cfg.ep > 1 and not args.num_experts:
                 raise ParallelError(f"{cfg.model} has no routed experts to shard")
-            if self.world % cfg.tp:
-                raise ParallelError(f"parallel.tp={cfg.tp} must divide the {self.world} ranks")
-            dims = ParallelDims(dp=self.world // cfg.tp, tp=cfg.tp, ep=cfg.ep)  # ep must divide dp ...
+            if world % cfg.tp:
+                raise ParallelError(f"parallel.tp={cfg.tp} must divide the {world} ranks")
+            dims = ParallelDims(dp=world // cfg.tp, tp=cfg.tp, ep=cfg.ep)  # ep must divide dp ...
             dims.check_model(args)  # ... and the experts; tp the heads and MLP widths
         except ParallelError as e:
-            raise ParallelError(f"--tp {cfg.tp} --ep {cfg.ep} on {self.world} ranks: {e}") from None
-        meshes = build_meshes(dims, self.device.type)
-        self.dims = dims
+            raise ParallelError(f"--tp {cfg.tp} --ep {cfg.ep} on {world} ranks: {e}") from None
+        meshes = build_meshes(dims, torch.device(cfg.device).type)
+        self.dims, self.meshes = dims, meshes
+        super().__init__(cfg, model)  # loads only this rank's experts (`_load_base`)
         self.dp_group, self.dp_rank, self.dp_size = meshes.group("dp"), meshes.rank("dp"), dims.dp
         self.edp_group = meshes.group("edp")
         placement = self.base.placement
@@ -70,6 +74,12 @@ class ShardedService(DataParallelService):
                     split[f"{name}.lora_A"] = (1, weight.shape[1])
             placement.tp = TensorShard(meshes.mesh("tp"), frozenset(n for n in plan if n in self.base.slots), split)
         self.tp_group = meshes.group("tp")
+
+    def _load_base(self, path, dtype):
+        from ..checkpoint import load_model
+
+        experts = (self.meshes.rank("ep"), self.dims.ep) if self.dims.ep > 1 else None
+        return load_model(path, dtype=dtype, device=self.cfg.device, experts=experts)
 
     # --- the calls every rank runs, beyond data parallelism's ---------------------------------
     def save_state(self, model_id, name, optimizer=True):

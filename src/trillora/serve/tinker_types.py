@@ -55,11 +55,16 @@ class TinkerConfig:
     """Under torchrun: split attention and dense MLP layers over groups of this many ranks (`serve.tinker_sharded`)."""
     ep: int = 1
     """Under torchrun: shard the routed experts over groups of this many ranks (`serve.tinker_sharded`)."""
+    activation_checkpoint_every: int = 0
+    """Recompute every k-th decoder layer in backward instead of keeping its activations (0 = off)."""
 
     def __post_init__(self) -> None:
         for key in ("tp", "ep"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1 dividing the number of ranks")
+        if not isinstance(self.activation_checkpoint_every, int) or self.activation_checkpoint_every < 0:
+            raise BadRequest(f"activation_checkpoint_every={self.activation_checkpoint_every!r}; allowed: an integer "
+                             ">= 0 (0 = off, 1 = every layer)")
         if not isinstance(self.max_fused, int) or self.max_fused < 1:
             raise BadRequest(f"max_fused={self.max_fused!r}; allowed: an integer >= 1 (1: every request alone)")
         if not 0 <= self.gather_seconds <= 1:
