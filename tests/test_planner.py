@@ -277,18 +277,26 @@ def test_service_plan_counts_what_an_expert_parallel_service_holds():
     assert two.fits and two.max_clients >= 3
 
 
-def test_readme_service_plan_command():
-    """The README's `trillora plan --tinker` example and the figures it quotes."""
-    from trillora.cli import main
-
+def readme_plan(command: str) -> tuple[dict, str]:
+    """A `trillora plan` command the README shows: checked to be there, run (--json), and the README
+    as one line of words to find the figures it quotes."""
     import contextlib
     import io
 
+    from trillora.cli import main
+
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert command in readme
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert main(["plan", "--model", "qwen3-30b-a3b", "--tinker", "--gpus", "8", "--gpu", "h100", "--seq-len", "4096",
-                     "--rollouts", "8", "--lora-rank", "8", "--clients", "8", "--json"]) == 0
-    out = json.loads(buf.getvalue())
+        assert main(command.split()[1:] + ["--json"]) == 0
+    return json.loads(buf.getvalue()), readme
+
+
+def test_readme_service_plan_command():
+    """The README's `trillora plan --tinker` example and the figures it quotes."""
+    out, readme = readme_plan("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 4096 "
+                              "--rollouts 8 --lora-rank 8 --clients 8")
     assert out["chosen"] == {"tp": 1, "ep": 8, "activation_checkpoint_every": 0} and "--ep 8" in out["command"]
     assert "--tp" not in out["command"] and "--activation" not in out["command"]
     assert [x["call_s"] for x in out["layouts"]] == sorted(x["call_s"] for x in out["layouts"])
@@ -300,31 +308,17 @@ def test_readme_service_plan_command():
         [(8, 0), (2, 1), (4, 1), (8, 1)]  # fastest first; without ac only ep=8 holds 8 clients
     one = next(x for x in out["layouts"] if (x["tp"], x["ep"]) == (1, 1))
     assert one["memory_gib"]["base weights"] + one["memory_gib"]["activations"] > 72 and not one["fits"]
-    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
-    assert ("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 4096 --rollouts 8 "
-            "--lora-rank 8 --clients 8") in readme
     assert (f"this gives ep={out['chosen']['ep']} ({eight['max_clients']} clients would fit). The base takes "
             f"{m['base weights']:.1f} GiB of each GPU and one pass of a 4096-token datum per GPU takes "
             f"{m['activations'] + m['transient']:.1f}. Each client costs {eight['per_client_gib']:.1f} GiB") in readme
 
 
 def test_readme_service_plan_for_kimi_k2():
-    from trillora.cli import main
-
-    import contextlib
-    import io
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert main(["plan", "--model", "kimi-k2", "--tinker", "--gpus", "64", "--gpu", "h800", "--seq-len", "4096",
-                     "--rollouts", "64", "--lora-rank", "8", "--clients", "2", "--json"]) == 0
-    out = json.loads(buf.getvalue())
+    out, readme = readme_plan("trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 "
+                              "--rollouts 64 --lora-rank 8 --clients 2")
     assert out["chosen"] == {"tp": 1, "ep": 64, "activation_checkpoint_every": 1}
     assert [(x["tp"], x["ep"], x["activation_checkpoint_every"]) for x in out["layouts"] if x["fits"]] == [(1, 64, 1)]
     best = next(x for x in out["layouts"] if x["fits"])
-    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
-    assert ("trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 --rollouts 64 --lora-rank 8 "
-            "--clients 2") in readme
     assert (f"Only ep=64 with activation checkpointing fits: {best['memory_gib']['base weights']:.1f} GiB of base per "
             f"GPU and {best['per_client_gib']:.1f} GiB per client (rank 8 on each of the 384 experts), so "
             f"{best['max_clients']} clients.") in readme

@@ -44,6 +44,22 @@ class TensorShard:
     modules: frozenset[str]
     split: dict[str, tuple[int, int]] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, plan: dict, slots: dict, mesh) -> "TensorShard":
+        """From the tensor-parallel plan (`parallel.tensor_parallel.tp_plan`) over the adapter slots."""
+        from ..parallel.tensor_parallel import LoraColwiseParallel, LoraRowwiseParallel
+
+        split = {}
+        for name, style in plan.items():
+            if name not in slots:
+                continue
+            weight = slots[name].weight  # a DTensor: its shape is the whole layer's
+            if isinstance(style, LoraColwiseParallel):
+                split[f"{name}.lora_B"] = (0, weight.shape[0])
+            elif isinstance(style, LoraRowwiseParallel):
+                split[f"{name}.lora_A"] = (1, weight.shape[1])
+        return cls(mesh, frozenset(n for n in plan if n in slots), split)
+
     @property
     def rank(self) -> int:
         return self.mesh.get_local_rank()

@@ -63,16 +63,7 @@ class ShardedService(DataParallelService):
             placement.experts = ExpertShard(meshes.group("ep"), meshes.rank("ep"), dims.ep, args.num_experts)
         if dims.tp > 1:
             plan = apply_tensor_parallel(model, meshes.mesh("tp"))
-            split = {}
-            for name, style in plan.items():
-                if name not in self.base.slots:
-                    continue
-                weight = self.base.slots[name].weight  # a DTensor: its shape is the whole layer's
-                if type(style).__name__ == "LoraColwiseParallel":
-                    split[f"{name}.lora_B"] = (0, weight.shape[0])
-                elif type(style).__name__ == "LoraRowwiseParallel":
-                    split[f"{name}.lora_A"] = (1, weight.shape[1])
-            placement.tp = TensorShard(meshes.mesh("tp"), frozenset(n for n in plan if n in self.base.slots), split)
+            placement.tp = TensorShard.of(plan, self.base.slots, meshes.mesh("tp"))
         self.tp_group = meshes.group("tp")
 
     def _load_base(self, path, dtype):
