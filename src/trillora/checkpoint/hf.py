@@ -193,8 +193,7 @@ def load_model(
     """A model from a Hugging Face folder (config.json + safetensors), weights in `dtype` on `device`;
     `tiny-moe` loads the shipped one. `experts=(rank, size)`: only routed experts
     [rank·E/size, (rank+1)·E/size) are allocated and read, as `parallel.expert_parallel` keeps them."""
-    from ..models.moe import GroupedExperts
-    from ..parallel.expert_parallel import shard_experts
+    from ..models.moe import GroupedExperts, shard_experts
 
     path = resolve_model_path(path)
     if not path.is_dir():

@@ -287,3 +287,16 @@ def set_grouped_gemm(model: nn.Module, enabled: bool) -> None:
     for m in model.modules():
         if isinstance(m, GroupedExperts):
             m.grouped = enabled
+
+
+def shard_experts(module: GroupedExperts, ep_rank: int, ep_size: int) -> None:
+    """Keep this rank's slice of every stacked tensor [E, ...] (base and LoRA); a tensor that
+    already holds E/ep rows is taken to be this rank's (a base loaded as `load_model(experts=...)`)."""
+    local = module.num_experts // ep_size
+    keep = slice(ep_rank * local, (ep_rank + 1) * local)
+    for name, p in list(module.named_parameters(recurse=False)):
+        if ep_size > 1 and p.shape[0] == local:
+            continue
+        if p.shape[0] != module.num_experts:
+            raise ValueError(f"{name} has {p.shape[0]} rows, expected one per expert ({module.num_experts})")
+        module.register_parameter(name, nn.Parameter(p.detach()[keep].clone(), requires_grad=p.requires_grad))

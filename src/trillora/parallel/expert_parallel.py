@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from ..models.moe import GroupedExperts
+from ..models.moe import GroupedExperts, shard_experts
 
 
 class ExpertParallel:
@@ -54,19 +54,6 @@ class ExpertParallel:
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         return all_to_all_single_autograd(y_RC[back].contiguous(), in_splits, out_splits, self.group)
-
-
-def shard_experts(module: GroupedExperts, ep_rank: int, ep_size: int) -> None:
-    """Keep this rank's slice of every stacked tensor [E, ...] (base and LoRA); a tensor that
-    already holds E/ep rows is taken to be this rank's (a base loaded as `load_model(experts=...)`)."""
-    local = module.num_experts // ep_size
-    keep = slice(ep_rank * local, (ep_rank + 1) * local)
-    for name, p in list(module.named_parameters(recurse=False)):
-        if ep_size > 1 and p.shape[0] == local:
-            continue
-        if p.shape[0] != module.num_experts:
-            raise ValueError(f"{name} has {p.shape[0]} rows, expected one per expert ({module.num_experts})")
-        module.register_parameter(name, nn.Parameter(p.detach()[keep].clone(), requires_grad=p.requires_grad))
 
 
 def apply_expert_parallel(model: nn.Module, group, ep_rank: int, ep_size: int) -> dict[str, ExpertParallel]:

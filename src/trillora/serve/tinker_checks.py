@@ -4,6 +4,8 @@ Shape legend: N one datum's tokens, K top-k targets."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -92,3 +94,18 @@ def cut_at_stop(c, stop_strings: tuple[str, ...], tokenizer) -> tuple[list[int],
             if any(s in tokenizer.decode(tokens[:k]) for s in stop_strings):
                 return tokens[:k], logprobs[:k], "stop"
     return tokens, logprobs, reason
+
+
+def adam_settings(adam: dict) -> tuple[float, float, float, float, float, float]:
+    """(lr, beta1, beta2, eps, weight_decay, grad_clip_norm) with the SDK's defaults, or BadRequest."""
+    lr, b1, b2 = adam.get("learning_rate", 1e-4), adam.get("beta1", 0.9), adam.get("beta2", 0.95)
+    eps, wd, clip = adam.get("eps", 1e-12), adam.get("weight_decay", 0.0), adam.get("grad_clip_norm", 0.0)
+    for key, v in (("learning_rate", lr), ("beta1", b1), ("beta2", b2), ("eps", eps), ("weight_decay", wd),
+                   ("grad_clip_norm", clip)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise BadRequest(f"adam_params.{key}={v!r} is out of range")
+    for key, v, ok in (("learning_rate", lr, lr >= 0), ("beta1", b1, 0 <= b1 < 1), ("beta2", b2, 0 <= b2 < 1),
+                       ("eps", eps, eps >= 0), ("weight_decay", wd, wd >= 0), ("grad_clip_norm", clip, clip >= 0)):
+        if not ok:
+            raise BadRequest(f"adam_params.{key}={v!r} is out of range")
+    return lr, b1, b2, eps, wd, clip

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .tinker_service import BadRequest, FwdBwd, TinkerService, adam_settings
+from .tinker_checks import adam_settings
+from .tinker_service import BadRequest, FwdBwd, TinkerService
 from .tinker_types import Session
 
 STOP = "stop"

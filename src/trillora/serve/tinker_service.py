@@ -28,7 +28,7 @@ from ..rl.tinker_losses import datum_loss
 from ..rollout.local import LocalEngine
 from ..rollout.types import SamplingParams
 from .adapters import ResidentBase, Revision, roles_of
-from .tinker_checks import check_data, check_sample, cut_at_stop
+from .tinker_checks import adam_settings, check_data, check_sample, cut_at_stop
 from .tinker_types import MODEL_ID, NAME, BadRequest, Client, FwdBwd, SampleCall, Session, TinkerConfig
 from .wire import Datum
 
@@ -383,21 +383,6 @@ class TinkerService:
     def _check_sample(self, c: SampleCall) -> tuple[Revision, SamplingParams, tuple[str, ...]]:
         revision = self.sampler(c.sampler_id)
         return (revision, *check_sample(c, self.vocab, self.tokenizer.eos_token_id, self.cfg))
-
-
-def adam_settings(adam: dict) -> tuple[float, float, float, float, float, float]:
-    """(lr, beta1, beta2, eps, weight_decay, grad_clip_norm) with the SDK's defaults, or BadRequest."""
-    lr, b1, b2 = adam.get("learning_rate", 1e-4), adam.get("beta1", 0.9), adam.get("beta2", 0.95)
-    eps, wd, clip = adam.get("eps", 1e-12), adam.get("weight_decay", 0.0), adam.get("grad_clip_norm", 0.0)
-    for key, v in (("learning_rate", lr), ("beta1", b1), ("beta2", b2), ("eps", eps), ("weight_decay", wd),
-                   ("grad_clip_norm", clip)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise BadRequest(f"adam_params.{key}={v!r} is out of range")
-    for key, v, ok in (("learning_rate", lr, lr >= 0), ("beta1", b1, 0 <= b1 < 1), ("beta2", b2, 0 <= b2 < 1),
-                       ("eps", eps, eps >= 0), ("weight_decay", wd, wd >= 0), ("grad_clip_norm", clip, clip >= 0)):
-        if not ok:
-            raise BadRequest(f"adam_params.{key}={v!r} is out of range")
-    return lr, b1, b2, eps, wd, clip
 
 
 def _raised(outcome):
