@@ -122,8 +122,10 @@ class Placement:
             t, home = tensors[k], tensors[k].device
             if isinstance(t, DTensor):
                 t = t.full_tensor()
-            elif self.is_tp_split(k) and t.dim() and t.shape[self.tp.split[self.bare(k)][0]] != self.tp.split[self.bare(k)][1]:
-                t = _gather(t, self.tp.split[self.bare(k)][0], self.tp.size, self.tp.mesh.get_group(), device)
+            elif self.is_tp_split(k) and t.dim():
+                dim, whole = self.tp.split[self.bare(k)]
+                if t.shape[dim] != whole:  # a DTensor's local part, as a saved state holds it
+                    t = _gather(t, dim, self.tp.size, self.tp.mesh.get_group(), device)
             if self.experts is not None and self.is_expert(k) and t.dim() and t.shape[0] != self.experts.num_experts:
                 t = _gather(t, 0, self.experts.size, self.experts.group, device)
             out[k] = t.to(home)
