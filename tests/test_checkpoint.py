@@ -192,27 +192,61 @@ def test_a_rank_loads_only_its_experts(tmp_path, layout, monkeypatch):
     with pytest.raises(CheckpointError, match="cannot keep experts slice 0 of 3"):
         trillora.load_model(path, experts=(0, 3))
     if layout == "per_expert":  # another rank's experts are not even read
-        read, real = [], hf_io.safe_open
-
-        class Spy:
-            def __init__(self, *args, **kwargs):
-                self.f = real(*args, **kwargs)
-
-            def __enter__(self):
-                self.inner = self.f.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return self.f.__exit__(*exc)
-
-            def keys(self):
-                return self.inner.keys()
-
-            def get_tensor(self, name):
-                read.append(name)
-                return self.inner.get_tensor(name)
-
-        monkeypatch.setattr(hf_io, "safe_open", Spy)
+        read = spy_on_reads(monkeypatch)
         assert_expert_slice(trillora.load_model(path, experts=(1, 2)), whole, 1, 2)
         experts_read = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
         assert experts_read == {4, 5, 6, 7}
+
+
+def spy_on_reads(monkeypatch) -> list[str]:
+    """The names of the tensors checkpoint loading reads from here on."""
+    read, real = [], hf_io.safe_open
+
+    class Spy:
+        def __init__(self, *args, **kwargs):
+            self.f = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(hf_io, "safe_open", Spy)
+    return read
+
+
+def test_a_pipeline_stage_loads_only_its_layers(tmp_path, monkeypatch):
+    """`load_model(layers=...)`, as a pipeline-parallel Tinker service loads its base: a stage's
+    layers (the embedding on the first, norm and head on the last) equal the whole model's, and
+    nothing else is allocated or read."""
+    from trillora.models.transformer import OtherStage
+
+    whole = trillora.load_model("tiny-moe-chat")
+    path = trillora.save_model(whole, tmp_path / "m")
+    want = whole.state_dict()
+    read = spy_on_reads(monkeypatch)
+    for layers, top in ((range(0, 2), {"model.embed_tokens.weight"}), (range(1, 3), set()),
+                        (range(2, 4), {"model.norm.weight", "lm_head.weight"})):
+        read.clear()
+        stage = trillora.load_model(path, layers=layers, experts=(1, 2))
+        got = stage.state_dict()
+        kept = {k for k in want if k in top or any(k.startswith(f"model.layers.{i}.") for i in layers)}
+        assert set(got) == kept
+        assert isinstance(stage.model.layers[3 if layers.start == 0 else 0], OtherStage)
+        for k in kept:
+            w = want[k][4:8] if ".experts." in k else want[k]  # rank 1 of 2 keeps experts 4..7
+            assert torch.equal(got[k], w), k
+        assert {n for n in read} <= kept | {n for n in read if ".experts." in n and any(
+            n.startswith(f"model.layers.{i}.") for i in layers)}
+        assert {int(n.split(".")[2]) for n in read if n.startswith("model.layers.")} == set(layers)
+    with pytest.raises(CheckpointError, match="cannot keep layers 3..4 of 4"):
+        trillora.load_model(path, layers=range(3, 5))

@@ -266,15 +266,36 @@ def test_service_plan_counts_what_an_expert_parallel_service_holds():
     held_base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
     held_client = sum(p.numel() for p in adapter.params.values())
     found = plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=8, seq_len=64, rows=4, base_bytes=4)
-    assert sorted((x.layout.tp, x.layout.ep, x.layout.activation_checkpoint_every) for x in found) == \
-        [(1, 1, 0), (1, 1, 1), (1, 2, 0), (1, 2, 1), (2, 1, 0), (2, 1, 1)]
-    layouts = {x.layout.ep: x for x in found if x.layout.tp == 1 and not x.layout.activation_checkpoint_every}
+    assert sorted((x.layout.pp, x.layout.tp, x.layout.ep, x.layout.activation_checkpoint_every) for x in found) == \
+        [(1, 1, 1, 0), (1, 1, 1, 1), (1, 1, 2, 0), (1, 1, 2, 1), (1, 2, 1, 0), (1, 2, 1, 1), (2, 1, 1, 0), (2, 1, 1, 1)]
+    layouts = {x.layout.ep: x for x in found if (x.layout.pp, x.layout.tp, x.layout.activation_checkpoint_every) == (1, 1, 0)}
     two = layouts[2]
     assert two.estimate.memory["base weights"] == held_base * 4
     assert two.per_client_bytes == held_client * (16 + REVISION_BYTES)
     assert two.estimate.memory["clients: adapter + grads + AdamW + revision"] == 3 * two.per_client_bytes
     assert layouts[1].estimate.memory["base weights"] > two.estimate.memory["base weights"]  # the experts halved
     assert two.fits and two.max_clients >= 3
+
+
+def test_service_plan_counts_what_a_pipeline_stage_holds():
+    """`plan_service` at pp=2 counts the fullest stage: the base bytes and one client's adapter numel
+    are what the last of two stages (`load_model(layers=...)`, as the service loads it) holds."""
+    from trillora.checkpoint import load_model, resolve_model_path
+    from trillora.parallel.planner import REVISION_BYTES, plan_service
+    from trillora.serve.adapters import ResidentBase, roles_of
+
+    model = load_model(resolve_model_path("tiny-moe-chat"), layers=range(2, 4))  # norm and head beside two layers
+    base = ResidentBase(model)
+    adapter = base.new_adapter(8, roles_of(True, True, True))
+    held_base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
+    held_client = sum(p.numel() for p in adapter.params.values())
+    found = plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=8, seq_len=64, rows=4, base_bytes=4)
+    staged = next(x for x in found if x.layout.pp == 2 and not x.layout.activation_checkpoint_every)
+    whole = next(x for x in found if (x.layout.pp, x.layout.tp, x.layout.ep, x.layout.activation_checkpoint_every) == (1, 1, 1, 0))
+    assert staged.estimate.memory["base weights"] == held_base * 4
+    assert staged.per_client_bytes == held_client * (16 + REVISION_BYTES)
+    assert staged.estimate.memory["base weights"] < whole.estimate.memory["base weights"]
+    assert staged.estimate.step_s > whole.estimate.step_s  # the stages work in turn: no microbatches
 
 
 def readme_plan(command: str) -> tuple[dict, str]:
@@ -297,16 +318,17 @@ def test_readme_service_plan_command():
     """The README's `trillora plan --tinker` example and the figures it quotes."""
     out, readme = readme_plan("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 4096 "
                               "--rollouts 8 --lora-rank 8 --clients 8")
-    assert out["chosen"] == {"tp": 1, "ep": 8, "activation_checkpoint_every": 0} and "--ep 8" in out["command"]
-    assert "--tp" not in out["command"] and "--activation" not in out["command"]
+    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 8, "activation_checkpoint_every": 0} and "--ep 8" in out["command"]
+    assert "--tp" not in out["command"] and "--pp" not in out["command"] and "--activation" not in out["command"]
     assert [x["call_s"] for x in out["layouts"]] == sorted(x["call_s"] for x in out["layouts"])
-    eight = next(x for x in out["layouts"] if (x["tp"], x["ep"]) == (1, 8))
+    eight = next(x for x in out["layouts"] if (x["pp"], x["tp"], x["ep"]) == (1, 1, 8))
     m = eight["memory_gib"]
     assert (round(m["base weights"], 1), round(m["activations"] + m["transient"], 1), round(eight["per_client_gib"], 1),
             eight["max_clients"]) == (9.6, 45.9, 1.1, 14)
-    assert [(x["ep"], x["activation_checkpoint_every"]) for x in out["layouts"] if x["fits"] and x["tp"] == 1] == \
+    assert [(x["ep"], x["activation_checkpoint_every"]) for x in out["layouts"]
+            if x["fits"] and x["tp"] == 1 and x["pp"] == 1] == \
         [(8, 0), (2, 1), (4, 1), (8, 1)]  # fastest first; without ac only ep=8 holds 8 clients
-    one = next(x for x in out["layouts"] if (x["tp"], x["ep"]) == (1, 1))
+    one = next(x for x in out["layouts"] if (x["pp"], x["tp"], x["ep"]) == (1, 1, 1))
     assert one["memory_gib"]["base weights"] + one["memory_gib"]["activations"] > 72 and not one["fits"]
     assert (f"this gives ep={out['chosen']['ep']} ({eight['max_clients']} clients would fit). The base takes "
             f"{m['base weights']:.1f} GiB of each GPU and one pass of a 4096-token datum per GPU takes "
@@ -316,9 +338,14 @@ def test_readme_service_plan_command():
 def test_readme_service_plan_for_kimi_k2():
     out, readme = readme_plan("trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 "
                               "--rollouts 64 --lora-rank 8 --clients 2")
-    assert out["chosen"] == {"tp": 1, "ep": 64, "activation_checkpoint_every": 1}
-    assert [(x["tp"], x["ep"], x["activation_checkpoint_every"]) for x in out["layouts"] if x["fits"]] == [(1, 64, 1)]
-    best = next(x for x in out["layouts"] if x["fits"])
-    assert (f"Only ep=64 with activation checkpointing fits: {best['memory_gib']['base weights']:.1f} GiB of base per "
-            f"GPU and {best['per_client_gib']:.1f} GiB per client (rank 8 on each of the 384 experts), so "
-            f"{best['max_clients']} clients.") in readme
+    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 64, "activation_checkpoint_every": 1}
+    fit = [x for x in out["layouts"] if x["fits"]]
+    assert [(x["pp"], x["tp"], x["ep"], x["activation_checkpoint_every"]) for x in fit] == \
+        [(1, 1, 64, 1), (2, 1, 32, 1), (4, 1, 16, 1), (8, 1, 8, 1)]
+    best, two = fit[0], fit[1]
+    assert (f"Without pipeline stages only ep=64 with activation checkpointing fits: "
+            f"{best['memory_gib']['base weights']:.1f} GiB of base per GPU and {best['per_client_gib']:.1f} GiB per "
+            f"client (rank 8 on each of the 384 experts), so {best['max_clients']} clients. Two stages "
+            f"(`--pp 2 --ep 32 --activation-checkpoint-every 1`) hold {two['memory_gib']['base weights']:.1f} GiB of base "
+            f"per GPU and room for {two['max_clients']} clients, at {two['call_s'] / best['call_s']:.1f}× the time per "
+            f"call") in readme

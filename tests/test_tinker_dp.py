@@ -1,6 +1,7 @@
-"""`torchrun --nproc-per-node 2 -m trillora serve MODEL --tinker [--ep 2]` (gloo): the real SDK trains a
-client on two data-parallel ranks, or two ranks that each hold half of every MoE layer's experts,
-and gets the losses, logprobs, adapter, resumed steps and samples one process gives."""
+"""`torchrun --nproc-per-node N -m trillora serve MODEL --tinker [--tp T --ep K --pp P]` (gloo): the real
+SDK trains a client on data-parallel ranks, or on ranks that split the base (experts, layers over
+tp, pipeline stages), and gets the losses, logprobs, adapter, resumed steps and samples one
+process gives."""
 
 from __future__ import annotations
 
@@ -126,7 +127,12 @@ LAYOUTS = {"dp": (2, [], "data parallel over 2 ranks"), "ep": (2, ["--ep", "2"],
            "tp": (2, ["--tp", "2"], "data parallel over 1 ranks, layers over tp=2"),
            # recomputing layers in backward runs their all-reduces and all-to-alls again, in order on every rank
            "tp-ep": (4, ["--tp", "2", "--ep", "2", "--activation-checkpoint-every", "1"],
-                     "data parallel over 2 ranks, layers over tp=2, experts over ep=2")}
+                     "data parallel over 2 ranks, layers over tp=2, experts over ep=2"),
+           "pp": (2, ["--pp", "2"], "data parallel over 1 ranks, stages over pp=2"),
+           # a 1-datum call leaves dp rank 1's two stages one filler token to pass down and back
+           "pp-ep": (4, ["--pp", "2", "--ep", "2"], "data parallel over 2 ranks, stages over pp=2, experts over ep=2"),
+           "pp-tp": (4, ["--pp", "2", "--tp", "2", "--activation-checkpoint-every", "1"],
+                     "data parallel over 1 ranks, stages over pp=2, layers over tp=2")}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -138,6 +144,11 @@ def test_two_ranks_train_as_one_process(tmp_path, alone, layout):
         wait_healthy(port, proc)
         got = train(port, tmp_path / layout, alone["tokenizer"])
         extra = more(port, tmp_path / layout, alone["tokenizer"])
+        if "--pp" in flags:  # the head alone lives on the last stage: the others would hold no adapter
+            sc = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY)
+            with pytest.raises(Exception, match="trains only the unembedding, which lives on the last of --pp 2"):
+                sc.create_lora_training_client(base_model=MODEL, rank=4, train_mlp=False, train_attn=False).result()
+            sc.close("success").result()
     finally:
         proc.terminate()
         out = proc.communicate(timeout=60)[0]
@@ -171,7 +182,10 @@ def test_an_expert_layout_that_cannot_work_is_named(tmp_path):
     alone = subprocess.run([sys.executable, "-m", "trillora", "serve", MODEL, "--tinker", "--ep", "2"],
                            capture_output=True, text=True, timeout=120)
     assert alone.returncode != 0 and "a sharded base needs several ranks" in alone.stderr
+    staged = subprocess.run([sys.executable, "-m", "trillora", "serve", MODEL, "--tinker", "--pp", "3"],
+                            capture_output=True, text=True, timeout=120)
+    assert staged.returncode != 0 and "--pp 3: a sharded base needs several ranks" in staged.stderr
     proc = launch(free_port(), tmp_path, "--ep", "4")
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0
-    assert "--tp 1 --ep 4 on 2 ranks: parallel.ep=4 must divide parallel.dp=2" in out
+    assert "--tp 1 --ep 4 --pp 1 on 2 ranks: parallel.ep=4 must divide parallel.dp=2" in out

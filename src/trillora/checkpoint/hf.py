@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from ..errors import MissingPath, TrilloraError
 from ..models import CausalLM, ModelArgs, build_model, load_hf_config
+from ..models.transformer import OtherStage, keep_stage
 from .atomic import AtomicFolder
 from . import gpt_oss
 from .fp8 import dequantize_blockwise
@@ -78,11 +79,16 @@ class _Filler:
         self.targets.update(dict(model.named_buffers()))
         persistent = set(model.state_dict().keys())
         self.targets = {k: v for k, v in self.targets.items() if k in persistent}
+        self.elsewhere = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, OtherStage))
+        """Modules another pipeline stage holds: their tensors are not read."""
         self.filled: dict[str, int] = defaultdict(int)
         self.skipped_mtp = 0
 
     def wanted(self, name: str) -> bool:
-        """False for another rank's per-expert tensor (or its fp8 scale): not even read."""
+        """False for another rank's per-expert tensor (or its fp8 scale), or another pipeline stage's
+        tensor: not even read."""
+        if self.elsewhere and name.startswith(self.elsewhere):
+            return False
         expert = _PER_EXPERT.match(name.removesuffix("_scale_inv"))
         return self.rows is None or expert is None or int(expert.group(2)) in self.rows
 
@@ -188,11 +194,13 @@ def resolve_model_path(path: str | Path) -> Path:
 
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    experts: tuple[int, int] | None = None,
+    experts: tuple[int, int] | None = None, layers: range | None = None,
 ) -> CausalLM:
     """A model from a Hugging Face folder (config.json + safetensors), weights in `dtype` on `device`;
     `tiny-moe` loads the shipped one. `experts=(rank, size)`: only routed experts
-    [rank·E/size, (rank+1)·E/size) are allocated and read, as `parallel.expert_parallel` keeps them."""
+    [rank·E/size, (rank+1)·E/size) are allocated and read, as `parallel.expert_parallel` keeps them.
+    `layers`: only a pipeline stage's decoder layers (and the embedding or the head if the stage
+    begins or ends the model) are allocated and read; the rest are `OtherStage` placeholders."""
     from ..models.moe import GroupedExperts, shard_experts
 
     path = resolve_model_path(path)
@@ -207,8 +215,12 @@ def load_model(
         for m in model.modules():
             if isinstance(m, GroupedExperts):
                 shard_experts(m, *experts)  # on meta: nothing allocated yet
+    if layers is not None:
+        if not (0 <= layers.start < layers.stop <= args.num_layers):
+            raise CheckpointError(f"{path}: cannot keep layers {layers.start}..{layers.stop - 1} of {args.num_layers}")
+        keep_stage(model, layers)
     model.to_empty(device=device)
-    if args.tie_word_embeddings:
+    if args.tie_word_embeddings and layers is None:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.reset_buffers()
     for m in model.modules():  # routing bias stays fp32 whatever the weights' dtype

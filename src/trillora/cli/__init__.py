@@ -92,14 +92,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = TinkerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                            state_dir=args.state_dir, max_connections=args.max_connections, max_clients=args.max_clients,
                            device=args.device, precision=args.precision, max_fused=args.max_fused,
-                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep,
+                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep, pp=args.pp,
                            activation_checkpoint_every=args.activation_checkpoint_every)
         from ..trainer.world import launched
 
         if not launched():
-            if cfg.ep > 1 or cfg.tp > 1:
-                raise SystemExit(f"trillora serve --tinker --tp {cfg.tp} --ep {cfg.ep}: a sharded base needs several "
-                                 f"ranks; launch with torchrun --nproc-per-node N (N a multiple of {cfg.tp * cfg.ep})")
+            if cfg.ep > 1 or cfg.tp > 1 or cfg.pp > 1:
+                raise SystemExit(f"trillora serve --tinker --tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp}: a sharded base needs "
+                                 f"several ranks; launch with torchrun --nproc-per-node N (N a multiple of "
+                                 f"{cfg.tp * cfg.pp * cfg.ep})")
             serve_tinker(cfg)
             return 0
         return _serve_tinker_parallel(cfg)
@@ -110,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_tinker_parallel(cfg) -> int:
-    """Under torchrun: every rank holds the base (split with --tp / --ep) and the clients' adapters;
+    """Under torchrun: every rank holds the base (split with --tp / --ep / --pp) and the clients' adapters;
     rank 0 serves HTTP (`serve.tinker_dp`, `serve.tinker_sharded`)."""
     import dataclasses
 
@@ -124,10 +125,11 @@ def _serve_tinker_parallel(cfg) -> int:
     device = pick_device(cfg.device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     cfg = dataclasses.replace(cfg, device=str(device))
-    service = ShardedService(cfg) if cfg.ep > 1 or cfg.tp > 1 else DataParallelService(cfg)
+    service = ShardedService(cfg) if cfg.ep > 1 or cfg.tp > 1 or cfg.pp > 1 else DataParallelService(cfg)
     try:
         if service.rank == 0:
-            split = (f", layers over tp={cfg.tp}" if cfg.tp > 1 else "") + (f", experts over ep={cfg.ep}" if cfg.ep > 1 else "")
+            split = (f", stages over pp={cfg.pp}" if cfg.pp > 1 else "") + (f", layers over tp={cfg.tp}" if cfg.tp > 1 else "") \
+                + (f", experts over ep={cfg.ep}" if cfg.ep > 1 else "")
             print(f"trillora serve --tinker: data parallel over {service.dp_size} ranks{split}", flush=True)
             serve_tinker(cfg, server=TinkerServer(cfg, service))
         else:
@@ -205,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(and the clients' adapters on them) over groups of TP ranks")
     p.add_argument("--ep", type=int, default=1, help="--tinker under torchrun: shard the routed experts (and the "
                                                      "clients' expert adapters) over groups of EP ranks")
+    p.add_argument("--pp", type=int, default=1, help="--tinker under torchrun: split the decoder layers into PP "
+                                                     "pipeline stages, one per rank of a pipeline group")
     p.add_argument("--activation-checkpoint-every", type=int, default=0,
                    help="--tinker: recompute every k-th decoder layer in backward instead of keeping its activations")
     p.add_argument("--max-fused", type=int, default=16,

@@ -72,6 +72,9 @@ def run(a: argparse.Namespace) -> dict:
     return out
 
 
+SHOWN = 10  # rows of the service table beyond those that fit
+
+
 def run_service(a: argparse.Namespace) -> dict:
     """The service's layouts on --gpus ranks (0: the fewest GPUs, doubling, on which one fits)."""
     if a.clients < 1 or a.rollouts < 1:
@@ -87,16 +90,17 @@ def run_service(a: argparse.Namespace) -> dict:
     ok = [x for x in found if x.fits]
     out = {"model": a.model, "cluster": asdict(cluster), "tinker": True, "gpus": world, "clients": a.clients,
            "lora_rank": a.lora_rank, "seq_len": a.seq_len, "datums_per_call": a.rollouts, "fits": bool(ok),
-           "layouts": [{"tp": x.layout.tp, "ep": x.layout.ep, "dp": x.layout.dp,
+           "layouts": [{"pp": x.layout.pp, "tp": x.layout.tp, "ep": x.layout.ep, "dp": x.layout.dp,
                         "activation_checkpoint_every": x.layout.activation_checkpoint_every, "call_s": x.estimate.step_s,
                         "memory_gib": {k: v / GIB for k, v in x.estimate.memory.items()},
                         "memory_total_gib": x.estimate.memory_total / GIB, "per_client_gib": x.per_client_bytes / GIB,
                         "max_clients": x.max_clients, "fits": x.fits} for x in found]}
     if ok:  # the fastest that fits
         best = ok[0].layout
-        out["chosen"] = {"tp": best.tp, "ep": best.ep, "activation_checkpoint_every": best.activation_checkpoint_every}
+        out["chosen"] = {"pp": best.pp, "tp": best.tp, "ep": best.ep, "activation_checkpoint_every": best.activation_checkpoint_every}
         weights = a.model if Path(a.model).is_dir() else f"<{a.model} checkpoint>"  # a shipped name is a config only
-        flags = (f" --tp {best.tp}" if best.tp > 1 else "") + (f" --ep {best.ep}" if best.ep > 1 else "") + \
+        flags = (f" --pp {best.pp}" if best.pp > 1 else "") + (f" --tp {best.tp}" if best.tp > 1 else "") + \
+            (f" --ep {best.ep}" if best.ep > 1 else "") + \
             (" --activation-checkpoint-every 1" if best.activation_checkpoint_every else "")
         out["command"] = (f"torchrun --nproc-per-node {world} -m trillora serve {weights} --tinker --device cuda "
                           f"--precision bf16{flags} --max-clients {a.clients}")
@@ -112,18 +116,22 @@ def render_service(out: dict) -> None:
     console.print(f"[bold]{out['model']}[/] served to {out['clients']} Tinker clients (LoRA rank {out['lora_rank']} on "
                   f"every role), {out['datums_per_call']} × {out['seq_len']} tokens per call, on {out['gpus']} "
                   f"{c['name']} ({c['memory_gib']:.0f} GiB, {c['memory_gib'] * (1 - c['reserve']):.0f} usable)")
-    t = Table(title="memory per GPU (GiB) by layout, fastest first")
-    for col in ("tp", "ep", "ac", "s per call", "base", "one pass", "clients", "total", "clients that fit"):
+    shown = [x for i, x in enumerate(out["layouts"]) if i < SHOWN or x["fits"]]  # --json lists them all
+    t = Table(title=f"memory per GPU (GiB): the {SHOWN} fastest layouts and every one that fits, fastest first")
+    for col in ("pp", "tp", "ep", "ac", "s per call", "base", "one pass", "clients", "total", "clients that fit"):
         t.add_column(col, justify="right")
-    for x in out["layouts"]:
+    for x in shown:
         m = x["memory_gib"]
-        t.add_row(str(x["tp"]), str(x["ep"]), "yes" if x["activation_checkpoint_every"] else "", f"{x['call_s']:.2f}", f"{m['base weights']:.1f}", f"{m['activations'] + m['transient']:.1f}",
+        t.add_row(str(x["pp"]), str(x["tp"]), str(x["ep"]), "yes" if x["activation_checkpoint_every"] else "", f"{x['call_s']:.2f}", f"{m['base weights']:.1f}", f"{m['activations'] + m['transient']:.1f}",
                   f"{m['clients: adapter + grads + AdamW + revision']:.1f}", f"{x['memory_total_gib']:.1f}",
                   f"{x['max_clients']}" if x["fits"] else f"[red]{x['max_clients']}[/]")
     console.print(t)
+    if len(shown) < len(out["layouts"]):
+        console.print(f"({len(out['layouts']) - len(shown)} slower layouts that do not fit left out; --json lists all)")
     if out["fits"]:
         ac = " with activation checkpointing" if out["chosen"]["activation_checkpoint_every"] else ""
-        console.print(f"chosen: tp={out['chosen']['tp']} ep={out['chosen']['ep']}{ac} (the fastest that fits)\n"
+        pp = f"pp={out['chosen']['pp']} " if out["chosen"]["pp"] > 1 else ""
+        console.print(f"chosen: {pp}tp={out['chosen']['tp']} ep={out['chosen']['ep']}{ac} (the fastest that fits)\n"
                       f"  {out['command']}")
     else:
         console.print(f"[red]no layout of {out['gpus']} GPUs holds {out['clients']} clients[/]")

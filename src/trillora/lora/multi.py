@@ -43,18 +43,25 @@ class RowAdapters:
         total = int(self.rows.sum())
         if b % total:
             raise ValueError(f"a batch of {b} rows cannot hold the {total} rows of the {self.k} adapters")
-        per_row = (b // total) * t
-        self.counts = self.rows * per_row
-        self.token_adapter = torch.repeat_interleave(torch.arange(self.k, device=self.rows.device), self.counts)
+        self.batch = b
+        self.counts, self.token_adapter = self._spread(t)
+
+    def _spread(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens per adapter [K] and each token's adapter [B*t] when every row has t tokens."""
+        counts = self.rows * (self.batch // int(self.rows.sum())) * t
+        return counts, torch.repeat_interleave(torch.arange(self.k, device=self.rows.device), counts)
 
     def linear(self, x: torch.Tensor, a_KrN: torch.Tensor, b_KOr: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Each token's own adapter: scaling_k · B_k A_k x, as two grouped GEMMs over adapter groups."""
         dt = compute_dtype(x, a_KrN)
         x_TN = x.reshape(-1, x.shape[-1]).to(dt)
-        if x_TN.shape[0] != self.counts.sum():
-            raise ValueError(f"{x_TN.shape[0]} token rows, but the adapters' rows hold {int(self.counts.sum())}")
-        h_Tr = grouped_linear(x_TN, a_KrN.to(dt), self.counts)
-        d_TO = grouped_linear(h_Tr, b_KOr.to(dt), self.counts) * self.scaling[self.token_adapter, None]
+        counts, token_adapter = self.counts, self.token_adapter
+        if x.dim() == 3 and x.shape[0] == self.batch and x_TN.shape[0] != counts.sum():
+            counts, token_adapter = self._spread(x.shape[1])  # the head of the last positions only (`logits_to_keep`)
+        if x_TN.shape[0] != counts.sum():
+            raise ValueError(f"{x_TN.shape[0]} token rows, but the adapters' rows hold {int(counts.sum())}")
+        h_Tr = grouped_linear(x_TN, a_KrN.to(dt), counts)
+        d_TO = grouped_linear(h_Tr, b_KOr.to(dt), counts) * self.scaling[token_adapter, None]
         return d_TO.to(like.dtype).reshape(*x.shape[:-1], -1)
 
     def expert_groups(self, counts_E: torch.Tensor, token_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,35 @@ from .layers import RMSNorm, RotaryEmbedding
 from .moe import MoE, SigmoidRouter
 
 
+class OtherStage(nn.Module):
+    """Stands where a module of another pipeline stage was (names and indices of the rest stay)."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this module lives on another pipeline stage; run the model through its stages")
+
+
+def keep_stage(model: nn.Module, layers: range) -> None:
+    """Drop what pipeline stage `layers` does not run: the other decoder layers, the embedding unless
+    the stage starts at layer 0, the final norm and head unless it ends at the last layer."""
+    n = len(model.model.layers)
+    for i in range(n):
+        if i not in layers:
+            model.model.layers[i] = OtherStage()
+    if layers.start != 0:
+        model.model.embed_tokens = OtherStage()
+    if layers.stop != n:
+        model.model.norm, model.lm_head = OtherStage(), OtherStage()
+
+
+def positions_of(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, offset: int) -> torch.Tensor:
+    """Position ids [B, T] of tokens that follow `offset` cached ones; with left padding
+    (`attention_mask` over cached + new) counted from each row's first real token."""
+    b, t = input_ids.shape
+    if attention_mask is None:
+        return torch.arange(offset, offset + t, device=input_ids.device).expand(b, t)
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, attention: nn.Module, mlp: nn.Module):
         super().__init__()
@@ -55,10 +84,7 @@ class Backbone(nn.Module):
         b, t = input_ids.shape
         offset = cache.length if cache is not None else 0
         if position_ids is None:
-            if attention_mask is None:
-                position_ids = torch.arange(offset, offset + t, device=input_ids.device).expand(b, t)
-            else:  # left padding: count positions from the first real token
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:]
+            position_ids = positions_of(input_ids, attention_mask, offset)
         x = self.embed_tokens(input_ids)  # [B, T, C]
         rope = self.rotary_emb(position_ids, x.dtype)
         # one mask per window size in use (gpt-oss alternates sliding and full layers)
@@ -103,8 +129,11 @@ class CausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids, attention_mask, position_ids, cache))
+        """Logits [B, T, V], or of the last `logits_to_keep` positions (decoding reads only the last)."""
+        h = self.hidden_states(input_ids, attention_mask, position_ids, cache)
+        return self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:

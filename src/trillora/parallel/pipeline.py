@@ -35,6 +35,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from ..models.attention import causal_mask
+from ..models.transformer import OtherStage
 from .vocab_parallel import head_logprobs
 from .context_parallel import padded_length
 from .dims import ParallelDims, ParallelError
@@ -63,13 +64,6 @@ def stage_indices(pp_rank: int, dims: ParallelDims) -> list[int]:
     if dims.pp_schedule == "zbv":
         return [pp_rank, 2 * dims.pp - 1 - pp_rank]
     return [pp_rank, pp_rank + dims.pp]
-
-
-class OtherStage(nn.Module):
-    """Stands where a module of another pipeline stage was (names and indices of the rest stay)."""
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("this module lives on another pipeline stage; run the model through its Pipeline")
 
 
 class StageModule(nn.Module):

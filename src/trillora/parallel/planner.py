@@ -172,35 +172,44 @@ class ServiceLayout:
 def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lora_rank: int, seq_len: int, rows: int,
                  base_bytes: int = 2) -> list[ServiceLayout]:
     """The service's layouts on `world` ranks, fastest first (the cost model's time for one call):
-    tp within a node and dividing the heads, ep dividing dp and the experts, with and without
-    activation checkpointing (every layer); each call's `rows`
-    datums of `seq_len` tokens split over dp in one pass (no microbatches); each client's adapter,
-    AdamW state and one sampler revision held at rank `lora_rank` on every role, split with its
-    layers. Resident memory: loading passes through the whole model first, as `trillora train` does."""
+    pp stages of whole layers, tp within a node and dividing the heads, ep dividing dp and the
+    experts, with and without activation checkpointing (every layer); each call's `rows` datums of
+    `seq_len` tokens split over dp in one pass (no microbatches, so the stages work in turn: one
+    call takes pp times a stage's time); each client's adapter, AdamW state and one sampler
+    revision held at rank `lora_rank` on every role, split with its layers; the fullest stage counts."""
     fp = Footprint(args, Training(lora_rank=lora_rank, targets=SERVICE_TARGETS, base_bytes=base_bytes))
     budget = cluster.memory_gib * 2**30 * (1 - cluster.reserve)
     out = []
     for tp in divisors(world):
         if tp > cluster.gpus_per_node or args.num_heads % tp or (not args.kv_lora_rank and args.num_kv_heads % tp):
             continue
-        dp = world // tp
-        for ep in divisors(dp):
-            if (args.num_experts % ep) if args.num_experts else ep > 1:
+        for pp in divisors(world // tp):
+            if pp > args.num_layers:
                 continue
-            for ac in (0, 1):
-                layout = ParallelDims(dp=dp, tp=tp, ep=ep, fsdp=False, activation_checkpoint_every=ac)
-                try:
-                    layout.check_model(args)
-                except ParallelError:
+            dp = world // (tp * pp)
+            for ep in divisors(dp):
+                if (args.num_experts % ep) if args.num_experts else ep > 1:
                     continue
-                work = Workload(seq_len=seq_len, rollouts_per_step=rows, micro_batch_rows=-(-rows // dp))
-                est = estimate(fp, layout, work, cluster)
-                one = est.memory.pop("adapter + grads + optimizer")
-                per_client = one / ADAPTER_STATE_BYTES * (ADAPTER_STATE_BYTES + REVISION_BYTES)
-                room = budget - est.memory_total
-                est.memory["clients: adapter + grads + AdamW + revision"] = per_client * clients
-                out.append(ServiceLayout(layout, est, clients, per_client, max(0, int(room // per_client))))
+                for ac in (0, 1):
+                    layout = ParallelDims(dp=dp, tp=tp, ep=ep, pp=pp, fsdp=False, activation_checkpoint_every=ac,
+                                          pp_schedule="gpipe", pp_microbatches=1)
+                    try:
+                        layout.check_model(args)
+                    except ParallelError:
+                        continue
+                    out.append(_service_layout(fp, layout, cluster, clients, seq_len, rows, budget))
     return sorted(out, key=lambda x: (x.estimate.step_s, x.estimate.memory_total))
+
+
+def _service_layout(fp: Footprint, layout: ParallelDims, cluster: Cluster, clients: int, seq_len: int, rows: int,
+                    budget: float) -> ServiceLayout:
+    work = Workload(seq_len=seq_len, rollouts_per_step=rows, micro_batch_rows=-(-rows // layout.dp))
+    est = estimate(fp, layout, work, cluster)
+    one = est.memory.pop("adapter + grads + optimizer")
+    per_client = one / ADAPTER_STATE_BYTES * (ADAPTER_STATE_BYTES + REVISION_BYTES)
+    room = budget - est.memory_total
+    est.memory["clients: adapter + grads + AdamW + revision"] = per_client * clients
+    return ServiceLayout(layout, est, clients, per_client, max(0, int(room // per_client)))
 
 
 __all__ = ["auto_dims", "CLUSTERS", "Plan", "RolloutLayout", "lora_vs_full", "plan", "plan_service", "rollout_layout", "ServiceLayout", "smallest_cluster",

@@ -40,8 +40,7 @@ from torch.distributed.tensor.parallel import (
 from ..models.attention import GQAttention, MLAttention
 from ..models.layers import SwiGLU
 from ..models.moe import MoE
-from ..models.transformer import DecoderLayer
-from .pipeline import OtherStage
+from ..models.transformer import DecoderLayer, OtherStage
 
 
 def _distribute(module: nn.Module, mesh, placements: dict[str, list]) -> None:

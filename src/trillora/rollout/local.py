@@ -143,7 +143,7 @@ class LocalEngine:
                 if bool(done.all()) or len(tokens) == params.max_new_tokens:
                     break
                 mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=self.device)], dim=1)
-                logits = self.model(tok[:, None], attention_mask=mask, cache=cache)[:, -1]
+                logits = self.model(tok[:, None], attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
         tok_BT = torch.stack(tokens, 1).tolist()
         lp_BT = torch.stack(logprobs, 1).float().tolist()
         routed = _stack_routes(routes, n) if params.return_routing else None  # [B, T_in, L, K]
@@ -172,7 +172,7 @@ class LocalEngine:
             ids[i, width - len(p):] = torch.tensor(p, device=self.device)
             mask[i, width - len(p):] = 1
         cache = KVCache(len(self.model.model.layers), width + params.max_new_tokens)
-        logits = self.model(ids, attention_mask=mask, cache=cache)[:, -1].repeat_interleave(n, 0)  # [B, V]
+        logits = self.model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1].repeat_interleave(n, 0)  # [B, V]
         cache.expand(n)
         return logits, cache, mask.repeat_interleave(n, 0), width
 
@@ -207,6 +207,8 @@ class LocalEngine:
             new[i, width - len(a):] = 1
         cache = KVCache(len(self.model.model.layers), old + width + params.max_new_tokens)
         for layer, (k, v) in enumerate(zip(kept.cache.k, kept.cache.v)):
+            if k is None:  # a layer this process does not run (another pipeline stage's)
+                continue
             cache.k[layer] = k.new_empty(len(rows), k.shape[1], cache.max_len, k.shape[-1])
             cache.v[layer] = v.new_empty(len(rows), v.shape[1], cache.max_len, v.shape[-1])
             cache.k[layer][:, :, :old] = k[idx, :, :old]
@@ -214,7 +216,7 @@ class LocalEngine:
         cache.length = old
         mask = torch.cat([kept.mask[idx], new], dim=1)
         self.reused_tokens += int(kept.mask[idx].sum())
-        logits = self.model(ids, attention_mask=mask, cache=cache)[:, -1]
+        logits = self.model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
         return logits, cache, mask, old + width
 
 

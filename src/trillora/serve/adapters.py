@@ -10,13 +10,16 @@ Requests run one at a time on the service's worker, so one set of slots serves e
 `use_many` puts several adapters in the slots at once, for one pass whose consecutive rows
 belong to different clients (`lora.multi`).
 
-On a sharded base (`serve.shards.Placement`: experts over ep, layers over tp) a new adapter draws
-its whole tensors from its seed and keeps this rank's part, so it equals the one-process adapter.
+On a sharded base (`serve.shards.Placement`: experts over ep, layers over tp, stages over pp) a new
+adapter draws its whole tensors and keeps this rank's part, so it equals the one-process adapter.
+Each slot draws from its own stream (the client's seed and the slot's name), on the CPU: a pipeline
+stage, which holds only some slots, draws what one process draws, and so does a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -81,7 +84,6 @@ class ResidentBase:
     def new_adapter(self, rank: int, roles: tuple[str, ...], seed: int = 0) -> Adapter:
         """Fresh parameters (A random as `lora.init`, B zero) on the slots of `roles`."""
         cfg = lora.LoraConfig(rank=rank, alpha=self.alpha, targets=roles, seed=seed)
-        generator = torch.Generator().manual_seed(seed)
         params: dict[str, nn.Parameter] = {}
         for name in sorted(self.slots):
             if self.roles[name] not in roles:
@@ -91,7 +93,10 @@ class ResidentBase:
             for pname in m.lora_names():
                 p = getattr(m, pname)
                 if pname.endswith("_A"):
-                    init_a(p, cfg.init, generator if p.device.type == "cpu" else None)
+                    drawn = torch.empty(p.shape, dtype=p.dtype)
+                    init_a(drawn, cfg.init, torch.Generator().manual_seed(slot_seed(seed, f"{name}.{pname}")))
+                    with torch.no_grad():
+                        p.copy_(drawn)
                 key = f"{name}.{pname}"
                 if self.sharded:  # drawn whole, kept in part
                     p = nn.Parameter(self.placement.shard(key, p.detach()))
@@ -99,7 +104,7 @@ class ResidentBase:
                 params[key] = p
             m.lora_enabled = False
         if not params:
-            raise ValueError(f"LoRA roles {roles} match no module of this model")
+            raise ValueError(f"LoRA roles {roles} match no module of this {'stage' if self.placement.stages else 'model'}")
         return Adapter(cfg, params)
 
     def adapter_from(self, config: lora.LoraConfig, tensors: dict[str, torch.Tensor]) -> Adapter:
@@ -119,7 +124,7 @@ class ResidentBase:
 
     @property
     def sharded(self) -> bool:
-        return self.placement.experts is not None or self.placement.tp is not None
+        return self.placement.experts is not None or self.placement.tp is not None or self.placement.stages is not None
 
     @contextlib.contextmanager
     def use(self, adapter: Adapter | Revision | None):
@@ -176,6 +181,11 @@ class ResidentBase:
     @staticmethod
     def revision(adapter: Adapter) -> Revision:
         return Revision(adapter.config, {k: t.clone() for k, t in adapter.tensors().items()})
+
+
+def slot_seed(seed: int, slot: str) -> int:
+    """The seed of one slot's stream: the client's seed mixed with the slot's name."""
+    return (seed * 0x9E3779B1 + zlib.crc32(slot.encode())) % (1 << 63)
 
 
 def _tensors(adapter: Adapter | Revision | None) -> dict[str, torch.Tensor]:

@@ -7,7 +7,8 @@ row, a row-parallel layer's A by input column, the other adapter matrix replicat
 DTensors, since the layer computes in DTensors). A client's adapter is created per request, after
 the split, so `Placement` cuts a whole tensor to this rank's part (`shard`), and puts the parts
 back together for a saved state (`full`): files always hold whole tensors and load into any
-layout. Keys are adapter tensor names, bare ("m.lora_B") or as a saved state names them
+layout. Under pipeline parallelism a rank holds only its stage's slots (`roles`): `here` keeps the
+tensors of those, and `full` joins the stages' tensors. Keys are adapter tensor names, bare ("m.lora_B") or as a saved state names them
 ("param.m.lora_B", "optim.m.lora_B.exp_avg").
 """
 
@@ -74,6 +75,8 @@ class Placement:
         self.roles = roles  # {slot module: role}
         self.experts: ExpertShard | None = None
         self.tp: TensorShard | None = None
+        self.stages = None
+        """The pipeline-parallel group, when this rank holds one stage's slots."""
 
     @staticmethod
     def bare(key: str) -> str:
@@ -82,6 +85,13 @@ class Placement:
         if key.startswith("optim."):
             return key[len("optim."):].rpartition(".")[0]
         return key
+
+    def here(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tensors of this rank's slots, and those of no slot (a saved state's RNG)."""
+        def holds(key: str) -> bool:
+            module, _, name = self.bare(key).rpartition(".")
+            return not name.startswith("lora_") or module in self.roles
+        return {k: t for k, t in tensors.items() if holds(k)}
 
     def is_expert(self, key: str) -> bool:
         return self.roles.get(self.bare(key).rpartition(".")[0]) == "experts"
@@ -115,7 +125,7 @@ class Placement:
     def full(self, tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
         """Whole tensors from this rank's parts (DTensors or their local parts): a collective over
         tp and ep, so every rank calls it with the same keys. NCCL gathers on `device`."""
-        if self.tp is None and self.experts is None:
+        if self.tp is None and self.experts is None and self.stages is None:
             return tensors
         out = {}
         for k in sorted(tensors):  # the same order on every rank
@@ -129,6 +139,10 @@ class Placement:
             if self.experts is not None and self.is_expert(k) and t.dim() and t.shape[0] != self.experts.num_experts:
                 t = _gather(t, 0, self.experts.size, self.experts.group, device)
             out[k] = t.to(home)
+        if self.stages is not None:  # every stage's tensors (the RNG state: the first stage's)
+            parts = [None] * dist.get_world_size(self.stages)
+            dist.all_gather_object(parts, {k: t.cpu() for k, t in out.items()}, group=self.stages)
+            out = {k: t for part in reversed(parts) for k, t in part.items()}
         return out
 
 

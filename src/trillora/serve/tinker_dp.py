@@ -94,7 +94,7 @@ class DataParallelService(TinkerService):
         adam_settings(adam)  # refused before the gradients are summed, so a retry does not sum them twice
         params = client.adapter.params
         has = torch.tensor([float(p.grad is not None) for p in params.values()], device=self.device)
-        dist.all_reduce(has, op=dist.ReduceOp.MAX)  # a rank with no rows of this client has no gradient
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.dp_group)  # a rank with no rows of this client has no gradient
         for p, h in zip(params.values(), has.tolist()):
             if h and p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -161,7 +161,7 @@ class TinkerService:
         with use as model, torch.set_grad_enabled(any(not c.forward_only for _, c, *_ in live)):
             if not mine:  # one token through the pass, weighted 0: its collectives, not its loss
                 filler = self._target_logprobs(model, [Datum([0], {})], [{"target_tokens": torch.zeros(1)}])[0]
-                self._losses_and_backward(live, [], outcomes, filler.sum() * 0)
+                self._losses_and_backward(live, [], outcomes, filler)
                 return outcomes
             logps = self._target_logprobs(model, [d for _, c, _, lo, hi in mine for d in c.data[lo:hi]],
                                           [t for _, c, _, lo, hi in mine for t in c.tensors[lo:hi]])
@@ -170,8 +170,15 @@ class TinkerService:
 
     def _losses_and_backward(self, live: list, logps: list[torch.Tensor], outcomes: list,
                              filler: torch.Tensor | None = None) -> None:
-        """Each call's loss over its datums (`logps` in call order); a non-finite one is refused; the
-        backward of the summed kept losses. `filler` (a zero with a graph) joins the first call's loss."""
+        total = self._kept_loss(live, logps, outcomes, filler)
+        if total is not None:
+            total.backward()
+
+    def _kept_loss(self, live: list, logps: list[torch.Tensor], outcomes: list,
+                   filler: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Each call's loss over its datums (`logps` in call order) and its outcome; a non-finite one is
+        refused. Returns the sum of the kept losses, to run backward from (None: nothing to run).
+        `filler` (a pass's output, weighted 0) joins the first call's loss."""
         partial, start, mine = [], 0, {}
         for i, c, _, lo, hi in live:
             lps, start = logps[start:start + hi - lo], start + hi - lo
@@ -179,7 +186,7 @@ class TinkerService:
             partial.append(sum((datum_loss(c.loss_fn, lp, {k: v.to(self.device) for k, v in t.items()}, c.config)
                                 for lp, t in zip(lps, c.tensors[lo:hi])), torch.zeros((), device=self.device)))
         if filler is not None:
-            partial[0] = partial[0] + filler
+            partial[0] = partial[0] + filler.sum() * 0
         totals, every = self._combine(partial, mine)
         kept = []
         for (i, c, *_), loss, total in zip(live, partial, totals):
@@ -189,8 +196,7 @@ class TinkerService:
             if not c.forward_only and loss.requires_grad:
                 kept.append(loss)
             outcomes[i] = (every[i], {"loss:sum": total})
-        if kept:
-            torch.stack(kept).sum().backward()
+        return torch.stack(kept).sum() if kept else None
 
     def _block(self, n: int) -> tuple[int, int]:
         """Which of a call's n datums this process runs: all of them (a data-parallel rank: its share)."""
@@ -209,7 +215,10 @@ class TinkerService:
         ids = torch.zeros(len(data), width, dtype=torch.long)  # [B, T] right-padded (causal: pads change nothing before them)
         for i, d in enumerate(data):
             ids[i, :len(d.tokens)] = torch.tensor(d.tokens)
-        logp = torch.log_softmax(model(ids.to(self.device)).float(), dim=-1)  # [B, T, V]
+        logits = model(ids.to(self.device))  # [B, T, V]
+        if logits is None:  # a pipeline stage before the last: the last one computes the losses
+            return [None] * len(data)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
         out = []
         for i, (d, t) in enumerate(zip(data, tensors)):
             targets = t["target_tokens"].long().to(self.device)  # [N] or [N, K]
@@ -286,7 +295,7 @@ class TinkerService:
         if kind != "weights":
             raise BadRequest(f"{tinker_path!r} holds sampler weights; load a tinker://.../weights/... state")
         meta = json.loads((folder / "state.json").read_text())
-        tensors = load_file(str(folder / "adapter.safetensors"))
+        tensors = self.base.placement.here(load_file(str(folder / "adapter.safetensors")))
         roles = tuple(meta["roles"])
         adapter = self.base.adapter_from(lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=roles,
                                                          seed=meta["seed"]),
@@ -332,7 +341,7 @@ class TinkerService:
         meta = json.loads((folder / "state.json").read_text())
         tensors = load_file(str(folder / "adapter.safetensors"))
         tensors = {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")} or tensors
-        tensors = {k: self.base.placement.shard(k, v.to(self.device)) for k, v in tensors.items()}
+        tensors = {k: self.base.placement.shard(k, v.to(self.device)) for k, v in self.base.placement.here(tensors).items()}
         config = lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=tuple(meta["roles"]), seed=meta["seed"])
         return self._add_sampler(sid, seq, Revision(config, tensors))
 

@@ -1,10 +1,11 @@
-"""The Tinker service on a sharded base: `torchrun --nproc-per-node N -m trillora serve MODEL --tinker --tp T --ep K`.
+"""The Tinker service on a sharded base: `torchrun --nproc-per-node N -m trillora serve MODEL --tinker --tp T --ep K --pp P`.
 
-The base is split as `trillora train` splits it (`parallel.dims`): N = dp × T ranks, the
-attention and dense MLP layers over the T ranks of a tensor-parallel group (which see the same
-tokens), the routed experts over K ranks borrowed from data parallelism. Every client's adapter
-is split with its layers (`serve.shards`), so a large MoE's experts, its layers and the clients'
-adapters cost a fraction per rank. Beyond data parallelism (`serve.tinker_dp`):
+The base is split as `trillora train` splits it (`parallel.dims`): N = P × dp × T ranks, the
+decoder layers into P pipeline stages (`parallel.staged`: each rank loads and holds one stage),
+the attention and dense MLP layers over the T ranks of a tensor-parallel group (which see the
+same tokens), the routed experts over K ranks borrowed from data parallelism. Every client's
+adapter is split with its layers (`serve.shards`), so a large MoE's experts, its layers and the
+clients' adapters cost a fraction per rank. Beyond data parallelism (`serve.tinker_dp`):
 
 - each call's datums are split over the dp ranks; the ranks of a tp group run the same block;
 - every rank joins every pass, since each MoE layer's all-to-all sends routed rows to the rank
@@ -14,23 +15,31 @@ adapters cost a fraction per rank. Beyond data parallelism (`serve.tinker_dp`):
 - optim_step first completes the tp layers' partial gradients, then sums the dense adapters
   over dp and the expert slices over the ranks holding the same experts (dp/K); the clipping
   norm counts every part once;
+- the stages of one dp rank run each pass in turn; the last one computes the losses and sends
+  the outcomes to the others, then backward runs from it back to the first stage;
 - saved states and sampler weights are whole (gathered) and load into any layout;
 - sampling: the tp group of rank 0 drives the engine, every member the same generate (same
   logits after the all-reduce, same seeded generator, so the same tokens). Before each forward
   rank 0 names the sampler to the rest, which run one token through the same revision so that
-  their experts serve the drivers' rows. Sampler sessions therefore exist on every rank.
+  their experts serve the drivers' rows. Sampler sessions therefore exist on every rank. Under
+  pp the drivers are every stage of dp rank 0, and the last stage's logits reach them all.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 
 from ..parallel.dims import ParallelDims, ParallelError, build_meshes
 from ..parallel.expert_parallel import apply_expert_parallel
+from ..parallel.pipeline import split_layers
+from ..parallel.staged import StagedModel
 from ..parallel.tensor_parallel import apply_tensor_parallel
 from .shards import ExpertShard, TensorShard
 from .tinker_dp import DataParallelService, sum_over
+from .tinker_service import BadRequest
 
 
 class ShardedService(DataParallelService):
@@ -45,19 +54,26 @@ class ShardedService(DataParallelService):
         try:
             if cfg.ep > 1 and not args.num_experts:
                 raise ParallelError(f"{cfg.model} has no routed experts to shard")
-            if world % cfg.tp:
-                raise ParallelError(f"parallel.tp={cfg.tp} must divide the {world} ranks")
-            dims = ParallelDims(dp=world // cfg.tp, tp=cfg.tp, ep=cfg.ep)  # ep must divide dp ...
+            if world % (cfg.tp * cfg.pp):
+                raise ParallelError(f"parallel.tp={cfg.tp} × pp={cfg.pp} must divide the {world} ranks")
+            if cfg.pp > args.num_layers:
+                raise ParallelError(f"parallel.pp={cfg.pp} stages for {args.num_layers} layers; allowed: 1..{args.num_layers}")
+            dims = ParallelDims(dp=world // (cfg.tp * cfg.pp), tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)  # ep must divide dp ...
             dims.check_model(args)  # ... and the experts; tp the heads and MLP widths
         except ParallelError as e:
-            raise ParallelError(f"--tp {cfg.tp} --ep {cfg.ep} on {world} ranks: {e}") from None
+            raise ParallelError(f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} on {world} ranks: {e}") from None
         meshes = build_meshes(dims, torch.device(cfg.device).type)
-        self.dims, self.meshes = dims, meshes
-        super().__init__(cfg, model)  # loads only this rank's experts (`_load_base`)
+        self.dims, self.meshes, self.num_layers = dims, meshes, args.num_layers
+        self.stages = None  # this rank's pipeline stage (`parallel.staged`)
+        if model is not None and dims.pp > 1:
+            model = self._staged(model)
+        super().__init__(cfg, model)  # loads only this rank's stage and experts (`_load_base`)
         self.dp_group, self.dp_rank, self.dp_size = meshes.group("dp"), meshes.rank("dp"), dims.dp
         self.edp_group = meshes.group("edp")
         placement = self.base.placement
         model = self.base.model
+        if dims.pp > 1:
+            placement.stages = meshes.group("pp")
         if dims.ep > 1:
             apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
             placement.experts = ExpertShard(meshes.group("ep"), meshes.rank("ep"), dims.ep, args.num_experts)
@@ -70,7 +86,20 @@ class ShardedService(DataParallelService):
         from ..checkpoint import load_model
 
         experts = (self.meshes.rank("ep"), self.dims.ep) if self.dims.ep > 1 else None
-        return load_model(path, dtype=dtype, device=self.cfg.device, experts=experts)
+        layers = split_layers(self.num_layers, self.dims.pp)[self.meshes.rank("pp")] if self.dims.pp > 1 else None
+        model = load_model(path, dtype=dtype, device=self.cfg.device, experts=experts, layers=layers)
+        return self._staged(model) if self.dims.pp > 1 else model
+
+    def _staged(self, model) -> StagedModel:
+        self.stages = StagedModel(model, self.meshes.group("pp"), self.meshes.rank("pp"), self.dims.pp)
+        return self.stages
+
+    def lora_settings(self, base_model, lora_config):
+        rank, roles, seed = super().lora_settings(base_model, lora_config)
+        if self.stages is not None and set(roles) <= {"lm_head"}:
+            raise BadRequest(f"lora_config trains only the unembedding, which lives on the last of --pp {self.dims.pp} "
+                             "stages; every stage needs an adapter: set train_attn or train_mlp")
+        return rank, roles, seed
 
     # --- the calls every rank runs, beyond data parallelism's ---------------------------------
     def save_state(self, model_id, name, optimizer=True):
@@ -94,6 +123,10 @@ class ShardedService(DataParallelService):
 
     def sample_many(self, calls):
         self._mirror("sample_many", calls)
+        with self.stages.sharing_logits() if self.stages is not None else contextlib.nullcontext():
+            return self._sample_or_follow(calls)
+
+    def _sample_or_follow(self, calls):
         if self.dp_rank == 0:  # rank 0's tp group: every member drives the same generate
             hook = self.base.model.register_forward_pre_hook(self._before_forward)
             try:
@@ -115,6 +148,17 @@ class ShardedService(DataParallelService):
         box = [sampler_id]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    # --- passes through pipeline stages -----------------------------------------------------
+    def _losses_and_backward(self, live, logps, outcomes, filler=None):
+        """Under pp: the losses on the last stage, their outcomes sent to every stage, then backward
+        through the stages (after the outcomes: a stage waiting for them cannot take a gradient)."""
+        if self.stages is None:
+            return super()._losses_and_backward(live, logps, outcomes, filler)
+        total = self._kept_loss(live, logps, outcomes, filler) if self.stages.last else None
+        outcomes[:], backward = self.stages.from_last((outcomes, total is not None))
+        if backward:
+            self.stages.backward(total)
 
     # --- gradients ----------------------------------------------------------------------------
     def _sum_gradients(self, params):
@@ -144,7 +188,10 @@ class ShardedService(DataParallelService):
             dist.all_reduce(tp_parts, group=self.tp_group)
         if self.dims.ep > 1:
             dist.all_reduce(expert_parts, group=placement.experts.group)
-        return float((squares[0] + tp_parts[0] + expert_parts[0]).sqrt())
+        total = squares[0:1] + tp_parts + expert_parts
+        if self.dims.pp > 1:  # each stage holds its own layers' adapters
+            dist.all_reduce(total, group=placement.stages)
+        return float(total[0].sqrt())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

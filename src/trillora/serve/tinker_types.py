@@ -23,6 +23,9 @@ class BadRequest(TrilloraError):
         super().__init__(message)
         self.status = status
 
+    def __reduce__(self):  # the status travels too (a pipeline's last stage sends outcomes to the others)
+        return BadRequest, (str(self), self.status)
+
 
 @dataclass
 class TinkerConfig:
@@ -55,11 +58,13 @@ class TinkerConfig:
     """Under torchrun: split attention and dense MLP layers over groups of this many ranks (`serve.tinker_sharded`)."""
     ep: int = 1
     """Under torchrun: shard the routed experts over groups of this many ranks (`serve.tinker_sharded`)."""
+    pp: int = 1
+    """Under torchrun: split the decoder layers into this many pipeline stages (`parallel.staged`)."""
     activation_checkpoint_every: int = 0
     """Recompute every k-th decoder layer in backward instead of keeping its activations (0 = off)."""
 
     def __post_init__(self) -> None:
-        for key in ("tp", "ep"):
+        for key in ("tp", "ep", "pp"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1 dividing the number of ranks")
         if not isinstance(self.activation_checkpoint_every, int) or self.activation_checkpoint_every < 0:

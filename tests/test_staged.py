@@ -1,0 +1,107 @@
+"""`parallel.staged.StagedModel` on three gloo ranks (first, middle and last stage) against the whole
+model in one process: logits of right-padded rows, LoRA gradients of a loss at arbitrary [N, K]
+targets (the last stage's backward carried back through the others), and KV-cache sampling from
+left-padded prompts on every stage. Families: DeepSeek-V3 (MLA, a dense first layer) and gpt-oss
+(sliding windows on alternate layers, sinks, 4 layers over 3 stages)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine_helpers import free_port
+from hf_models import DEEPSEEK_V3, GPT_OSS
+from trillora import lora
+from trillora.models import build_model, from_hf_config
+from trillora.models.transformer import OtherStage
+from trillora.parallel.staged import StagedModel
+from trillora.rollout.local import LocalEngine
+from trillora.rollout.types import SamplingParams
+
+FAMILIES = {"deepseek_v3": DEEPSEEK_V3, "gpt_oss": dict(GPT_OSS, sliding_window=4)}
+RANKS = 3
+
+
+def reference(family: str):
+    args = from_hf_config(FAMILIES[family], where=family)
+    model = build_model(args, device="cpu")
+    model.init_weights(std=0.08, generator=torch.Generator().manual_seed(0))
+    lora.apply_lora(model, lora.LoraConfig(rank=4, targets=("attention", "mlp", "shared_experts", "experts", "lm_head")))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, p in lora.lora_parameters(model):
+            p.normal_(0, 0.05, generator=g)
+    return model
+
+
+def target_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """What a Tinker loss reads: logprobs at [B, T, K] targets, weighted."""
+    return -(torch.log_softmax(logits.float(), -1).gather(-1, targets) * weights).sum()
+
+
+def check_family(family: str, rank: int) -> None:
+    ref = reference(family)
+    staged = StagedModel(copy.deepcopy(ref), dist.group.WORLD, rank, RANKS)
+    assert len(staged.layers) >= 1 and staged.first == (rank == 0) and staged.last == (rank == RANKS - 1)
+    assert isinstance(staged.lm_head, OtherStage) != staged.last
+    data = torch.Generator().manual_seed(2)
+    vocab = ref.args.vocab_size
+    ids = torch.randint(0, vocab, (3, 9), generator=data)  # [B, T]
+    targets = torch.randint(0, vocab, (3, 9, 2), generator=data)  # [B, T, K]
+    weights = torch.rand(3, 9, 2, generator=data)
+
+    # a pass with autograd: the loss on the last stage, its gradient carried back through the others
+    want_logits = ref(ids)
+    target_loss(want_logits, targets, weights).backward()
+    logits = staged(ids)
+    assert (logits is None) != staged.last
+    loss = target_loss(logits, targets, weights) if staged.last else None
+    if staged.last:
+        torch.testing.assert_close(logits, want_logits)
+    staged.backward(loss)
+    want = dict(ref.named_parameters())
+    grads = {n: p.grad for n, p in staged.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None for g in grads.values())
+    assert any(".layers." in n for n in grads)  # every stage has layers with adapters
+    for n, g in grads.items():
+        torch.testing.assert_close(g, want[n].grad, msg=lambda m, n=n: f"rank {rank} {n}: {m}")
+
+    # decoding: every stage runs the same loop on the last stage's logits and picks the same tokens
+    prompts = [[5, 9, 2, 7], [3, 1], [4, 4, 8, 6, 2, 1]]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
+    with torch.no_grad(), staged.sharing_logits():
+        assert staged(ids[:, :4], logits_to_keep=1).shape == (3, 1, vocab)
+        got = LocalEngine.sharing(staged).generate(prompts, 2, params)
+    wanted = LocalEngine.sharing(ref).generate(prompts, 2, params)
+    for rows, want_rows in zip(got, wanted, strict=True):
+        for c, w in zip(rows, want_rows, strict=True):
+            assert c.token_ids == w.token_ids
+            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(w.logprobs))
+
+
+def worker(rank: int, port: int, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    try:
+        for family in FAMILIES:
+            check_family(family, rank)
+    except Exception:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_three_stages_compute_what_the_whole_model_computes():
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(worker, args=(free_port(), errors), nprocs=RANKS, start_method="spawn")
+    except Exception as e:
+        raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
