@@ -1,7 +1,7 @@
 """`parallel.staged.StagedModel` on three gloo ranks (first, middle and last stage) against the whole
 model in one process: logits of right-padded rows, LoRA gradients of a loss at arbitrary [N, K]
 targets (the last stage's backward carried back through the others), and KV-cache sampling from
-left-padded prompts on every stage. Families: DeepSeek-V3 (MLA, a dense first layer) and gpt-oss
+left-padded prompts on every stage, fp32 and on a bf16 base. Families: DeepSeek-V3 (MLA, a dense first layer) and gpt-oss
 (sliding windows on alternate layers, sinks, 4 layers over 3 stages)."""
 
 from __future__ import annotations
@@ -78,6 +78,18 @@ def check_family(family: str, rank: int) -> None:
         assert staged(ids[:, :4], logits_to_keep=1).shape == (3, 1, vocab)
         got = LocalEngine.sharing(staged).generate(prompts, 2, params)
     wanted = LocalEngine.sharing(ref).generate(prompts, 2, params)
+    same_samples(got, wanted)
+
+    # a bf16 base: stages send bf16 hidden states, the last stage's logits reach the others in fp32
+    ref, staged = ref.to(torch.bfloat16), copy.deepcopy(ref).to(torch.bfloat16)
+    staged = StagedModel(staged, dist.group.WORLD, rank, RANKS)
+    assert staged.hidden_dtype == torch.bfloat16
+    with torch.no_grad(), staged.sharing_logits():
+        got = LocalEngine.sharing(staged).generate(prompts, 2, params)
+    same_samples(got, LocalEngine.sharing(ref).generate(prompts, 2, params))
+
+
+def same_samples(got, wanted) -> None:
     for rows, want_rows in zip(got, wanted, strict=True):
         for c, w in zip(rows, want_rows, strict=True):
             assert c.token_ids == w.token_ids

@@ -126,12 +126,13 @@ class LoraGroupedExperts(LoraMixin, GroupedExperts):
         self.lora_gate_B, self.lora_up_B = _new((e, i, rank), w, dtype), _new((e, i, rank), w, dtype)
         self.lora_down_A, self.lora_down_B = _new((e, rank, i), w, dtype), _new((e, c, rank), w, dtype)
 
-    def project(self, x_R: torch.Tensor, name: str, counts: torch.Tensor, token_R: torch.Tensor | None = None) -> torch.Tensor:
+    def project(self, x_R: torch.Tensor, name: str, counts: torch.Tensor, token_R: torch.Tensor | None = None,
+                adapter_R: torch.Tensor | None = None) -> torch.Tensor:
         y = super().project(x_R, name, counts)
         if not self.lora_active:
             return y
         if self.lora_multi is not None:
-            return y + self._multi_update(x_R, name, counts, token_R, y)
+            return y + self._multi_update(x_R, name, counts, token_R, adapter_R, y)
         dt = compute_dtype(x_R, self.lora_down_A)
         h = self.lora_dropout(x_R).to(dt)
         r = self.lora_rank
@@ -146,19 +147,23 @@ class LoraGroupedExperts(LoraMixin, GroupedExperts):
             delta = grouped_linear(h_Rr, self.lora_down_B.to(dt), counts, self.grouped)
         return y + (delta * self.lora_scaling).to(y.dtype)
 
-    def _multi_update(self, x_R, name, counts, token_R, y) -> torch.Tensor:
+    def _multi_update(self, x_R, name, counts, token_R, adapter_R, y) -> torch.Tensor:
         """Rows of several adapters: grouped per (expert, adapter); w holds [E, K, ...] stacks."""
         rows, w = self.lora_multi
-        groups, adapter_R = rows.expert_groups(counts, token_R)
+        groups, adapter_R, order = rows.expert_groups(counts, token_R, adapter_R)
+        if order is not None:  # rows of several ranks: grouped for the GEMMs, put back after
+            x_R = x_R[order]
         if name == "down_proj":
-            return rows.experts(x_R, w["lora_down_A"], w["lora_down_B"], groups, adapter_R, y)
-        r = w["lora_gate_A"].shape[2]
-        a = torch.cat([w["lora_gate_A"], w["lora_up_A"]], dim=2)  # [E, K, 2r, C]
-        dt = compute_dtype(x_R, a)
-        h_R2r = grouped_linear(x_R.to(dt), a.flatten(0, 1).to(dt), groups)
-        gate = rows.experts_second(h_R2r[:, :r].contiguous(), w["lora_gate_B"], groups, adapter_R, y)
-        up = rows.experts_second(h_R2r[:, r:].contiguous(), w["lora_up_B"], groups, adapter_R, y)
-        return torch.cat([gate, up], dim=-1)  # [R, 2I]
+            d = rows.experts(x_R, w["lora_down_A"], w["lora_down_B"], groups, adapter_R, y)
+        else:
+            r = w["lora_gate_A"].shape[2]
+            a = torch.cat([w["lora_gate_A"], w["lora_up_A"]], dim=2)  # [E, K, 2r, C]
+            dt = compute_dtype(x_R, a)
+            h_R2r = grouped_linear(x_R.to(dt), a.flatten(0, 1).to(dt), groups)
+            gate = rows.experts_second(h_R2r[:, :r].contiguous(), w["lora_gate_B"], groups, adapter_R, y)
+            up = rows.experts_second(h_R2r[:, r:].contiguous(), w["lora_up_B"], groups, adapter_R, y)
+            d = torch.cat([gate, up], dim=-1)  # [R, 2I]
+        return d if order is None else d[torch.argsort(order)]
 
     def delta(self) -> dict[str, torch.Tensor]:
         s = self.lora_scaling

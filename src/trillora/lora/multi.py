@@ -24,14 +24,16 @@ from ..models.moe import compute_dtype, grouped_linear
 class RowAdapters:
     """Which of K adapters each row of the next forward uses, and the K adapters' scalings.
 
-    `rows[k]` consecutive batch rows use adapter k. A model call may also carry each row
-    repeated n times in place (a sampler's n samples per prompt after one prefill): `begin`
-    takes the call's [B, T] input and spreads the adapters over it.
+    `rows[k]` consecutive batch rows use adapter k (0 rows: an adapter other ranks' rows use, kept
+    so that every rank of an expert-parallel group numbers the adapters alike). A model call may
+    also carry each row repeated n times in place (a sampler's n samples per prompt after one
+    prefill): `begin` takes the call's [B, T] input and spreads the adapters over it.
     """
 
     def __init__(self, rows: list[int], scaling: list[float], device: torch.device):
-        if len(rows) != len(scaling) or min(rows, default=0) < 1:
-            raise ValueError(f"one positive row count and one scaling per adapter; got rows={rows}, scaling={scaling}")
+        if len(rows) != len(scaling) or min(rows, default=0) < 0 or sum(rows) < 1:
+            raise ValueError(f"one row count >= 0 per adapter, some rows, one scaling per adapter; got rows={rows}, "
+                             f"scaling={scaling}")
         self.rows = torch.tensor(rows, device=device)
         self.scaling = torch.tensor(scaling, dtype=torch.float32, device=device)  # [K]
         self.k = len(rows)
@@ -64,13 +66,26 @@ class RowAdapters:
         d_TO = grouped_linear(h_Tr, b_KOr.to(dt), counts) * self.scaling[token_adapter, None]
         return d_TO.to(like.dtype).reshape(*x.shape[:-1], -1)
 
-    def expert_groups(self, counts_E: torch.Tensor, token_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows per (expert, adapter) pair [E*K] and each routed row's adapter [R]."""
-        if token_R is None or token_R.shape[0] != int(counts_E.sum()):
-            raise ValueError("per-row expert adapters need each routed row's source token (not under expert parallelism)")
-        adapter_R = self.token_adapter[token_R]
+    def expert_groups(self, counts_E: torch.Tensor, token_R: torch.Tensor | None,
+                      adapter_R: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rows per (expert, adapter) pair [E*K], each row's adapter [R] in that grouping, and the
+        order that groups the rows (None: they already are).
+
+        `token_R`: each routed row's source token, whose adapter `begin` knows; or `adapter_R`, each
+        row's adapter itself (rows that expert parallelism brought from other ranks). Rows of one
+        rank come sorted by expert and within it by token, so grouped per (expert, adapter); rows
+        of several ranks interleave their adapters within an expert, and are sorted first."""
+        if adapter_R is None:
+            if token_R is None or token_R.shape[0] != int(counts_E.sum()):
+                raise ValueError("per-row expert adapters need each routed row's source token or adapter")
+            adapter_R = self.token_adapter[token_R]
         expert_R = torch.repeat_interleave(torch.arange(counts_E.shape[0], device=counts_E.device), counts_E)
-        return torch.bincount(expert_R * self.k + adapter_R, minlength=counts_E.shape[0] * self.k), adapter_R
+        key_R = expert_R * self.k + adapter_R
+        order = None
+        if key_R.numel() > 1 and bool((key_R[1:] < key_R[:-1]).any()):
+            order = torch.argsort(key_R, stable=True)
+            adapter_R = adapter_R[order]
+        return torch.bincount(key_R, minlength=counts_E.shape[0] * self.k), adapter_R, order
 
     def experts(self, x_R: torch.Tensor, a_EKrN: torch.Tensor, b_EKOr: torch.Tensor, groups: torch.Tensor,
                 adapter_R: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -135,15 +135,17 @@ class GroupedExperts(nn.Module):
         self.limit, self.alpha = limit, alpha
         self.grouped = True  # False: per-expert loop (reference)
 
-    def forward(self, x_RC: torch.Tensor, counts_E: torch.Tensor, token_R: torch.Tensor | None = None) -> torch.Tensor:
-        gate_up_R2I = self._biased(self.project(x_RC, "gate_up_proj", counts_E, token_R), "gate_up_proj_bias", counts_E)
+    def forward(self, x_RC: torch.Tensor, counts_E: torch.Tensor, token_R: torch.Tensor | None = None,
+                adapter_R: torch.Tensor | None = None) -> torch.Tensor:
+        gate_up_R2I = self._biased(self.project(x_RC, "gate_up_proj", counts_E, token_R, adapter_R), "gate_up_proj_bias",
+                                   counts_E)
         gate, up = gate_up_R2I.chunk(2, dim=-1)
         if self.limit:  # gpt-oss: clamped, with a sharper sigmoid and up shifted by one
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
             h = (up + 1) * gate * torch.sigmoid(self.alpha * gate)
         else:
             h = F.silu(gate) * up
-        return self._biased(self.project(h, "down_proj", counts_E, token_R), "down_proj_bias", counts_E)  # [R, C]
+        return self._biased(self.project(h, "down_proj", counts_E, token_R, adapter_R), "down_proj_bias", counts_E)  # [R, C]
 
     def _biased(self, y_RO: torch.Tensor, name: str, counts_E: torch.Tensor) -> torch.Tensor:
         """Add each row's expert's bias (rows are sorted by expert, `counts_E` per expert)."""
@@ -152,9 +154,11 @@ class GroupedExperts(nn.Module):
             return y_RO
         return y_RO + bias.to(y_RO.dtype).repeat_interleave(counts_E, dim=0, output_size=y_RO.shape[0])
 
-    def project(self, x_R: torch.Tensor, name: str, counts_E: torch.Tensor, token_R: torch.Tensor | None = None) -> torch.Tensor:
+    def project(self, x_R: torch.Tensor, name: str, counts_E: torch.Tensor, token_R: torch.Tensor | None = None,
+                adapter_R: torch.Tensor | None = None) -> torch.Tensor:
         """One stacked projection over expert-sorted rows; the hook point for expert LoRA
-        (`token_R`, each row's source token, tells per-row adapters which rows are whose)."""
+        (`token_R`, each row's source token, tells per-row adapters which rows are whose; rows
+        that expert parallelism brought from other ranks carry their adapter, `adapter_R`)."""
         return grouped_linear(x_R, getattr(self, name), counts_E, self.grouped)
 
 

@@ -11,7 +11,9 @@ outside with two hooks, torchtitan-style:
 
 Both row exchanges are differentiable (`all_to_all_single_autograd`), so gradients reach
 the other ranks' tokens and every rank's expert adapters see all tokens routed to them.
-Grouped GEMM runs unchanged on the local experts.
+Grouped GEMM runs unchanged on the local experts. When the pass holds several adapters
+(`lora.multi`: a service's clients in one pass), each row's adapter travels with it, so the
+expert's rank applies the right one; every rank of the group then runs such a pass.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ class ExpertParallel:
         self.first = ep_rank * self.local  # global index of this rank's first expert
         self._pending: list[tuple] = []
         self.bytes_sent = 0  # rows sent to other ranks, forward (backward moves the same again)
-        module.register_forward_pre_hook(self.dispatch)
+        module.register_forward_pre_hook(self.dispatch, with_kwargs=True)
         module.register_forward_hook(self.combine)
 
-    def dispatch(self, module, args):
+    def dispatch(self, module, args, kwargs):
         x_RC, counts_E = args
         send = counts_E.view(self.size, self.local)  # [dest rank, local expert]: rows this rank sends
         recv = torch.empty_like(send)
@@ -47,7 +49,17 @@ class ExpertParallel:
         order = torch.argsort(expert_of_row, stable=True)  # rows by local expert, then by source rank
         self._pending.append((order, in_splits, out_splits))
         self.bytes_sent += (x_RC.shape[0] - in_splits[self.rank]) * x_RC.shape[1] * x_RC.element_size()
-        return x_recv[order], recv.sum(0)
+        token_R = kwargs.get("token_R")
+        kwargs = dict(kwargs, token_R=None)  # source tokens mean nothing on the expert's rank
+        multi = getattr(module, "lora_multi", None) if getattr(module, "lora_enabled", False) else None
+        if multi is not None:  # each row's adapter goes with it
+            if token_R is None:
+                raise ValueError("rows of several adapters under expert parallelism need each row's source token")
+            adapter_R = multi[0].token_adapter[token_R]
+            got = adapter_R.new_empty(sum(out_splits))
+            dist.all_to_all_single(got, adapter_R.contiguous(), out_splits, in_splits, group=self.group)
+            kwargs["adapter_R"] = got[order]
+        return (x_recv[order], recv.sum(0)), kwargs
 
     def combine(self, module, args, y_RC):
         order, in_splits, out_splits = self._pending.pop()

@@ -90,9 +90,8 @@ class StagedModel(nn.Module):
         else:
             dist.send(x.detach().contiguous(), group=self.group, group_dst=self.pp_rank + 1)
         self._pass = (start, x) if torch.is_grad_enabled() else None
-        if self.share_logits:
-            if not self.last:
-                logits = torch.empty(b, logits_to_keep or t, self.args.vocab_size, dtype=self.hidden_dtype, device=device)
+        if self.share_logits:  # in fp32 whatever the head computed in: every stage allocates the same
+            logits = logits.float() if self.last else torch.empty(b, logits_to_keep or t, self.args.vocab_size, device=device)
             dist.broadcast(logits, group=self.group, group_src=self.pp - 1)
         return logits
 

@@ -8,7 +8,8 @@ and switches the slots it does not train off; the base weights are never copied 
 A `Revision` is a frozen copy of an adapter's tensors (what a sampler samples from).
 Requests run one at a time on the service's worker, so one set of slots serves every client;
 `use_many` puts several adapters in the slots at once, for one pass whose consecutive rows
-belong to different clients (`lora.multi`).
+belong to different clients (`lora.multi`); under expert parallelism each routed row's adapter
+travels with it (`parallel.expert_parallel`).
 
 On a sharded base (`serve.shards.Placement`: experts over ep, layers over tp, stages over pp) a new
 adapter draws its whole tensors and keeps this rank's part, so it equals the one-process adapter.
@@ -70,8 +71,8 @@ class Revision:
 class ResidentBase:
     def __init__(self, model: nn.Module, alpha: float = 16.0):
         self.model, self.alpha = model, alpha
-        self.in_use: Adapter | Revision | None = None
-        """What `use` put in the slots (a sharded service's sampler tells the other ranks)."""
+        self.in_use: Adapter | Revision | tuple | None = None
+        """What `use` (or `use_many`, a tuple) put in the slots (a sharded service's sampler tells the other ranks)."""
         slots = lora.LoraConfig(rank=1, alpha=alpha, targets=("attention", "mlp", "shared_experts", "experts", "lm_head"))
         self.roles = lora.apply_lora(model, slots)  # {module name: role}
         self.placement = Placement(self.roles)
@@ -152,12 +153,13 @@ class ResidentBase:
     @contextlib.contextmanager
     def use_many(self, adapters: list[Adapter | Revision | None], rows: list[int]):
         """The model with adapter k on the next `rows[k]` batch rows (in order), in one pass."""
-        if self.sharded:  # a routed row's adapter would have to travel with it to the expert's rank
-            raise ValueError("several adapters in one pass on a sharded base; run them one at a time")
+        if self.placement.tp is not None:  # the stacked adapters would have to be split as the layers are
+            raise ValueError("several adapters in one pass on a tensor-parallel base; run them one at a time")
         device = next(self.model.parameters()).device
         scaling = [a.config.scaling(a.config.rank) if a is not None and a.config is not None else 0.0 for a in adapters]
         multi = RowAdapters(rows, scaling, device)
         every = [_tensors(a) for a in adapters]
+        self.in_use = tuple(adapters)
         hook = self.model.register_forward_pre_hook(lambda _, args: multi.begin(args[0]))
         try:
             for name, m in self.slots.items():
@@ -175,6 +177,7 @@ class ResidentBase:
             yield self.model
         finally:
             hook.remove()
+            self.in_use = None
             for m in self.slots.values():
                 m.lora_enabled, m.lora_multi = False, None
 

@@ -5,13 +5,15 @@ Shape legend: N one datum's tokens, K top-k targets."""
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..rl.tinker_losses import LossInputError, check_loss
 from ..rollout.types import SamplingParams
-from .tinker_types import BadRequest, SampleCall, TinkerConfig
+from .tinker_types import MODEL_ID, NAME, BadRequest, SampleCall, TinkerConfig
 from .wire import Datum
 
 
@@ -109,3 +111,27 @@ def adam_settings(adam: dict) -> tuple[float, float, float, float, float, float]
         if not ok:
             raise BadRequest(f"adam_params.{key}={v!r} is out of range")
     return lr, b1, b2, eps, wd, clip
+
+
+def state_path(root: Path, model_id: str, kind: str, name: str) -> tuple[str, Path]:
+    """The tinker:// path and the folder under `root` of a saved state, or BadRequest: names that
+    could leave the folder (and symlinks planted under it) are refused."""
+    if not NAME.match(name):
+        raise BadRequest(f"checkpoint name {name!r}: use 1-128 letters, digits, '.', '_' or '-', not starting with '.'")
+    if not MODEL_ID.match(model_id):
+        raise BadRequest(f"model id {model_id!r} in a tinker:// path is not one this server writes")
+    folder = root / model_id.replace(":", "_") / kind / name
+    if root.resolve() not in folder.resolve().parents:  # a symlink planted under the state folder
+        raise BadRequest(f"tinker://{model_id}/{kind}/{name} leads outside the server's state folder", 403)
+    return f"tinker://{model_id}/{kind}/{name}", folder
+
+
+def resolve(root: Path, tinker_path: str) -> tuple[str, str, Path]:
+    """(model id, kind, folder) of an existing saved state's tinker:// path."""
+    m = re.fullmatch(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)", tinker_path or "")
+    if m is None:
+        raise BadRequest(f"path {tinker_path!r} is not tinker://<model_id>/weights|sampler_weights/<name>")
+    _, folder = state_path(root, m.group(1), m.group(2), m.group(3))
+    if not (folder / "adapter.safetensors").exists():
+        raise BadRequest(f"no saved weights at {tinker_path!r}", 404)
+    return m.group(1), m.group(2), folder

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import threading
 from pathlib import Path
 
@@ -28,8 +27,8 @@ from ..rl.tinker_losses import datum_loss
 from ..rollout.local import LocalEngine
 from ..rollout.types import SamplingParams
 from .adapters import ResidentBase, Revision, roles_of
-from .tinker_checks import adam_settings, check_data, check_sample, cut_at_stop
-from .tinker_types import MODEL_ID, NAME, BadRequest, Client, FwdBwd, SampleCall, Session, TinkerConfig
+from .tinker_checks import adam_settings, check_data, check_sample, cut_at_stop, resolve, state_path
+from .tinker_types import BadRequest, Client, FwdBwd, SampleCall, Session, TinkerConfig
 from .wire import Datum
 
 __all__ = ["BadRequest", "FwdBwd", "SampleCall", "TinkerConfig", "TinkerService"]
@@ -155,8 +154,7 @@ class TinkerService:
         if not mine and not (self.joins_every_pass and live):
             self._losses_and_backward(live, [], outcomes)
             return outcomes
-        rows = [hi - lo for *_, lo, hi in mine]
-        adapters = [a for _, _, a, _, _ in mine] or [live[0][2]]
+        adapters, rows = self._pass_adapters(live, mine)
         use = self.base.use(adapters[0]) if len(adapters) == 1 else self.base.use_many(adapters, rows)
         with use as model, torch.set_grad_enabled(any(not c.forward_only for _, c, *_ in live)):
             if not mine:  # one token through the pass, weighted 0: its collectives, not its loss
@@ -167,6 +165,10 @@ class TinkerService:
                                           [t for _, c, _, lo, hi in mine for t in c.tensors[lo:hi]])
             self._losses_and_backward(live, logps, outcomes)
         return outcomes
+
+    def _pass_adapters(self, live: list, mine: list) -> tuple[list, list[int]]:
+        """The pass's adapters and their rows here: those of the calls with datums in this process."""
+        return [a for _, _, a, _, _ in mine] or [live[0][2]], [hi - lo for *_, lo, hi in mine] or [1]
 
     def _losses_and_backward(self, live: list, logps: list[torch.Tensor], outcomes: list,
                              filler: torch.Tensor | None = None) -> None:
@@ -256,23 +258,10 @@ class TinkerService:
 
     # --- saved states --------------------------------------------------------------------
     def state_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
-        if not NAME.match(name):
-            raise BadRequest(f"checkpoint name {name!r}: use 1-128 letters, digits, '.', '_' or '-', not starting with '.'")
-        if not MODEL_ID.match(model_id):
-            raise BadRequest(f"model id {model_id!r} in a tinker:// path is not one this server writes")
-        folder = self.root / model_id.replace(":", "_") / kind / name
-        if self.root.resolve() not in folder.resolve().parents:  # a symlink planted under the state folder
-            raise BadRequest(f"tinker://{model_id}/{kind}/{name} leads outside the server's state folder", 403)
-        return f"tinker://{model_id}/{kind}/{name}", folder
+        return state_path(self.root, model_id, kind, name)
 
     def resolve(self, tinker_path: str) -> tuple[str, str, Path]:
-        m = re.fullmatch(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)", tinker_path or "")
-        if m is None:
-            raise BadRequest(f"path {tinker_path!r} is not tinker://<model_id>/weights|sampler_weights/<name>")
-        _, folder = self.state_path(m.group(1), m.group(2), m.group(3))
-        if not (folder / "adapter.safetensors").exists():
-            raise BadRequest(f"no saved weights at {tinker_path!r}", 404)
-        return m.group(1), m.group(2), folder
+        return resolve(self.root, tinker_path)
 
     def save_state(self, model_id: str, name: str, optimizer: bool = True) -> dict:
         client = self.client(model_id)
@@ -368,7 +357,7 @@ class TinkerService:
                 outcomes[i] = e
                 continue
             key = (c.n, sp, stops) if sp.seed is None and not c.prompt_logprobs else ("alone", i)
-            if self.base.sharded:  # one revision per pass (`ResidentBase.use_many`)
+            if self.base.placement.tp is not None:  # one revision per pass (`ResidentBase.use_many`)
                 key += (c.sampler_id,)
             groups.setdefault(key, []).append((i, c, revision, sp, stops))
         for group in groups.values():

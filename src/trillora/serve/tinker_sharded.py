@@ -10,8 +10,9 @@ clients' adapters cost a fraction per rank. Beyond data parallelism (`serve.tink
 - each call's datums are split over the dp ranks; the ranks of a tp group run the same block;
 - every rank joins every pass, since each MoE layer's all-to-all sends routed rows to the rank
   that owns their expert and each tp layer all-reduces within its group. A rank with no datums
-  of a call runs one token weighted 0. A pass holds one client (a routed row's adapter does not
-  travel with it);
+  of a call runs one token weighted 0. Waiting calls of several clients share a pass, each
+  routed row's adapter travelling with it to its expert's rank (every rank then numbers the
+  pass's adapters alike); under tp a pass holds one call;
 - optim_step first completes the tp layers' partial gradients, then sums the dense adapters
   over dp and the expert slices over the ranks holding the same experts (dp/K); the clipping
   norm counts every part once;
@@ -115,11 +116,23 @@ class ShardedService(DataParallelService):
         return super().create_sampler(sid, seq, model_path, base_model)
 
     def forward_backward_many(self, calls):
-        """One pass per call, every rank in each (`ResidentBase.use_many` cannot route adapters)."""
+        """Several calls in one pass, each routed row's adapter sent with it to its expert's rank;
+        under tp one pass per call (the stacked adapters would have to be split as the layers are)."""
+        if self.dims.tp == 1:
+            return super().forward_backward_many(calls)
         outcomes = []
         for c in calls:
             outcomes += super().forward_backward_many([c])
         return outcomes
+
+    def _pass_adapters(self, live, mine):
+        """Every call's adapter on every rank, in call order, with 0 rows where none of its datums
+        are here: the ranks of an expert-parallel group number the adapters alike. A rank with no
+        datums runs its filler token with the first."""
+        rows = [hi - lo for *_, lo, hi in live]
+        if not any(rows):
+            rows[0] = 1
+        return [a for _, _, a, _, _ in live], rows
 
     def sample_many(self, calls):
         self._mirror("sample_many", calls)
@@ -135,16 +148,22 @@ class ShardedService(DataParallelService):
                 hook.remove()
                 self._announce(None)
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        while (sampler_id := self._announce(None)) is not None:
-            with self.base.use(self.sampler(sampler_id)) as model, torch.no_grad():
+        while (named := self._announce(None)) is not None:
+            if isinstance(named, list):  # several revisions in the pass: the same ones, numbered alike
+                revisions = [self.sampler(n) for n in named]
+                use = self.base.use_many(revisions, [1] + [0] * (len(revisions) - 1))
+            else:
+                use = self.base.use(self.sampler(named))
+            with use as model, torch.no_grad():
                 model(ids)
         return []
 
     def _before_forward(self, module, args) -> None:
-        self._announce(self.base.in_use.sampler_id)
+        in_use = self.base.in_use
+        self._announce([r.sampler_id for r in in_use] if isinstance(in_use, tuple) else in_use.sampler_id)
 
-    def _announce(self, sampler_id: str | None) -> str | None:
-        """Rank 0's `sampler_id`, on every rank (what the others pass is ignored)."""
+    def _announce(self, sampler_id: str | list[str] | None) -> str | list[str] | None:
+        """Rank 0's sampler id (or ids), on every rank (what the others pass is ignored)."""
         box = [sampler_id]
         dist.broadcast_object_list(box, src=0)
         return box[0]

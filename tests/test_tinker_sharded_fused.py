@@ -1,0 +1,123 @@
+"""Calls of two clients in ONE pass on an expert-parallel Tinker service (gloo ranks, each with its
+own datums of each call, one with none of a call's): outcomes, gradient norms, saved adapters and
+greedy samples of both clients' revisions in one `generate` equal to one process running each
+call alone. Every routed row's adapter travels with it to
+its expert's rank (`parallel.expert_parallel`), and every rank numbers the pass's adapters alike."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from engine_helpers import free_port
+from trillora.serve.tinker_service import FwdBwd, SampleCall, TinkerConfig, TinkerService
+from trillora.serve.tinker_sharded import ShardedService
+from trillora.serve.wire import Datum
+
+MODEL = "tiny-moe-chat"
+EVERY_ROLE = ("attention", "mlp", "shared_experts", "experts", "lm_head")
+
+
+def datum(tokenizer, text: str, prompt_len: int, **extra) -> Datum:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    n = len(ids) - 1
+    weights = np.array([0.0] * (prompt_len - 1) + [1.0] * (n - prompt_len + 1), dtype=np.float32)
+    return Datum(ids[:-1], {"target_tokens": np.array(ids[1:]), "weights": weights,
+                            **{k: np.full(n, v, np.float32) for k, v in extra.items()}})
+
+
+def scenario(service, out: dict) -> dict:
+    """Two clients; their calls in one `forward_backward_many` (or one by one, `out["alone"]`), a
+    step each, the calls again; then saved states."""
+    sid = service.create_session()
+    a = service.create_model(sid, 1, 4, EVERY_ROLE, 1)["model_id"]
+    b = service.create_model(sid, 2, 2, ("mlp", "shared_experts", "experts"), 2)["model_id"]
+    tok = service.tokenizer
+
+    def call(model_id, data, loss_fn="cross_entropy", forward_only=False):
+        return FwdBwd(model_id, loss_fn, {}, data, service.check_data(loss_fn, {}, data), forward_only)
+
+    calls = [call(a, [datum(tok, "123+456=579", 5)]),  # one datum: the second dp rank has none of it
+             call(b, [datum(tok, "7+8=15", 3), datum(tok, "999+1=1000", 5), datum(tok, "5+5=10", 3)]),
+             call(a, [datum(tok, "40+2=42", 4)], forward_only=True),
+             call(a, [datum(tok, "12+30=42", 4, advantages=0.5, logprobs=-2.0)], "importance_sampling")]
+    results, norms = [], []
+    for _ in range(2):
+        if out["alone"]:
+            results += [service.forward_backward_many([c])[0] for c in calls]
+        else:
+            results += service.forward_backward_many(calls)
+        for m in (a, b):
+            norms.append(service.optim_step(m, {"learning_rate": 2e-2})["metrics"]["grad_norm:mean"])
+    paths = [service.save_state(m, "after")["path"] for m in (a, b)]
+    samplers = [service.save_for_sampler(m, None, sid, seq)["sampling_session_id"] for seq, m in ((3, a), (4, b))]
+    greedy = {"max_tokens": 5, "temperature": 0.0}
+    prompts = [tok.encode(t, add_special_tokens=False) for t in ("12+34=", "500+500=", "9+9=")]
+    sampling = [SampleCall(samplers[0], prompts[0], 2, greedy), SampleCall(samplers[1], prompts[1], 2, greedy),
+                SampleCall(samplers[0], prompts[2], 1, greedy)]
+    if out["alone"]:
+        samples = [service.sample_many([c])[0] for c in sampling]
+    else:  # the first two share one generate, each prompt with its client's revision
+        samples = service.sample_many(sampling)
+    return {"results": results, "norms": norms, "paths": paths, "samples": samples}
+
+
+def state_of(root: str, path: str) -> dict:
+    model_id = path.split("://", 1)[1].split("/")[0]
+    return load_file(os.path.join(root, model_id.replace(":", "_"), "weights", "after", "adapter.safetensors"))
+
+
+def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        service = ShardedService(TinkerConfig(model=MODEL, state_dir=os.path.join(root, "sharded"), **flags))
+        if rank > 0:
+            service.follow()
+            return
+        try:
+            got = scenario(service, {"alone": False})
+        finally:
+            service.stop()
+        want = scenario(TinkerService(TinkerConfig(model=MODEL, state_dir=os.path.join(root, "one"))), {"alone": True})
+        for (lp1, m1), (lp2, m2) in zip(want["results"], got["results"], strict=True):
+            assert m2["loss:sum"] == pytest.approx(m1["loss:sum"], rel=1e-5, abs=1e-6)
+            for x, y in zip(lp1, lp2, strict=True):
+                np.testing.assert_allclose(y, x, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(got["norms"], want["norms"], rtol=1e-5)
+        assert min(want["norms"]) > 0
+        for (want_seqs, _), (got_seqs, _) in zip(want["samples"], got["samples"], strict=True):
+            for (t1, lp1, r1), (t2, lp2, r2) in zip(want_seqs, got_seqs, strict=True):
+                assert t1 == t2 and r1 == r2
+                np.testing.assert_allclose(lp2, lp1, atol=5e-5)
+        assert got["samples"][0][0][0][0] != got["samples"][1][0][0][0]  # other prompt, other revision
+        for p_got, p_want in zip(got["paths"], want["paths"]):
+            mine, one = state_of(os.path.join(root, "sharded"), p_got), state_of(os.path.join(root, "one"), p_want)
+            assert set(mine) == set(one)
+            for k, t in one.items():
+                if k != "rng.torch":
+                    torch.testing.assert_close(mine[k], t, atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    except Exception:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,flags", [(2, {"ep": 2}), (4, {"ep": 2, "pp": 2})], ids=["ep2", "pp2-ep2"])
+def test_two_clients_in_one_pass_on_expert_parallel_ranks_equal_each_call_alone(tmp_path, world, flags):
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(worker, args=(world, free_port(), flags, str(tmp_path), errors), nprocs=world,
+                           start_method="spawn")
+    except Exception as e:
+        raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
