@@ -143,3 +143,20 @@ def test_adapter_gemms_keep_the_adapters_precision_on_cpu():
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert compute_dtype(x, torch.zeros(2, 8, 8)) == torch.float32
     assert compute_dtype(x.float(), torch.zeros(2, 8, 8)) == torch.float32
+
+
+def test_the_fused_adapters_benchmark_runs_on_expert_parallel_ranks(tmp_path):
+    """`benchmarks/fused_adapters.py --ep 2` (the README row's command, smaller): fused passes on two
+    expert-parallel ranks, checked against one pass per adapter before timing."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fused_adapters.py"
+    out = tmp_path / "ep2.json"
+    subprocess.run([sys.executable, str(script), "--ep", "2", "--adapters", "2", "--rows", "4", "--samples", "2",
+                    "--max-tokens", "4", "--reps", "1", "--out", str(out)], check=True, capture_output=True, timeout=600)
+    r = json.loads(out.read_text())
+    assert r["expert_parallel_ranks"] == 2 and set(r["speedup_one_pass"]) == {"forward_backward", "sample"}
+    assert r["check"]["max_logprob_diff"] < 1e-4 and r["check"]["max_grad_rel_diff"] < 1e-4
