@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 import trillora
 from trillora.checkpoint import CheckpointError
 from trillora.checkpoint import hf as hf_io
+from trillora.checkpoint import weights as weights_io
 from trillora.tiny import write_random_checkpoint
 
 
@@ -200,7 +201,7 @@ def test_a_rank_loads_only_its_experts(tmp_path, layout, monkeypatch):
 
 def spy_on_reads(monkeypatch) -> list[str]:
     """The names of the tensors checkpoint loading reads from here on."""
-    read, real = [], hf_io.safe_open
+    read, real = [], weights_io.safe_open
 
     class Spy:
         def __init__(self, *args, **kwargs):
@@ -220,7 +221,7 @@ def spy_on_reads(monkeypatch) -> list[str]:
             read.append(name)
             return self.inner.get_tensor(name)
 
-    monkeypatch.setattr(hf_io, "safe_open", Spy)
+    monkeypatch.setattr(weights_io, "safe_open", Spy)
     return read
 
 

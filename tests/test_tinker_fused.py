@@ -118,7 +118,9 @@ def test_samples_of_several_samplers_in_one_generate_equal_each_alone(service):
     for (want, _), (got, _) in zip(alone[:3], fused[:3]):
         for (t1, lp1, r1), (t2, lp2, r2) in zip(want, got):
             assert t1 == t2 and r1 == r2
-            np.testing.assert_allclose(lp1, lp2, atol=1e-5)
+            # fp32 sums in another order (batches of other sizes; adapters drawn at std 0.2 make logits
+            # large): 2.3e-5 seen on a -0.80 logprob; a row with the wrong adapter moves by O(0.1)
+            np.testing.assert_allclose(lp1, lp2, atol=1e-5, rtol=1e-4)
     assert alone[0][0][0][0] != service.sample_many([SampleCall(base, prompts[0], 1, greedy)])[0][0][0][0]
 
 

@@ -121,3 +121,47 @@ def test_two_clients_in_one_pass_on_expert_parallel_ranks_equal_each_call_alone(
                            start_method="spawn")
     except Exception as e:
         raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
+
+
+def tp_worker(rank: int, world: int, port: int, root: str, errors) -> None:
+    """Each tp rank splits the base on the meta device and reads only its part of every tensor."""
+    from torch.distributed.tensor import DTensor
+
+    import trillora
+    from trillora.parallel import tensor_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        split_on, real = [], tensor_parallel.distribute_tensor
+
+        def spy(t, *args, **kwargs):
+            split_on.append(t.device.type)
+            return real(t, *args, **kwargs)
+
+        tensor_parallel.distribute_tensor = spy
+        service = ShardedService(TinkerConfig(model=MODEL, state_dir=root, tp=2))
+        tensor_parallel.distribute_tensor = real
+        assert split_on and set(split_on) == {"meta"}  # split before anything whole was allocated
+        whole = dict(trillora.load_model(MODEL).named_parameters())
+        parts = {n: p for n, p in service.base.model.named_parameters() if isinstance(p, DTensor) and ".lora_" not in n}
+        assert any(".q_proj." in n for n in parts) and any(".o_proj." in n for n in parts)
+        for n, p in parts.items():
+            dim = p.placements[0].dim if p.placements[0].is_shard() else None
+            want = whole[n] if dim is None else whole[n].chunk(2, dim)[rank]
+            assert torch.equal(p.to_local(), want), n
+    except Exception:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_tensor_parallel_rank_reads_only_its_part_of_each_layer(tmp_path):
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(tp_worker, args=(2, free_port(), str(tmp_path), errors), nprocs=2, start_method="spawn")
+    except Exception as e:
+        raise AssertionError(errors.get() if not errors.empty() else str(e)) from None

@@ -51,9 +51,8 @@ class TinkerService:
         if cfg.precision not in ("fp32", "bf16"):
             raise BadRequest(f"precision {cfg.precision!r}; allowed for --tinker: fp32, bf16")
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        model = model if model is not None else self._load_base(path, dtype)
-        check_tokenizer_fits(self.tokenizer, model.args.vocab_size, path)
-        self.base = ResidentBase(model, alpha=cfg.lora_alpha)
+        self.base = self._resident(path, dtype, model)
+        check_tokenizer_fits(self.tokenizer, self.base.model.args.vocab_size, path)
         apply_activation_checkpointing(self.base.model, cfg.activation_checkpoint_every)  # a long call's pass
         self.device = torch.device(cfg.device)
         self.vocab = self.base.model.args.vocab_size
@@ -62,10 +61,12 @@ class TinkerService:
         self.lock = threading.Lock()  # the registry (sessions, clients, samplers), not the model
         self.root = Path(cfg.state_dir)
 
-    def _load_base(self, path: Path, dtype: torch.dtype):
+    def _resident(self, path: Path, dtype: torch.dtype, model=None) -> ResidentBase:
+        """The base with its adapter slots (a parallel service: this rank's part of it)."""
         from ..checkpoint import load_model
 
-        return load_model(path, dtype=dtype, device=self.cfg.device)
+        model = model if model is not None else load_model(path, dtype=dtype, device=self.cfg.device)
+        return ResidentBase(model, alpha=self.cfg.lora_alpha)
 
     # --- registry ------------------------------------------------------------------------
     def create_session(self) -> str:

@@ -38,6 +38,7 @@ from ..parallel.expert_parallel import apply_expert_parallel
 from ..parallel.pipeline import split_layers
 from ..parallel.staged import StagedModel
 from ..parallel.tensor_parallel import apply_tensor_parallel
+from .adapters import ResidentBase
 from .shards import ExpertShard, TensorShard
 from .tinker_dp import DataParallelService, sum_over
 from .tinker_service import BadRequest
@@ -66,34 +67,39 @@ class ShardedService(DataParallelService):
         meshes = build_meshes(dims, torch.device(cfg.device).type)
         self.dims, self.meshes, self.num_layers = dims, meshes, args.num_layers
         self.stages = None  # this rank's pipeline stage (`parallel.staged`)
-        if model is not None and dims.pp > 1:
-            model = self._staged(model)
-        super().__init__(cfg, model)  # loads only this rank's stage and experts (`_load_base`)
+        super().__init__(cfg, model)  # builds this rank's part of the base (`_resident`)
         self.dp_group, self.dp_rank, self.dp_size = meshes.group("dp"), meshes.rank("dp"), dims.dp
         self.edp_group = meshes.group("edp")
-        placement = self.base.placement
-        model = self.base.model
+        self.tp_group = meshes.group("tp")
+
+    def _resident(self, path, dtype, model=None) -> ResidentBase:
+        """This rank's part of the base, with its adapter slots: built on the meta device, cut to
+        this rank's stage and experts, split over tp, and only then allocated and read, each rank
+        reading its own part of every tensor (`checkpoint.fill_model`). A given `model` (benchmarks
+        of real shapes) is split the same way after the fact."""
+        from ..checkpoint import fill_model, meta_model
+
+        dims, meshes = self.dims, self.meshes
+        experts = (meshes.rank("ep"), dims.ep) if dims.ep > 1 else None
+        layers = split_layers(self.num_layers, dims.pp)[meshes.rank("pp")] if dims.pp > 1 else None
+        on_meta = model is None
+        if on_meta:
+            model = meta_model(path, dtype, experts, layers)
+        if dims.pp > 1:
+            model = self.stages = StagedModel(model, meshes.group("pp"), meshes.rank("pp"), dims.pp)
+        base = ResidentBase(model, alpha=self.cfg.lora_alpha)
+        placement = base.placement
         if dims.pp > 1:
             placement.stages = meshes.group("pp")
         if dims.ep > 1:
             apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
-            placement.experts = ExpertShard(meshes.group("ep"), meshes.rank("ep"), dims.ep, args.num_experts)
+            placement.experts = ExpertShard(meshes.group("ep"), meshes.rank("ep"), dims.ep, model.args.num_experts)
         if dims.tp > 1:
             plan = apply_tensor_parallel(model, meshes.mesh("tp"))
-            placement.tp = TensorShard.of(plan, self.base.slots, meshes.mesh("tp"))
-        self.tp_group = meshes.group("tp")
-
-    def _load_base(self, path, dtype):
-        from ..checkpoint import load_model
-
-        experts = (self.meshes.rank("ep"), self.dims.ep) if self.dims.ep > 1 else None
-        layers = split_layers(self.num_layers, self.dims.pp)[self.meshes.rank("pp")] if self.dims.pp > 1 else None
-        model = load_model(path, dtype=dtype, device=self.cfg.device, experts=experts, layers=layers)
-        return self._staged(model) if self.dims.pp > 1 else model
-
-    def _staged(self, model) -> StagedModel:
-        self.stages = StagedModel(model, self.meshes.group("pp"), self.meshes.rank("pp"), self.dims.pp)
-        return self.stages
+            placement.tp = TensorShard.of(plan, base.slots, meshes.mesh("tp"))
+        if on_meta:
+            fill_model(model, path, self.cfg.device, experts)
+        return base
 
     def lora_settings(self, base_model, lora_config):
         rank, roles, seed = super().lora_settings(base_model, lora_config)
