@@ -1,8 +1,9 @@
 """Calls of two clients in ONE pass on an expert-parallel Tinker service (gloo ranks, each with its
 own datums of each call, one with none of a call's): outcomes, gradient norms, saved adapters and
 greedy samples of both clients' revisions in one `generate` equal to one process running each
-call alone. Every routed row's adapter travels with it to
-its expert's rank (`parallel.expert_parallel`), and every rank numbers the pass's adapters alike."""
+call alone. Every routed row's adapter travels with it to its expert's rank
+(`parallel.expert_parallel`), and every rank numbers the pass's adapters alike. Also: a
+tensor-parallel rank splits the base before allocating it and reads only its chunks."""
 
 from __future__ import annotations
 
