@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ..models.moe import compute_dtype, grouped_linear
 
@@ -54,7 +55,17 @@ class RowAdapters:
         return counts, torch.repeat_interleave(torch.arange(self.k, device=self.rows.device), counts)
 
     def linear(self, x: torch.Tensor, a_KrN: torch.Tensor, b_KOr: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Each token's own adapter: scaling_k · B_k A_k x, as two grouped GEMMs over adapter groups."""
+        """Each token's own adapter: scaling_k · B_k A_k x, as two grouped GEMMs over adapter groups.
+
+        In a tensor-parallel layer x and the layer's output `like` are DTensors and the stacks hold
+        this rank's parts: column-parallel, x whole and B's output rows, so the update is this
+        rank's output columns; row-parallel, x's and A's input columns, so the update is a partial
+        sum. The update is computed on local tensors and placed as `like` is."""
+        if isinstance(x, DTensor):
+            whole = all(isinstance(p, Replicate) for p in x.placements)  # its gradient here: this rank's columns' share
+            local = x.to_local(grad_placements=[Partial()] * len(x.placements) if whole else None)
+            d = self.linear(local, a_KrN, b_KOr, like.to_local())
+            return DTensor.from_local(d, like.device_mesh, like.placements, run_check=False)
         dt = compute_dtype(x, a_KrN)
         x_TN = x.reshape(-1, x.shape[-1]).to(dt)
         counts, token_adapter = self.counts, self.token_adapter

@@ -9,7 +9,8 @@ A `Revision` is a frozen copy of an adapter's tensors (what a sampler samples fr
 Requests run one at a time on the service's worker, so one set of slots serves every client;
 `use_many` puts several adapters in the slots at once, for one pass whose consecutive rows
 belong to different clients (`lora.multi`); under expert parallelism each routed row's adapter
-travels with it (`parallel.expert_parallel`).
+travels with it (`parallel.expert_parallel`), under tensor parallelism the stacks hold this
+rank's parts of the adapters and the layer's output is placed as the layer places its own.
 
 On a sharded base (`serve.shards.Placement`: experts over ep, layers over tp, stages over pp) a new
 adapter draws its whole tensors and keeps this rank's part, so it equals the one-process adapter.
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .. import lora
 from ..lora.apply import lora_modules
@@ -153,8 +155,6 @@ class ResidentBase:
     @contextlib.contextmanager
     def use_many(self, adapters: list[Adapter | Revision | None], rows: list[int]):
         """The model with adapter k on the next `rows[k]` batch rows (in order), in one pass."""
-        if self.placement.tp is not None:  # the stacked adapters would have to be split as the layers are
-            raise ValueError("several adapters in one pass on a tensor-parallel base; run them one at a time")
         device = next(self.model.parameters()).device
         scaling = [a.config.scaling(a.config.rank) if a is not None and a.config is not None else 0.0 for a in adapters]
         multi = RowAdapters(rows, scaling, device)
@@ -166,7 +166,7 @@ class ResidentBase:
                 stacks = {}
                 for pname in SLOT_TENSORS:
                     key = f"{name}.{pname}"
-                    found = [t.get(key) for t in every]
+                    found = [_local_part(t.get(key)) for t in every]
                     if any(f is not None for f in found):
                         rank = max(f.shape[-1 if pname.endswith("_B") else -2] for f in found if f is not None)
                         like = next(f for f in found if f is not None)
@@ -184,6 +184,16 @@ class ResidentBase:
     @staticmethod
     def revision(adapter: Adapter) -> Revision:
         return Revision(adapter.config, {k: t.clone() for k, t in adapter.tensors().items()})
+
+
+def _local_part(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of a tensor-parallel slot tensor, for the stacked adapters (`lora.multi`
+    computes on local parts). A replicated matrix's gradient here is partial: this rank sees only
+    its part of the layer's output (column-parallel A) or input (row-parallel B); optim_step sums it."""
+    if not isinstance(t, DTensor):
+        return t
+    replicated = all(isinstance(p, Replicate) for p in t.placements)
+    return t.to_local(grad_placements=[Partial()] * len(t.placements) if replicated else None)
 
 
 def slot_seed(seed: int, slot: str) -> int:

@@ -358,8 +358,6 @@ class TinkerService:
                 outcomes[i] = e
                 continue
             key = (c.n, sp, stops) if sp.seed is None and not c.prompt_logprobs else ("alone", i)
-            if self.base.placement.tp is not None:  # one revision per pass (`ResidentBase.use_many`)
-                key += (c.sampler_id,)
             groups.setdefault(key, []).append((i, c, revision, sp, stops))
         for group in groups.values():
             revisions = list({id(r): r for _, _, r, _, _ in group}.values())

@@ -12,7 +12,7 @@ clients' adapters cost a fraction per rank. Beyond data parallelism (`serve.tink
   that owns their expert and each tp layer all-reduces within its group. A rank with no datums
   of a call runs one token weighted 0. Waiting calls of several clients share a pass, each
   routed row's adapter travelling with it to its expert's rank (every rank then numbers the
-  pass's adapters alike); under tp a pass holds one call;
+  pass's adapters alike), each tp rank stacking its parts of the adapters;
 - optim_step first completes the tp layers' partial gradients, then sums the dense adapters
   over dp and the expert slices over the ranks holding the same experts (dp/K); the clipping
   norm counts every part once;
@@ -120,16 +120,6 @@ class ShardedService(DataParallelService):
     def create_sampler(self, sid, seq, model_path, base_model):
         self._mirror("create_sampler", sid, seq, model_path, base_model)
         return super().create_sampler(sid, seq, model_path, base_model)
-
-    def forward_backward_many(self, calls):
-        """Several calls in one pass, each routed row's adapter sent with it to its expert's rank;
-        under tp one pass per call (the stacked adapters would have to be split as the layers are)."""
-        if self.dims.tp == 1:
-            return super().forward_backward_many(calls)
-        outcomes = []
-        for c in calls:
-            outcomes += super().forward_backward_many([c])
-        return outcomes
 
     def _pass_adapters(self, live, mine):
         """Every call's adapter on every rank, in call order, with 0 rows where none of its datums
