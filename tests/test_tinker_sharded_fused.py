@@ -113,8 +113,8 @@ def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,flags", [(2, {"ep": 2}), (4, {"ep": 2, "pp": 2}), (4, {"tp": 2, "ep": 2})],
-                         ids=["ep2", "pp2-ep2", "tp2-ep2"])
+@pytest.mark.parametrize("world,flags", [(2, {"ep": 2}), (4, {"ep": 2, "pp": 2}), (4, {"tp": 2, "ep": 2}),
+                                         (4, {"tp": 2, "pp": 2})], ids=["ep2", "pp2-ep2", "tp2-ep2", "pp2-tp2"])
 def test_two_clients_in_one_pass_on_expert_parallel_ranks_equal_each_call_alone(tmp_path, world, flags):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
