@@ -349,3 +349,20 @@ def test_readme_service_plan_for_kimi_k2():
             f"(`--pp 2 --ep 32 --activation-checkpoint-every 1`) hold {two['memory_gib']['base weights']:.1f} GiB of base "
             f"per GPU and room for {two['max_clients']} clients, at {two['call_s'] / best['call_s']:.1f}× the time per "
             f"call") in readme
+
+
+def test_readme_service_plan_with_divided_expert_rank(capsys):
+    from trillora.cli import main
+
+    out, readme = readme_plan("trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 "
+                              "--rollouts 64 --lora-rank 8 --clients 2 --expert-rank 1")
+    fit = [x for x in out["layouts"] if x["fits"]]
+    best, two = fit[0], fit[1]
+    assert (best["pp"], best["ep"], two["pp"], two["ep"]) == (1, 64, 2, 32)
+    assert "--expert-rank-rule divide_by_top_k" in out["command"]
+    assert (f"a client costs {best['per_client_gib']:.2f} GiB at ep=64, which then holds {best['max_clients']} clients; "
+            f"`--pp 2 --ep 32` holds {two['max_clients']}.") in readme
+    capsys.readouterr()
+    assert main(["plan", "--model", "kimi-k2", "--tinker", "--lora-rank", "8", "--expert-rank", "3"]) != 0  # no such service
+    assert "--expert-rank 3 with --tinker: a service's expert adapters take the client's rank (8) or rank // top_k (1" \
+        in capsys.readouterr().err

@@ -162,3 +162,47 @@ def test_the_fused_adapters_benchmark_runs_on_expert_parallel_ranks(tmp_path):
     r = json.loads(out.read_text())
     assert r["expert_parallel_ranks"] == 2 and set(r["speedup_one_pass"]) == {"forward_backward", "sample"}
     assert r["check"]["max_logprob_diff"] < 1e-4 and r["check"]["max_grad_rel_diff"] < 1e-4
+
+
+def test_expert_rank_rule_gives_each_client_rank_over_top_k_expert_adapters(tmp_path):
+    """`serve --tinker --expert-rank-rule divide_by_top_k`: a rank-4 client's routed-expert adapters
+    are rank 2 on tiny-moe-chat (top-2 routing), dense ones rank 4. Its sampler scores the prompt as
+    forward does; a pass shared with another client equals each alone; the saved state (with the
+    expert rank) resumes bit for bit; an unknown rule is refused by name."""
+    svc = TinkerService(TinkerConfig(model="tiny-moe-chat", state_dir=str(tmp_path), expert_rank_rule="divide_by_top_k"))
+    sid = svc.create_session()
+    a = svc.create_model(sid, 1, 4, ("attention", "mlp", "shared_experts", "experts", "lm_head"), 1)["model_id"]
+    b = svc.create_model(sid, 2, 8, ("mlp", "shared_experts", "experts"), 2)["model_id"]
+    params = svc.client(a).adapter.params
+    expert = next(k for k in params if k.endswith("experts.lora_gate_A"))
+    dense = next(k for k in params if k.endswith("q_proj.lora_A"))
+    assert params[expert].shape[1] == 2 and params[dense].shape[0] == 4
+    assert svc.client(b).adapter.params[expert].shape[1] == 4  # rank 8 // top-2
+    data = [datum(svc, "123+456=579", 5), datum(svc, "7+8=15", 3)]
+    for m in (a, b):  # B non-zero
+        svc.forward_backward(m, "cross_entropy", {}, data, svc.check_data("cross_entropy", {}, data), False)
+        svc.optim_step(m, {"learning_rate": 5e-2})
+    calls = [call(svc, a, data[:1]), call(svc, b, data[1:])]
+    alone = [svc.forward_backward_many([c])[0] for c in calls]
+    want_a, want_b = grads(svc, a), grads(svc, b)
+    fused = svc.forward_backward_many(calls)
+    got_a, got_b = grads(svc, a), grads(svc, b)
+    for (lp1, _), (lp2, _) in zip(alone, fused):
+        np.testing.assert_allclose(lp1[0], lp2[0], atol=1e-5, rtol=1e-5)
+    for want, got in ((want_a, got_a), (want_b, got_b)):
+        for k in want:
+            assert (got[k] - want[k]).abs().max() <= 5e-5 * max(1.0, float(want[k].abs().max())), k
+    sampler = svc.save_for_sampler(a, None, sid, 3)["sampling_session_id"]
+    prompt = data[0].tokens
+    _, scored = svc.sample(sampler, prompt, 1, {"max_tokens": 1}, True)
+    forward = svc.forward_backward(a, "cross_entropy", {}, [datum(svc, "123+456=579", 5)],
+                                   svc.check_data("cross_entropy", {}, [datum(svc, "123+456=579", 5)]), True)[0][0]
+    np.testing.assert_allclose(scored[1:], forward[:len(prompt) - 1], atol=1e-4)
+    svc.optim_step(a, {"learning_rate": 5e-2})  # moments to save
+    path = svc.save_state(a, "divided")["path"]
+    resumed = svc.load_state(sid, 4, path, True)["model_id"]
+    again = svc.client(resumed).adapter
+    assert again.config.expert_rank == 2 and again.params[expert].shape[1] == 2
+    assert all(torch.equal(again.params[k], p) for k, p in svc.client(a).adapter.params.items())
+    with pytest.raises(TrilloraError, match="expert_rank_rule='half'; allowed: same, divide_by_top_k"):
+        TinkerConfig(model="tiny-moe-chat", expert_rank_rule="half")

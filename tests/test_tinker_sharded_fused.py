@@ -88,7 +88,9 @@ def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> 
             got = scenario(service, {"alone": False})
         finally:
             service.stop()
-        want = scenario(TinkerService(TinkerConfig(model=MODEL, state_dir=os.path.join(root, "one"))), {"alone": True})
+        rule = flags.get("expert_rank_rule", "same")
+        want = scenario(TinkerService(TinkerConfig(model=MODEL, state_dir=os.path.join(root, "one"), expert_rank_rule=rule)),
+                        {"alone": True})
         for (lp1, m1), (lp2, m2) in zip(want["results"], got["results"], strict=True):
             assert m2["loss:sum"] == pytest.approx(m1["loss:sum"], rel=1e-5, abs=1e-6)
             for x, y in zip(lp1, lp2, strict=True):
@@ -113,8 +115,9 @@ def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,flags", [(2, {"ep": 2}), (4, {"ep": 2, "pp": 2}), (4, {"tp": 2, "ep": 2}),
-                                         (4, {"tp": 2, "pp": 2})], ids=["ep2", "pp2-ep2", "tp2-ep2", "pp2-tp2"])
+@pytest.mark.parametrize("world,flags", [(2, {"ep": 2, "expert_rank_rule": "divide_by_top_k"}), (4, {"ep": 2, "pp": 2}),
+                                         (4, {"tp": 2, "ep": 2}), (4, {"tp": 2, "pp": 2})],
+                         ids=["ep2-divided-expert-rank", "pp2-ep2", "tp2-ep2", "pp2-tp2"])
 def test_two_clients_in_one_pass_on_expert_parallel_ranks_equal_each_call_alone(tmp_path, world, flags):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()

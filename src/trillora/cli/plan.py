@@ -81,9 +81,13 @@ def run_service(a: argparse.Namespace) -> dict:
         raise ValueError(f"--clients {a.clients} and --rollouts {a.rollouts}: both must be >= 1")
     args, cluster = resolve_args(a.model), CLUSTERS[a.gpu]
     base_bytes = 4 if cluster.act_bytes == 4 else 2
+    divided = max(1, a.lora_rank // max(1, args.top_k))  # the service's expert ranks: `serve --expert-rank-rule`
+    if a.expert_rank not in (0, a.lora_rank, divided):
+        raise ValueError(f"--expert-rank {a.expert_rank} with --tinker: a service's expert adapters take the client's rank "
+                         f"({a.lora_rank}) or rank // top_k ({divided}, serve --expert-rank-rule divide_by_top_k)")
 
     def layouts(world: int):
-        return plan_service(args, world, cluster, a.clients, a.lora_rank, a.seq_len, a.rollouts, base_bytes)
+        return plan_service(args, world, cluster, a.clients, a.lora_rank, a.seq_len, a.rollouts, base_bytes, a.expert_rank)
 
     world = a.gpus or next((w for w in (2**i for i in range(11)) if any(x.fits for x in layouts(w))), 1024)
     found = layouts(world)
@@ -101,7 +105,8 @@ def run_service(a: argparse.Namespace) -> dict:
         weights = a.model if Path(a.model).is_dir() else f"<{a.model} checkpoint>"  # a shipped name is a config only
         flags = (f" --pp {best.pp}" if best.pp > 1 else "") + (f" --tp {best.tp}" if best.tp > 1 else "") + \
             (f" --ep {best.ep}" if best.ep > 1 else "") + \
-            (" --activation-checkpoint-every 1" if best.activation_checkpoint_every else "")
+            (" --activation-checkpoint-every 1" if best.activation_checkpoint_every else "") + \
+            (" --expert-rank-rule divide_by_top_k" if a.expert_rank not in (0, a.lora_rank) else "")
         out["command"] = (f"torchrun --nproc-per-node {world} -m trillora serve {weights} --tinker --device cuda "
                           f"--precision bf16{flags} --max-clients {a.clients}")
     return out

@@ -170,14 +170,16 @@ class ServiceLayout:
 
 
 def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lora_rank: int, seq_len: int, rows: int,
-                 base_bytes: int = 2) -> list[ServiceLayout]:
+                 base_bytes: int = 2, expert_rank: int = 0) -> list[ServiceLayout]:
     """The service's layouts on `world` ranks, fastest first (the cost model's time for one call):
     pp stages of whole layers, tp within a node and dividing the heads, ep dividing dp and the
     experts, with and without activation checkpointing (every layer); each call's `rows` datums of
     `seq_len` tokens split over dp in one pass (no microbatches, so the stages work in turn: one
     call takes pp times a stage's time); each client's adapter, AdamW state and one sampler
-    revision held at rank `lora_rank` on every role, split with its layers; the fullest stage counts."""
-    fp = Footprint(args, Training(lora_rank=lora_rank, targets=SERVICE_TARGETS, base_bytes=base_bytes))
+    revision held at rank `lora_rank` on every role (`expert_rank` on routed experts: 0, the same),
+    split with its layers; the fullest stage counts."""
+    fp = Footprint(args, Training(lora_rank=lora_rank, expert_rank=expert_rank, targets=SERVICE_TARGETS,
+                                  base_bytes=base_bytes))
     budget = cluster.memory_gib * 2**30 * (1 - cluster.reserve)
     out = []
     for tp in divisors(world):

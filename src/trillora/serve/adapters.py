@@ -84,15 +84,17 @@ class ResidentBase:
             m.lora_enabled = False
         self.model.requires_grad_(False)
 
-    def new_adapter(self, rank: int, roles: tuple[str, ...], seed: int = 0) -> Adapter:
-        """Fresh parameters (A random as `lora.init`, B zero) on the slots of `roles`."""
-        cfg = lora.LoraConfig(rank=rank, alpha=self.alpha, targets=roles, seed=seed)
+    def new_adapter(self, rank: int, roles: tuple[str, ...], seed: int = 0, expert_rank: int | None = None) -> Adapter:
+        """Fresh parameters (A random as `lora.init`, B zero) on the slots of `roles`; routed experts
+        at `expert_rank` (None: `rank`), with the dense scaling."""
+        cfg = lora.LoraConfig(rank=rank, alpha=self.alpha, targets=roles, seed=seed, expert_rank=expert_rank)
         params: dict[str, nn.Parameter] = {}
         for name in sorted(self.slots):
             if self.roles[name] not in roles:
                 continue
             m = self.slots[name]
-            m.add_lora(rank, cfg.scaling(rank), 0.0, cfg.torch_dtype)  # registers new tensors in the slot
+            r = cfg.rank_for_experts(self.model.args.top_k) if self.roles[name] == "experts" else rank
+            m.add_lora(r, cfg.scaling(rank), 0.0, cfg.torch_dtype)  # registers new tensors in the slot
             for pname in m.lora_names():
                 p = getattr(m, pname)
                 if pname.endswith("_A"):
@@ -112,7 +114,7 @@ class ResidentBase:
 
     def adapter_from(self, config: lora.LoraConfig, tensors: dict[str, torch.Tensor]) -> Adapter:
         """An adapter holding copies of `tensors` (a saved state or a revision)."""
-        adapter = self.new_adapter(config.rank, config.targets, config.seed)
+        adapter = self.new_adapter(config.rank, config.targets, config.seed, config.expert_rank)
         missing = set(adapter.params) ^ set(tensors)
         if missing:
             raise ValueError(f"saved adapter tensors do not fit this model: {sorted(missing)[:3]}")
@@ -143,7 +145,7 @@ class ResidentBase:
                 for k in mine:
                     t = tensors[k]
                     setattr(m, k.rpartition(".")[2], t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False))
-                m.lora_rank = config.rank_for_experts(1) if self.roles[name] == "experts" else config.rank
+                m.lora_rank = config.rank_for_experts(self.model.args.top_k) if self.roles[name] == "experts" else config.rank
                 m.lora_scaling = config.scaling(config.rank)
                 m.lora_enabled = True
             yield self.model

@@ -111,7 +111,8 @@ class TinkerService:
 
     def create_model(self, sid: str, seq: int, rank: int, roles: tuple[str, ...], seed: int) -> dict:
         """A new training client (settings checked by `lora_settings`)."""
-        return self._register(sid, seq, Client("", self.base.new_adapter(rank, roles, seed), rank, roles))
+        expert_rank = max(1, rank // self.base.model.args.top_k) if self.cfg.expert_rank_rule == "divide_by_top_k" else None
+        return self._register(sid, seq, Client("", self.base.new_adapter(rank, roles, seed, expert_rank), rank, roles))
 
     def _register(self, sid: str, seq: int, client: Client) -> dict:
         session = self.session(sid)
@@ -270,7 +271,8 @@ class TinkerService:
         a = client.adapter
         if a.optimizer is None:
             a.optimizer = torch.optim.AdamW(list(a.params.values()))
-        meta = {"rank": client.rank, "roles": list(client.roles), "seed": a.config.seed, "steps": a.steps,
+        meta = {"rank": client.rank, "roles": list(client.roles), "seed": a.config.seed, "expert_rank": a.config.expert_rank,
+                "steps": a.steps,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in a.optimizer.param_groups]}
         tensors = self.base.placement.full(rank_tensors(a.params, a.optimizer), self.device)
         if self.writes:
@@ -288,7 +290,7 @@ class TinkerService:
         tensors = self.base.placement.here(load_file(str(folder / "adapter.safetensors")))
         roles = tuple(meta["roles"])
         adapter = self.base.adapter_from(lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=roles,
-                                                         seed=meta["seed"]),
+                                                         seed=meta["seed"], expert_rank=meta.get("expert_rank")),
                                          {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")})
         adapter.optimizer = torch.optim.AdamW(list(adapter.params.values()))
         if optimizer:
@@ -312,6 +314,7 @@ class TinkerService:
             with AtomicFolder(folder) as tmp:
                 save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(tmp / "adapter.safetensors"))
                 (tmp / "state.json").write_text(json.dumps({"rank": client.rank, "roles": list(client.roles),
+                                                            "expert_rank": client.adapter.config.expert_rank,
                                                             "seed": client.adapter.config.seed}))
         return {"path": path, "type": "save_weights_for_sampler"}
 
@@ -332,7 +335,8 @@ class TinkerService:
         tensors = load_file(str(folder / "adapter.safetensors"))
         tensors = {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")} or tensors
         tensors = {k: self.base.placement.shard(k, v.to(self.device)) for k, v in self.base.placement.here(tensors).items()}
-        config = lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=tuple(meta["roles"]), seed=meta["seed"])
+        config = lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=tuple(meta["roles"]), seed=meta["seed"],
+                                 expert_rank=meta.get("expert_rank"))
         return self._add_sampler(sid, seq, Revision(config, tensors))
 
     def sampler(self, sampler_id: str) -> Revision:

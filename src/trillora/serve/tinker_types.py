@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import TrilloraError
+from ..lora.config import EXPERT_RANK_RULES
 from .adapters import Adapter, Revision
 from .wire import Datum
 
@@ -60,6 +61,9 @@ class TinkerConfig:
     """Under torchrun: shard the routed experts over groups of this many ranks (`serve.tinker_sharded`)."""
     pp: int = 1
     """Under torchrun: split the decoder layers into this many pipeline stages (`parallel.staged`)."""
+    expert_rank_rule: str = "same"
+    """Rank of each client's routed-expert adapters: `same` as its rank, or `divide_by_top_k` (rank //
+    top_k, at least 1: a token's k experts add up to about one rank-r update, at 1/k of the bytes)."""
     activation_checkpoint_every: int = 0
     """Recompute every k-th decoder layer in backward instead of keeping its activations (0 = off)."""
 
@@ -70,6 +74,8 @@ class TinkerConfig:
         if not isinstance(self.activation_checkpoint_every, int) or self.activation_checkpoint_every < 0:
             raise BadRequest(f"activation_checkpoint_every={self.activation_checkpoint_every!r}; allowed: an integer "
                              ">= 0 (0 = off, 1 = every layer)")
+        if self.expert_rank_rule not in EXPERT_RANK_RULES:
+            raise BadRequest(f"expert_rank_rule={self.expert_rank_rule!r}; allowed: {', '.join(EXPERT_RANK_RULES)}")
         if not isinstance(self.max_fused, int) or self.max_fused < 1:
             raise BadRequest(f"max_fused={self.max_fused!r}; allowed: an integer >= 1 (1: every request alone)")
         if not 0 <= self.gather_seconds <= 1:
