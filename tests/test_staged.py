@@ -71,6 +71,21 @@ def check_family(family: str, rank: int) -> None:
     for n, g in grads.items():
         torch.testing.assert_close(g, want[n].grad, msg=lambda m, n=n: f"rank {rank} {n}: {m}")
 
+    # the same pass as row chunks in flight one after another (GPipe), 2 and 3 of them
+    for chunks in (2, 3):
+        for p in staged.parameters():
+            p.grad = None
+        staged.microbatches = chunks
+        logits = staged(ids)
+        assert len(staged._pass) == chunks
+        if staged.last:
+            torch.testing.assert_close(logits, want_logits)
+        staged.backward(target_loss(logits, targets, weights) if staged.last else None)
+        for n, p in staged.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(p.grad, want[n].grad, msg=lambda m, n=n: f"rank {rank} chunks {chunks} {n}: {m}")
+    staged.microbatches = 1
+
     # decoding: every stage runs the same loop on the last stage's logits and picks the same tokens
     prompts = [[5, 9, 2, 7], [3, 1], [4, 4, 8, 6, 2, 1]]
     params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3)
@@ -117,3 +132,19 @@ def test_three_stages_compute_what_the_whole_model_computes():
         mp.start_processes(worker, args=(free_port(), errors), nprocs=RANKS, start_method="spawn")
     except Exception as e:
         raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
+
+
+def test_the_pipeline_microbatches_benchmark_runs(tmp_path):
+    """`benchmarks/pipeline_microbatches.py` (the README row's command, smaller): chunked passes
+    through two stages, their gradients checked against the whole pass's before timing."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "pipeline_microbatches.py"
+    out = tmp_path / "pm.json"
+    subprocess.run([sys.executable, str(script), "--rows", "4", "--tokens", "16", "--chunks", "1", "2", "--reps", "1",
+                    "--out", str(out)], check=True, capture_output=True, timeout=600)
+    r = json.loads(out.read_text())
+    assert set(r["seconds_best_of_reps"]) == {"1", "2"} and r["max_grad_rel_diff_vs_whole"] < 1e-4

@@ -47,6 +47,7 @@ def scenario(service, out: dict) -> dict:
 
     calls = [call(a, [datum(tok, "123+456=579", 5)]),  # one datum: the second dp rank has none of it
              call(b, [datum(tok, "7+8=15", 3), datum(tok, "999+1=1000", 5), datum(tok, "5+5=10", 3)]),
+             call(b, [datum(tok, f"{x}+{x}={2 * x}", 3) for x in (11, 23, 40, 7)]),  # 2 per dp rank: chunks under ep
              call(a, [datum(tok, "40+2=42", 4)], forward_only=True),
              call(a, [datum(tok, "12+30=42", 4, advantages=0.5, logprobs=-2.0)], "importance_sampling")]
     results, norms = [], []
@@ -84,8 +85,8 @@ def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> 
         if rank > 0:
             service.follow()
             return
-        try:
-            got = scenario(service, {"alone": False})
+        try:  # a shared pass runs as one chunk: with microbatches, each call alone (its pass in chunks)
+            got = scenario(service, {"alone": flags.get("pp_microbatches", 1) > 1})
         finally:
             service.stop()
         rule = flags.get("expert_rank_rule", "same")
@@ -115,9 +116,10 @@ def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,flags", [(2, {"ep": 2, "expert_rank_rule": "divide_by_top_k"}), (4, {"ep": 2, "pp": 2}),
-                                         (4, {"tp": 2, "ep": 2}), (4, {"tp": 2, "pp": 2})],
-                         ids=["ep2-divided-expert-rank", "pp2-ep2", "tp2-ep2", "pp2-tp2"])
+@pytest.mark.parametrize("world,flags", [(2, {"ep": 2, "expert_rank_rule": "divide_by_top_k"}),
+                                         (4, {"ep": 2, "pp": 2, "pp_microbatches": 2}), (4, {"tp": 2, "ep": 2}),
+                                         (4, {"tp": 2, "pp": 2})],
+                         ids=["ep2-divided-expert-rank", "pp2-ep2-microbatches2", "tp2-ep2", "pp2-tp2"])
 def test_two_clients_in_one_pass_on_expert_parallel_ranks_equal_each_call_alone(tmp_path, world, flags):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()

@@ -92,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = TinkerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                            state_dir=args.state_dir, max_connections=args.max_connections, max_clients=args.max_clients,
                            device=args.device, precision=args.precision, max_fused=args.max_fused,
-                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep, pp=args.pp,
+                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep, pp=args.pp, pp_microbatches=args.pp_microbatches,
                            expert_rank_rule=args.expert_rank_rule, activation_checkpoint_every=args.activation_checkpoint_every)
         from ..trainer.world import launched
 
@@ -209,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "clients' expert adapters) over groups of EP ranks")
     p.add_argument("--pp", type=int, default=1, help="--tinker under torchrun: split the decoder layers into PP "
                                                      "pipeline stages, one per rank of a pipeline group")
+    p.add_argument("--pp-microbatches", type=int, default=1, help="--tinker --pp: a pass's rows in this many chunks "
+                                                                  "in flight, so the stages overlap")
     p.add_argument("--expert-rank-rule", default="same", choices=EXPERT_RANK_RULES,
                    help="--tinker: each client's routed-expert adapters at its rank, or at rank // top_k")
     p.add_argument("--activation-checkpoint-every", type=int, default=0,

@@ -13,14 +13,17 @@ same sampling loop and must pick the same tokens).
 
 Backward crosses stages explicitly (`backward`): the last stage runs the loss's backward, every
 other stage receives the gradient of what it sent and runs backward from it; each then sends its
-input's gradient to the stage before. No microbatches, so the stages work in turn: pp buys a
-service memory (each rank holds 1/pp of the layers), not speed.
+input's gradient to the stage before. A training pass may run as row chunks (`microbatches`,
+GPipe): forward the chunks one after another, so that stage s works on chunk i while stage s+1
+works on chunk i-1, then backward chunk by chunk from the last, the same overlap in reverse. With
+one chunk the stages work in turn: pp then buys memory (1/pp of the layers per rank), not speed.
 Shape legend: B rows, T tokens, C hidden channels, V vocabulary.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,7 +48,12 @@ class StagedModel(nn.Module):
         self.first, self.last = pp_rank == 0, pp_rank == pp - 1
         self.hidden_dtype = self.model.layers[self.layers.start].input_layernorm.weight.dtype  # what stages send
         self.share_logits = False
-        self._pass: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, output) of the last pass with autograd
+        self.microbatches = 1
+        """Row chunks of a training pass, in flight one after another (GPipe): while one stage works on
+        a chunk, the one before works on the next. 1: the whole batch at once."""
+        self.chunk_group = None
+        """Ranks that must split a pass alike (expert parallelism's all-to-alls pair their chunks)."""
+        self._pass: list[_Run] | None = None  # the last training pass's chunks
 
     @property
     def config(self):
@@ -61,56 +69,83 @@ class StagedModel(nn.Module):
                 position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 logits_to_keep: int = 0) -> torch.Tensor | None:
         """Every pp rank calls it with the same arguments; logits [B, T or logits_to_keep, V] on the
-        last stage (on every stage with `share_logits`), None elsewhere."""
+        last stage (on every stage with `share_logits`), None elsewhere. A training pass (autograd
+        on, no cache) runs as `microbatches` row chunks in flight one after another (GPipe)."""
         b, t = input_ids.shape
-        device = input_ids.device
         offset = cache.length if cache is not None else 0
         if position_ids is None:
             position_ids = positions_of(input_ids, attention_mask, offset)
+        training = torch.is_grad_enabled() and cache is None
+        chunks = self._chunks(b) if training else 1
+        runs = [self._run(input_ids[rows], None if attention_mask is None else attention_mask[rows], position_ids[rows],
+                          cache, logits_to_keep)
+                for rows in torch.arange(b, device=input_ids.device).tensor_split(chunks)]
+        self._pass = runs if training else None
+        logits = torch.cat([r.logits for r in runs]) if self.last else None
+        if self.share_logits:  # in fp32 whatever the head computed in: every stage allocates the same
+            logits = logits.float() if self.last else torch.empty(b, logits_to_keep or t, self.args.vocab_size,
+                                                                   device=input_ids.device)
+            dist.broadcast(logits, group=self.group, group_src=self.pp - 1)
+        return logits
+
+    def _chunks(self, rows: int) -> int:
+        """Microbatches of this pass: at most one row each, and as many on every rank whose collectives
+        pair up within a stage (`chunk_group`: the expert-parallel group, whose ranks hold other rows)."""
+        n = torch.tensor([min(self.microbatches, rows)])
+        if self.chunk_group is not None:
+            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.chunk_group)
+        return int(n)
+
+    def _run(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache: KVCache | None,
+             logits_to_keep: int) -> "_Run":
+        """One batch of rows through this stage: received (or embedded), its layers, sent on (or the head)."""
+        b, t = ids.shape
         if self.first:
-            x = self.model.embed_tokens(input_ids)  # [B, T, C]
+            x = self.model.embed_tokens(ids)  # [b, T, C]
         else:
-            x = torch.empty(b, t, self.args.hidden_size, dtype=self.hidden_dtype, device=device)
+            x = torch.empty(b, t, self.args.hidden_size, dtype=self.hidden_dtype, device=ids.device)
             dist.recv(x, group=self.group, group_src=self.pp_rank - 1)
             x.requires_grad_(torch.is_grad_enabled())  # its gradient goes back to the stage before
         start = x
-        rope = self.model.rotary_emb(position_ids, x.dtype)
+        offset = cache.length if cache is not None else 0
+        rope = self.model.rotary_emb(positions, x.dtype)
         masks: dict[int, torch.Tensor | None] = {}
         for i in self.layers:
             window = self.model.windows[i]
             if window not in masks:
-                masks[window] = causal_mask(attention_mask, t, offset, device, window)
+                masks[window] = causal_mask(mask, t, offset, ids.device, window)
             x = self.model.layers[i](x, rope, masks[window], cache, i)
         if cache is not None:
             cache.advance(t)
-        logits = None
-        if self.last:
-            h = self.model.norm(x)
-            logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
-        else:
+        if not self.last:
             dist.send(x.detach().contiguous(), group=self.group, group_dst=self.pp_rank + 1)
-        self._pass = (start, x) if torch.is_grad_enabled() else None
-        if self.share_logits:  # in fp32 whatever the head computed in: every stage allocates the same
-            logits = logits.float() if self.last else torch.empty(b, logits_to_keep or t, self.args.vocab_size, device=device)
-            dist.broadcast(logits, group=self.group, group_src=self.pp - 1)
-        return logits
+            return _Run(start, x, None)
+        h = self.model.norm(x)
+        return _Run(start, x, self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h))
 
     def backward(self, loss: torch.Tensor | None = None) -> None:
-        """Backward of the last pass (every pp rank calls it, or none): from `loss` on the last stage,
-        from the gradient the next stage sends on the others; then this stage's input gradient goes
-        to the stage before."""
-        start, out = self._pass
-        self._pass = None
+        """Backward of the last pass (every pp rank calls it, or none), microbatch by microbatch from
+        the last: on the last stage from `loss` (its gradient at each microbatch's logits first), on
+        the others from the gradient the next stage sends; each microbatch's input gradient then goes
+        to the stage before at once, so the stages overlap backward as they did forward."""
+        runs, self._pass = self._pass, None
         if self.last:
-            loss.backward()
-        else:
-            grad = torch.empty_like(out)
-            dist.recv(grad, group=self.group, group_src=self.pp_rank + 1)
-            if out.requires_grad:  # else no adapter before here trains: nothing to compute
-                out.backward(grad)
-        if not self.first:
-            sent = start.grad if start.grad is not None else torch.zeros_like(start)
-            dist.send(sent.contiguous(), group=self.group, group_dst=self.pp_rank - 1)
+            grads = torch.autograd.grad(loss, [r.logits for r in runs], allow_unused=True) if len(runs) > 1 else [None]
+        for i in reversed(range(len(runs))):
+            run = runs[i]
+            if self.last:
+                if len(runs) == 1:
+                    loss.backward()
+                elif grads[i] is not None:
+                    run.logits.backward(grads[i])
+            else:
+                grad = torch.empty_like(run.out)
+                dist.recv(grad, group=self.group, group_src=self.pp_rank + 1)
+                if run.out.requires_grad:  # else no adapter before here trains: nothing to compute
+                    run.out.backward(grad)
+            if not self.first:
+                sent = run.start.grad if run.start.grad is not None else torch.zeros_like(run.start)
+                dist.send(sent.contiguous(), group=self.group, group_dst=self.pp_rank - 1)
 
     def from_last(self, obj):
         """A Python object made on the last stage (a pass's losses and logprobs), on every stage."""
@@ -125,3 +160,12 @@ class StagedModel(nn.Module):
             yield
         finally:
             self.share_logits = False
+
+
+@dataclass
+class _Run:
+    """One chunk of a pass on this stage: what it received, what it sent, its logits (last stage)."""
+
+    start: torch.Tensor
+    out: torch.Tensor
+    logits: torch.Tensor | None

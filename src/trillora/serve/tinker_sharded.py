@@ -87,6 +87,8 @@ class ShardedService(DataParallelService):
             model = meta_model(path, dtype, experts, layers)
         if dims.pp > 1:
             model = self.stages = StagedModel(model, meshes.group("pp"), meshes.rank("pp"), dims.pp)
+            self.stages.microbatches = self.cfg.pp_microbatches
+            self.stages.chunk_group = meshes.group("ep") if dims.ep > 1 else None
         base = ResidentBase(model, alpha=self.cfg.lora_alpha)
         placement = base.placement
         if dims.pp > 1:
@@ -124,10 +126,13 @@ class ShardedService(DataParallelService):
     def _pass_adapters(self, live, mine):
         """Every call's adapter on every rank, in call order, with 0 rows where none of its datums
         are here: the ranks of an expert-parallel group number the adapters alike. A rank with no
-        datums runs its filler token with the first."""
+        datums runs its filler token with the first. Under pp a pass of one call runs as
+        `--pp-microbatches` chunks; a shared pass as one."""
         rows = [hi - lo for *_, lo, hi in live]
         if not any(rows):
             rows[0] = 1
+        if self.stages is not None:  # `lora.multi` maps a whole batch's rows to adapters: a shared pass is one chunk
+            self.stages.microbatches = self.cfg.pp_microbatches if len(live) == 1 else 1
         return [a for _, _, a, _, _ in live], rows
 
     def sample_many(self, calls):

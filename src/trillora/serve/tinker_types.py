@@ -61,6 +61,9 @@ class TinkerConfig:
     """Under torchrun: shard the routed experts over groups of this many ranks (`serve.tinker_sharded`)."""
     pp: int = 1
     """Under torchrun: split the decoder layers into this many pipeline stages (`parallel.staged`)."""
+    pp_microbatches: int = 1
+    """Under --pp: a forward_backward pass's rows in this many chunks in flight one after another, so
+    the stages overlap (1: the whole pass at once, the stages in turn)."""
     expert_rank_rule: str = "same"
     """Rank of each client's routed-expert adapters: `same` as its rank, or `divide_by_top_k` (rank //
     top_k, at least 1: a token's k experts add up to about one rank-r update, at 1/k of the bytes)."""
@@ -68,9 +71,10 @@ class TinkerConfig:
     """Recompute every k-th decoder layer in backward instead of keeping its activations (0 = off)."""
 
     def __post_init__(self) -> None:
-        for key in ("tp", "ep", "pp"):
+        for key in ("tp", "ep", "pp", "pp_microbatches"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1 dividing the number of ranks")
+                why = "" if key == "pp_microbatches" else " dividing the number of ranks"
+                raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1{why}")
         if not isinstance(self.activation_checkpoint_every, int) or self.activation_checkpoint_every < 0:
             raise BadRequest(f"activation_checkpoint_every={self.activation_checkpoint_every!r}; allowed: an integer "
                              ">= 0 (0 = off, 1 = every layer)")
