@@ -357,3 +357,11 @@ def test_the_compute_matched_guessing_table_is_the_results_file():
     flat = " ".join(README.split())
     assert (f"({after['w128:full']} vs {after['w128:lora8']}, {after['w256:full']} vs {after['w256:lora8']})") in flat
     assert arms["w128:full"]["accuracy_after"] > arms["w256:lora8"]["accuracy_after"]  # what the prose says
+
+
+def test_the_pipeline_microbatches_row_is_its_results_file():
+    r = results("pipeline_microbatches.json")
+    sec, sp = r["seconds_best_of_reps"], r["speedup_over_whole"]
+    assert (f"{sec['1']:.3f} / {sec['2']:.3f} / {sec['4']:.3f} / {sec['8']:.3f} s for 1 / 2 / 4 / 8 chunks: "
+            f"**{sp['2']:.2f}× / {sp['4']:.2f}× / {sp['8']:.2f}×**") in README
+    assert f"gradients equal the whole pass's to {r['max_grad_rel_diff_vs_whole']:.1e}" in README
