@@ -29,16 +29,19 @@ class OtherStage(nn.Module):
         raise RuntimeError("this module lives on another pipeline stage; run the model through its stages")
 
 
-def keep_stage(model: nn.Module, layers: range) -> None:
-    """Drop what pipeline stage `layers` does not run: the other decoder layers, the embedding unless
-    the stage starts at layer 0, the final norm and head unless it ends at the last layer."""
+def keep_stage(model: nn.Module, layers, embed: bool | None = None, head: bool | None = None) -> None:
+    """Drop what a pipeline rank does not run: the decoder layers outside `layers` (a range, or a set
+    for a rank with several stages), the embedding unless `embed`, the final norm and head unless
+    `head`. For a range they default to whether it starts at layer 0 / ends at the last layer."""
     n = len(model.model.layers)
+    embed = layers.start == 0 if embed is None else embed
+    head = layers.stop == n if head is None else head
     for i in range(n):
         if i not in layers:
             model.model.layers[i] = OtherStage()
-    if layers.start != 0:
+    if not embed:
         model.model.embed_tokens = OtherStage()
-    if layers.stop != n:
+    if not head:
         model.model.norm, model.lm_head = OtherStage(), OtherStage()
 
 

@@ -35,7 +35,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from ..models.attention import causal_mask
-from ..models.transformer import OtherStage
+from ..models.transformer import keep_stage
 from .vocab_parallel import head_logprobs
 from .context_parallel import padded_length
 from .dims import ParallelDims, ParallelError
@@ -125,14 +125,7 @@ class Pipeline:
         self.stage_ids = stage_indices(pp_rank, dims)
         self.modules = [StageModule(model, ranges[s], s == 0, s == n - 1) for s in self.stage_ids]
         self.last_owner = self.owner(n - 1)  # pp rank of the head
-        kept = {i for s in self.stage_ids for i in ranges[s]}
-        for i in range(len(model.model.layers)):
-            if i not in kept:
-                model.model.layers[i] = OtherStage()
-        if 0 not in self.stage_ids:
-            model.model.embed_tokens = OtherStage()
-        if n - 1 not in self.stage_ids:
-            model.model.norm, model.lm_head = OtherStage(), OtherStage()
+        keep_stage(model, {i for s in self.stage_ids for i in ranges[s]}, 0 in self.stage_ids, n - 1 in self.stage_ids)
 
     @property
     def has_last(self) -> bool:

@@ -87,7 +87,6 @@ class ShardedService(DataParallelService):
             model = meta_model(path, dtype, experts, layers)
         if dims.pp > 1:
             model = self.stages = StagedModel(model, meshes.group("pp"), meshes.rank("pp"), dims.pp)
-            self.stages.microbatches = self.cfg.pp_microbatches
             self.stages.chunk_group = meshes.group("ep") if dims.ep > 1 else None
         base = ResidentBase(model, alpha=self.cfg.lora_alpha)
         placement = base.placement
