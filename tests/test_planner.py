@@ -266,15 +266,41 @@ def test_service_plan_counts_what_an_expert_parallel_service_holds():
     held_base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
     held_client = sum(p.numel() for p in adapter.params.values())
     found = plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=8, seq_len=64, rows=4, base_bytes=4)
-    assert sorted((x.layout.pp, x.layout.tp, x.layout.ep, x.layout.activation_checkpoint_every) for x in found) == \
-        [(1, 1, 1, 0), (1, 1, 1, 1), (1, 1, 2, 0), (1, 1, 2, 1), (1, 2, 1, 0), (1, 2, 1, 1), (2, 1, 1, 0), (2, 1, 1, 1)]
-    layouts = {x.layout.ep: x for x in found if (x.layout.pp, x.layout.tp, x.layout.activation_checkpoint_every) == (1, 1, 0)}
+    assert sorted((x.layout.pp, x.layout.cp, x.layout.tp, x.layout.vocab_parallel, x.layout.ep,
+                   x.layout.activation_checkpoint_every) for x in found) == \
+        [(pp, cp, tp, v, ep, ac) for pp, cp, tp, v, ep in [(1, 1, 1, False, 1), (1, 1, 1, False, 2), (1, 1, 2, False, 1),
+                                                           (1, 1, 2, True, 1), (1, 2, 1, False, 1), (2, 1, 1, False, 1)]
+         for ac in (0, 1)]
+    layouts = {x.layout.ep: x for x in found
+               if (x.layout.pp, x.layout.cp, x.layout.tp, x.layout.activation_checkpoint_every) == (1, 1, 1, 0)}
     two = layouts[2]
     assert two.estimate.memory["base weights"] == held_base * 4
     assert two.per_client_bytes == held_client * (16 + REVISION_BYTES)
     assert two.estimate.memory["clients: adapter + grads + AdamW + revision"] == 3 * two.per_client_bytes
     assert layouts[1].estimate.memory["base weights"] > two.estimate.memory["base weights"]  # the experts halved
     assert two.fits and two.max_clients >= 3
+
+
+def test_service_plan_counts_a_vocabulary_parallel_head_and_context_parallel_rows():
+    """tp=2 with the head split over the vocabulary holds half the head's weight and half of each
+    client's lm_head B, and half the head's activations; cp=2 holds half of every activation."""
+    from trillora.checkpoint import load_model, resolve_model_path
+    from trillora.parallel.planner import REVISION_BYTES, plan_service
+
+    model = load_model(resolve_model_path("tiny-moe-chat"))
+    head, rank = model.lm_head.weight, 8
+    found = plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=rank, seq_len=64, rows=4, base_bytes=4)
+    pick = {(x.layout.cp, x.layout.tp, x.layout.vocab_parallel): x for x in found
+            if x.layout.pp == 1 and x.layout.ep == 1 and not x.layout.activation_checkpoint_every}
+    whole, split = pick[1, 2, False], pick[1, 2, True]
+    assert whole.estimate.memory["base weights"] - split.estimate.memory["base weights"] == head.numel() // 2 * 4
+    assert whole.per_client_bytes - split.per_client_bytes == head.shape[0] // 2 * rank * (16 + REVISION_BYTES)
+    assert split.estimate.memory["activations"] < whole.estimate.memory["activations"]
+    one = next(x for x in plan_service(model.args, 1, CLUSTERS["cpu"], clients=3, lora_rank=rank, seq_len=64, rows=4,
+                                       base_bytes=4) if not x.layout.activation_checkpoint_every)
+    cp = pick[2, 1, False]  # the same 4 rows as one rank, half of each row's positions, and the gathered K/V
+    assert one.estimate.memory["activations"] / 2 < cp.estimate.memory["activations"] < one.estimate.memory["activations"]
+    assert cp.estimate.comm["cp K/V"] > 0 and cp.estimate.memory["base weights"] == one.estimate.memory["base weights"]
 
 
 def test_service_plan_counts_what_a_pipeline_stage_holds():
@@ -318,15 +344,16 @@ def test_readme_service_plan_command():
     """The README's `trillora plan --tinker` example and the figures it quotes."""
     out, readme = readme_plan("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 4096 "
                               "--rollouts 8 --lora-rank 8 --clients 8")
-    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 8, "activation_checkpoint_every": 0} and "--ep 8" in out["command"]
+    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 8, "cp": 1, "vocab_parallel": False, "activation_checkpoint_every": 0}
+    assert "--ep 8" in out["command"]
     assert "--tp" not in out["command"] and "--pp" not in out["command"] and "--activation" not in out["command"]
     assert [x["call_s"] for x in out["layouts"]] == sorted(x["call_s"] for x in out["layouts"])
-    eight = next(x for x in out["layouts"] if (x["pp"], x["tp"], x["ep"]) == (1, 1, 8))
+    eight = next(x for x in out["layouts"] if (x["pp"], x["cp"], x["tp"], x["ep"]) == (1, 1, 1, 8))
     m = eight["memory_gib"]
     assert (round(m["base weights"], 1), round(m["activations"] + m["transient"], 1), round(eight["per_client_gib"], 1),
             eight["max_clients"]) == (9.6, 45.9, 1.1, 14)
     assert [(x["ep"], x["activation_checkpoint_every"]) for x in out["layouts"]
-            if x["fits"] and x["tp"] == 1 and x["pp"] == 1] == \
+            if x["fits"] and x["tp"] == 1 and x["pp"] == 1 and x["cp"] == 1] == \
         [(8, 0), (2, 1), (4, 1), (8, 1)]  # fastest first; without ac only ep=8 holds 8 clients
     one = next(x for x in out["layouts"] if (x["pp"], x["tp"], x["ep"]) == (1, 1, 1))
     assert one["memory_gib"]["base weights"] + one["memory_gib"]["activations"] > 72 and not one["fits"]
@@ -338,10 +365,10 @@ def test_readme_service_plan_command():
 def test_readme_service_plan_for_kimi_k2():
     out, readme = readme_plan("trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 "
                               "--rollouts 64 --lora-rank 8 --clients 2")
-    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 64, "activation_checkpoint_every": 1}
+    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 64, "cp": 1, "vocab_parallel": False, "activation_checkpoint_every": 1}
     fit = [x for x in out["layouts"] if x["fits"]]
-    assert [(x["pp"], x["tp"], x["ep"], x["activation_checkpoint_every"]) for x in fit] == \
-        [(1, 1, 64, 1), (2, 1, 32, 1), (4, 1, 16, 1), (8, 1, 8, 1)]
+    assert [(x["pp"], x["cp"], x["tp"], x["ep"], x["activation_checkpoint_every"]) for x in fit] == \
+        [(1, 1, 1, 64, 1), (2, 1, 1, 32, 1)]  # more stages: the last one holds fewer layers but the logits
     best, two = fit[0], fit[1]
     assert (f"Without pipeline stages only ep=64 with activation checkpointing fits: "
             f"{best['memory_gib']['base weights']:.1f} GiB of base per GPU and {best['per_client_gib']:.1f} GiB per "
@@ -349,6 +376,30 @@ def test_readme_service_plan_for_kimi_k2():
             f"(`--pp 2 --ep 32 --activation-checkpoint-every 1`) hold {two['memory_gib']['base weights']:.1f} GiB of base "
             f"per GPU and room for {two['max_clients']} clients, at {two['call_s'] / best['call_s']:.1f}× the time per "
             f"call") in readme
+
+
+def test_readme_service_plan_for_a_long_datum():
+    out, readme = readme_plan("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 32768 "
+                              "--rollouts 1 --lora-rank 8 --clients 8")
+    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 4, "cp": 2, "vocab_parallel": False, "activation_checkpoint_every": 1}
+    assert "--cp 2 --ep 4 --activation-checkpoint-every 1" in out["command"]
+
+    def layout(pp, cp, tp, vocab, ep):
+        return next(x for x in out["layouts"] if (x["pp"], x["cp"], x["tp"], x["vocab_parallel"], x["ep"]) ==
+                    (pp, cp, tp, vocab, ep) and x["activation_checkpoint_every"])
+
+    def one_pass(x):
+        return x["memory_gib"]["activations"] + x["memory_gib"]["transient"]
+
+    best, whole, vocab = layout(1, 2, 1, False, 4), layout(1, 1, 1, False, 4), layout(1, 1, 2, True, 4)
+    fit = [x for x in out["layouts"] if x["fits"]]
+    assert fit[:2] == [best, vocab] and not whole["fits"] and whole["max_clients"] == 0
+    assert one_pass(best) < one_pass(vocab) < one_pass(whole)
+    assert (f"This picks `--cp 2 --ep 4 --activation-checkpoint-every 1` ({best['call_s']:.2f} s per call, "
+            f"{best['max_clients']} clients fit): the datum's pass takes {one_pass(best):.1f} GiB of a GPU. Without cp one "
+            f"rank runs the whole datum, and the same layout needs {one_pass(whole):.1f} GiB for it") in readme
+    assert (f"`--tp 2 --vocab-parallel --ep 4` ({vocab['call_s']:.2f} s per call, {vocab['max_clients']} clients), needs "
+            f"{one_pass(vocab):.1f} GiB") in readme
 
 
 def test_readme_service_plan_with_divided_expert_rank(capsys):

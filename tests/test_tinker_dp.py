@@ -133,7 +133,11 @@ LAYOUTS = {"dp": (2, [], "data parallel over 2 ranks"), "ep": (2, ["--ep", "2"],
            # a 1-datum call leaves dp rank 1's two stages one filler token to pass down and back
            "pp-ep": (4, ["--pp", "2", "--ep", "2"], "data parallel over 2 ranks, stages over pp=2, experts over ep=2"),
            "pp-tp": (4, ["--pp", "2", "--tp", "2", "--activation-checkpoint-every", "1"],
-                     "data parallel over 1 ranks, stages over pp=2, layers over tp=2")}
+                     "data parallel over 1 ranks, stages over pp=2, layers over tp=2"),
+           # each row's positions split over 2 ranks in training; sampling decodes whole rows on both
+           "cp": (2, ["--cp", "2", "--activation-checkpoint-every", "1"], "data parallel over 1 ranks, rows over cp=2"),
+           "tp-vocab": (2, ["--tp", "2", "--vocab-parallel"],
+                        "data parallel over 1 ranks, layers over tp=2 with the head over the vocabulary")}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -157,8 +157,9 @@ def test_the_fused_adapters_benchmark_runs_on_expert_parallel_ranks(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "fused_adapters.py"
     out = tmp_path / "ep2.json"
-    subprocess.run([sys.executable, str(script), "--ep", "2", "--adapters", "2", "--rows", "4", "--samples", "2",
-                    "--max-tokens", "4", "--reps", "1", "--out", str(out)], check=True, capture_output=True, timeout=600)
+    run = subprocess.run([sys.executable, str(script), "--ep", "2", "--adapters", "2", "--rows", "4", "--samples", "2",
+                          "--max-tokens", "4", "--reps", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["expert_parallel_ranks"] == 2 and set(r["speedup_one_pass"]) == {"forward_backward", "sample"}
     assert r["check"]["max_logprob_diff"] < 1e-4 and r["check"]["max_grad_rel_diff"] < 1e-4

@@ -118,8 +118,11 @@ def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> 
 
 @pytest.mark.parametrize("world,flags", [(2, {"ep": 2, "expert_rank_rule": "divide_by_top_k"}),
                                          (4, {"ep": 2, "pp": 2, "pp_microbatches": 2}), (4, {"tp": 2, "ep": 2}),
-                                         (4, {"tp": 2, "pp": 2})],
-                         ids=["ep2-divided-expert-rank", "pp2-ep2-microbatches2", "tp2-ep2", "pp2-tp2"])
+                                         (4, {"tp": 2, "pp": 2}), (4, {"cp": 2, "ep": 2}),
+                                         (4, {"tp": 2, "cp": 2, "vocab_parallel": True}),
+                                         (4, {"pp": 2, "cp": 2, "pp_microbatches": 2})],
+                         ids=["ep2-divided-expert-rank", "pp2-ep2-microbatches2", "tp2-ep2", "pp2-tp2", "cp2-ep2",
+                              "tp2-cp2-vocab-parallel", "pp2-cp2-microbatches2"])
 def test_two_clients_in_one_pass_on_expert_parallel_ranks_equal_each_call_alone(tmp_path, world, flags):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()

@@ -92,15 +92,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = TinkerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                            state_dir=args.state_dir, max_connections=args.max_connections, max_clients=args.max_clients,
                            device=args.device, precision=args.precision, max_fused=args.max_fused,
-                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep, pp=args.pp, pp_microbatches=args.pp_microbatches,
+                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp,
+                           vocab_parallel=args.vocab_parallel, pp_microbatches=args.pp_microbatches,
                            expert_rank_rule=args.expert_rank_rule, activation_checkpoint_every=args.activation_checkpoint_every)
         from ..trainer.world import launched
 
         if not launched():
-            if cfg.ep > 1 or cfg.tp > 1 or cfg.pp > 1:
-                raise SystemExit(f"trillora serve --tinker --tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp}: a sharded base needs "
-                                 f"several ranks; launch with torchrun --nproc-per-node N (N a multiple of "
-                                 f"{cfg.tp * cfg.pp * cfg.ep})")
+            if _sharded(cfg):
+                raise SystemExit(f"trillora serve --tinker {_layout(cfg)}: a sharded base needs several ranks; launch "
+                                 f"with torchrun --nproc-per-node N (N a multiple of {cfg.tp * cfg.pp * cfg.cp * cfg.ep})")
             serve_tinker(cfg)
             return 0
         return _serve_tinker_parallel(cfg)
@@ -108,6 +108,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       adapter_root=args.adapter_root, precision=args.precision, max_connections=args.max_connections,
                       max_adapters=args.max_adapters, trust_remote_code=args.trust_remote_code))
     return 0
+
+
+def _sharded(cfg) -> bool:
+    return cfg.ep > 1 or cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1
+
+
+def _layout(cfg) -> str:
+    return f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp}"
 
 
 def _serve_tinker_parallel(cfg) -> int:
@@ -125,10 +133,11 @@ def _serve_tinker_parallel(cfg) -> int:
     device = pick_device(cfg.device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     cfg = dataclasses.replace(cfg, device=str(device))
-    service = ShardedService(cfg) if cfg.ep > 1 or cfg.tp > 1 or cfg.pp > 1 else DataParallelService(cfg)
+    service = ShardedService(cfg) if _sharded(cfg) else DataParallelService(cfg)
     try:
         if service.rank == 0:
-            split = (f", stages over pp={cfg.pp}" if cfg.pp > 1 else "") + (f", layers over tp={cfg.tp}" if cfg.tp > 1 else "") \
+            split = (f", stages over pp={cfg.pp}" if cfg.pp > 1 else "") + (f", rows over cp={cfg.cp}" if cfg.cp > 1 else "") \
+                + (f", layers over tp={cfg.tp}" if cfg.tp > 1 else "") + (" with the head over the vocabulary" if cfg.vocab_parallel else "") \
                 + (f", experts over ep={cfg.ep}" if cfg.ep > 1 else "")
             print(f"trillora serve --tinker: data parallel over {service.dp_size} ranks{split}", flush=True)
             serve_tinker(cfg, server=TinkerServer(cfg, service))
@@ -209,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "clients' expert adapters) over groups of EP ranks")
     p.add_argument("--pp", type=int, default=1, help="--tinker under torchrun: split the decoder layers into PP "
                                                      "pipeline stages, one per rank of a pipeline group")
+    p.add_argument("--cp", type=int, default=1, help="--tinker under torchrun: split each row of a training pass "
+                                                     "over CP ranks (context parallelism, for long traces)")
+    p.add_argument("--vocab-parallel", action="store_true", help="--tinker --tp: split the head over the vocabulary; "
+                                                                 "losses never hold the full logits")
     p.add_argument("--pp-microbatches", type=int, default=1, help="--tinker --pp: a pass's rows in this many chunks "
                                                                   "in flight, so the stages overlap")
     p.add_argument("--expert-rank-rule", default="same", choices=EXPERT_RANK_RULES,

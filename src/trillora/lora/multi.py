@@ -41,8 +41,10 @@ class RowAdapters:
         self.token_adapter: torch.Tensor | None = None  # [B*T]
         self.counts: torch.Tensor | None = None  # [K] tokens per adapter
 
-    def begin(self, input_ids_BT: torch.Tensor) -> None:
+    def begin(self, input_ids_BT: torch.Tensor, tokens: int | None = None) -> None:
+        """`tokens`: per row as the layers see them, when not T (a context-parallel rank's share)."""
         b, t = input_ids_BT.shape
+        t = tokens or t
         total = int(self.rows.sum())
         if b % total:
             raise ValueError(f"a batch of {b} rows cannot hold the {total} rows of the {self.k} adapters")

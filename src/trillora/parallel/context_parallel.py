@@ -26,6 +26,8 @@ Shape legend: B rows, T padded tokens, t = T/cp local tokens, H/K heads, D head 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -50,14 +52,14 @@ def local_positions(length: int, cp: int, rank: int) -> torch.Tensor:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """[B, t] per rank -> [B, T] in global order; backward keeps this rank's columns of the gradient."""
+    """[B, t, ...] per rank -> [B, T, ...] in global order; backward keeps this rank's columns of the gradient."""
 
     @staticmethod
     def forward(ctx, x_Bt, positions_T, local_t, group):
         ctx.local = local_t
         parts = [torch.empty_like(x_Bt) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x_Bt.contiguous(), group=group)
-        out = x_Bt.new_empty(x_Bt.shape[0], positions_T.numel())
+        out = x_Bt.new_empty(x_Bt.shape[0], positions_T.numel(), *x_Bt.shape[2:])
         out[:, positions_T] = torch.cat(parts, dim=1)  # rank order -> position order
         return out
 
@@ -73,6 +75,21 @@ class ContextParallel:
         self.group, self.rank, self.size = group, rank, size
         self.query_positions: torch.Tensor | None = None  # [t] this rank's positions in the current batch
         self.key_positions: torch.Tensor | None = None  # [T] positions of the gathered keys (rank order)
+        self.active = True
+        """Off (`off()`): the model runs whole rows with masks and a KV cache, as without cp; a
+        service decodes so, every cp rank the same tokens, and splits only its training passes."""
+
+    @contextlib.contextmanager
+    def off(self):
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = True
+
+    def local_width(self, length: int) -> int:
+        """Tokens per row this rank holds of rows of `length` (padded to a multiple of 2·cp)."""
+        return self.padded_length(length) // self.size
 
     def padded_length(self, length: int) -> int:
         return padded_length(length, self.size)
@@ -94,6 +111,13 @@ class ContextParallel:
         ids = nn.functional.pad(input_ids, (0, padded - length))
         return ids[:, self.query_positions], self.query_positions.expand(b, -1)
 
+    def split(self, x_BT: torch.Tensor) -> torch.Tensor:
+        """This rank's positions [B, t, ...] of per-position values [B, T, ...] (zero-padded past T)
+        after `shard` fixed the split for rows of T."""
+        pad = self.query_positions.shape[0] * self.size - x_BT.shape[1]
+        x_BT = torch.cat([x_BT, x_BT.new_zeros(x_BT.shape[0], pad, *x_BT.shape[2:])], dim=1) if pad else x_BT
+        return x_BT[:, self.query_positions]
+
     def next_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token after each of this rank's positions [B, t] (padding past the end)."""
         padded = self.padded_length(input_ids.shape[1])
@@ -101,7 +125,7 @@ class ContextParallel:
         return ids[:, self.query_positions + 1]
 
     def gather(self, x_Bt: torch.Tensor, length: int) -> torch.Tensor:
-        """Per-position values of this rank's tokens -> [B, length] of the whole rows, on every rank."""
+        """Per-position values of this rank's tokens [B, t, ...] -> [B, length, ...] of the whole rows, on every rank."""
         return _GatherSequence.apply(x_Bt, self.key_positions, self.query_positions, self.group)[:, :length]
 
 
@@ -113,6 +137,8 @@ class ContextParallelAttention(InnerAttention):
         self.cp = cp
 
     def forward(self, q, k, v, mask, scale, sinks=None):
+        if not self.cp.active:
+            return super().forward(q, k, v, mask, scale, sinks)
         # the backbone hands a sliding layer its local-index window mask; here the window is re-applied
         # by global position, so only a full layer's mask (padding, a cache) is refused
         if mask is not None and not self.window:
@@ -144,6 +170,8 @@ def apply_context_parallel(model: nn.Module, group, rank: int, size: int) -> Con
                 setattr(m, name, ContextParallelAttention(cp, child.window))
 
     def shard_inputs(module, args, kwargs):
+        if not cp.active:
+            return None
         input_ids, attention_mask, position_ids, cache = (list(args) + [None] * 4)[:4]
         if attention_mask is not None or position_ids is not None or cache is not None:
             raise ValueError("under context parallelism the model takes right-padded input_ids only "

@@ -51,7 +51,7 @@ def short(layout: ParallelDims) -> str:
     parts = [f"{k}{v}" for k, v in (("pp", layout.pp), ("dp", layout.dp), ("cp", layout.cp), ("tp", layout.tp),
                                      ("ep", layout.ep)) if v > 1]
     flags = [f for f, on in (("fsdp", layout.fsdp and layout.dp * layout.cp > 1), ("sp", layout.sp),
-                             ("ac", layout.activation_checkpoint_every))
+                             ("vocab", layout.vocab_parallel), ("ac", layout.activation_checkpoint_every))
              if on]
     return "×".join(parts or ["1"]) + (" +" + "+".join(flags) if flags else "")
 
@@ -76,6 +76,7 @@ class Training:
     base_bytes: int = 2  # bf16 (1 = fp8 base for LoRA)
 
 
+VOCAB = "vocab"  # a Footprint bucket's split: the head's vocabulary rows, over tp only when vocab_parallel
 ADAPTER_STATE_BYTES = 16  # fp32 weight + fp32 gradient + AdamW m and v
 FULL_STATE_BYTES = 18  # bf16 weight + fp32 gradient + fp32 master weight + AdamW m and v
 
@@ -107,6 +108,8 @@ class Footprint:
             style = type(plan.get(module)).__name__
             split = (style == "LoraColwiseParallel" and leaf in ("weight", "bias", "lora_B")) or \
                     (style == "LoraRowwiseParallel" and leaf in ("weight", "lora_A"))
+            if module == "lm_head" and leaf in ("weight", "lora_B"):
+                split = VOCAB  # split over tp only with a vocabulary-parallel head
             trainable = training.full or leaf.startswith("lora_")
             key = (place, split, id(p) in experts, trainable)
             self.buckets[key] = self.buckets.get(key, 0) + p.numel()
@@ -135,7 +138,7 @@ class Footprint:
         for (place, split, expert, train), n in self.buckets.items():
             if place not in places or train != trainable or experts not in (None, expert):
                 continue
-            share = n / (layout.tp if split else 1)
+            share = n / (layout.tp if split is True or (split == VOCAB and layout.vocab_parallel) else 1)
             if expert:
                 share /= layout.ep
             total += share / (shard_group(layout, expert) if layout.fsdp else 1)
@@ -228,15 +231,27 @@ class Estimate:
         return (self.compute_s + self.comm_s) * (1 + self.bubble)
 
 
-def estimate(fp: Footprint, layout: ParallelDims, work: Workload, cluster: Cluster) -> Estimate:
-    """Memory, traffic and time of one optimizer step under `layout`, on its fullest pipeline stage.
+def estimate(fp: Footprint, layout: ParallelDims, work: Workload, cluster: Cluster,
+             fullest: str = "parameters") -> Estimate:
+    """Memory, traffic and time of one optimizer step under `layout`, on its fullest pipeline stage:
+    the one holding the most `parameters`, or needing the most `memory` (the head's logits count on
+    the last stage; the service planner asks for this one).
     Activation checkpointing is counted as every layer's (any `activation_checkpoint_every` > 0)."""
-    est = Estimate(layout)
     stages = fp.stage_places(layout)
-    worst = max(range(layout.pp), key=lambda s: sum(fp.rank_numel(layout, stages[s], t) for t in (False, True)))
-    places = stages[worst]
+
+    def held(stage: int) -> Estimate:
+        est = Estimate(layout)
+        _memory(est, fp, layout, work, cluster, stages[stage], sorted(p for p in stages[stage] if isinstance(p, int)), stage)
+        return est
+
+    if fullest == "memory":
+        per_stage = [held(s) for s in range(layout.pp)]
+        worst = max(range(layout.pp), key=lambda s: per_stage[s].memory_total)
+    else:
+        worst = max(range(layout.pp), key=lambda s: sum(fp.rank_numel(layout, stages[s], t) for t in (False, True)))
+        per_stage = {worst: held(worst)}
+    est, places = per_stage[worst], stages[worst]
     layers_here = sorted(p for p in places if isinstance(p, int))
-    _memory(est, fp, layout, work, cluster, places, layers_here, worst)
     _traffic(est, fp, layout, work, cluster, places, layers_here, worst)
     _time(est, fp, layout, work, cluster)
     return est
@@ -281,7 +296,7 @@ def _memory(est, fp, layout, work, cluster, places, layers_here, worst) -> None:
         saved = in_flight * len(kinds) * tokens * args.hidden_size + tokens * max(kinds, default=0.0) + gathered_kv
     else:
         saved = in_flight * (tokens * sum(kinds) + len(kinds) * gathered_kv)
-    head = tokens * per["head"] * ("head" in places)
+    head = tokens * per["head"] * ("head" in places) / (layout.tp if layout.vocab_parallel else 1)
     est.memory["activations"] = saved * cluster.act_bytes + head * 4 * in_flight
     # backward's largest short-lived buffers: the logits' gradient next to the log-softmax, or a
     # few hidden-size gradients on a stage without the head

@@ -172,12 +172,13 @@ class ServiceLayout:
 def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lora_rank: int, seq_len: int, rows: int,
                  base_bytes: int = 2, expert_rank: int = 0) -> list[ServiceLayout]:
     """The service's layouts on `world` ranks, fastest first (the cost model's time for one call):
-    pp stages of whole layers, tp within a node and dividing the heads, ep dividing dp and the
-    experts, with and without activation checkpointing (every layer); each call's `rows` datums of
+    pp stages of whole layers, tp within a node and dividing the heads (the head whole or split
+    over the vocabulary), cp (powers of two, within a node), ep dividing dp and the experts, with
+    and without activation checkpointing (every layer); each call's `rows` datums of
     `seq_len` tokens split over dp in one pass (no microbatches, so the stages work in turn: one
     call takes pp times a stage's time); each client's adapter, AdamW state and one sampler
     revision held at rank `lora_rank` on every role (`expert_rank` on routed experts: 0, the same),
-    split with its layers; the fullest stage counts."""
+    split with its layers; the stage that needs the most memory counts."""
     fp = Footprint(args, Training(lora_rank=lora_rank, expert_rank=expert_rank, targets=SERVICE_TARGETS,
                                   base_bytes=base_bytes))
     budget = cluster.memory_gib * 2**30 * (1 - cluster.reserve)
@@ -185,28 +186,28 @@ def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lo
     for tp in divisors(world):
         if tp > cluster.gpus_per_node or args.num_heads % tp or (not args.kv_lora_rank and args.num_kv_heads % tp):
             continue
-        for pp in divisors(world // tp):
-            if pp > args.num_layers:
-                continue
-            dp = world // (tp * pp)
-            for ep in divisors(dp):
+        for pp, cp in ((pp, cp) for pp in divisors(world // tp) for cp in divisors(world // (tp * pp))):
+            if pp > args.num_layers or cp > 1 and (cp & (cp - 1) or cp > cluster.gpus_per_node // tp):
+                continue  # cp: powers of two within a node with its tp group (K/V all-gathers every layer)
+            dp = world // (tp * pp * cp)
+            for ep, vocab, ac in ((e, v, a) for e in divisors(dp) for v in ((False, True) if tp > 1 else (False,))
+                                  for a in (0, 1)):
                 if (args.num_experts % ep) if args.num_experts else ep > 1:
                     continue
-                for ac in (0, 1):
-                    layout = ParallelDims(dp=dp, tp=tp, ep=ep, pp=pp, fsdp=False, activation_checkpoint_every=ac,
-                                          pp_schedule="gpipe", pp_microbatches=1)
-                    try:
-                        layout.check_model(args)
-                    except ParallelError:
-                        continue
-                    out.append(_service_layout(fp, layout, cluster, clients, seq_len, rows, budget))
+                layout = ParallelDims(dp=dp, tp=tp, ep=ep, pp=pp, cp=cp, fsdp=False, vocab_parallel=vocab,
+                                      activation_checkpoint_every=ac, pp_schedule="gpipe", pp_microbatches=1)
+                try:
+                    layout.check_model(args)
+                except ParallelError:
+                    continue
+                out.append(_service_layout(fp, layout, cluster, clients, seq_len, rows, budget))
     return sorted(out, key=lambda x: (x.estimate.step_s, x.estimate.memory_total))
 
 
 def _service_layout(fp: Footprint, layout: ParallelDims, cluster: Cluster, clients: int, seq_len: int, rows: int,
                     budget: float) -> ServiceLayout:
     work = Workload(seq_len=seq_len, rollouts_per_step=rows, micro_batch_rows=-(-rows // layout.dp))
-    est = estimate(fp, layout, work, cluster)
+    est = estimate(fp, layout, work, cluster, fullest="memory")
     one = est.memory.pop("adapter + grads + optimizer")
     per_client = one / ADAPTER_STATE_BYTES * (ADAPTER_STATE_BYTES + REVISION_BYTES)
     room = budget - est.memory_total

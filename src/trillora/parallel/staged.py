@@ -17,6 +17,8 @@ input's gradient to the stage before. A training pass may run as row chunks (`mi
 GPipe): forward the chunks one after another, so that stage s works on chunk i while stage s+1
 works on chunk i-1, then backward chunk by chunk from the last, the same overlap in reverse. With
 one chunk the stages work in turn: pp then buys memory (1/pp of the layers per rank), not speed.
+Under context parallelism (`context_parallel`, set by `apply_context_parallel`) a training pass
+runs this rank's positions of each row through every stage, as the whole model would.
 Shape legend: B rows, T tokens, C hidden channels, V vocabulary.
 """
 
@@ -71,6 +73,11 @@ class StagedModel(nn.Module):
         """Every pp rank calls it with the same arguments; logits [B, T or logits_to_keep, V] on the
         last stage (on every stage with `share_logits`), None elsewhere. A training pass (autograd
         on, no cache) runs as `microbatches` row chunks in flight one after another (GPipe)."""
+        cp = getattr(self, "context_parallel", None)  # `parallel.context_parallel`: this rank's tokens of each row
+        if cp is not None and cp.active:
+            if attention_mask is not None or cache is not None:
+                raise ValueError("under context parallelism a stage takes right-padded input_ids only (no mask or cache)")
+            input_ids, position_ids = cp.shard(input_ids)  # [B, t] and their global positions
         b, t = input_ids.shape
         offset = cache.length if cache is not None else 0
         if position_ids is None:

@@ -36,9 +36,12 @@ def _sum(x: torch.Tensor, group) -> torch.Tensor:
 def vocab_parallel_logprobs(
     logits_local: torch.Tensor, targets: torch.Tensor, group, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits_local [B, T, V/tp] (this rank's vocabulary slice), targets [B, T] (global ids)
-    -> (log p(target) [B, T], entropy [B, T] or None), equal on every tp rank."""
+    """logits_local [B, T, V/tp] (this rank's vocabulary slice), targets [B, T] or [B, T, K] (global
+    ids; K candidates per position) -> (log p(target) shaped as targets, entropy [B, T] or None),
+    equal on every tp rank."""
     z = logits_local.float()
+    per_position = targets.dim() == z.dim() - 1
+    targets = targets[..., None] if per_position else targets  # [B, T, K]
     width = z.shape[-1]
     start = dist.get_rank(group) * width
     m = z.detach().amax(-1, keepdim=True)  # [B, T, 1]
@@ -47,10 +50,11 @@ def vocab_parallel_logprobs(
     sumexp = _sum(e.sum(-1), group=group)  # [B, T]
     mine = (targets >= start) & (targets < start + width)
     local_idx = (targets - start).clamp(0, width - 1)
-    z_target = z.gather(-1, local_idx[..., None])[..., 0] * mine  # 0 where another rank holds the target
+    z_target = z.gather(-1, local_idx) * mine  # [B, T, K]; 0 where another rank holds the target
     z_target = _sum(z_target, group=group)
-    lse = m[..., 0] + sumexp.log()
-    logp = z_target - lse
+    lse = m[..., 0] + sumexp.log()  # [B, T]
+    logp = z_target - lse[..., None]
+    logp = logp[..., 0] if per_position else logp
     entropy = None
     if with_entropy:
         pz = _sum((e * z).sum(-1), group=group) / sumexp  # Σ p·z

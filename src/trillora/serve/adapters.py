@@ -154,6 +154,11 @@ class ResidentBase:
             for m in self.slots.values():
                 m.lora_enabled = False
 
+    def _local_width(self, input_ids_BT: torch.Tensor) -> int:
+        """Tokens per row the layers see: under context parallelism, this rank's share of the row."""
+        cp = getattr(self.model, "context_parallel", None)
+        return cp.local_width(input_ids_BT.shape[1]) if cp is not None and cp.active else input_ids_BT.shape[1]
+
     @contextlib.contextmanager
     def use_many(self, adapters: list[Adapter | Revision | None], rows: list[int]):
         """The model with adapter k on the next `rows[k]` batch rows (in order), in one pass."""
@@ -162,7 +167,7 @@ class ResidentBase:
         multi = RowAdapters(rows, scaling, device)
         every = [_tensors(a) for a in adapters]
         self.in_use = tuple(adapters)
-        hook = self.model.register_forward_pre_hook(lambda _, args: multi.begin(args[0]))
+        hook = self.model.register_forward_pre_hook(lambda _, args: multi.begin(args[0], self._local_width(args[0])))
         try:
             for name, m in self.slots.items():
                 stacks = {}

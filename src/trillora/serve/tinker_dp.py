@@ -33,6 +33,7 @@ class DataParallelService(TinkerService):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.writes = self.rank == 0
         self.dp_group, self.dp_rank, self.dp_size = None, self.rank, self.world  # ranks that split the datums
+        self.grad_group = None  # ranks whose gradients add up to a call's (None: the world)
 
     # --- what rank 0 sends ----------------------------------------------------------------
     def _mirror(self, name: str, *args) -> None:
@@ -94,7 +95,7 @@ class DataParallelService(TinkerService):
         adam_settings(adam)  # refused before the gradients are summed, so a retry does not sum them twice
         params = client.adapter.params
         has = torch.tensor([float(p.grad is not None) for p in params.values()], device=self.device)
-        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.dp_group)  # a rank with no rows of this client has no gradient
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.grad_group)  # a rank with no rows of this client has no gradient
         for p, h in zip(params.values(), has.tolist()):
             if h and p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -103,7 +104,7 @@ class DataParallelService(TinkerService):
 
     def _sum_gradients(self, params: dict[str, torch.nn.Parameter]) -> None:
         """Every rank's gradients summed: the whole call's gradient, the same on every rank."""
-        sum_over([p.grad for p in params.values() if p.grad is not None], self.dp_group)
+        sum_over([p.grad for p in params.values() if p.grad is not None], self.grad_group)
 
 
 @torch.no_grad()

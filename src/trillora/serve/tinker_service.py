@@ -27,6 +27,7 @@ from ..rl.tinker_losses import datum_loss
 from ..rollout.local import LocalEngine
 from ..rollout.types import SamplingParams
 from .adapters import ResidentBase, Revision, roles_of
+from .targets import target_logprobs
 from .tinker_checks import adam_settings, check_data, check_sample, cut_at_stop, resolve, state_path
 from .tinker_types import BadRequest, Client, FwdBwd, SampleCall, Session, TinkerConfig
 from .wire import Datum
@@ -219,16 +220,11 @@ class TinkerService:
         ids = torch.zeros(len(data), width, dtype=torch.long)  # [B, T] right-padded (causal: pads change nothing before them)
         for i, d in enumerate(data):
             ids[i, :len(d.tokens)] = torch.tensor(d.tokens)
-        logits = model(ids.to(self.device))  # [B, T, V]
+        logits = model(ids.to(self.device))  # [B, T, V]; under cp [B, t, V]; with a vocabulary-parallel head [.., V/tp]
         if logits is None:  # a pipeline stage before the last: the last one computes the losses
             return [None] * len(data)
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [B, T, V]
-        out = []
-        for i, (d, t) in enumerate(zip(data, tensors)):
-            targets = t["target_tokens"].long().to(self.device)  # [N] or [N, K]
-            n = len(d.tokens)
-            out.append(logp[i, :n].gather(-1, targets.reshape(n, -1)).reshape(targets.shape))
-        return out
+        return target_logprobs(logits, [t["target_tokens"].long().to(self.device) for t in tensors],  # [N] or [N, K]
+                               getattr(model, "context_parallel", None), getattr(model, "vocab_parallel_group", None))
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
         """One AdamW step (decoupled weight decay, as torch) on the accumulated gradients."""

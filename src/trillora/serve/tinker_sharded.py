@@ -1,25 +1,28 @@
-"""The Tinker service on a sharded base: `torchrun --nproc-per-node N -m trillora serve MODEL --tinker --tp T --ep K --pp P`.
+"""The Tinker service on a sharded base: `torchrun ... -m trillora serve MODEL --tinker --tp T --ep K --pp P --cp C`.
 
-The base is split as `trillora train` splits it (`parallel.dims`): N = P × dp × T ranks, the
+The base is split as `trillora train` splits it (`parallel.dims`): N = P × dp × C × T ranks, the
 decoder layers into P pipeline stages (`parallel.staged`: each rank loads and holds one stage),
 the attention and dense MLP layers over the T ranks of a tensor-parallel group (which see the
 same tokens), the routed experts over K ranks borrowed from data parallelism. Every client's
 adapter is split with its layers (`serve.shards`), so a large MoE's experts, its layers and the
 clients' adapters cost a fraction per rank. Beyond data parallelism (`serve.tinker_dp`):
 
-- each call's datums are split over the dp ranks; the ranks of a tp group run the same block;
+- each call's datums are split over the dp ranks; the ranks of a tp group run the same block,
+  those of a cp group other positions of the same rows (`parallel.context_parallel`: every cp
+  rank gets the whole rows' logprobs, so the same losses);
 - every rank joins every pass, since each MoE layer's all-to-all sends routed rows to the rank
   that owns their expert and each tp layer all-reduces within its group. A rank with no datums
   of a call runs one token weighted 0. Waiting calls of several clients share a pass, each
   routed row's adapter travelling with it to its expert's rank (every rank then numbers the
   pass's adapters alike), each tp rank stacking its parts of the adapters;
 - optim_step first completes the tp layers' partial gradients, then sums the dense adapters
-  over dp and the expert slices over the ranks holding the same experts (dp/K); the clipping
+  over dp × cp and the expert slices over the ranks holding the same experts (dp/K × cp); the clipping
   norm counts every part once;
 - the stages of one dp rank run each pass in turn; the last one computes the losses and sends
   the outcomes to the others, then backward runs from it back to the first stage;
 - saved states and sampler weights are whole (gathered) and load into any layout;
-- sampling: the tp group of rank 0 drives the engine, every member the same generate (same
+- sampling decodes whole rows (cp off) and whole logits (a vocabulary-parallel head's slices
+  gathered): the tp and cp groups of rank 0 drive the engine, every member the same generate (same
   logits after the all-reduce, same seeded generator, so the same tokens). Before each forward
   rank 0 names the sampler to the rest, which run one token through the same revision so that
   their experts serve the drivers' rows. Sampler sessions therefore exist on every rank. Under
@@ -33,6 +36,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..models.transformer import OtherStage
+from ..parallel.context_parallel import apply_context_parallel
 from ..parallel.dims import ParallelDims, ParallelError, build_meshes
 from ..parallel.expert_parallel import apply_expert_parallel
 from ..parallel.pipeline import split_layers
@@ -56,20 +61,22 @@ class ShardedService(DataParallelService):
         try:
             if cfg.ep > 1 and not args.num_experts:
                 raise ParallelError(f"{cfg.model} has no routed experts to shard")
-            if world % (cfg.tp * cfg.pp):
-                raise ParallelError(f"parallel.tp={cfg.tp} × pp={cfg.pp} must divide the {world} ranks")
+            if world % (cfg.tp * cfg.pp * cfg.cp):
+                raise ParallelError(f"parallel.tp={cfg.tp} × pp={cfg.pp} × cp={cfg.cp} must divide the {world} ranks")
             if cfg.pp > args.num_layers:
                 raise ParallelError(f"parallel.pp={cfg.pp} stages for {args.num_layers} layers; allowed: 1..{args.num_layers}")
-            dims = ParallelDims(dp=world // (cfg.tp * cfg.pp), tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)  # ep must divide dp ...
-            dims.check_model(args)  # ... and the experts; tp the heads and MLP widths
+            dims = ParallelDims(dp=world // (cfg.tp * cfg.pp * cfg.cp), tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp,
+                                vocab_parallel=cfg.vocab_parallel)  # ep must divide dp ...
+            dims.check_model(args)  # ... and the experts; tp the heads, MLP widths (and the vocabulary)
         except ParallelError as e:
-            raise ParallelError(f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} on {world} ranks: {e}") from None
+            raise ParallelError(f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp} on {world} ranks: {e}") from None
         meshes = build_meshes(dims, torch.device(cfg.device).type)
         self.dims, self.meshes, self.num_layers = dims, meshes, args.num_layers
         self.stages = None  # this rank's pipeline stage (`parallel.staged`)
         super().__init__(cfg, model)  # builds this rank's part of the base (`_resident`)
         self.dp_group, self.dp_rank, self.dp_size = meshes.group("dp"), meshes.rank("dp"), dims.dp
-        self.edp_group = meshes.group("edp")
+        self.grad_group = meshes.group("dp_cp")  # cp ranks ran other positions of the same rows
+        self.edp_group = meshes.group("edp_cp")
         self.tp_group = meshes.group("tp")
 
     def _resident(self, path, dtype, model=None) -> ResidentBase:
@@ -96,8 +103,9 @@ class ShardedService(DataParallelService):
             apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
             placement.experts = ExpertShard(meshes.group("ep"), meshes.rank("ep"), dims.ep, model.args.num_experts)
         if dims.tp > 1:
-            plan = apply_tensor_parallel(model, meshes.mesh("tp"))
+            plan = apply_tensor_parallel(model, meshes.mesh("tp"), vocab_parallel=dims.vocab_parallel)
             placement.tp = TensorShard.of(plan, base.slots, meshes.mesh("tp"))
+        apply_context_parallel(model, meshes.group("cp"), meshes.rank("cp"), dims.cp)
         if on_meta:
             fill_model(model, path, self.cfg.device, experts)
         return base
@@ -136,8 +144,25 @@ class ShardedService(DataParallelService):
 
     def sample_many(self, calls):
         self._mirror("sample_many", calls)
-        with self.stages.sharing_logits() if self.stages is not None else contextlib.nullcontext():
+        with self._decoding():
             return self._sample_or_follow(calls)
+
+    @contextlib.contextmanager
+    def _decoding(self):
+        """Whole rows and whole logits on every rank that decodes: context parallelism off (every cp
+        rank runs the same tokens), a vocabulary-parallel head's slices gathered over tp, and under
+        pp the last stage's logits shared with every stage."""
+        model = self.base.model
+        cp = getattr(model, "context_parallel", None)
+        with contextlib.ExitStack() as stack:
+            if cp is not None:
+                stack.enter_context(cp.off())
+            if self.stages is not None:
+                stack.enter_context(self.stages.sharing_logits())
+            if self.dims.vocab_parallel and not isinstance(model.lm_head, OtherStage):
+                hook = model.lm_head.register_forward_hook(lambda m, args, out: _gather_vocab(out, self.tp_group))
+                stack.callback(hook.remove)
+            yield
 
     def _sample_or_follow(self, calls):
         if self.dp_rank == 0:  # rank 0's tp group: every member drives the same generate
@@ -188,8 +213,8 @@ class ShardedService(DataParallelService):
             if p.grad is not None and hasattr(p.grad, "placements") and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # Partial -> Replicate: all-reduce over tp
         is_expert = self.base.placement.is_expert
-        sum_over([_local(p.grad) for k, p in params.items() if p.grad is not None and not is_expert(k)], self.dp_group)
-        if self.dims.edp > 1:
+        sum_over([_local(p.grad) for k, p in params.items() if p.grad is not None and not is_expert(k)], self.grad_group)
+        if self.dims.edp * self.dims.cp > 1:
             sum_over([p.grad for k, p in params.items() if p.grad is not None and is_expert(k)], self.edp_group)
 
     @torch.no_grad()
@@ -211,6 +236,14 @@ class ShardedService(DataParallelService):
         if self.dims.pp > 1:  # each stage holds its own layers' adapters
             dist.all_reduce(total, group=placement.stages)
         return float(total[0].sqrt())
+
+
+@torch.no_grad()
+def _gather_vocab(logits_local: torch.Tensor, group) -> torch.Tensor:
+    """[B, T, V/tp] slices of the head's output -> [B, T, V] on every tp rank (decoding: a few positions)."""
+    parts = [torch.empty_like(logits_local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits_local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

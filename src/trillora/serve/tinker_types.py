@@ -61,6 +61,11 @@ class TinkerConfig:
     """Under torchrun: shard the routed experts over groups of this many ranks (`serve.tinker_sharded`)."""
     pp: int = 1
     """Under torchrun: split the decoder layers into this many pipeline stages (`parallel.staged`)."""
+    cp: int = 1
+    """Under torchrun: split each row of a forward_backward pass over this many ranks (context
+    parallelism: long traces at 1/cp of the activations per rank); sampling decodes whole rows."""
+    vocab_parallel: bool = False
+    """Under --tp: the head split over the vocabulary; losses read logprobs without the full logits."""
     pp_microbatches: int = 1
     """Under --pp: a forward_backward pass's rows in this many chunks in flight one after another, so
     the stages overlap (1: the whole pass at once, the stages in turn)."""
@@ -71,10 +76,12 @@ class TinkerConfig:
     """Recompute every k-th decoder layer in backward instead of keeping its activations (0 = off)."""
 
     def __post_init__(self) -> None:
-        for key in ("tp", "ep", "pp", "pp_microbatches"):
+        for key in ("tp", "ep", "pp", "cp", "pp_microbatches"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 why = "" if key == "pp_microbatches" else " dividing the number of ranks"
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1{why}")
+        if self.vocab_parallel and self.tp < 2:
+            raise BadRequest("vocab_parallel splits the head over the tensor-parallel ranks; it needs tp >= 2")
         if not isinstance(self.activation_checkpoint_every, int) or self.activation_checkpoint_every < 0:
             raise BadRequest(f"activation_checkpoint_every={self.activation_checkpoint_every!r}; allowed: an integer "
                              ">= 0 (0 = off, 1 = every layer)")

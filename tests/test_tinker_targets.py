@@ -1,0 +1,97 @@
+"""`serve.targets.target_logprobs`: each datum's log p at its [N] or [N, K] targets, from whole
+logits, from a context-parallel rank's positions, or from a vocabulary slice per tp rank; values
+and gradients against log_softmax over the whole logits (2 gloo ranks for the split forms)."""
+
+from __future__ import annotations
+
+import math
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine_helpers import free_port
+from trillora.parallel.context_parallel import ContextParallel
+from trillora.serve.targets import target_logprobs
+
+
+def test_logprobs_at_targets_by_hand():
+    logits = torch.zeros(2, 2, 2)
+    logits[:, 0, 1] = math.log(3.0)  # p = (1/4, 3/4) at position 0 of each row; (1/2, 1/2) at position 1
+    one, two = target_logprobs(logits, [torch.tensor([1, 0]), torch.tensor([[0, 1]])])
+    torch.testing.assert_close(one, torch.tensor([math.log(0.75), math.log(0.5)]))
+    torch.testing.assert_close(two, torch.tensor([[math.log(0.25), math.log(0.75)]]))  # [N, K]: a shorter datum
+
+
+def problem(seed: int = 0):
+    """Logits [3, 7, 8] and three datums: 7 tokens [N], 5 tokens [N, 3], 2 tokens [N, 1]."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 7, 8, generator=g)
+    targets = [torch.randint(0, 8, (7,), generator=g), torch.randint(0, 8, (5, 3), generator=g),
+               torch.randint(0, 8, (2, 1), generator=g)]
+    weights = [torch.randn(t.shape, generator=g) for t in targets]  # a loss that weighs every logprob differently
+    return logits, targets, weights
+
+
+def oracle(logits, targets, weights):
+    logits = logits.clone().requires_grad_()
+    logp = torch.log_softmax(logits, -1)
+    outs = [logp[i, :t.shape[0]].gather(-1, t.reshape(t.shape[0], -1)).reshape(t.shape) for i, t in enumerate(targets)]
+    sum((o * w).sum() for o, w in zip(outs, weights)).backward()
+    return outs, logits.grad
+
+
+def test_whole_logits_equal_log_softmax():
+    logits, targets, weights = problem()
+    want, want_grad = oracle(logits, targets, weights)
+    mine = logits.clone().requires_grad_()
+    got = target_logprobs(mine, targets)
+    sum((o * w).sum() for o, w in zip(got, weights)).backward()
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(mine.grad, want_grad)
+
+
+def worker(rank: int, port: int, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        logits, targets, weights = problem()
+        want, want_grad = oracle(logits, targets, weights)
+
+        cp = ContextParallel(dist.group.WORLD, rank, 2)
+        padded = cp.set_length(logits.shape[1], logits.device)  # 7 tokens -> 8: chunks (r, 3 - r) of 2
+        whole = torch.nn.functional.pad(logits, (0, 0, 0, padded - logits.shape[1]))
+        local = whole[:, cp.query_positions].clone().requires_grad_()  # [3, 4, 8]: this rank's positions
+        got = target_logprobs(local, targets, cp=cp)
+        sum((o * w).sum() for o, w in zip(got, weights)).backward()
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)  # whole rows on every cp rank
+        grad = torch.zeros_like(whole)
+        grad[:, cp.query_positions] = local.grad
+        dist.all_reduce(grad)  # each rank's positions' gradient, put together
+        torch.testing.assert_close(grad[:, :logits.shape[1]], want_grad)
+
+        part = logits.chunk(2, -1)[rank].clone().requires_grad_()  # [3, 7, 4]: this rank's vocabulary
+        got = target_logprobs(part, targets, vocab_group=dist.group.WORLD)
+        sum((o * w).sum() for o, w in zip(got, weights)).backward()
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
+        torch.testing.assert_close(part.grad, want_grad.chunk(2, -1)[rank])
+    except Exception:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_split_over_positions_or_vocabulary_equals_whole_logits():
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(worker, args=(free_port(), errors), nprocs=2, start_method="spawn")
+    except Exception as e:
+        raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
