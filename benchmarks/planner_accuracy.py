@@ -23,7 +23,8 @@ from rich.table import Table
 from trillora import lora
 from trillora.models import build_model, from_hf_config
 from trillora.parallel import ParallelDims
-from trillora.parallel.cost import CLUSTERS, Footprint, Training, Workload, estimate
+from trillora.parallel.clusters import CLUSTERS
+from trillora.parallel.cost import Footprint, Training, Workload, estimate
 from trillora.parallel.memory_probe import MemoryProbe
 from trillora.trainer.logprobs import token_logprobs
 

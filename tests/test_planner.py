@@ -20,7 +20,8 @@ from hf_models import DEEPSEEK_V3, QWEN3_MOE
 from trillora.models.params import resolve_args
 from trillora.models import from_hf_config
 from trillora.parallel import ParallelDims
-from trillora.parallel.cost import CLUSTERS, Footprint, Training, Workload, activation_elements, estimate
+from trillora.parallel.clusters import CLUSTERS
+from trillora.parallel.cost import Footprint, Training, Workload, activation_elements, estimate
 from trillora.parallel.planner import lora_vs_full, plan, rollout_layout, valid_layouts
 
 TINY = Training(lora_rank=4, targets=("attention", "experts"), base_bytes=4)
@@ -266,10 +267,11 @@ def test_service_plan_counts_what_an_expert_parallel_service_holds():
     held_base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
     held_client = sum(p.numel() for p in adapter.params.values())
     found = plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=8, seq_len=64, rows=4, base_bytes=4)
-    assert sorted((x.layout.pp, x.layout.cp, x.layout.tp, x.layout.vocab_parallel, x.layout.ep,
+    assert sorted((x.layout.pp, x.layout.cp, x.layout.tp, x.layout.sp, x.layout.vocab_parallel, x.layout.ep,
                    x.layout.activation_checkpoint_every) for x in found) == \
-        [(pp, cp, tp, v, ep, ac) for pp, cp, tp, v, ep in [(1, 1, 1, False, 1), (1, 1, 1, False, 2), (1, 1, 2, False, 1),
-                                                           (1, 1, 2, True, 1), (1, 2, 1, False, 1), (2, 1, 1, False, 1)]
+        [(pp, cp, tp, sp, v, ep, ac) for pp, cp, tp, sp, v, ep in
+         [(1, 1, 1, False, False, 1), (1, 1, 1, False, False, 2), (1, 1, 2, False, False, 1), (1, 1, 2, False, True, 1),
+          (1, 1, 2, True, False, 1), (1, 1, 2, True, True, 1), (1, 2, 1, False, False, 1), (2, 1, 1, False, False, 1)]
          for ac in (0, 1)]
     layouts = {x.layout.ep: x for x in found
                if (x.layout.pp, x.layout.cp, x.layout.tp, x.layout.activation_checkpoint_every) == (1, 1, 1, 0)}
@@ -283,7 +285,8 @@ def test_service_plan_counts_what_an_expert_parallel_service_holds():
 
 def test_service_plan_counts_a_vocabulary_parallel_head_and_context_parallel_rows():
     """tp=2 with the head split over the vocabulary holds half the head's weight and half of each
-    client's lm_head B, and half the head's activations; cp=2 holds half of every activation."""
+    client's lm_head B, and half the head's activations; sp keeps less (the norms' tokens split);
+    cp=2 holds half of each row's activations, and the gathered K/V."""
     from trillora.checkpoint import load_model, resolve_model_path
     from trillora.parallel.planner import REVISION_BYTES, plan_service
 
@@ -291,7 +294,9 @@ def test_service_plan_counts_a_vocabulary_parallel_head_and_context_parallel_row
     head, rank = model.lm_head.weight, 8
     found = plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=rank, seq_len=64, rows=4, base_bytes=4)
     pick = {(x.layout.cp, x.layout.tp, x.layout.vocab_parallel): x for x in found
-            if x.layout.pp == 1 and x.layout.ep == 1 and not x.layout.activation_checkpoint_every}
+            if x.layout.pp == 1 and x.layout.ep == 1 and not x.layout.activation_checkpoint_every and not x.layout.sp}
+    sp = next(x for x in found if x.layout.sp and not x.layout.vocab_parallel and not x.layout.activation_checkpoint_every)
+    assert sp.estimate.memory["activations"] < pick[1, 2, False].estimate.memory["activations"]  # norms on half the tokens
     whole, split = pick[1, 2, False], pick[1, 2, True]
     assert whole.estimate.memory["base weights"] - split.estimate.memory["base weights"] == head.numel() // 2 * 4
     assert whole.per_client_bytes - split.per_client_bytes == head.shape[0] // 2 * rank * (16 + REVISION_BYTES)
@@ -344,7 +349,7 @@ def test_readme_service_plan_command():
     """The README's `trillora plan --tinker` example and the figures it quotes."""
     out, readme = readme_plan("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 4096 "
                               "--rollouts 8 --lora-rank 8 --clients 8")
-    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 8, "cp": 1, "vocab_parallel": False, "activation_checkpoint_every": 0}
+    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 8, "cp": 1, "sp": False, "vocab_parallel": False, "activation_checkpoint_every": 0}
     assert "--ep 8" in out["command"]
     assert "--tp" not in out["command"] and "--pp" not in out["command"] and "--activation" not in out["command"]
     assert [x["call_s"] for x in out["layouts"]] == sorted(x["call_s"] for x in out["layouts"])
@@ -365,7 +370,7 @@ def test_readme_service_plan_command():
 def test_readme_service_plan_for_kimi_k2():
     out, readme = readme_plan("trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 "
                               "--rollouts 64 --lora-rank 8 --clients 2")
-    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 64, "cp": 1, "vocab_parallel": False, "activation_checkpoint_every": 1}
+    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 64, "cp": 1, "sp": False, "vocab_parallel": False, "activation_checkpoint_every": 1}
     fit = [x for x in out["layouts"] if x["fits"]]
     assert [(x["pp"], x["cp"], x["tp"], x["ep"], x["activation_checkpoint_every"]) for x in fit] == \
         [(1, 1, 1, 64, 1), (2, 1, 1, 32, 1)]  # more stages: the last one holds fewer layers but the logits
@@ -381,24 +386,24 @@ def test_readme_service_plan_for_kimi_k2():
 def test_readme_service_plan_for_a_long_datum():
     out, readme = readme_plan("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 32768 "
                               "--rollouts 1 --lora-rank 8 --clients 8")
-    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 4, "cp": 2, "vocab_parallel": False, "activation_checkpoint_every": 1}
+    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 4, "cp": 2, "sp": False, "vocab_parallel": False, "activation_checkpoint_every": 1}
     assert "--cp 2 --ep 4 --activation-checkpoint-every 1" in out["command"]
 
-    def layout(pp, cp, tp, vocab, ep):
-        return next(x for x in out["layouts"] if (x["pp"], x["cp"], x["tp"], x["vocab_parallel"], x["ep"]) ==
-                    (pp, cp, tp, vocab, ep) and x["activation_checkpoint_every"])
+    def layout(pp, cp, tp, sp, vocab, ep):
+        return next(x for x in out["layouts"] if (x["pp"], x["cp"], x["tp"], x["sp"], x["vocab_parallel"], x["ep"]) ==
+                    (pp, cp, tp, sp, vocab, ep) and x["activation_checkpoint_every"])
 
     def one_pass(x):
         return x["memory_gib"]["activations"] + x["memory_gib"]["transient"]
 
-    best, whole, vocab = layout(1, 2, 1, False, 4), layout(1, 1, 1, False, 4), layout(1, 1, 2, True, 4)
+    best, whole, vocab = layout(1, 2, 1, False, False, 4), layout(1, 1, 1, False, False, 4), layout(1, 1, 2, True, True, 4)
     fit = [x for x in out["layouts"] if x["fits"]]
     assert fit[:2] == [best, vocab] and not whole["fits"] and whole["max_clients"] == 0
     assert one_pass(best) < one_pass(vocab) < one_pass(whole)
     assert (f"This picks `--cp 2 --ep 4 --activation-checkpoint-every 1` ({best['call_s']:.2f} s per call, "
             f"{best['max_clients']} clients fit): the datum's pass takes {one_pass(best):.1f} GiB of a GPU. Without cp one "
             f"rank runs the whole datum, and the same layout needs {one_pass(whole):.1f} GiB for it") in readme
-    assert (f"`--tp 2 --vocab-parallel --ep 4` ({vocab['call_s']:.2f} s per call, {vocab['max_clients']} clients), needs "
+    assert (f"`--tp 2 --sp --vocab-parallel --ep 4` ({vocab['call_s']:.2f} s per call, {vocab['max_clients']} clients), needs "
             f"{one_pass(vocab):.1f} GiB") in readme
 
 

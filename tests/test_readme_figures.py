@@ -143,6 +143,19 @@ def test_the_cp_memory_row_is_its_results_file():
         assert f"{name}: {peak} MiB = {peak_x}× ({saved} MiB = {saved_x}×)" in README
 
 
+def test_the_service_long_datum_row_is_its_results_file():
+    rows = results("service_long_datum.json")
+    assert [r["layout"] for r in rows] == ["one process", "--cp 2", "--tp 2", "--tp 2 --vocab-parallel",
+                                           "--tp 2 --sp --vocab-parallel", "--cp 2 --tp 2 --sp --vocab-parallel"]
+    assert len({round(r["loss"], 3) for r in rows}) == 1 and rows[0]["seq_len"] == 4096 and rows[0]["vocab"] == 16384
+    peaks = " / ".join(f"{r['peak_bytes'] / 2**20:.0f}" for r in rows)
+    ratios = " / ".join(f"{r['ratio']:.2f}" for r in rows)
+    assert f"{peaks} MiB = **{ratios}×**" in README
+    words = " ".join(README.split())
+    assert (f"peaks at {rows[1]['ratio']:.2f}× of one process's memory per rank under `--cp 2`, {rows[3]['ratio']:.2f}× with "
+            f"`--tp 2 --vocab-parallel` and {rows[5]['ratio']:.2f}× with both and `--sp` on 4 ranks") in words
+
+
 def test_the_tinker_rows_are_their_results_files():
     t = results("tinker_clients.json")
     sec = t["seconds"]

@@ -1,6 +1,6 @@
-"""`torchrun --nproc-per-node N -m trillora serve MODEL --tinker [--tp T --ep K --pp P]` (gloo): the real
-SDK trains a client on data-parallel ranks, or on ranks that split the base (experts, layers over
-tp, pipeline stages), and gets the losses, logprobs, adapter, resumed steps and samples one
+"""`torchrun --nproc-per-node N -m trillora serve MODEL --tinker [--tp T --ep K --pp P --cp C]` (gloo): the
+real SDK trains a client on data-parallel ranks, or on ranks that split the base (experts, layers over
+tp, pipeline stages, each row's positions), and gets the losses, logprobs, adapter, resumed steps and samples one
 process gives."""
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ LAYOUTS = {"dp": (2, [], "data parallel over 2 ranks"), "ep": (2, ["--ep", "2"],
                      "data parallel over 1 ranks, stages over pp=2, layers over tp=2"),
            # each row's positions split over 2 ranks in training; sampling decodes whole rows on both
            "cp": (2, ["--cp", "2", "--activation-checkpoint-every", "1"], "data parallel over 1 ranks, rows over cp=2"),
-           "tp-vocab": (2, ["--tp", "2", "--vocab-parallel"],
-                        "data parallel over 1 ranks, layers over tp=2 with the head over the vocabulary")}
+           "tp-sp-vocab": (2, ["--tp", "2", "--sp", "--vocab-parallel"], "data parallel over 1 ranks, layers over tp=2 "
+                           "(sequence-parallel norms, the head over the vocabulary)")}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -189,8 +189,11 @@ def test_an_expert_layout_that_cannot_work_is_named(tmp_path):
     assert alone.returncode != 0 and "a sharded base needs several ranks" in alone.stderr
     staged = subprocess.run([sys.executable, "-m", "trillora", "serve", MODEL, "--tinker", "--pp", "3"],
                             capture_output=True, text=True, timeout=120)
-    assert staged.returncode != 0 and "--pp 3: a sharded base needs several ranks" in staged.stderr
+    assert staged.returncode != 0 and "--pp 3 --cp 1: a sharded base needs several ranks" in staged.stderr
+    split = subprocess.run([sys.executable, "-m", "trillora", "serve", MODEL, "--tinker", "--vocab-parallel"],
+                           capture_output=True, text=True, timeout=120)
+    assert split.returncode != 0 and "vocab_parallel splits over the tensor-parallel ranks; it needs tp >= 2" in split.stderr
     proc = launch(free_port(), tmp_path, "--ep", "4")
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0
-    assert "--tp 1 --ep 4 --pp 1 on 2 ranks: parallel.ep=4 must divide parallel.dp=2" in out
+    assert "--tp 1 --ep 4 --pp 1 --cp 1 on 2 ranks: parallel.ep=4 must divide parallel.dp=2" in out

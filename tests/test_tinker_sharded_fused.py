@@ -82,13 +82,17 @@ def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         service = ShardedService(TinkerConfig(model=MODEL, state_dir=os.path.join(root, "sharded"), **flags))
+        seen = set()  # under sp: what the final norm receives, a sequence shard
+        service.base.model.model.norm.register_forward_pre_hook(lambda m, args: seen.add(str(getattr(args[0], "placements", ""))))
         if rank > 0:
             service.follow()
+            assert not flags.get("sp") or seen == {"(Shard(dim=1),)"}, seen
             return
         try:  # a shared pass runs as one chunk: with microbatches, each call alone (its pass in chunks)
             got = scenario(service, {"alone": flags.get("pp_microbatches", 1) > 1})
         finally:
             service.stop()
+        assert not flags.get("sp") or seen == {"(Shard(dim=1),)"}, seen
         rule = flags.get("expert_rank_rule", "same")
         want = scenario(TinkerService(TinkerConfig(model=MODEL, state_dir=os.path.join(root, "one"), expert_rank_rule=rule)),
                         {"alone": True})
@@ -120,9 +124,9 @@ def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> 
                                          (4, {"ep": 2, "pp": 2, "pp_microbatches": 2}), (4, {"tp": 2, "ep": 2}),
                                          (4, {"tp": 2, "pp": 2}), (4, {"cp": 2, "ep": 2}),
                                          (4, {"tp": 2, "cp": 2, "vocab_parallel": True}),
-                                         (4, {"pp": 2, "cp": 2, "pp_microbatches": 2})],
+                                         (4, {"pp": 2, "cp": 2, "pp_microbatches": 2}), (4, {"tp": 2, "cp": 2, "sp": True})],
                          ids=["ep2-divided-expert-rank", "pp2-ep2-microbatches2", "tp2-ep2", "pp2-tp2", "cp2-ep2",
-                              "tp2-cp2-vocab-parallel", "pp2-cp2-microbatches2"])
+                              "tp2-cp2-vocab-parallel", "pp2-cp2-microbatches2", "tp2-cp2-sp"])
 def test_two_clients_in_one_pass_on_expert_parallel_ranks_equal_each_call_alone(tmp_path, world, flags):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()

@@ -95,3 +95,25 @@ def test_split_over_positions_or_vocabulary_equals_whole_logits():
         mp.start_processes(worker, args=(free_port(), errors), nprocs=2, start_method="spawn")
     except Exception as e:
         raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
+
+
+def test_the_long_datum_benchmark_runs(tmp_path):
+    """`benchmarks/service_long_datum.py` (the README row's command, smaller): one datum's
+    forward_backward on the service whole, under --cp 2 and with a vocabulary-parallel head; the
+    same loss, and each split holding less at its peak than one process."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "service_long_datum.py"
+    out = tmp_path / "long.json"
+    run = subprocess.run([sys.executable, str(script), "--seq-len", "512", "--vocab", "4096", "--layouts", "one process",
+                          "--cp 2", "--tp 2 --vocab-parallel", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["layout"]: r for r in json.loads(out.read_text())}
+    one = rows["one process"]
+    for name in ("--cp 2", "--tp 2 --vocab-parallel"):
+        assert abs(rows[name]["loss"] - one["loss"]) < 1e-4 * abs(one["loss"])
+        assert rows[name]["peak_bytes"] < 0.8 * one["peak_bytes"], (name, rows[name]["ratio"])
+    assert out.with_suffix(".png").exists()

@@ -92,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = TinkerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                            state_dir=args.state_dir, max_connections=args.max_connections, max_clients=args.max_clients,
                            device=args.device, precision=args.precision, max_fused=args.max_fused,
-                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp,
+                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp, sp=args.sp,
                            vocab_parallel=args.vocab_parallel, pp_microbatches=args.pp_microbatches,
                            expert_rank_rule=args.expert_rank_rule, activation_checkpoint_every=args.activation_checkpoint_every)
         from ..trainer.world import launched
@@ -112,6 +112,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _sharded(cfg) -> bool:
     return cfg.ep > 1 or cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1
+
+
+def _tp_extras(cfg) -> str:
+    extras = [what for what, on in (("sequence-parallel norms", cfg.sp), ("the head over the vocabulary", cfg.vocab_parallel)) if on]
+    return f" ({', '.join(extras)})" if extras else ""
 
 
 def _layout(cfg) -> str:
@@ -137,7 +142,7 @@ def _serve_tinker_parallel(cfg) -> int:
     try:
         if service.rank == 0:
             split = (f", stages over pp={cfg.pp}" if cfg.pp > 1 else "") + (f", rows over cp={cfg.cp}" if cfg.cp > 1 else "") \
-                + (f", layers over tp={cfg.tp}" if cfg.tp > 1 else "") + (" with the head over the vocabulary" if cfg.vocab_parallel else "") \
+                + (f", layers over tp={cfg.tp}" if cfg.tp > 1 else "") + _tp_extras(cfg) \
                 + (f", experts over ep={cfg.ep}" if cfg.ep > 1 else "")
             print(f"trillora serve --tinker: data parallel over {service.dp_size} ranks{split}", flush=True)
             serve_tinker(cfg, server=TinkerServer(cfg, service))
@@ -220,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "pipeline stages, one per rank of a pipeline group")
     p.add_argument("--cp", type=int, default=1, help="--tinker under torchrun: split each row of a training pass "
                                                      "over CP ranks (context parallelism, for long traces)")
+    p.add_argument("--sp", action="store_true", help="--tinker --tp: sequence parallelism (norms and the residual "
+                                                     "stream split over the sequence)")
     p.add_argument("--vocab-parallel", action="store_true", help="--tinker --tp: split the head over the vocabulary; "
                                                                  "losses never hold the full logits")
     p.add_argument("--pp-microbatches", type=int, default=1, help="--tinker --pp: a pass's rows in this many chunks "

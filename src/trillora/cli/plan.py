@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from ..models.params import resolve_args
-from ..parallel.cost import CLUSTERS, Estimate, Footprint, Training, Workload, short
+from ..parallel.clusters import CLUSTERS
+from ..parallel.cost import Estimate, Footprint, Training, Workload, short
 from ..parallel.dims import ParallelDims
 from ..parallel.planner import Plan, lora_vs_full, plan, plan_service, rollout_layout, smallest_cluster
 from .info import human
@@ -95,18 +96,20 @@ def run_service(a: argparse.Namespace) -> dict:
     out = {"model": a.model, "cluster": asdict(cluster), "tinker": True, "gpus": world, "clients": a.clients,
            "lora_rank": a.lora_rank, "seq_len": a.seq_len, "datums_per_call": a.rollouts, "fits": bool(ok),
            "layouts": [{"pp": x.layout.pp, "tp": x.layout.tp, "ep": x.layout.ep, "dp": x.layout.dp, "cp": x.layout.cp,
-                        "vocab_parallel": x.layout.vocab_parallel,
+                        "sp": x.layout.sp, "vocab_parallel": x.layout.vocab_parallel,
                         "activation_checkpoint_every": x.layout.activation_checkpoint_every, "call_s": x.estimate.step_s,
                         "memory_gib": {k: v / GIB for k, v in x.estimate.memory.items()},
                         "memory_total_gib": x.estimate.memory_total / GIB, "per_client_gib": x.per_client_bytes / GIB,
                         "max_clients": x.max_clients, "fits": x.fits} for x in found]}
     if ok:  # the fastest that fits
         best = ok[0].layout
-        out["chosen"] = {"pp": best.pp, "tp": best.tp, "ep": best.ep, "cp": best.cp, "vocab_parallel": best.vocab_parallel,
+        out["chosen"] = {"pp": best.pp, "tp": best.tp, "ep": best.ep, "cp": best.cp, "sp": best.sp,
+                         "vocab_parallel": best.vocab_parallel,
                          "activation_checkpoint_every": best.activation_checkpoint_every}
         weights = a.model if Path(a.model).is_dir() else f"<{a.model} checkpoint>"  # a shipped name is a config only
         flags = (f" --pp {best.pp}" if best.pp > 1 else "") + (f" --cp {best.cp}" if best.cp > 1 else "") + \
-            (f" --tp {best.tp}" if best.tp > 1 else "") + (" --vocab-parallel" if best.vocab_parallel else "") + \
+            (f" --tp {best.tp}" if best.tp > 1 else "") + (" --sp" if best.sp else "") + \
+            (" --vocab-parallel" if best.vocab_parallel else "") + \
             (f" --ep {best.ep}" if best.ep > 1 else "") + \
             (" --activation-checkpoint-every 1" if best.activation_checkpoint_every else "") + \
             (" --expert-rank-rule divide_by_top_k" if a.expert_rank not in (0, a.lora_rank) else "")
@@ -126,11 +129,12 @@ def render_service(out: dict) -> None:
                   f"{c['name']} ({c['memory_gib']:.0f} GiB, {c['memory_gib'] * (1 - c['reserve']):.0f} usable)")
     shown = [x for i, x in enumerate(out["layouts"]) if i < SHOWN or x["fits"]]  # --json lists them all
     t = Table(title=f"memory per GPU (GiB): the {SHOWN} fastest layouts and every one that fits, fastest first")
-    for col in ("pp", "cp", "tp", "vocab", "ep", "ac", "s per call", "base", "one pass", "clients", "total", "clients that fit"):
+    for col in ("pp", "cp", "tp", "sp", "vocab", "ep", "ac", "s per call", "base", "one pass", "clients", "total", "clients that fit"):
         t.add_column(col, justify="right")
     for x in shown:
         m = x["memory_gib"]
-        t.add_row(str(x["pp"]), str(x["cp"]), str(x["tp"]), "yes" if x["vocab_parallel"] else "", str(x["ep"]),
+        t.add_row(str(x["pp"]), str(x["cp"]), str(x["tp"]), "yes" if x["sp"] else "", "yes" if x["vocab_parallel"] else "",
+                  str(x["ep"]),
                   "yes" if x["activation_checkpoint_every"] else "", f"{x['call_s']:.2f}", f"{m['base weights']:.1f}", f"{m['activations'] + m['transient']:.1f}",
                   f"{m['clients: adapter + grads + AdamW + revision']:.1f}", f"{x['memory_total_gib']:.1f}",
                   f"{x['max_clients']}" if x["fits"] else f"[red]{x['max_clients']}[/]")
@@ -141,7 +145,8 @@ def render_service(out: dict) -> None:
         ac = " with activation checkpointing" if out["chosen"]["activation_checkpoint_every"] else ""
         ch = out["chosen"]
         pp = (f"pp={ch['pp']} " if ch["pp"] > 1 else "") + (f"cp={ch['cp']} " if ch["cp"] > 1 else "")
-        vocab = " with the head over the vocabulary" if ch["vocab_parallel"] else ""
+        vocab = (" with sequence parallelism" if ch["sp"] else "") + \
+            (" with the head over the vocabulary" if ch["vocab_parallel"] else "")
         console.print(f"chosen: {pp}tp={ch['tp']} ep={ch['ep']}{vocab}{ac} (the fastest that fits)\n"
                       f"  {out['command']}")
     else:

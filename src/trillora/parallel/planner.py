@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..models.args import ModelArgs
-from .cost import ADAPTER_STATE_BYTES, CLUSTERS, Cluster, Estimate, Footprint, Training, Workload, estimate, short
+from .clusters import CLUSTERS, Cluster
+from .cost import ADAPTER_STATE_BYTES, Estimate, Footprint, Training, Workload, estimate, short
 from .dims import ParallelDims, ParallelError
 
 
@@ -172,8 +173,8 @@ class ServiceLayout:
 def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lora_rank: int, seq_len: int, rows: int,
                  base_bytes: int = 2, expert_rank: int = 0) -> list[ServiceLayout]:
     """The service's layouts on `world` ranks, fastest first (the cost model's time for one call):
-    pp stages of whole layers, tp within a node and dividing the heads (the head whole or split
-    over the vocabulary), cp (powers of two, within a node), ep dividing dp and the experts, with
+    pp stages of whole layers, tp within a node and dividing the heads (with or without sequence
+    parallelism, without pp; the head whole or split over the vocabulary), cp (powers of two, within a node), ep dividing dp and the experts, with
     and without activation checkpointing (every layer); each call's `rows` datums of
     `seq_len` tokens split over dp in one pass (no microbatches, so the stages work in turn: one
     call takes pp times a stage's time); each client's adapter, AdamW state and one sampler
@@ -190,11 +191,12 @@ def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lo
             if pp > args.num_layers or cp > 1 and (cp & (cp - 1) or cp > cluster.gpus_per_node // tp):
                 continue  # cp: powers of two within a node with its tp group (K/V all-gathers every layer)
             dp = world // (tp * pp * cp)
-            for ep, vocab, ac in ((e, v, a) for e in divisors(dp) for v in ((False, True) if tp > 1 else (False,))
-                                  for a in (0, 1)):
+            split = (False, True) if tp > 1 else (False,)
+            for ep, sp, vocab, ac in ((e, s, v, a) for e in divisors(dp) for s in (split if pp == 1 else (False,))
+                                      for v in split for a in (0, 1)):
                 if (args.num_experts % ep) if args.num_experts else ep > 1:
                     continue
-                layout = ParallelDims(dp=dp, tp=tp, ep=ep, pp=pp, cp=cp, fsdp=False, vocab_parallel=vocab,
+                layout = ParallelDims(dp=dp, tp=tp, ep=ep, pp=pp, cp=cp, fsdp=False, sp=sp, vocab_parallel=vocab,
                                       activation_checkpoint_every=ac, pp_schedule="gpipe", pp_microbatches=1)
                 try:
                     layout.check_model(args)

@@ -50,16 +50,17 @@ class TensorShard:
         """From the tensor-parallel plan (`parallel.tensor_parallel.tp_plan`) over the adapter slots."""
         from ..parallel.tensor_parallel import LoraColwiseParallel, LoraRowwiseParallel
 
-        split = {}
+        split, placed = {}, set()
         for name, style in plan.items():
-            if name not in slots:
-                continue
+            if name not in slots or not isinstance(style, (LoraColwiseParallel, LoraRowwiseParallel)):
+                continue  # sequence parallelism's input/output layouts leave a slot's tensors plain
             weight = slots[name].weight  # a DTensor: its shape is the whole layer's
+            placed.add(name)
             if isinstance(style, LoraColwiseParallel):
                 split[f"{name}.lora_B"] = (0, weight.shape[0])
-            elif isinstance(style, LoraRowwiseParallel):
+            else:
                 split[f"{name}.lora_A"] = (1, weight.shape[1])
-        return cls(mesh, frozenset(n for n in plan if n in slots), split)
+        return cls(mesh, frozenset(placed), split)
 
     @property
     def rank(self) -> int:

@@ -3,7 +3,8 @@
 The base is split as `trillora train` splits it (`parallel.dims`): N = P × dp × C × T ranks, the
 decoder layers into P pipeline stages (`parallel.staged`: each rank loads and holds one stage),
 the attention and dense MLP layers over the T ranks of a tensor-parallel group (which see the
-same tokens), the routed experts over K ranks borrowed from data parallelism. Every client's
+same tokens; with sp the norms and the residual each hold a tp-th of them; with vocab_parallel
+the head a tp-th of the vocabulary), the routed experts over K ranks borrowed from data parallelism. Every client's
 adapter is split with its layers (`serve.shards`), so a large MoE's experts, its layers and the
 clients' adapters cost a fraction per rank. Beyond data parallelism (`serve.tinker_dp`):
 
@@ -66,7 +67,7 @@ class ShardedService(DataParallelService):
             if cfg.pp > args.num_layers:
                 raise ParallelError(f"parallel.pp={cfg.pp} stages for {args.num_layers} layers; allowed: 1..{args.num_layers}")
             dims = ParallelDims(dp=world // (cfg.tp * cfg.pp * cfg.cp), tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp,
-                                vocab_parallel=cfg.vocab_parallel)  # ep must divide dp ...
+                                sp=cfg.sp, vocab_parallel=cfg.vocab_parallel)  # ep must divide dp ...
             dims.check_model(args)  # ... and the experts; tp the heads, MLP widths (and the vocabulary)
         except ParallelError as e:
             raise ParallelError(f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp} on {world} ranks: {e}") from None
@@ -103,7 +104,7 @@ class ShardedService(DataParallelService):
             apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
             placement.experts = ExpertShard(meshes.group("ep"), meshes.rank("ep"), dims.ep, model.args.num_experts)
         if dims.tp > 1:
-            plan = apply_tensor_parallel(model, meshes.mesh("tp"), vocab_parallel=dims.vocab_parallel)
+            plan = apply_tensor_parallel(model, meshes.mesh("tp"), dims.sp, dims.vocab_parallel)
             placement.tp = TensorShard.of(plan, base.slots, meshes.mesh("tp"))
         apply_context_parallel(model, meshes.group("cp"), meshes.rank("cp"), dims.cp)
         if on_meta:

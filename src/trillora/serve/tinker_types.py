@@ -64,6 +64,9 @@ class TinkerConfig:
     cp: int = 1
     """Under torchrun: split each row of a forward_backward pass over this many ranks (context
     parallelism: long traces at 1/cp of the activations per rank); sampling decodes whole rows."""
+    sp: bool = False
+    """Under --tp: sequence parallelism, the norms and the residual stream between blocks split over
+    the sequence (a tp-th of those activations per rank)."""
     vocab_parallel: bool = False
     """Under --tp: the head split over the vocabulary; losses read logprobs without the full logits."""
     pp_microbatches: int = 1
@@ -80,8 +83,9 @@ class TinkerConfig:
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 why = "" if key == "pp_microbatches" else " dividing the number of ranks"
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1{why}")
-        if self.vocab_parallel and self.tp < 2:
-            raise BadRequest("vocab_parallel splits the head over the tensor-parallel ranks; it needs tp >= 2")
+        for key in ("vocab_parallel", "sp"):
+            if getattr(self, key) and self.tp < 2:
+                raise BadRequest(f"{key} splits over the tensor-parallel ranks; it needs tp >= 2")
         if not isinstance(self.activation_checkpoint_every, int) or self.activation_checkpoint_every < 0:
             raise BadRequest(f"activation_checkpoint_every={self.activation_checkpoint_every!r}; allowed: an integer "
                              ">= 0 (0 = off, 1 = every layer)")
