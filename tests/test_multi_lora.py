@@ -82,6 +82,20 @@ def test_expert_rows_are_grouped_per_expert_and_adapter():
         RowAdapters([0, 0], [1.0, 1.0], torch.device("cpu"))
 
 
+def test_a_chunk_of_rows_keeps_each_rows_adapter():
+    """A pipeline microbatch (`parallel.staged`) runs rows [lo, hi) of the batch: rows 0-1 adapter 0,
+    row 2 adapter 1, rows 3-4 adapter 2, 2 tokens each (under cp: this rank's share, `tokens`)."""
+    rows = RowAdapters([2, 1, 2], [1.0, 1.0, 1.0], torch.device("cpu"))
+    rows.begin(torch.zeros(5, 8, dtype=torch.long), tokens=2)
+    assert rows.counts.tolist() == [4, 2, 4]
+    rows.select_rows(1, 4)  # rows 1, 2, 3
+    assert rows.batch == 3 and rows.counts.tolist() == [2, 2, 2] and rows.token_adapter.tolist() == [0, 0, 1, 1, 2, 2]
+    rows.select_rows(3, 5)
+    assert rows.counts.tolist() == [0, 0, 4] and rows.token_adapter.tolist() == [2, 2, 2, 2]
+    rows.select_rows(0, 5)
+    assert rows.counts.tolist() == [4, 2, 4] and rows.batch == 5
+
+
 def ep_worker(rank: int, port: int, folder: str, errors) -> None:
     """Two expert-parallel ranks, each with its own rows of four adapters (one on no row here):
     logits, dense gradients summed over the ranks and each rank's expert slices equal to the one

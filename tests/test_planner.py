@@ -326,7 +326,18 @@ def test_service_plan_counts_what_a_pipeline_stage_holds():
     assert staged.estimate.memory["base weights"] == held_base * 4
     assert staged.per_client_bytes == held_client * (16 + REVISION_BYTES)
     assert staged.estimate.memory["base weights"] < whole.estimate.memory["base weights"]
-    assert staged.estimate.step_s > whole.estimate.step_s  # the stages work in turn: no microbatches
+    assert staged.estimate.step_s > whole.estimate.step_s
+    # a call's 4 rows in 4 chunks through the 2 stages: a bubble of 1/4 of a pass instead of the whole
+    from dataclasses import replace
+
+    from trillora.parallel.planner import SERVICE_TARGETS, _service_layout
+
+    assert staged.layout.pp_microbatches == 4
+    fp = Footprint(model.args, Training(lora_rank=8, targets=SERVICE_TARGETS, base_bytes=4))
+    in_turn = _service_layout(fp, replace(staged.layout, pp_microbatches=1), CLUSTERS["cpu"], 3, 64, 4, budget=1.0)
+    assert staged.estimate.bubble == 0.25 and in_turn.estimate.bubble == 1.0
+    assert staged.estimate.step_s / in_turn.estimate.step_s == pytest.approx(1.25 / 2)
+    assert staged.estimate.memory["activations"] == in_turn.estimate.memory["activations"]  # GPipe holds every chunk
 
 
 def readme_plan(command: str) -> tuple[dict, str]:
@@ -349,7 +360,8 @@ def test_readme_service_plan_command():
     """The README's `trillora plan --tinker` example and the figures it quotes."""
     out, readme = readme_plan("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 4096 "
                               "--rollouts 8 --lora-rank 8 --clients 8")
-    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 8, "cp": 1, "sp": False, "vocab_parallel": False, "activation_checkpoint_every": 0}
+    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 8, "cp": 1, "sp": False, "vocab_parallel": False, "activation_checkpoint_every": 0,
+                             "pp_microbatches": 1}
     assert "--ep 8" in out["command"]
     assert "--tp" not in out["command"] and "--pp" not in out["command"] and "--activation" not in out["command"]
     assert [x["call_s"] for x in out["layouts"]] == sorted(x["call_s"] for x in out["layouts"])
@@ -370,23 +382,28 @@ def test_readme_service_plan_command():
 def test_readme_service_plan_for_kimi_k2():
     out, readme = readme_plan("trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 "
                               "--rollouts 64 --lora-rank 8 --clients 2")
-    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 64, "cp": 1, "sp": False, "vocab_parallel": False, "activation_checkpoint_every": 1}
+    assert out["chosen"] == {"pp": 8, "pp_microbatches": 8, "tp": 1, "ep": 8, "cp": 1, "sp": False,
+                             "vocab_parallel": False, "activation_checkpoint_every": 1}
+    assert "--pp 8 --pp-microbatches 8 --ep 8 --activation-checkpoint-every 1" in out["command"]
     fit = [x for x in out["layouts"] if x["fits"]]
-    assert [(x["pp"], x["cp"], x["tp"], x["ep"], x["activation_checkpoint_every"]) for x in fit] == \
-        [(1, 1, 1, 64, 1), (2, 1, 1, 32, 1)]  # more stages: the last one holds fewer layers but the logits
-    best, two = fit[0], fit[1]
+    assert [(x["pp"], x["pp_microbatches"], x["cp"], x["tp"], x["ep"], x["activation_checkpoint_every"]) for x in fit] == \
+        [(8, 8, 1, 1, 8, 1), (1, 1, 1, 1, 64, 1), (2, 2, 1, 1, 32, 1), (4, 4, 1, 1, 16, 1)]
+    best, flat, two = fit[0], fit[1], fit[2]
     assert (f"Without pipeline stages only ep=64 with activation checkpointing fits: "
-            f"{best['memory_gib']['base weights']:.1f} GiB of base per GPU and {best['per_client_gib']:.1f} GiB per "
-            f"client (rank 8 on each of the 384 experts), so {best['max_clients']} clients. Two stages "
-            f"(`--pp 2 --ep 32 --activation-checkpoint-every 1`) hold {two['memory_gib']['base weights']:.1f} GiB of base "
-            f"per GPU and room for {two['max_clients']} clients, at {two['call_s'] / best['call_s']:.1f}× the time per "
-            f"call") in readme
+            f"{flat['memory_gib']['base weights']:.1f} GiB of base per GPU and {flat['per_client_gib']:.1f} GiB per "
+            f"client (rank 8 on each of the 384 experts), so {flat['max_clients']} clients.") in readme
+    assert (f"{best['memory_gib']['base weights']:.1f} GiB of base per GPU leave room for {best['max_clients']} clients, "
+            f"and a call takes {best['call_s']:.2f} s against ep=64's {flat['call_s']:.2f} s") in readme
+    assert (f"Two stages (`--pp 2 --pp-microbatches 2 --ep 32`) hold {two['memory_gib']['base weights']:.1f} GiB of base "
+            f"per GPU and room for {two['max_clients']} clients, at {two['call_s'] / flat['call_s']:.1f}× ep=64's time "
+            f"per call") in readme
 
 
 def test_readme_service_plan_for_a_long_datum():
     out, readme = readme_plan("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 32768 "
                               "--rollouts 1 --lora-rank 8 --clients 8")
-    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 4, "cp": 2, "sp": False, "vocab_parallel": False, "activation_checkpoint_every": 1}
+    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 4, "cp": 2, "sp": False, "vocab_parallel": False,
+                             "activation_checkpoint_every": 1, "pp_microbatches": 1}
     assert "--cp 2 --ep 4 --activation-checkpoint-every 1" in out["command"]
 
     def layout(pp, cp, tp, sp, vocab, ep):
@@ -413,11 +430,11 @@ def test_readme_service_plan_with_divided_expert_rank(capsys):
     out, readme = readme_plan("trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 "
                               "--rollouts 64 --lora-rank 8 --clients 2 --expert-rank 1")
     fit = [x for x in out["layouts"] if x["fits"]]
-    best, two = fit[0], fit[1]
-    assert (best["pp"], best["ep"], two["pp"], two["ep"]) == (1, 64, 2, 32)
+    best, flat = fit[0], fit[1]
+    assert (best["pp"], best["ep"], flat["pp"], flat["ep"]) == (8, 8, 1, 64)
     assert "--expert-rank-rule divide_by_top_k" in out["command"]
-    assert (f"a client costs {best['per_client_gib']:.2f} GiB at ep=64, which then holds {best['max_clients']} clients; "
-            f"`--pp 2 --ep 32` holds {two['max_clients']}.") in readme
+    assert (f"a client costs {flat['per_client_gib']:.2f} GiB at ep=64, which then holds {flat['max_clients']} clients; "
+            f"`--pp 8 --ep 8` holds {best['max_clients']}.") in readme
     capsys.readouterr()
     assert main(["plan", "--model", "kimi-k2", "--tinker", "--lora-rank", "8", "--expert-rank", "3"]) != 0  # no such service
     assert "--expert-rank 3 with --tinker: a service's expert adapters take the client's rank (8) or rank // top_k (1" \

@@ -95,7 +95,7 @@ def run_service(a: argparse.Namespace) -> dict:
     ok = [x for x in found if x.fits]
     out = {"model": a.model, "cluster": asdict(cluster), "tinker": True, "gpus": world, "clients": a.clients,
            "lora_rank": a.lora_rank, "seq_len": a.seq_len, "datums_per_call": a.rollouts, "fits": bool(ok),
-           "layouts": [{"pp": x.layout.pp, "tp": x.layout.tp, "ep": x.layout.ep, "dp": x.layout.dp, "cp": x.layout.cp,
+           "layouts": [{"pp": x.layout.pp, "pp_microbatches": x.layout.pp_microbatches, "tp": x.layout.tp, "ep": x.layout.ep, "dp": x.layout.dp, "cp": x.layout.cp,
                         "sp": x.layout.sp, "vocab_parallel": x.layout.vocab_parallel,
                         "activation_checkpoint_every": x.layout.activation_checkpoint_every, "call_s": x.estimate.step_s,
                         "memory_gib": {k: v / GIB for k, v in x.estimate.memory.items()},
@@ -103,11 +103,13 @@ def run_service(a: argparse.Namespace) -> dict:
                         "max_clients": x.max_clients, "fits": x.fits} for x in found]}
     if ok:  # the fastest that fits
         best = ok[0].layout
-        out["chosen"] = {"pp": best.pp, "tp": best.tp, "ep": best.ep, "cp": best.cp, "sp": best.sp,
+        out["chosen"] = {"pp": best.pp, "pp_microbatches": best.pp_microbatches, "tp": best.tp, "ep": best.ep, "cp": best.cp, "sp": best.sp,
                          "vocab_parallel": best.vocab_parallel,
                          "activation_checkpoint_every": best.activation_checkpoint_every}
         weights = a.model if Path(a.model).is_dir() else f"<{a.model} checkpoint>"  # a shipped name is a config only
-        flags = (f" --pp {best.pp}" if best.pp > 1 else "") + (f" --cp {best.cp}" if best.cp > 1 else "") + \
+        flags = (f" --pp {best.pp}" if best.pp > 1 else "") + \
+            (f" --pp-microbatches {best.pp_microbatches}" if best.pp_microbatches > 1 else "") + \
+            (f" --cp {best.cp}" if best.cp > 1 else "") + \
             (f" --tp {best.tp}" if best.tp > 1 else "") + (" --sp" if best.sp else "") + \
             (" --vocab-parallel" if best.vocab_parallel else "") + \
             (f" --ep {best.ep}" if best.ep > 1 else "") + \
@@ -144,7 +146,8 @@ def render_service(out: dict) -> None:
     if out["fits"]:
         ac = " with activation checkpointing" if out["chosen"]["activation_checkpoint_every"] else ""
         ch = out["chosen"]
-        pp = (f"pp={ch['pp']} " if ch["pp"] > 1 else "") + (f"cp={ch['cp']} " if ch["cp"] > 1 else "")
+        pp = (f"pp={ch['pp']} ({ch['pp_microbatches']} chunks a call) " if ch["pp"] > 1 else "") + \
+            (f"cp={ch['cp']} " if ch["cp"] > 1 else "")
         vocab = (" with sequence parallelism" if ch["sp"] else "") + \
             (" with the head over the vocabulary" if ch["vocab_parallel"] else "")
         console.print(f"chosen: {pp}tp={ch['tp']} ep={ch['ep']}{vocab}{ac} (the fastest that fits)\n"

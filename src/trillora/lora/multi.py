@@ -48,8 +48,17 @@ class RowAdapters:
         total = int(self.rows.sum())
         if b % total:
             raise ValueError(f"a batch of {b} rows cannot hold the {total} rows of the {self.k} adapters")
-        self.batch = b
+        self.batch, self.whole, self.tokens = b, b, t
         self.counts, self.token_adapter = self._spread(t)
+
+    def select_rows(self, lo: int, hi: int) -> None:
+        """The next layers run rows [lo, hi) of the batch `begin` saw (a pipeline microbatch, in its
+        forward and again in its backward's recompute); (0, whole) restores the whole batch."""
+        row_adapter = torch.repeat_interleave(torch.arange(self.k, device=self.rows.device),
+                                              self.rows * (self.whole // int(self.rows.sum())))[lo:hi]  # [hi - lo]
+        self.batch = hi - lo
+        self.counts = torch.bincount(row_adapter, minlength=self.k) * self.tokens  # rows stay grouped per adapter
+        self.token_adapter = torch.repeat_interleave(row_adapter, self.tokens)
 
     def _spread(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens per adapter [K] and each token's adapter [B*t] when every row has t tokens."""

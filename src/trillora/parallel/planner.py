@@ -174,10 +174,11 @@ def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lo
                  base_bytes: int = 2, expert_rank: int = 0) -> list[ServiceLayout]:
     """The service's layouts on `world` ranks, fastest first (the cost model's time for one call):
     pp stages of whole layers, tp within a node and dividing the heads (with or without sequence
-    parallelism, without pp; the head whole or split over the vocabulary), cp (powers of two, within a node), ep dividing dp and the experts, with
-    and without activation checkpointing (every layer); each call's `rows` datums of
-    `seq_len` tokens split over dp in one pass (no microbatches, so the stages work in turn: one
-    call takes pp times a stage's time); each client's adapter, AdamW state and one sampler
+    parallelism, without pp; the head whole or split over the vocabulary), cp (powers of two,
+    within a node), ep dividing dp and the experts, with and without activation checkpointing
+    (every layer); each call's `rows` datums of `seq_len` tokens split over dp, under pp as one
+    chunk per row in flight through the stages (`--pp-microbatches`, GPipe: the bubble is
+    (pp - 1) / chunks of a call, and one datum per rank leaves the stages working in turn); each client's adapter, AdamW state and one sampler
     revision held at rank `lora_rank` on every role (`expert_rank` on routed experts: 0, the same),
     split with its layers; the stage that needs the most memory counts."""
     fp = Footprint(args, Training(lora_rank=lora_rank, expert_rank=expert_rank, targets=SERVICE_TARGETS,
@@ -197,7 +198,8 @@ def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lo
                 if (args.num_experts % ep) if args.num_experts else ep > 1:
                     continue
                 layout = ParallelDims(dp=dp, tp=tp, ep=ep, pp=pp, cp=cp, fsdp=False, sp=sp, vocab_parallel=vocab,
-                                      activation_checkpoint_every=ac, pp_schedule="gpipe", pp_microbatches=1)
+                                      activation_checkpoint_every=ac, pp_schedule="gpipe",
+                                      pp_microbatches=-(-rows // dp) if pp > 1 else 1)  # a row per chunk: the least bubble
                 try:
                     layout.check_model(args)
                 except ParallelError:
@@ -208,7 +210,8 @@ def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lo
 
 def _service_layout(fp: Footprint, layout: ParallelDims, cluster: Cluster, clients: int, seq_len: int, rows: int,
                     budget: float) -> ServiceLayout:
-    work = Workload(seq_len=seq_len, rollouts_per_step=rows, micro_batch_rows=-(-rows // layout.dp))
+    here = -(-rows // layout.dp)  # a call's rows on one dp rank, in pp_microbatches chunks (GPipe: all held at once)
+    work = Workload(seq_len=seq_len, rollouts_per_step=rows, micro_batch_rows=-(-here // layout.pp_microbatches))
     est = estimate(fp, layout, work, cluster, fullest="memory")
     one = est.memory.pop("adapter + grads + optimizer")
     per_client = one / ADAPTER_STATE_BYTES * (ADAPTER_STATE_BYTES + REVISION_BYTES)

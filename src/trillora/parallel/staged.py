@@ -55,6 +55,10 @@ class StagedModel(nn.Module):
         a chunk, the one before works on the next. 1: the whole batch at once."""
         self.chunk_group = None
         """Ranks that must split a pass alike (expert parallelism's all-to-alls pair their chunks)."""
+        self.chunk_hook = None
+        """Called with (first row, end row) before a chunk's forward and its backward, when a pass runs
+        as several: per-row state of the layers (`lora.multi.RowAdapters`) follows the chunk, also
+        through activation checkpointing's recompute."""
         self._pass: list[_Run] | None = None  # the last training pass's chunks
 
     @property
@@ -84,9 +88,12 @@ class StagedModel(nn.Module):
             position_ids = positions_of(input_ids, attention_mask, offset)
         training = torch.is_grad_enabled() and cache is None
         chunks = self._chunks(b) if training else 1
-        runs = [self._run(input_ids[rows], None if attention_mask is None else attention_mask[rows], position_ids[rows],
-                          cache, logits_to_keep)
-                for rows in torch.arange(b, device=input_ids.device).tensor_split(chunks)]
+        runs = []
+        for rows in torch.arange(b).tensor_split(chunks):
+            lo, hi = int(rows[0]), int(rows[-1]) + 1
+            self._enter(lo, hi, chunks)
+            runs.append(self._run(input_ids[lo:hi], None if attention_mask is None else attention_mask[lo:hi],
+                                  position_ids[lo:hi], cache, logits_to_keep, (lo, hi)))
         self._pass = runs if training else None
         logits = torch.cat([r.logits for r in runs]) if self.last else None
         if self.share_logits:  # in fp32 whatever the head computed in: every stage allocates the same
@@ -103,8 +110,12 @@ class StagedModel(nn.Module):
             dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.chunk_group)
         return int(n)
 
+    def _enter(self, lo: int, hi: int, chunks: int) -> None:
+        if self.chunk_hook is not None and chunks > 1:
+            self.chunk_hook(lo, hi)
+
     def _run(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache: KVCache | None,
-             logits_to_keep: int) -> "_Run":
+             logits_to_keep: int, rows: tuple[int, int]) -> "_Run":
         """One batch of rows through this stage: received (or embedded), its layers, sent on (or the head)."""
         b, t = ids.shape
         if self.first:
@@ -126,9 +137,9 @@ class StagedModel(nn.Module):
             cache.advance(t)
         if not self.last:
             dist.send(x.detach().contiguous(), group=self.group, group_dst=self.pp_rank + 1)
-            return _Run(start, x, None)
+            return _Run(start, x, None, rows)
         h = self.model.norm(x)
-        return _Run(start, x, self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h))
+        return _Run(start, x, self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h), rows)
 
     def backward(self, loss: torch.Tensor | None = None) -> None:
         """Backward of the last pass (every pp rank calls it, or none), microbatch by microbatch from
@@ -140,6 +151,7 @@ class StagedModel(nn.Module):
             grads = torch.autograd.grad(loss, [r.logits for r in runs], allow_unused=True) if len(runs) > 1 else [None]
         for i in reversed(range(len(runs))):
             run = runs[i]
+            self._enter(*run.rows, len(runs))  # a recompute runs this chunk's rows again
             if self.last:
                 if len(runs) == 1:
                     loss.backward()
@@ -176,3 +188,4 @@ class _Run:
     start: torch.Tensor
     out: torch.Tensor
     logits: torch.Tensor | None
+    rows: tuple[int, int]  # [first, end) of the pass's batch

@@ -168,6 +168,8 @@ class ResidentBase:
         every = [_tensors(a) for a in adapters]
         self.in_use = tuple(adapters)
         hook = self.model.register_forward_pre_hook(lambda _, args: multi.begin(args[0], self._local_width(args[0])))
+        if hasattr(self.model, "chunk_hook"):  # pipeline stages running a pass as row chunks (`parallel.staged`)
+            self.model.chunk_hook = multi.select_rows
         try:
             for name, m in self.slots.items():
                 stacks = {}
@@ -184,6 +186,8 @@ class ResidentBase:
             yield self.model
         finally:
             hook.remove()
+            if hasattr(self.model, "chunk_hook"):
+                self.model.chunk_hook = None
             self.in_use = None
             for m in self.slots.values():
                 m.lora_enabled, m.lora_multi = False, None

@@ -134,13 +134,13 @@ class ShardedService(DataParallelService):
     def _pass_adapters(self, live, mine):
         """Every call's adapter on every rank, in call order, with 0 rows where none of its datums
         are here: the ranks of an expert-parallel group number the adapters alike. A rank with no
-        datums runs its filler token with the first. Under pp a pass of one call runs as
-        `--pp-microbatches` chunks; a shared pass as one."""
+        datums runs its filler token with the first. Under pp a pass (of one call or several: each
+        chunk's rows keep their adapters, `RowAdapters.select_rows`) runs as `--pp-microbatches` chunks."""
         rows = [hi - lo for *_, lo, hi in live]
         if not any(rows):
             rows[0] = 1
-        if self.stages is not None:  # `lora.multi` maps a whole batch's rows to adapters: a shared pass is one chunk
-            self.stages.microbatches = self.cfg.pp_microbatches if len(live) == 1 else 1
+        if self.stages is not None:
+            self.stages.microbatches = self.cfg.pp_microbatches
         return [a for _, _, a, _, _ in live], rows
 
     def sample_many(self, calls):
