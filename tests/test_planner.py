@@ -394,6 +394,7 @@ def test_readme_service_plan_for_kimi_k2():
             f"client (rank 8 on each of the 384 experts), so {flat['max_clients']} clients.") in readme
     assert (f"{best['memory_gib']['base weights']:.1f} GiB of base per GPU leave room for {best['max_clients']} clients, "
             f"and a call takes {best['call_s']:.2f} s against ep=64's {flat['call_s']:.2f} s") in readme
+    assert f"({best['comm_s']:.2f} s of traffic per call against {flat['comm_s']:.2f} s across 64 GPUs)" in readme
     assert (f"Two stages (`--pp 2 --pp-microbatches 2 --ep 32`) hold {two['memory_gib']['base weights']:.1f} GiB of base "
             f"per GPU and room for {two['max_clients']} clients, at {two['call_s'] / flat['call_s']:.1f}× ep=64's time "
             f"per call") in readme

@@ -98,6 +98,7 @@ def run_service(a: argparse.Namespace) -> dict:
            "layouts": [{"pp": x.layout.pp, "pp_microbatches": x.layout.pp_microbatches, "tp": x.layout.tp, "ep": x.layout.ep, "dp": x.layout.dp, "cp": x.layout.cp,
                         "sp": x.layout.sp, "vocab_parallel": x.layout.vocab_parallel,
                         "activation_checkpoint_every": x.layout.activation_checkpoint_every, "call_s": x.estimate.step_s,
+                        "comm_s": x.estimate.comm_s,
                         "memory_gib": {k: v / GIB for k, v in x.estimate.memory.items()},
                         "memory_total_gib": x.estimate.memory_total / GIB, "per_client_gib": x.per_client_bytes / GIB,
                         "max_clients": x.max_clients, "fits": x.fits} for x in found]}
