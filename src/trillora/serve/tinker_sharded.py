@@ -19,8 +19,9 @@ clients' adapters cost a fraction per rank. Beyond data parallelism (`serve.tink
 - optim_step first completes the tp layers' partial gradients, then sums the dense adapters
   over dp × cp and the expert slices over the ranks holding the same experts (dp/K × cp); the clipping
   norm counts every part once;
-- the stages of one dp rank run each pass in turn; the last one computes the losses and sends
-  the outcomes to the others, then backward runs from it back to the first stage;
+- the stages of one dp rank run each pass in turn (with --pp-microbatches, as row chunks in
+  flight); the last one computes the losses and sends the outcomes to the others, then backward
+  runs from it back to the first stage;
 - saved states and sampler weights are whole (gathered) and load into any layout;
 - sampling decodes whole rows (cp off) and whole logits (a vocabulary-parallel head's slices
   gathered): the tp and cp groups of rank 0 drive the engine, every member the same generate (same
