@@ -268,13 +268,18 @@ def test_service_plan_counts_what_an_expert_parallel_service_holds():
     held_client = sum(p.numel() for p in adapter.params.values())
     found = plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=8, seq_len=64, rows=4, base_bytes=4)
     assert sorted((x.layout.pp, x.layout.cp, x.layout.tp, x.layout.sp, x.layout.vocab_parallel, x.layout.ep,
-                   x.layout.activation_checkpoint_every) for x in found) == \
-        [(pp, cp, tp, sp, v, ep, ac) for pp, cp, tp, sp, v, ep in
-         [(1, 1, 1, False, False, 1), (1, 1, 1, False, False, 2), (1, 1, 2, False, False, 1), (1, 1, 2, False, True, 1),
-          (1, 1, 2, True, False, 1), (1, 1, 2, True, True, 1), (1, 2, 1, False, False, 1), (2, 1, 1, False, False, 1)]
-         for ac in (0, 1)]
-    layouts = {x.layout.ep: x for x in found
-               if (x.layout.pp, x.layout.cp, x.layout.tp, x.layout.activation_checkpoint_every) == (1, 1, 1, 0)}
+                   x.layout.fsdp, x.layout.activation_checkpoint_every) for x in found) == \
+        [(pp, cp, tp, sp, v, ep, f, ac) for pp, cp, tp, sp, v, ep, fsdp in
+         [(1, 1, 1, False, False, 1, True), (1, 1, 1, False, False, 2, True), (1, 1, 2, False, False, 1, False),
+          (1, 1, 2, False, True, 1, False), (1, 1, 2, True, False, 1, False), (1, 1, 2, True, True, 1, False),
+          (1, 2, 1, False, False, 1, True), (2, 1, 1, False, False, 1, False)]
+         for f in sorted({False, fsdp}) for ac in (0, 1)]  # FSDP where there are dp × cp ranks to shard over
+    layouts = {x.layout.ep: x for x in found if (x.layout.pp, x.layout.cp, x.layout.tp, x.layout.activation_checkpoint_every,
+                                                 x.layout.fsdp) == (1, 1, 1, 0, False)}
+    sharded = next(x for x in found if x.layout.fsdp and x.layout.ep == 1 and not x.layout.activation_checkpoint_every
+                   and x.layout.cp == 1)
+    assert sharded.estimate.memory["base weights"] == pytest.approx(layouts[1].estimate.memory["base weights"] / 2)
+    assert sharded.per_client_bytes == layouts[1].per_client_bytes  # the clients' adapters stay whole
     two = layouts[2]
     assert two.estimate.memory["base weights"] == held_base * 4
     assert two.per_client_bytes == held_client * (16 + REVISION_BYTES)
@@ -294,7 +299,8 @@ def test_service_plan_counts_a_vocabulary_parallel_head_and_context_parallel_row
     head, rank = model.lm_head.weight, 8
     found = plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=rank, seq_len=64, rows=4, base_bytes=4)
     pick = {(x.layout.cp, x.layout.tp, x.layout.vocab_parallel): x for x in found
-            if x.layout.pp == 1 and x.layout.ep == 1 and not x.layout.activation_checkpoint_every and not x.layout.sp}
+            if x.layout.pp == 1 and x.layout.ep == 1 and not x.layout.activation_checkpoint_every and not x.layout.sp
+            and not x.layout.fsdp}
     sp = next(x for x in found if x.layout.sp and not x.layout.vocab_parallel and not x.layout.activation_checkpoint_every)
     assert sp.estimate.memory["activations"] < pick[1, 2, False].estimate.memory["activations"]  # norms on half the tokens
     whole, split = pick[1, 2, False], pick[1, 2, True]
@@ -360,17 +366,17 @@ def test_readme_service_plan_command():
     """The README's `trillora plan --tinker` example and the figures it quotes."""
     out, readme = readme_plan("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 4096 "
                               "--rollouts 8 --lora-rank 8 --clients 8")
-    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 8, "cp": 1, "sp": False, "vocab_parallel": False, "activation_checkpoint_every": 0,
+    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 8, "cp": 1, "sp": False, "fsdp": False, "vocab_parallel": False, "activation_checkpoint_every": 0,
                              "pp_microbatches": 1}
     assert "--ep 8" in out["command"]
     assert "--tp" not in out["command"] and "--pp" not in out["command"] and "--activation" not in out["command"]
     assert [x["call_s"] for x in out["layouts"]] == sorted(x["call_s"] for x in out["layouts"])
-    eight = next(x for x in out["layouts"] if (x["pp"], x["cp"], x["tp"], x["ep"]) == (1, 1, 1, 8))
+    eight = next(x for x in out["layouts"] if (x["pp"], x["cp"], x["tp"], x["ep"], x["fsdp"]) == (1, 1, 1, 8, False))
     m = eight["memory_gib"]
     assert (round(m["base weights"], 1), round(m["activations"] + m["transient"], 1), round(eight["per_client_gib"], 1),
             eight["max_clients"]) == (9.6, 45.9, 1.1, 14)
     assert [(x["ep"], x["activation_checkpoint_every"]) for x in out["layouts"]
-            if x["fits"] and x["tp"] == 1 and x["pp"] == 1 and x["cp"] == 1] == \
+            if x["fits"] and x["tp"] == 1 and x["pp"] == 1 and x["cp"] == 1 and not x["fsdp"]] == \
         [(8, 0), (2, 1), (4, 1), (8, 1)]  # fastest first; without ac only ep=8 holds 8 clients
     one = next(x for x in out["layouts"] if (x["pp"], x["tp"], x["ep"]) == (1, 1, 1))
     assert one["memory_gib"]["base weights"] + one["memory_gib"]["activations"] > 72 and not one["fits"]
@@ -382,10 +388,17 @@ def test_readme_service_plan_command():
 def test_readme_service_plan_for_kimi_k2():
     out, readme = readme_plan("trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 "
                               "--rollouts 64 --lora-rank 8 --clients 2")
-    assert out["chosen"] == {"pp": 8, "pp_microbatches": 8, "tp": 1, "ep": 8, "cp": 1, "sp": False,
+    assert out["chosen"] == {"pp": 8, "pp_microbatches": 8, "tp": 1, "ep": 8, "cp": 1, "sp": False, "fsdp": False,
                              "vocab_parallel": False, "activation_checkpoint_every": 1}
+    sharded = next(x for x in out["layouts"] if x["fits"] and x["fsdp"] and (x["pp"], x["ep"]) == (1, 64))
+    flat = next(x for x in out["layouts"] if x["fits"] and not x["fsdp"] and (x["pp"], x["ep"]) == (1, 64))
+    assert sharded["per_client_gib"] == flat["per_client_gib"]
+    assert (f"With `--fsdp` the dense layers are sharded too: ep=64 then keeps "
+            f"{sharded['memory_gib']['base weights']:.1f} GiB of base per GPU and holds {sharded['max_clients']} clients, "
+            f"at {sharded['call_s'] / flat['call_s']:.2f}× the time per call") in readme
     assert "--pp 8 --pp-microbatches 8 --ep 8 --activation-checkpoint-every 1" in out["command"]
     fit = [x for x in out["layouts"] if x["fits"]]
+    fit = [x for x in fit if not x["fsdp"]]
     assert [(x["pp"], x["pp_microbatches"], x["cp"], x["tp"], x["ep"], x["activation_checkpoint_every"]) for x in fit] == \
         [(8, 8, 1, 1, 8, 1), (1, 1, 1, 1, 64, 1), (2, 2, 1, 1, 32, 1), (4, 4, 1, 1, 16, 1)]
     best, flat, two = fit[0], fit[1], fit[2]
@@ -403,19 +416,19 @@ def test_readme_service_plan_for_kimi_k2():
 def test_readme_service_plan_for_a_long_datum():
     out, readme = readme_plan("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 32768 "
                               "--rollouts 1 --lora-rank 8 --clients 8")
-    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 4, "cp": 2, "sp": False, "vocab_parallel": False,
+    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 4, "cp": 2, "sp": False, "fsdp": False, "vocab_parallel": False,
                              "activation_checkpoint_every": 1, "pp_microbatches": 1}
     assert "--cp 2 --ep 4 --activation-checkpoint-every 1" in out["command"]
 
     def layout(pp, cp, tp, sp, vocab, ep):
         return next(x for x in out["layouts"] if (x["pp"], x["cp"], x["tp"], x["sp"], x["vocab_parallel"], x["ep"]) ==
-                    (pp, cp, tp, sp, vocab, ep) and x["activation_checkpoint_every"])
+                    (pp, cp, tp, sp, vocab, ep) and x["activation_checkpoint_every"] and not x["fsdp"])
 
     def one_pass(x):
         return x["memory_gib"]["activations"] + x["memory_gib"]["transient"]
 
     best, whole, vocab = layout(1, 2, 1, False, False, 4), layout(1, 1, 1, False, False, 4), layout(1, 1, 2, True, True, 4)
-    fit = [x for x in out["layouts"] if x["fits"]]
+    fit = [x for x in out["layouts"] if x["fits"] and not x["fsdp"]]
     assert fit[:2] == [best, vocab] and not whole["fits"] and whole["max_clients"] == 0
     assert one_pass(best) < one_pass(vocab) < one_pass(whole)
     assert (f"This picks `--cp 2 --ep 4 --activation-checkpoint-every 1` ({best['call_s']:.2f} s per call, "

@@ -136,6 +136,8 @@ LAYOUTS = {"dp": (2, [], "data parallel over 2 ranks"), "ep": (2, ["--ep", "2"],
                      "data parallel over 1 ranks, stages over pp=2, layers over tp=2"),
            # each row's positions split over 2 ranks in training; sampling decodes whole rows on both
            "cp": (2, ["--cp", "2", "--activation-checkpoint-every", "1"], "data parallel over 1 ranks, rows over cp=2"),
+           # the dense layers sharded over both ranks; each expert shard has one owner, left out of FSDP
+           "fsdp-ep": (2, ["--fsdp", "--ep", "2"], "data parallel over 2 ranks, the base sharded over them (FSDP), experts over ep=2"),
            "tp-sp-vocab": (2, ["--tp", "2", "--sp", "--vocab-parallel"], "data parallel over 1 ranks, layers over tp=2 "
                            "(sequence-parallel norms, the head over the vocabulary)")}
 

@@ -1,7 +1,8 @@
-"""Calls of two clients in ONE pass on an expert-parallel Tinker service (gloo ranks, each with its
-own datums of each call, one with none of a call's): outcomes, gradient norms, saved adapters and
-greedy samples of both clients' revisions in one `generate` equal to one process running each
-call alone. Every routed row's adapter travels with it to its expert's rank
+"""Calls of two clients in ONE pass on a sharded Tinker service (gloo ranks, each with its own
+datums of each call, one with none of a call's; every layout in LAYOUTS: ep, tp, pp with chunks,
+cp, sp, a vocabulary-parallel head, FSDP): outcomes, gradient norms, saved adapters and greedy
+samples of both clients' revisions in one `generate` equal to one process running each call
+alone. Every routed row's adapter travels with it to its expert's rank
 (`parallel.expert_parallel`), and every rank numbers the pass's adapters alike. Also: a
 tensor-parallel rank splits the base before allocating it and reads only its chunks."""
 
@@ -18,6 +19,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from engine_helpers import free_port
+from trillora.models.transformer import DecoderLayer
 from trillora.serve.tinker_service import FwdBwd, SampleCall, TinkerConfig, TinkerService
 from trillora.serve.tinker_sharded import ShardedService
 from trillora.serve.wire import Datum
@@ -82,6 +84,9 @@ def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         service = ShardedService(TinkerConfig(model=MODEL, state_dir=os.path.join(root, "sharded"), **flags))
+        if flags.get("fsdp"):  # the base's layers sharded over the data-parallel ranks (and cp)
+            norm = next(m for m in service.base.model.modules() if isinstance(m, DecoderLayer)).input_layernorm.weight
+            assert norm.to_local().shape[0] < norm.shape[0], norm.placements
         seen = set()  # under sp: what the final norm receives, a sequence shard
         service.base.model.model.norm.register_forward_pre_hook(lambda m, args: seen.add(str(getattr(args[0], "placements", ""))))
         if rank > 0:
@@ -120,15 +125,24 @@ def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> 
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,flags", [(2, {"ep": 2, "expert_rank_rule": "divide_by_top_k"}),
-                                         (4, {"ep": 2, "pp": 2, "pp_microbatches": 2, "activation_checkpoint_every": 1}),
-                                         (4, {"tp": 2, "ep": 2}),
-                                         (4, {"tp": 2, "pp": 2}), (4, {"cp": 2, "ep": 2}),
-                                         (4, {"tp": 2, "cp": 2, "vocab_parallel": True}),
-                                         (4, {"pp": 2, "cp": 2, "pp_microbatches": 3}), (4, {"tp": 2, "cp": 2, "sp": True})],
-                         ids=["ep2-divided-expert-rank", "pp2-ep2-microbatches2-ac", "tp2-ep2", "pp2-tp2", "cp2-ep2",
-                              "tp2-cp2-vocab-parallel", "pp2-cp2-microbatches3", "tp2-cp2-sp"])
-def test_two_clients_in_one_pass_on_expert_parallel_ranks_equal_each_call_alone(tmp_path, world, flags):
+LAYOUTS = {  # id: (ranks, service flags)
+    "ep2-divided-expert-rank": (2, {"ep": 2, "expert_rank_rule": "divide_by_top_k"}),
+    "pp2-ep2-microbatches2-ac": (4, {"ep": 2, "pp": 2, "pp_microbatches": 2, "activation_checkpoint_every": 1}),
+    "tp2-ep2": (4, {"tp": 2, "ep": 2}),
+    "pp2-tp2": (4, {"tp": 2, "pp": 2}),
+    "tp2-cp2-sp-vocab-parallel": (4, {"tp": 2, "cp": 2, "sp": True, "vocab_parallel": True}),
+    "pp2-cp2-microbatches3": (4, {"pp": 2, "cp": 2, "pp_microbatches": 3}),
+    "fsdp2": (2, {"fsdp": True}),
+    "fsdp4-ep2": (4, {"fsdp": True, "ep": 2}),  # experts sharded over their 2 replicas
+    "fsdp2-tp2": (4, {"fsdp": True, "tp": 2}),  # 2-D parameters
+    "fsdp2-pp2-microbatches2-ac": (4, {"fsdp": True, "pp": 2, "pp_microbatches": 2, "activation_checkpoint_every": 1}),
+    "fsdp-cp2-ep2": (4, {"fsdp": True, "cp": 2, "ep": 2}),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_clients_in_one_pass_on_expert_parallel_ranks_equal_each_call_alone(tmp_path, layout):
+    world, flags = LAYOUTS[layout]
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import TrilloraError
 from ..models import CausalLM
@@ -136,12 +137,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _local_part(whole: torch.Tensor, dest: DTensor) -> torch.Tensor:
-    """The part of `whole` that `dest`'s rank holds (Shard(d): its chunk along d; Replicate: all)."""
-    for mesh_dim, placement in enumerate(dest.placements):
-        if isinstance(placement, Shard):
-            mesh = dest.device_mesh
-            whole = whole.chunk(mesh.size(mesh_dim), dim=placement.dim)[mesh.get_local_rank(mesh_dim)]
-    return whole
+    """The block of `whole` that `dest`'s rank holds: tensor-parallel chunks, and FSDP's chunks of
+    those on a 2-D mesh (each a contiguous block, where DTensor puts its offset)."""
+    shape, offset = compute_local_shape_and_global_offset(whole.shape, dest.device_mesh, dest.placements)
+    return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def load_weights(model: CausalLM, path: str | Path, block: int | None = None,

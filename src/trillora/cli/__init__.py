@@ -92,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = TinkerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                            state_dir=args.state_dir, max_connections=args.max_connections, max_clients=args.max_clients,
                            device=args.device, precision=args.precision, max_fused=args.max_fused,
-                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp, sp=args.sp,
+                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp, sp=args.sp, fsdp=args.fsdp,
                            vocab_parallel=args.vocab_parallel, pp_microbatches=args.pp_microbatches,
                            expert_rank_rule=args.expert_rank_rule, activation_checkpoint_every=args.activation_checkpoint_every)
         from ..trainer.world import launched
@@ -111,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _sharded(cfg) -> bool:
-    return cfg.ep > 1 or cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1
+    return cfg.ep > 1 or cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.fsdp
 
 
 def _tp_extras(cfg) -> str:
@@ -120,7 +120,7 @@ def _tp_extras(cfg) -> str:
 
 
 def _layout(cfg) -> str:
-    return f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp}"
+    return f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp}" + (" --fsdp" if cfg.fsdp else "")
 
 
 def _serve_tinker_parallel(cfg) -> int:
@@ -141,7 +141,7 @@ def _serve_tinker_parallel(cfg) -> int:
     service = ShardedService(cfg) if _sharded(cfg) else DataParallelService(cfg)
     try:
         if service.rank == 0:
-            split = (f", stages over pp={cfg.pp}" if cfg.pp > 1 else "") + (f", rows over cp={cfg.cp}" if cfg.cp > 1 else "") \
+            split = (", the base sharded over them (FSDP)" if cfg.fsdp else "") + (f", stages over pp={cfg.pp}" if cfg.pp > 1 else "") + (f", rows over cp={cfg.cp}" if cfg.cp > 1 else "") \
                 + (f", layers over tp={cfg.tp}" if cfg.tp > 1 else "") + _tp_extras(cfg) \
                 + (f", experts over ep={cfg.ep}" if cfg.ep > 1 else "")
             print(f"trillora serve --tinker: data parallel over {service.dp_size} ranks{split}", flush=True)
@@ -225,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "pipeline stages, one per rank of a pipeline group")
     p.add_argument("--cp", type=int, default=1, help="--tinker under torchrun: split each row of a training pass "
                                                      "over CP ranks (context parallelism, for long traces)")
+    p.add_argument("--fsdp", action="store_true", help="--tinker under torchrun: shard the frozen base over the "
+                                                         "data-parallel ranks (FSDP2), gathered layer by layer")
     p.add_argument("--sp", action="store_true", help="--tinker --tp: sequence parallelism (norms and the residual "
                                                      "stream split over the sequence)")
     p.add_argument("--vocab-parallel", action="store_true", help="--tinker --tp: split the head over the vocabulary; "

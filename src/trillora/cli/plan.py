@@ -96,7 +96,7 @@ def run_service(a: argparse.Namespace) -> dict:
     out = {"model": a.model, "cluster": asdict(cluster), "tinker": True, "gpus": world, "clients": a.clients,
            "lora_rank": a.lora_rank, "seq_len": a.seq_len, "datums_per_call": a.rollouts, "fits": bool(ok),
            "layouts": [{"pp": x.layout.pp, "pp_microbatches": x.layout.pp_microbatches, "tp": x.layout.tp, "ep": x.layout.ep, "dp": x.layout.dp, "cp": x.layout.cp,
-                        "sp": x.layout.sp, "vocab_parallel": x.layout.vocab_parallel,
+                        "sp": x.layout.sp, "vocab_parallel": x.layout.vocab_parallel, "fsdp": x.layout.fsdp,
                         "activation_checkpoint_every": x.layout.activation_checkpoint_every, "call_s": x.estimate.step_s,
                         "comm_s": x.estimate.comm_s,
                         "memory_gib": {k: v / GIB for k, v in x.estimate.memory.items()},
@@ -104,11 +104,12 @@ def run_service(a: argparse.Namespace) -> dict:
                         "max_clients": x.max_clients, "fits": x.fits} for x in found]}
     if ok:  # the fastest that fits
         best = ok[0].layout
-        out["chosen"] = {"pp": best.pp, "pp_microbatches": best.pp_microbatches, "tp": best.tp, "ep": best.ep, "cp": best.cp, "sp": best.sp,
+        out["chosen"] = {"pp": best.pp, "pp_microbatches": best.pp_microbatches, "tp": best.tp, "ep": best.ep, "cp": best.cp,
+                         "sp": best.sp, "fsdp": best.fsdp,
                          "vocab_parallel": best.vocab_parallel,
                          "activation_checkpoint_every": best.activation_checkpoint_every}
         weights = a.model if Path(a.model).is_dir() else f"<{a.model} checkpoint>"  # a shipped name is a config only
-        flags = (f" --pp {best.pp}" if best.pp > 1 else "") + \
+        flags = (" --fsdp" if best.fsdp else "") + (f" --pp {best.pp}" if best.pp > 1 else "") + \
             (f" --pp-microbatches {best.pp_microbatches}" if best.pp_microbatches > 1 else "") + \
             (f" --cp {best.cp}" if best.cp > 1 else "") + \
             (f" --tp {best.tp}" if best.tp > 1 else "") + (" --sp" if best.sp else "") + \
@@ -132,12 +133,12 @@ def render_service(out: dict) -> None:
                   f"{c['name']} ({c['memory_gib']:.0f} GiB, {c['memory_gib'] * (1 - c['reserve']):.0f} usable)")
     shown = [x for i, x in enumerate(out["layouts"]) if i < SHOWN or x["fits"]]  # --json lists them all
     t = Table(title=f"memory per GPU (GiB): the {SHOWN} fastest layouts and every one that fits, fastest first")
-    for col in ("pp", "cp", "tp", "sp", "vocab", "ep", "ac", "s per call", "base", "one pass", "clients", "total", "clients that fit"):
+    for col in ("pp", "cp", "tp", "sp", "vocab", "ep", "fsdp", "ac", "s per call", "base", "one pass", "clients", "total", "clients that fit"):
         t.add_column(col, justify="right")
     for x in shown:
         m = x["memory_gib"]
         t.add_row(str(x["pp"]), str(x["cp"]), str(x["tp"]), "yes" if x["sp"] else "", "yes" if x["vocab_parallel"] else "",
-                  str(x["ep"]),
+                  str(x["ep"]), "yes" if x["fsdp"] else "",
                   "yes" if x["activation_checkpoint_every"] else "", f"{x['call_s']:.2f}", f"{m['base weights']:.1f}", f"{m['activations'] + m['transient']:.1f}",
                   f"{m['clients: adapter + grads + AdamW + revision']:.1f}", f"{x['memory_total_gib']:.1f}",
                   f"{x['max_clients']}" if x["fits"] else f"[red]{x['max_clients']}[/]")
@@ -149,7 +150,7 @@ def render_service(out: dict) -> None:
         ch = out["chosen"]
         pp = (f"pp={ch['pp']} ({ch['pp_microbatches']} chunks a call) " if ch["pp"] > 1 else "") + \
             (f"cp={ch['cp']} " if ch["cp"] > 1 else "")
-        vocab = (" with sequence parallelism" if ch["sp"] else "") + \
+        vocab = (" with sequence parallelism" if ch["sp"] else "") + (" with the base sharded (FSDP)" if ch["fsdp"] else "") + \
             (" with the head over the vocabulary" if ch["vocab_parallel"] else "")
         console.print(f"chosen: {pp}tp={ch['tp']} ep={ch['ep']}{vocab}{ac} (the fastest that fits)\n"
                       f"  {out['command']}")

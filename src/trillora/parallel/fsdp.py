@@ -71,9 +71,11 @@ def _shard(module: nn.Module, mesh, counter: TrafficCounter, policy: MixedPrecis
 
 
 def apply_fsdp(model: nn.Module, meshes, param_dtype: torch.dtype | None = None,
-               roots: list[nn.Module] | None = None) -> TrafficCounter | None:
+               roots: list[nn.Module] | None = None, keep: set[nn.Parameter] = frozenset()) -> TrafficCounter | None:
     """Shard `model` over dp × cp (experts over edp × cp); None when that is 1 rank (nothing to
-    shard over). `roots`: the modules that are called (pipeline stages); default the model."""
+    shard over). `roots`: the modules that are called (pipeline stages), each one unit with what
+    the layers leave; default the model.
+    `keep`: parameters FSDP leaves whole and alone (a service's adapter slots, swapped per call)."""
     dims = meshes.dims
     if dims.dp * dims.cp == 1:
         return None
@@ -81,15 +83,15 @@ def apply_fsdp(model: nn.Module, meshes, param_dtype: torch.dtype | None = None,
     # adapters and gradients stay fp32; the frozen base may be gathered in bf16 (GPU)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     dp_mesh = meshes.mesh("dp_cp")
-    ignored: set[nn.Parameter] = set()  # expert shards with a single owner (ep > 1, edp × cp = 1)
+    ignored = set(keep)  # and expert shards with a single owner (ep > 1, edp × cp = 1)
     for layer in [m for m in model.model.layers if isinstance(m, DecoderLayer)]:  # a pipeline stage's own layers
         for experts in [m for m in layer.modules() if isinstance(m, GroupedExperts)]:
             if dims.ep > 1 and dims.edp * dims.cp > 1:
-                _shard(experts, meshes.mesh("edp_cp"), counter, policy)
+                _shard(experts, meshes.mesh("edp_cp"), counter, policy, ignored)
             elif dims.ep > 1:
                 ignored |= set(experts.parameters())
         _shard(layer, dp_mesh, counter, policy, ignored)
-    for root in roots or [model]:
+    for root in [model] if roots is None else roots:
         _shard(root, dp_mesh, counter, policy, ignored)
     if roots is None:  # the trainer computes logprobs from `hidden_states` + the head: FSDP must gather there too
         register_fsdp_forward_method(model, "hidden_states")

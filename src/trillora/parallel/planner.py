@@ -175,8 +175,8 @@ def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lo
     """The service's layouts on `world` ranks, fastest first (the cost model's time for one call):
     pp stages of whole layers, tp within a node and dividing the heads (with or without sequence
     parallelism, without pp; the head whole or split over the vocabulary), cp (powers of two,
-    within a node), ep dividing dp and the experts, with and without activation checkpointing
-    (every layer); each call's `rows` datums of `seq_len` tokens split over dp, under pp as one
+    within a node), ep dividing dp and the experts, the base whole or sharded over dp × cp (FSDP),
+    with and without activation checkpointing (every layer); each call's `rows` datums of `seq_len` tokens split over dp, under pp as one
     chunk per row in flight through the stages (`--pp-microbatches`, GPipe: the bubble is
     (pp - 1) / chunks of a call, and one datum per rank leaves the stages working in turn); each client's adapter, AdamW state and one sampler
     revision held at rank `lora_rank` on every role (`expert_rank` on routed experts: 0, the same),
@@ -192,12 +192,12 @@ def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lo
             if pp > args.num_layers or cp > 1 and (cp & (cp - 1) or cp > cluster.gpus_per_node // tp):
                 continue  # cp: powers of two within a node with its tp group (K/V all-gathers every layer)
             dp = world // (tp * pp * cp)
-            split = (False, True) if tp > 1 else (False,)
-            for ep, sp, vocab, ac in ((e, s, v, a) for e in divisors(dp) for s in (split if pp == 1 else (False,))
-                                      for v in split for a in (0, 1)):
+            split, shard = (False, True) if tp > 1 else (False,), (False, True) if dp * cp > 1 else (False,)
+            for ep, sp, vocab, fsdp, ac in ((e, s, v, f, a) for e in divisors(dp) for s in (split if pp == 1 else (False,))
+                                            for v in split for f in shard for a in (0, 1)):
                 if (args.num_experts % ep) if args.num_experts else ep > 1:
                     continue
-                layout = ParallelDims(dp=dp, tp=tp, ep=ep, pp=pp, cp=cp, fsdp=False, sp=sp, vocab_parallel=vocab,
+                layout = ParallelDims(dp=dp, tp=tp, ep=ep, pp=pp, cp=cp, fsdp=fsdp, sp=sp, vocab_parallel=vocab,
                                       activation_checkpoint_every=ac, pp_schedule="gpipe",
                                       pp_microbatches=-(-rows // dp) if pp > 1 else 1)  # a row per chunk: the least bubble
                 try:
@@ -213,7 +213,9 @@ def _service_layout(fp: Footprint, layout: ParallelDims, cluster: Cluster, clien
     here = -(-rows // layout.dp)  # a call's rows on one dp rank, in pp_microbatches chunks (GPipe: all held at once)
     work = Workload(seq_len=seq_len, rollouts_per_step=rows, micro_batch_rows=-(-here // layout.pp_microbatches))
     est = estimate(fp, layout, work, cluster, fullest="memory")
-    one = est.memory.pop("adapter + grads + optimizer")
+    est.memory.pop("adapter + grads + optimizer")
+    # the clients' adapters stay whole under FSDP (only the base is sharded): counted as without it
+    one = estimate(fp, replace(layout, fsdp=False), work, cluster, fullest="memory").memory["adapter + grads + optimizer"]
     per_client = one / ADAPTER_STATE_BYTES * (ADAPTER_STATE_BYTES + REVISION_BYTES)
     room = budget - est.memory_total
     est.memory["clients: adapter + grads + AdamW + revision"] = per_client * clients

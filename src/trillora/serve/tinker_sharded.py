@@ -42,6 +42,7 @@ from ..models.transformer import OtherStage
 from ..parallel.context_parallel import apply_context_parallel
 from ..parallel.dims import ParallelDims, ParallelError, build_meshes
 from ..parallel.expert_parallel import apply_expert_parallel
+from ..parallel.fsdp import apply_fsdp
 from ..parallel.pipeline import split_layers
 from ..parallel.staged import StagedModel
 from ..parallel.tensor_parallel import apply_tensor_parallel
@@ -68,7 +69,7 @@ class ShardedService(DataParallelService):
             if cfg.pp > args.num_layers:
                 raise ParallelError(f"parallel.pp={cfg.pp} stages for {args.num_layers} layers; allowed: 1..{args.num_layers}")
             dims = ParallelDims(dp=world // (cfg.tp * cfg.pp * cfg.cp), tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp,
-                                sp=cfg.sp, vocab_parallel=cfg.vocab_parallel)  # ep must divide dp ...
+                                fsdp=cfg.fsdp, sp=cfg.sp, vocab_parallel=cfg.vocab_parallel)  # ep must divide dp ...
             dims.check_model(args)  # ... and the experts; tp the heads, MLP widths (and the vocabulary)
         except ParallelError as e:
             raise ParallelError(f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp} on {world} ranks: {e}") from None
@@ -108,6 +109,13 @@ class ShardedService(DataParallelService):
             plan = apply_tensor_parallel(model, meshes.mesh("tp"), dims.sp, dims.vocab_parallel)
             placement.tp = TensorShard.of(plan, base.slots, meshes.mesh("tp"))
         apply_context_parallel(model, meshes.group("cp"), meshes.rank("cp"), dims.cp)
+        if self.cfg.fsdp:  # the base's layers over dp × cp; the adapter slots are swapped per call, so left alone
+            slots = {p for name, p in model.named_parameters() if ".lora_" in name}
+            # a stage's chunks run the embedding, norm and head one by one (and backward from each
+            # chunk's logits): each is its own unit, gathered again for every chunk
+            ends = None if self.stages is None else [m for m in (model.model.embed_tokens, model.model.norm, model.lm_head)
+                                                     if not isinstance(m, OtherStage)]
+            apply_fsdp(model, meshes, roots=ends, keep=slots)
         if on_meta:
             fill_model(model, path, self.cfg.device, experts)
         return base
@@ -168,7 +176,7 @@ class ShardedService(DataParallelService):
 
     def _sample_or_follow(self, calls):
         if self.dp_rank == 0:  # rank 0's tp group: every member drives the same generate
-            hook = self.base.model.register_forward_pre_hook(self._before_forward)
+            hook = self.base.model.register_forward_pre_hook(self._before_forward, prepend=True)  # before FSDP gathers
             try:
                 return super().sample_many(calls)
             finally:

@@ -64,6 +64,9 @@ class TinkerConfig:
     cp: int = 1
     """Under torchrun: split each row of a forward_backward pass over this many ranks (context
     parallelism: long traces at 1/cp of the activations per rank); sampling decodes whole rows."""
+    fsdp: bool = False
+    """Under torchrun: shard the frozen base over the data-parallel ranks (FSDP2), each layer gathered
+    for every pass; the clients' adapters stay whole on every rank."""
     sp: bool = False
     """Under --tp: sequence parallelism, the norms and the residual stream between blocks split over
     the sequence (a tp-th of those activations per rank)."""
