@@ -73,6 +73,10 @@ def scenario(service, out: dict) -> dict:
     return {"results": results, "norms": norms, "paths": paths, "samples": samples}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def state_of(root: str, path: str) -> dict:
     model_id = path.split("://", 1)[1].split("/")[0]
     return load_file(os.path.join(root, model_id.replace(":", "_"), "weights", "after", "adapter.safetensors"))
@@ -87,6 +91,14 @@ def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> 
         if flags.get("fsdp"):  # the base's layers sharded over the data-parallel ranks (and cp)
             norm = next(m for m in service.base.model.modules() if isinstance(m, DecoderLayer)).input_layernorm.weight
             assert norm.to_local().shape[0] < norm.shape[0], norm.placements
+        if flags == {"fsdp": True}:  # what this rank holds of the base is what the planner counts for it
+            from trillora.parallel.clusters import CLUSTERS
+            from trillora.parallel.planner import plan_service
+
+            held = sum(_local(p).numel() for n, p in service.base.model.named_parameters() if ".lora_" not in n)
+            planned = next(x for x in plan_service(service.base.model.args, 2, CLUSTERS["cpu"], 2, 8, 64, 4, base_bytes=4)
+                           if x.layout.fsdp and x.layout.ep == 1 and x.layout.cp == 1)
+            assert held == pytest.approx(planned.estimate.memory["base weights"] / 4, rel=1e-3)
         seen = set()  # under sp: what the final norm receives, a sequence shard
         service.base.model.model.norm.register_forward_pre_hook(lambda m, args: seen.add(str(getattr(args[0], "placements", ""))))
         if rank > 0:
