@@ -21,11 +21,11 @@ from ..parallel.vocab_parallel import vocab_parallel_logprobs
 def target_logprobs(logits: torch.Tensor, targets: list[torch.Tensor], cp=None, vocab_group=None) -> list[torch.Tensor]:
     """logits [B, T or t, V or V/tp] of right-padded rows of T tokens; `targets`: each datum's ids,
     [N] or [N, K] (N <= T) -> each datum's logprobs, shaped as its targets."""
-    width = max(t.shape[0] for t in targets)
-    k = max(t.reshape(t.shape[0], -1).shape[1] for t in targets)
+    as_nk = [t.reshape(t.shape[0], -1) for t in targets]  # [N, K] (K = 1 for [N])
+    width, k = max(t.shape[0] for t in as_nk), max(t.shape[1] for t in as_nk)
     ids = torch.zeros(len(targets), width, k, dtype=torch.long, device=logits.device)  # [B, T, K]
-    for i, t in enumerate(targets):
-        ids[i, :t.shape[0], :t.reshape(t.shape[0], -1).shape[1]] = t.reshape(t.shape[0], -1)
+    for i, t in enumerate(as_nk):
+        ids[i, :t.shape[0], :t.shape[1]] = t
     if cp is not None:
         ids = cp.split(ids)  # [B, t, K]: the targets of this rank's positions
     z = logits.float()
@@ -35,4 +35,4 @@ def target_logprobs(logits: torch.Tensor, targets: list[torch.Tensor], cp=None, 
         logp = torch.log_softmax(z, dim=-1).gather(-1, ids)  # [B, T or t, K]
     if cp is not None:
         logp = cp.gather(logp, width)  # [B, T, K] whole rows, on every cp rank
-    return [logp[i, :t.shape[0], :t.reshape(t.shape[0], -1).shape[1]].reshape(t.shape) for i, t in enumerate(targets)]
+    return [logp[i, :nk.shape[0], :nk.shape[1]].reshape(t.shape) for i, (t, nk) in enumerate(zip(targets, as_nk))]

@@ -22,6 +22,8 @@ clients' adapters cost a fraction per rank. Beyond data parallelism (`serve.tink
 - the stages of one dp rank run each pass in turn (with --pp-microbatches, as row chunks in
   flight); the last one computes the losses and sends the outcomes to the others, then backward
   runs from it back to the first stage;
+- with fsdp the base's layers are sharded over dp × cp (FSDP2, `parallel.fsdp`) and gathered for
+  each pass; the adapter slots stay outside FSDP, since each call swaps its clients' tensors in;
 - saved states and sampler weights are whole (gathered) and load into any layout;
 - sampling decodes whole rows (cp off) and whole logits (a vocabulary-parallel head's slices
   gathered): the tp and cp groups of rank 0 drive the engine, every member the same generate (same
