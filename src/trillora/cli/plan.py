@@ -76,6 +76,9 @@ def run(a: argparse.Namespace) -> dict:
 SHOWN = 10  # rows of the service table beyond those that fit
 
 
+CHOSEN_KEYS = ("pp", "pp_microbatches", "tp", "ep", "cp", "sp", "fsdp", "vocab_parallel", "activation_checkpoint_every")
+
+
 def run_service(a: argparse.Namespace) -> dict:
     """The service's layouts on --gpus ranks (0: the fewest GPUs, doubling, on which one fits)."""
     if a.clients < 1 or a.rollouts < 1:
@@ -104,10 +107,7 @@ def run_service(a: argparse.Namespace) -> dict:
                         "max_clients": x.max_clients, "fits": x.fits} for x in found]}
     if ok:  # the fastest that fits
         best = ok[0].layout
-        out["chosen"] = {"pp": best.pp, "pp_microbatches": best.pp_microbatches, "tp": best.tp, "ep": best.ep, "cp": best.cp,
-                         "sp": best.sp, "fsdp": best.fsdp,
-                         "vocab_parallel": best.vocab_parallel,
-                         "activation_checkpoint_every": best.activation_checkpoint_every}
+        out["chosen"] = {k: out["layouts"][found.index(ok[0])][k] for k in CHOSEN_KEYS}
         weights = a.model if Path(a.model).is_dir() else f"<{a.model} checkpoint>"  # a shipped name is a config only
         flags = (" --fsdp" if best.fsdp else "") + (f" --pp {best.pp}" if best.pp > 1 else "") + \
             (f" --pp-microbatches {best.pp_microbatches}" if best.pp_microbatches > 1 else "") + \
@@ -150,9 +150,9 @@ def render_service(out: dict) -> None:
         ch = out["chosen"]
         pp = (f"pp={ch['pp']} ({ch['pp_microbatches']} chunks a call) " if ch["pp"] > 1 else "") + \
             (f"cp={ch['cp']} " if ch["cp"] > 1 else "")
-        vocab = (" with sequence parallelism" if ch["sp"] else "") + (" with the base sharded (FSDP)" if ch["fsdp"] else "") + \
+        extras = (" with sequence parallelism" if ch["sp"] else "") + (" with the base sharded (FSDP)" if ch["fsdp"] else "") + \
             (" with the head over the vocabulary" if ch["vocab_parallel"] else "")
-        console.print(f"chosen: {pp}tp={ch['tp']} ep={ch['ep']}{vocab}{ac} (the fastest that fits)\n"
+        console.print(f"chosen: {pp}tp={ch['tp']} ep={ch['ep']}{extras}{ac} (the fastest that fits)\n"
                       f"  {out['command']}")
     else:
         console.print(f"[red]no layout of {out['gpus']} GPUs holds {out['clients']} clients[/]")

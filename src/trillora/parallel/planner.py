@@ -176,11 +176,13 @@ def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lo
     pp stages of whole layers, tp within a node and dividing the heads (with or without sequence
     parallelism, without pp; the head whole or split over the vocabulary), cp (powers of two,
     within a node), ep dividing dp and the experts, the base whole or sharded over dp × cp (FSDP),
-    with and without activation checkpointing (every layer); each call's `rows` datums of `seq_len` tokens split over dp, under pp as one
-    chunk per row in flight through the stages (`--pp-microbatches`, GPipe: the bubble is
-    (pp - 1) / chunks of a call, and one datum per rank leaves the stages working in turn); each client's adapter, AdamW state and one sampler
-    revision held at rank `lora_rank` on every role (`expert_rank` on routed experts: 0, the same),
-    split with its layers; the stage that needs the most memory counts."""
+    with and without activation checkpointing (every layer).
+
+    Each call's `rows` datums of `seq_len` tokens are split over dp; under pp they go through the
+    stages one datum per chunk (`--pp-microbatches`, GPipe: the bubble is (pp - 1) / chunks, and
+    one datum per rank leaves the stages working in turn). Each client's adapter, AdamW state and
+    one sampler revision are held at rank `lora_rank` on every role (`expert_rank` on routed
+    experts: 0, the same), split with their layers; the stage that needs the most memory counts."""
     fp = Footprint(args, Training(lora_rank=lora_rank, expert_rank=expert_rank, targets=SERVICE_TARGETS,
                                   base_bytes=base_bytes))
     budget = cluster.memory_gib * 2**30 * (1 - cluster.reserve)
@@ -213,9 +215,9 @@ def _service_layout(fp: Footprint, layout: ParallelDims, cluster: Cluster, clien
     here = -(-rows // layout.dp)  # a call's rows on one dp rank, in pp_microbatches chunks (GPipe: all held at once)
     work = Workload(seq_len=seq_len, rollouts_per_step=rows, micro_batch_rows=-(-here // layout.pp_microbatches))
     est = estimate(fp, layout, work, cluster, fullest="memory")
-    est.memory.pop("adapter + grads + optimizer")
-    # the clients' adapters stay whole under FSDP (only the base is sharded): counted as without it
-    one = estimate(fp, replace(layout, fsdp=False), work, cluster, fullest="memory").memory["adapter + grads + optimizer"]
+    one = est.memory.pop("adapter + grads + optimizer")
+    if layout.fsdp:  # the clients' adapters stay whole under FSDP (only the base is sharded): counted as without it
+        one = estimate(fp, replace(layout, fsdp=False), work, cluster, fullest="memory").memory["adapter + grads + optimizer"]
     per_client = one / ADAPTER_STATE_BYTES * (ADAPTER_STATE_BYTES + REVISION_BYTES)
     room = budget - est.memory_total
     est.memory["clients: adapter + grads + AdamW + revision"] = per_client * clients
