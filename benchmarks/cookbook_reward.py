@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                    f"group_size={args.group}", f"max_tokens={args.max_tokens}",
                                                    f"max_steps={args.rl_steps}", f"learning_rate={args.rl_lr}",
                                                    "loss_fn=importance_sampling", "save_every=0"])
-    server.httpd.shutdown()
+    server.stop()
     nll = [m["train_mean_nll"] for m in rows(sl / "metrics.jsonl")]
     reward = [m["reward/total"] for m in rows(rl / "metrics.jsonl")]
     w = min(args.window, len(reward) // 2) or 1

@@ -111,9 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def config(args, **extra):
-    from trillora.serve.tinker_service import TinkerConfig
+    from trillora.serve.tinker_service import ServeConfig
 
-    return TinkerConfig(model=args.model, device=args.device, precision=args.precision,
+    return ServeConfig(model=args.model, device=args.device, precision=args.precision,
                         state_dir=tempfile.mkdtemp(prefix="fused-bench-"), **extra)
 
 

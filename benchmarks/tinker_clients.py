@@ -35,13 +35,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def start_server(model: str, state_dir: str, api_key: str = "tml-bench"):
-    from trillora.serve.tinker_http import TinkerServer, serve_tinker
-    from trillora.serve.tinker_service import TinkerConfig
+    """`trillora serve MODEL --tinker` on a free loopback port, in a thread (`server.stop()` ends it)."""
+    from trillora.serve.app import Server
+    from trillora.serve.config import ServeConfig
 
-    cfg = TinkerConfig(model=model, port=0, api_key=api_key, state_dir=state_dir, poll_seconds=5.0)
-    server = TinkerServer(cfg)
+    server = Server(ServeConfig(model=model, tinker=True, port=0, api_key=api_key, state_dir=state_dir, poll_seconds=5.0))
     ready = threading.Event()
-    threading.Thread(target=serve_tinker, args=(cfg, ready, server), daemon=True).start()
+    threading.Thread(target=server.run, args=(ready,), daemon=True).start()
     ready.wait(120)
     return server
 

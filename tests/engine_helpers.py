@@ -10,6 +10,7 @@ import urllib.request
 
 import torch
 
+from trillora.serve.config import ServeConfig
 from trillora.trainer.batch import build_batch
 from trillora.trainer.logprobs import token_logprobs
 
@@ -46,16 +47,22 @@ def trainer_logprobs(model, completions, temperature: float = 1.0):
 
 def tinker_server(state_dir, api_key: str, **cfg):
     """`trillora serve tiny-moe-chat --tinker` on a free loopback port in a thread: yields the
-    TinkerServer (its `cfg.port` set), shut down afterwards."""
+    Server (its `cfg.port` set), stopped afterwards."""
+    yield from running_server(ServeConfig(model="tiny-moe-chat", tinker=True, port=0, api_key=api_key,
+                                          state_dir=str(state_dir), poll_seconds=2.0, **cfg))
+
+
+def running_server(config):
+    """A `trillora serve` Server for `config` in a thread: yielded once it listens, stopped afterwards."""
     import threading
 
-    from trillora.serve.tinker_http import TinkerServer, serve_tinker
-    from trillora.serve.tinker_service import TinkerConfig
+    from trillora.serve.app import Server
 
-    config = TinkerConfig(model="tiny-moe-chat", port=0, api_key=api_key, state_dir=str(state_dir), poll_seconds=2.0, **cfg)
-    server = TinkerServer(config)
+    server = Server(config)
     ready = threading.Event()
-    threading.Thread(target=serve_tinker, args=(config, ready, server), daemon=True).start()
+    thread = threading.Thread(target=server.run, args=(ready,), daemon=True)
+    thread.start()
     ready.wait(60)
     yield server
-    server.httpd.shutdown()
+    server.stop()
+    thread.join(30)

@@ -170,6 +170,16 @@ def test_the_tinker_rows_are_their_results_files():
         assert f"forward_backward **{s['forward_backward']:.2f}×**, sampling **{s['sample']:.2f}×**" in README
 
 
+def test_the_served_adapters_row_is_its_results_file():
+    r = results("served_adapters.json")
+    tps = list(r["tokens_per_second"].values())
+    assert (f"{tps[0]:.0f} / {tps[1]:.0f} completion tokens/s: **{r['speedup_shared']:.2f}×** sharing a pass "
+            f"({r['shared_passes']['waiting requests share a pass']} passes served several requests)") in README
+    assert (f"resident memory with {r['adapters']} adapters {r['rss_all_adapters_bytes'] / 2**20:.0f} MiB against "
+            f"{r['rss_one_adapter_bytes'] / 2**20:.0f} MiB with one (**{r['rss_ratio']:.3f}×**)") in README
+    assert r["adapters"] == 32 and r["clients"] == 8 and r["rss_ratio"] < 1.2
+
+
 def test_the_time_to_accuracy_row_is_its_results_file():
     t = results("time_to_accuracy.json")
 

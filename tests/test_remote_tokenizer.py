@@ -57,13 +57,12 @@ def test_train_config_takes_the_option(tmp_path):
 
 def test_the_commands_take_the_option(tmp_path):
     """A checkpoint folder whose tokenizer is code: `generate` refuses it until told, and both
-    servers load it with the option."""
+    server loads it with the option."""
     import subprocess
     import sys
 
     from trillora.checkpoint import resolve_model_path
-    from trillora.rollout.serve import ModelServer, ServeConfig
-    from trillora.serve.tinker_service import TinkerConfig, TinkerService
+    from trillora.serve.tinker_service import ServeConfig, TinkerService
 
     import json
 
@@ -91,6 +90,5 @@ def test_the_commands_take_the_option(tmp_path):
     assert mismatch.returncode == 2 and "the tokenizer has 276 tokens but the model's vocab_size is 100" in mismatch.stderr
     allowed = subprocess.run(cmd + ["--trust-remote-code"], capture_output=True, text=True, timeout=300)
     assert allowed.returncode == 0 and allowed.stdout.startswith("the 12"), allowed.stderr
-    assert ModelServer(ServeConfig(model=str(folder), trust_remote_code=True)).tokenizer.eos_token_id is not None
-    service = TinkerService(TinkerConfig(model=str(folder), state_dir=str(tmp_path / "state"), trust_remote_code=True))
+    service = TinkerService(ServeConfig(model=str(folder), state_dir=str(tmp_path / "state"), trust_remote_code=True))
     assert service.tokenizer("the")["input_ids"] == load_tokenizer(FOLDER, trust_remote_code=True)("the")["input_ids"]

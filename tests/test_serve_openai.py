@@ -8,7 +8,9 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ from trillora import lora
 from trillora.checkpoint import load_model
 from trillora.tasks.prompts import encode_prompt
 from trillora.rollout import EngineError, OpenAIEngine, SamplingParams
-from engine_helpers import free_port, trainer_logprobs, wait_for_health
+from engine_helpers import free_port, running_server, trainer_logprobs, wait_for_health
 from trillora.checkpoint import resolve_model_path
 
 KEY = "test-key"
@@ -101,39 +103,50 @@ def test_a_negative_or_bad_content_length_is_refused_not_read_to_eof(server, len
 
 def test_chat_completions_with_a_real_chat_template(tmp_path):
     """tiny-moe-chat's template through /v1/chat/completions: the rendered prompt's ids, not a
-    BatchEncoding (what apply_chat_template(tokenize=True) returns in transformers 5)."""
-    from trillora.rollout.serve import ModelServer, RequestError, ServeConfig
+    BatchEncoding (what apply_chat_template(tokenize=True) returns in transformers 5); the greedy
+    reply equals a separate fp32 engine's on the same ids."""
+    from trillora.rollout import LocalEngine
+    from trillora.serve.config import ServeConfig
 
-    server = ModelServer(ServeConfig(model="tiny-moe-chat"))
+    gen = running_server(ServeConfig(model="tiny-moe-chat", port=0))
+    server = next(gen)
+    url, tok = f"http://127.0.0.1:{server.cfg.port}", server.service.tokenizer
     messages = [{"role": "user", "content": "12+34="}]
-    out = server.complete({"messages": messages, "max_tokens": 6, "temperature": 0}, chat=True)
-    want = server.tokenizer(server.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                            add_special_tokens=False)["input_ids"]
-    assert out["usage"]["prompt_tokens"] == len(want) and isinstance(out["choices"][0]["message"]["content"], str)
-    greedy = server.engines["tiny-moe-chat"].generate([want], 1, SamplingParams(
-        max_new_tokens=6, temperature=0.0, stop_token_ids=(server.tokenizer.eos_token_id,)))[0][0]
-    assert out["choices"][0]["message"]["content"] == server.tokenizer.decode(greedy.token_ids, skip_special_tokens=True)
-    with pytest.raises(RequestError, match="messages do not fit the chat template"):
-        server.complete({"messages": [{"role": "assistant", "content": None, "tool_calls": 5}]}, chat=True)
+    status, out = post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0}, key=None)
+    want = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert status == 200 and out["usage"]["prompt_tokens"] == len(want)
+    engine = LocalEngine(load_model(resolve_model_path("tiny-moe-chat")), precision="fp32")
+    greedy = engine.generate([want], 1, SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(tok.eos_token_id,)))[0][0]
+    assert out["choices"][0]["message"]["content"] == tok.decode(greedy.token_ids, skip_special_tokens=True)
+    status, out = post(url, "/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": 5}]},
+                       key=None)
+    assert status == 400 and "messages do not fit the chat template" in out["error"]["message"]
+    next(gen, None)
 
 
-def test_adapters_loaded_at_once_are_capped(tmp_path):
-    """Each loaded adapter is a full copy of the base: past `max_adapters` a load is refused (429)
-    until one is unloaded."""
-    from trillora.rollout.serve import ModelServer, RequestError, ServeConfig
+def test_adapters_are_slots_bounded_by_memory(tmp_path):
+    """A loaded adapter is its tensors on the one base: past `adapter_memory_mib` a load is refused
+    (429) until one is unloaded; /v1/models reports each adapter's bytes and the budget."""
+    from trillora.serve.config import ServeConfig
 
     model = load_model(resolve_model_path("tiny-moe"))
     lora.apply_lora(model, lora.LoraConfig(rank=2))
     lora.save_adapter(model, tmp_path / "a")
-    server = ModelServer(ServeConfig(model="tiny-moe", adapter_root=str(tmp_path), max_adapters=1))
-    server.load_adapter({"lora_name": "one", "lora_path": "a"})
-    server.load_adapter({"lora_name": "one", "lora_path": "a"})  # replacing a loaded name is not one more
-    with pytest.raises(RequestError, match="1 adapters are loaded, the most this server holds") as e:
-        server.load_adapter({"lora_name": "two", "lora_path": "a"})
-    assert e.value.status == 429
-    server.unload_adapter({"lora_name": "one"})
-    server.load_adapter({"lora_name": "two", "lora_path": "a"})
-    assert [m["id"] for m in server.models()["data"]] == ["tiny-moe", "two"]
+    size = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".lora_" in n)
+    gen = running_server(ServeConfig(model="tiny-moe", port=0, adapter_root=str(tmp_path), adapter_memory_mib=1.5 * size / 2**20))
+    url = f"http://127.0.0.1:{next(gen).cfg.port}"
+    assert post(url, "/v1/load_lora_adapter", {"lora_name": "one", "lora_path": "a"}, key=None)[0] == 200
+    assert post(url, "/v1/load_lora_adapter", {"lora_name": "one", "lora_path": "a"}, key=None)[0] == 200  # replaced, not one more
+    status, out = post(url, "/v1/load_lora_adapter", {"lora_name": "two", "lora_path": "a"}, key=None)
+    assert status == 429 and "of the adapter memory is free" in out["error"]["message"]
+    assert post(url, "/v1/unload_lora_adapter", {"lora_name": "one"}, key=None)[0] == 200
+    assert post(url, "/v1/load_lora_adapter", {"lora_name": "two", "lora_path": "a"}, key=None)[0] == 200
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+        listed = json.loads(r.read())
+    assert [m["id"] for m in listed["data"]] == ["tiny-moe", "two"]
+    assert [m["adapter_bytes"] for m in listed["data"]] == [0, size]
+    assert listed["adapter_memory"]["held_bytes"] == size and listed["adapter_memory"]["limit_bytes"] == int(1.5 * size)
+    next(gen, None)
 
 
 def test_openai_engine_logprobs_and_adapter_sync(server, tmp_path):
@@ -246,3 +259,51 @@ def test_asynchronous_rl_through_the_server_corrects_against_the_sampling_revisi
     mine = {m for m in served if trainer.engine.tag in m}
     assert mine == set(trainer.engine.loaded) and len(mine) == 2 and trainer.engine.model in mine
     trainer.engine.close()
+
+
+def test_requests_for_different_adapters_share_a_pass_and_answer_as_alone(tmp_path):
+    """Greedy completions for two adapters and the base, sent at once, share passes (each row its own
+    adapter) and equal the same requests sent one by one; the benchmark script runs (small)."""
+    import threading
+
+    from trillora.serve.config import ServeConfig
+
+    model = load_model(resolve_model_path("tiny-moe"))
+    lora.apply_lora(model, lora.LoraConfig(rank=4))
+    for i in range(2):
+        g = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for _, p in lora.lora_parameters(model):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        lora.save_adapter(model, tmp_path / f"a{i}")
+    gen = running_server(ServeConfig(model="tiny-moe", port=0, adapter_root=str(tmp_path), gather_seconds=0.2))
+    server = next(gen)
+    url = f"http://127.0.0.1:{server.cfg.port}"
+    for i in range(2):
+        assert post(url, "/v1/load_lora_adapter", {"lora_name": f"a{i}", "lora_path": f"a{i}"}, key=None)[0] == 200
+    bodies = [{"model": m, "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 8, "temperature": 0, "logprobs": 1}
+              for m in ("a0", "a1", "tiny-moe")]
+    alone = [post(url, "/v1/completions", b, key=None)[1]["choices"] for b in bodies]
+    before, together = server.worker.fused_batches, [None] * 3
+
+    def send(i):
+        together[i] = post(url, "/v1/completions", bodies[i], key=None)[1]["choices"]
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    next(gen, None)
+    assert server.worker.fused_batches > before
+    assert alone[0] != alone[1] != alone[2]  # three different policies
+    for a, b in zip(alone, together):
+        assert [c["token_ids"] for c in a] == [c["token_ids"] for c in b]
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x["logprobs"]["token_logprobs"], y["logprobs"]["token_logprobs"], atol=1e-5)
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "served_adapters.py"
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, str(script), "--adapters", "3", "--clients", "2", "--requests", "2",
+                          "--max-tokens", "4", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["models_listed"] == 4 and report["completion_tokens"]["waiting requests share a pass"] == 2 * 2 * 4

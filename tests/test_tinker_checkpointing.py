@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trillora.parallel.memory_probe import MemoryProbe
-from trillora.serve.tinker_service import FwdBwd, TinkerConfig, TinkerService
+from trillora.serve.tinker_service import FwdBwd, ServeConfig, TinkerService
 from trillora.serve.wire import Datum
 
 ROLES = ("attention", "mlp", "shared_experts", "experts", "lm_head")
@@ -35,8 +35,8 @@ def one_call(service: TinkerService) -> tuple[list, dict, int]:
 
 
 def test_checkpointed_layers_give_the_same_call_and_keep_less(tmp_path):
-    plain = TinkerService(TinkerConfig(model="tiny-moe-chat", state_dir=str(tmp_path / "a")))
-    ckpt = TinkerService(TinkerConfig(model="tiny-moe-chat", state_dir=str(tmp_path / "b"), activation_checkpoint_every=1))
+    plain = TinkerService(ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path / "a")))
+    ckpt = TinkerService(ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path / "b"), activation_checkpoint_every=1))
     lp_plain, g_plain, saved_plain = one_call(plain)
     lp_ckpt, g_ckpt, saved_ckpt = one_call(ckpt)
     for x, y in zip(lp_plain, lp_ckpt, strict=True):
@@ -49,4 +49,4 @@ def test_checkpointed_layers_give_the_same_call_and_keep_less(tmp_path):
 
 def test_a_negative_interval_is_refused_by_name(tmp_path):
     with pytest.raises(Exception, match="activation_checkpoint_every=-1"):
-        TinkerConfig(model="tiny-moe-chat", activation_checkpoint_every=-1)
+        ServeConfig(model="tiny-moe-chat", activation_checkpoint_every=-1)

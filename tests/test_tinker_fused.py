@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trillora.errors import TrilloraError
-from trillora.serve.tinker_service import FwdBwd, SampleCall, TinkerConfig, TinkerService
+from trillora.serve.tinker_service import FwdBwd, SampleCall, ServeConfig, TinkerService
 from trillora.serve.wire import Datum
 from trillora.serve.worker import Job, Worker
 
@@ -48,7 +48,7 @@ def test_worker_fuses_waiting_requests_of_one_kind_and_keeps_each_clients_order(
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    return TinkerService(TinkerConfig(model="tiny-moe-chat", state_dir=str(tmp_path_factory.mktemp("state"))))
+    return TinkerService(ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path_factory.mktemp("state"))))
 
 
 def datum(service, text: str, prompt_len: int, **extra) -> Datum:
@@ -129,9 +129,9 @@ def test_fusing_settings_are_checked_where_they_are_given():
     import sys
 
     with pytest.raises(TrilloraError, match="max_fused=0; allowed: an integer >= 1"):
-        TinkerConfig(model="tiny-moe-chat", max_fused=0)
+        ServeConfig(model="tiny-moe-chat", max_fused=0)
     with pytest.raises(TrilloraError, match="gather_seconds=-1"):
-        TinkerConfig(model="tiny-moe-chat", gather_seconds=-1)
+        ServeConfig(model="tiny-moe-chat", gather_seconds=-1)
     out = subprocess.run([sys.executable, "-m", "trillora", "serve", "tiny-moe-chat", "--tinker", "--max-fused", "0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "max_fused=0; allowed" in out.stderr and "Traceback" not in out.stderr
@@ -170,7 +170,7 @@ def test_expert_rank_rule_gives_each_client_rank_over_top_k_expert_adapters(tmp_
     are rank 2 on tiny-moe-chat (top-2 routing), dense ones rank 4. Its sampler scores the prompt as
     forward does; a pass shared with another client equals each alone; the saved state (with the
     expert rank) resumes bit for bit; an unknown rule is refused by name."""
-    svc = TinkerService(TinkerConfig(model="tiny-moe-chat", state_dir=str(tmp_path), expert_rank_rule="divide_by_top_k"))
+    svc = TinkerService(ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path), expert_rank_rule="divide_by_top_k"))
     sid = svc.create_session()
     a = svc.create_model(sid, 1, 4, ("attention", "mlp", "shared_experts", "experts", "lm_head"), 1)["model_id"]
     b = svc.create_model(sid, 2, 8, ("mlp", "shared_experts", "experts"), 2)["model_id"]
@@ -206,4 +206,4 @@ def test_expert_rank_rule_gives_each_client_rank_over_top_k_expert_adapters(tmp_
     assert again.config.expert_rank == 2 and again.params[expert].shape[1] == 2
     assert all(torch.equal(again.params[k], p) for k, p in svc.client(a).adapter.params.items())
     with pytest.raises(TrilloraError, match="expert_rank_rule='half'; allowed: same, divide_by_top_k"):
-        TinkerConfig(model="tiny-moe-chat", expert_rank_rule="half")
+        ServeConfig(model="tiny-moe-chat", expert_rank_rule="half")

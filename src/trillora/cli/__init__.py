@@ -81,32 +81,25 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..rollout.serve import ServeConfig, serve
+    from ..serve.app import serve
+    from ..serve.config import ServeConfig
+    from ..trainer.world import launched
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"trillora serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    if args.tinker:
-        from ..serve.tinker_http import serve_tinker
-        from ..serve.tinker_service import TinkerConfig
-
-        cfg = TinkerConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-                           state_dir=args.state_dir, max_connections=args.max_connections, max_clients=args.max_clients,
-                           device=args.device, precision=args.precision, max_fused=args.max_fused,
-                           trust_remote_code=args.trust_remote_code, tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp, sp=args.sp, fsdp=args.fsdp,
-                           vocab_parallel=args.vocab_parallel, pp_microbatches=args.pp_microbatches,
-                           expert_rank_rule=args.expert_rank_rule, activation_checkpoint_every=args.activation_checkpoint_every)
-        from ..trainer.world import launched
-
-        if not launched():
-            if _sharded(cfg):
-                raise SystemExit(f"trillora serve --tinker {_layout(cfg)}: a sharded base needs several ranks; launch "
-                                 f"with torchrun --nproc-per-node N (N a multiple of {cfg.tp * cfg.pp * cfg.cp * cfg.ep})")
-            serve_tinker(cfg)
-            return 0
-        return _serve_tinker_parallel(cfg)
-    serve(ServeConfig(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-                      adapter_root=args.adapter_root, precision=args.precision, max_connections=args.max_connections,
-                      max_adapters=args.max_adapters, trust_remote_code=args.trust_remote_code))
+    cfg = ServeConfig(model=args.model, tinker=args.tinker, host=args.host, port=args.port, api_key=args.api_key,
+                      state_dir=args.state_dir, adapter_root=args.adapter_root, adapter_memory_mib=args.adapter_memory_mib,
+                      max_connections=args.max_connections, max_clients=args.max_clients, device=args.device,
+                      precision=args.precision, max_fused=args.max_fused, trust_remote_code=args.trust_remote_code,
+                      tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp, sp=args.sp, fsdp=args.fsdp,
+                      vocab_parallel=args.vocab_parallel, pp_microbatches=args.pp_microbatches,
+                      expert_rank_rule=args.expert_rank_rule, activation_checkpoint_every=args.activation_checkpoint_every)
+    if launched():
+        return _serve_parallel(cfg)
+    if _sharded(cfg):
+        raise SystemExit(f"trillora serve {_layout(cfg)}: a sharded base needs several ranks; launch "
+                         f"with torchrun --nproc-per-node N (N a multiple of {cfg.tp * cfg.pp * cfg.cp * cfg.ep})")
+    serve(cfg)
     return 0
 
 
@@ -123,7 +116,7 @@ def _layout(cfg) -> str:
     return f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp}" + (" --fsdp" if cfg.fsdp else "")
 
 
-def _serve_tinker_parallel(cfg) -> int:
+def _serve_parallel(cfg) -> int:
     """Under torchrun: every rank holds the base (split with --tp / --ep / --pp) and the clients' adapters;
     rank 0 serves HTTP (`serve.tinker_dp`, `serve.tinker_sharded`)."""
     import dataclasses
@@ -132,7 +125,7 @@ def _serve_tinker_parallel(cfg) -> int:
 
     from ..serve.tinker_dp import DataParallelService
     from ..serve.tinker_sharded import ShardedService
-    from ..serve.tinker_http import TinkerServer, serve_tinker
+    from ..serve.app import serve
     from ..trainer.world import pick_device
 
     device = pick_device(cfg.device)
@@ -144,8 +137,8 @@ def _serve_tinker_parallel(cfg) -> int:
             split = (", the base sharded over them (FSDP)" if cfg.fsdp else "") + (f", stages over pp={cfg.pp}" if cfg.pp > 1 else "") + (f", rows over cp={cfg.cp}" if cfg.cp > 1 else "") \
                 + (f", layers over tp={cfg.tp}" if cfg.tp > 1 else "") + _tp_extras(cfg) \
                 + (f", experts over ep={cfg.ep}" if cfg.ep > 1 else "")
-            print(f"trillora serve --tinker: data parallel over {service.dp_size} ranks{split}", flush=True)
-            serve_tinker(cfg, server=TinkerServer(cfg, service))
+            print(f"trillora serve: data parallel over {service.dp_size} ranks{split}", flush=True)
+            serve(cfg, service=service)
         else:
             service.follow()
     finally:
@@ -212,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="Hugging Face checkpoint folder, or tiny-moe")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (--tinker: 'X-API-Key: KEY')")
+    p.add_argument("--api-key", default=None, help="require the key on every route but /health: 'Authorization: Bearer KEY' or 'X-API-Key: KEY'")
     p.add_argument("--tinker", action="store_true", help="serve the Tinker REST API: LoRA training clients on one base")
     p.add_argument("--state-dir", default="tinker-state", help="--tinker: where saved states and sampler weights go")
     p.add_argument("--max-clients", type=int, default=16, help="--tinker: training clients held at once")
@@ -240,9 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-fused", type=int, default=16,
                    help="--tinker: waiting requests (of several clients) sharing one pass through the base; 1: never")
     p.add_argument("--adapter-root", default=None, help="folder adapters may be loaded from (load_lora_adapter)")
-    p.add_argument("--max-adapters", type=int, default=8, help="adapters loaded at once (each is a copy of the base)")
+    p.add_argument("--adapter-memory-mib", type=float, default=None,
+                   help="memory the loaded adapters may hold together (default: half of what is free once the base is loaded)")
     p.add_argument("--precision", default="fp32", choices=[c for c in typing.get_args(Precision) if c != "auto"])
-    p.add_argument("--max-connections", type=int, default=64, help="connections served at once; more wait")
+    p.add_argument("--max-connections", type=int, default=512, help="connections open at once; the next is answered 503")
     p.add_argument("--trust-remote-code", action="store_true",
                        help="run the tokenizer's own Python code (Kimi K2's tiktoken tokenizer); off by default")
     p.set_defaults(func=cmd_serve)

@@ -14,17 +14,19 @@ from .apply import (
     unmerge,
 )
 from .config import ROLES, LoraConfig, LoraConfigError
-from .export import AdapterError, adapter_tensors, load_adapter, save_adapter
+from .export import AdapterError, adapter_config, adapter_tensors, fill_adapter, load_adapter, save_adapter
 
 __all__ = [
     "ROLES",
     "AdapterError",
     "LoraConfig",
     "LoraConfigError",
+    "adapter_config",
     "adapter_stats",
     "adapter_tensors",
     "apply_lora",
     "disable_adapter",
+    "fill_adapter",
     "load_adapter",
     "lora_modules",
     "lora_parameters",

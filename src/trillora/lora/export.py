@@ -162,28 +162,46 @@ def _take(tensors: dict, key: str, shape: tuple[int, ...], where: Path) -> torch
     return t
 
 
-@torch.no_grad()
+def adapter_config(path: str | Path) -> LoraConfig:
+    """The LoraConfig an adapter folder was trained with (its `trillora_adapter.json`)."""
+    meta = Path(path) / "trillora_adapter.json"
+    if not meta.exists():
+        raise AdapterError(f"{path}: no trillora_adapter.json, so the adapter's rank and targets are unknown")
+    fields = json.loads(meta.read_text())
+    fields.pop("expert_layout", None)
+    for k in ("targets", "patterns", "exclude"):
+        fields[k] = tuple(fields.get(k, ()))
+    return LoraConfig(**fields)
+
+
 def load_adapter(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
     """Load an adapter saved in either layout; adds adapters first if the model has none."""
     path = Path(path)
+    if not any(True for _ in lora_modules(model)):
+        _check_files(path)
+        apply_lora(model, adapter_config(path))
+    fill_adapter(lora_modules(model), path, released=model.args.family == "gpt_oss")
+    return model
+
+
+def _check_files(path: Path) -> None:
     for f in ("adapter_config.json", "adapter_model.safetensors"):
         if not (path / f).exists():
             raise AdapterError(f"{path}: missing {f}")
-    if not any(True for _ in lora_modules(model)):
-        meta = path / "trillora_adapter.json"
-        if not meta.exists():
-            raise AdapterError(f"{path}: model has no adapters and there is no trillora_adapter.json; call apply_lora first")
-        fields = json.loads(meta.read_text())
-        fields.pop("expert_layout", None)
-        for k in ("targets", "patterns", "exclude"):
-            fields[k] = tuple(fields.get(k, ()))
-        apply_lora(model, LoraConfig(**fields))
+
+
+@torch.no_grad()
+def fill_adapter(modules, path: str | Path, released: bool = False) -> None:
+    """Copy an adapter folder's tensors into the LoRA tensors of `modules` ((name, module) pairs,
+    already shaped for it); every tensor of the file must land in one of them. `released`: the
+    module names of gpt-oss's released checkpoints."""
+    path = Path(path)
+    _check_files(path)
     config = json.loads((path / "adapter_config.json").read_text())
     tensors = load_file(str(path / "adapter_model.safetensors"))
     file_scale = _file_scaling(config)
     fused = any(".experts.base_layer.lora_A" in k for k in tensors)
-    released = model.args.family == "gpt_oss"
-    for ours, m in lora_modules(model):
+    for ours, m in modules:
         name = gpt_oss.module_name(ours) if released else ours
         if isinstance(m, LoraGroupedExperts):
             _load_experts(name, m, tensors, fused, file_scale, path, released)
@@ -194,7 +212,6 @@ def load_adapter(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
         m.lora_B.copy_(b * file_scale(name, m.lora_rank) / m.lora_scaling)
     if tensors:
         raise AdapterError(f"{path}: keys with no adapter in this model: {sorted(tensors)[:4]}")
-    return model
 
 
 def _file_scaling(config: dict):

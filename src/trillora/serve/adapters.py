@@ -35,6 +35,8 @@ from ..lora.multi import RowAdapters, stack_padded
 from .shards import Placement
 
 SLOT_TENSORS = ("lora_A", "lora_B", "lora_gate_A", "lora_gate_B", "lora_up_A", "lora_up_B", "lora_down_A", "lora_down_B")
+SLOT_ROLES = ("attention", "mlp", "shared_experts", "experts", "lm_head")
+"""Every module a client may adapt has a slot (the router does not: its LoRA changes routing)."""
 TINKER_ROLES = {"train_attn": ("attention",), "train_mlp": ("mlp", "shared_experts", "experts"),
                 "train_unembed": ("lm_head",)}
 
@@ -69,13 +71,16 @@ class Revision:
     sampler_id: str = ""
     """The sampling session it serves (the other ranks of a sharded service find theirs by it)."""
 
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
 
 class ResidentBase:
     def __init__(self, model: nn.Module, alpha: float = 16.0):
         self.model, self.alpha = model, alpha
         self.in_use: Adapter | Revision | tuple | None = None
         """What `use` (or `use_many`, a tuple) put in the slots (a sharded service's sampler tells the other ranks)."""
-        slots = lora.LoraConfig(rank=1, alpha=alpha, targets=("attention", "mlp", "shared_experts", "experts", "lm_head"))
+        slots = lora.LoraConfig(rank=1, alpha=alpha, targets=SLOT_ROLES)
         self.roles = lora.apply_lora(model, slots)  # {module name: role}
         self.placement = Placement(self.roles)
         """Filled in by a sharded service once it has split the base."""
@@ -126,6 +131,21 @@ class ResidentBase:
                                      f"{tuple(p.shape)} (this rank's part: {tuple(local.shape)})")
                 local.copy_(part)
         return adapter
+
+    def revision_from_folder(self, folder) -> Revision:
+        """A PEFT-format adapter folder (as `trillora train` saves it) as a revision on these slots:
+        its tensors only, never a copy of the base."""
+        config = lora.adapter_config(folder)
+        if config.patterns or config.exclude or not set(config.targets) <= set(SLOT_ROLES):
+            raise lora.AdapterError(f"{folder}: a served adapter adapts whole roles of {list(SLOT_ROLES)}; this one has "
+                                    f"targets={list(config.targets)}"
+                                    f"{', patterns' if config.patterns else ''}{', exclude' if config.exclude else ''}")
+        if self.sharded:
+            raise lora.AdapterError("adapters are loaded from folders on one process only (not yet under torchrun)")
+        adapter = self.new_adapter(config.rank, config.targets, config.seed, config.rank_for_experts(self.model.args.top_k))
+        lora.fill_adapter([(m, self.slots[m]) for m in sorted(adapter.modules())], folder,
+                          released=self.model.args.family == "gpt_oss")
+        return Revision(adapter.config, adapter.tensors())
 
     @property
     def sharded(self) -> bool:

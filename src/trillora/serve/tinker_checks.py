@@ -13,7 +13,8 @@ import torch
 
 from ..rl.tinker_losses import LossInputError, check_loss
 from ..rollout.types import SamplingParams
-from .tinker_types import MODEL_ID, NAME, BadRequest, SampleCall, TinkerConfig
+from .config import ServeConfig
+from .tinker_types import MODEL_ID, NAME, BadRequest, SampleCall
 from .wire import Datum
 
 
@@ -56,7 +57,7 @@ def _datum_tensors(i: int, d: Datum, loss_fn: str, vocab: int) -> dict[str, torc
     return tensors
 
 
-def check_sample(c: SampleCall, vocab: int, eos: int | None, cfg: TinkerConfig) -> tuple[SamplingParams, tuple[str, ...]]:
+def check_sample(c: SampleCall, vocab: int, eos: int | None, cfg: ServeConfig) -> tuple[SamplingParams, tuple[str, ...]]:
     """The engine's sampling settings for an asample call, and its stop strings."""
     if not c.prompt or min(c.prompt) < 0 or max(c.prompt) >= vocab:
         raise BadRequest(f"prompt token ids must be a non-empty list in 0..{vocab - 1}")

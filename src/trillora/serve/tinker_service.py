@@ -29,10 +29,14 @@ from ..rollout.types import SamplingParams
 from .adapters import ResidentBase, Revision, roles_of
 from .targets import target_logprobs
 from .tinker_checks import adam_settings, check_data, check_sample, cut_at_stop, resolve, state_path
-from .tinker_types import BadRequest, Client, FwdBwd, SampleCall, Session, TinkerConfig
+from .config import ServeConfig
+from .tinker_types import BadRequest, Client, FwdBwd, SampleCall, Session
 from .wire import Datum
 
-__all__ = ["BadRequest", "FwdBwd", "SampleCall", "TinkerConfig", "TinkerService"]
+SERVED = "served"
+"""The session that holds the OpenAI routes' revisions (Tinker sessions are named session-N)."""
+
+__all__ = ["BadRequest", "FwdBwd", "SampleCall", "ServeConfig", "TinkerService"]
 
 
 class TinkerService:
@@ -41,7 +45,7 @@ class TinkerService:
     joins_every_pass = False
     """A process with no datums of a pass still runs one (expert parallelism's all-to-alls need every rank)."""
 
-    def __init__(self, cfg: TinkerConfig, model=None):
+    def __init__(self, cfg: ServeConfig, model=None):
         """`model`: an already built model to serve instead of the checkpoint's weights (benchmarks
         of real shapes with random weights); the tokenizer still comes from `cfg.model`."""
         from ..checkpoint import check_tokenizer_fits, load_tokenizer, resolve_model_path
@@ -49,18 +53,21 @@ class TinkerService:
         self.cfg = cfg
         path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
-        if cfg.precision not in ("fp32", "bf16"):
-            raise BadRequest(f"precision {cfg.precision!r}; allowed for --tinker: fp32, bf16")
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         self.base = self._resident(path, dtype, model)
+        if cfg.precision == "bf16_weights":
+            _round_to_bf16(self.base.model)
         check_tokenizer_fits(self.tokenizer, self.base.model.args.vocab_size, path)
         apply_activation_checkpointing(self.base.model, cfg.activation_checkpoint_every)  # a long call's pass
         self.device = torch.device(cfg.device)
         self.vocab = self.base.model.args.vocab_size
         self.engine = LocalEngine.sharing(self.base.model, pad_id=self.tokenizer.pad_token_id or 0)
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, Session] = {SERVED: Session(SERVED)}
+        """Tinker sessions, and SERVED: the revisions the OpenAI routes sample, by model name."""
         self.lock = threading.Lock()  # the registry (sessions, clients, samplers), not the model
         self.root = Path(cfg.state_dir)
+        base = Revision(None, sampler_id=f"{SERVED}:sample:{cfg.model}")
+        self.sessions[SERVED].samplers[base.sampler_id] = base
 
     def _resident(self, path: Path, dtype: torch.dtype, model=None) -> ResidentBase:
         """The base with its adapter slots (a parallel service: this rank's part of it)."""
@@ -72,7 +79,7 @@ class TinkerService:
     # --- registry ------------------------------------------------------------------------
     def create_session(self) -> str:
         with self.lock:
-            sid = f"session-{len(self.sessions)}"
+            sid = f"session-{len(self.sessions) - 1}"
             self.sessions[sid] = Session(sid)
         return sid
 
@@ -315,7 +322,7 @@ class TinkerService:
         return {"path": path, "type": "save_weights_for_sampler"}
 
     # --- sampling ------------------------------------------------------------------------
-    def _add_sampler(self, sid: str, seq: int, revision: Revision) -> str:
+    def _add_sampler(self, sid: str, seq: int | str, revision: Revision) -> str:
         session = self.session(sid)
         sampler_id = revision.sampler_id = f"{sid}:sample:{seq}"
         with self.lock:
@@ -335,6 +342,28 @@ class TinkerService:
                                  expert_rank=meta.get("expert_rank"))
         return self._add_sampler(sid, seq, Revision(config, tensors))
 
+    def serve_adapter(self, name: str, folder: Path, room: int | None = None) -> None:
+        """The OpenAI routes' `load_lora_adapter`: a PEFT adapter folder as a revision named `name`
+        (replacing one of that name), refused when it needs more than `room` bytes."""
+        try:
+            revision = self.base.revision_from_folder(folder)
+        except (lora.AdapterError, ValueError) as e:
+            raise BadRequest(str(e)) from None
+        if room is not None and revision.bytes() > room:
+            raise BadRequest(f"adapter {name!r} holds {revision.bytes() / 2**20:.1f} MiB; {max(room, 0) / 2**20:.1f} MiB of the "
+                             "adapter memory is free (--adapter-memory-mib): unload one first", 429)
+        self._add_sampler(SERVED, name, revision)
+
+    def unserve_adapter(self, name: str) -> None:
+        with self.lock:
+            if name == self.cfg.model or self.sessions[SERVED].samplers.pop(f"{SERVED}:sample:{name}", None) is None:
+                raise BadRequest(f"no adapter named {name!r}", 404)
+
+    def served(self) -> dict[str, Revision]:
+        """The OpenAI routes' models: the base's name first, then each loaded adapter's."""
+        with self.lock:
+            return {k.split(":", 2)[2]: r for k, r in self.sessions[SERVED].samplers.items()}
+
     def sampler(self, sampler_id: str) -> Revision:
         revision = self.sessions.get(sampler_id.split(":")[0], Session("")).samplers.get(sampler_id)
         if revision is None:
@@ -346,9 +375,9 @@ class TinkerService:
         return _raised(self.sample_many([SampleCall(sampler_id, prompt, n, params, prompt_logprobs)])[0])
 
     def sample_many(self, calls: list[SampleCall]) -> list:
-        """Several asample calls; those with the same settings (n, sampling params, no seed, no prompt
-        logprobs) share one `generate`, each prompt with its own sampler's revision. Each outcome is
-        what `sample` returns, or the BadRequest it raises."""
+        """Several sample calls; those with the same settings (n, sampling params, no prompt logprobs,
+        no seed unless they are one request's prompts) share one `generate`, each prompt with its own
+        sampler's revision. Each outcome is what `sample` returns, or the BadRequest it raises."""
         outcomes: list = [None] * len(calls)
         groups: dict = {}
         for i, c in enumerate(calls):
@@ -357,7 +386,8 @@ class TinkerService:
             except BadRequest as e:
                 outcomes[i] = e
                 continue
-            key = (c.n, sp, stops) if sp.seed is None and not c.prompt_logprobs else ("alone", i)
+            shared = (sp.seed is None or c.batch is not None) and not c.prompt_logprobs
+            key = (c.n, sp, stops, None if sp.seed is None else c.batch) if shared else ("alone", i)
             groups.setdefault(key, []).append((i, c, revision, sp, stops))
         for group in groups.values():
             revisions = list({id(r): r for _, _, r, _, _ in group}.values())
@@ -380,6 +410,13 @@ class TinkerService:
     def _check_sample(self, c: SampleCall) -> tuple[Revision, SamplingParams, tuple[str, ...]]:
         revision = self.sampler(c.sampler_id)
         return (revision, *check_sample(c, self.vocab, self.tokenizer.eos_token_id, self.cfg))
+
+
+@torch.no_grad()
+def _round_to_bf16(model: torch.nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if ".lora_" not in name and p.is_floating_point():
+            p.copy_(p.to(torch.bfloat16))
 
 
 def _raised(outcome):

@@ -13,6 +13,7 @@ never held.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import heapq
 import itertools
@@ -132,3 +133,19 @@ def _outcome(fn: Callable[[], Any]) -> Any:
         return fn()
     except Exception as e:  # settled as the request's error; the worker goes on
         return e
+
+
+async def outcome_of(worker: Worker, run: Callable[[], Any], fuse: str | None = None, payload: Any = None) -> Any:
+    """Queue `run` (or, when it fuses, its share of a pass) and wait for its outcome on the event
+    loop, holding no thread while it waits; raises what it raised."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(out: Any) -> None:
+        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
+
+    worker.submit(Job(run, settle, None, fuse, payload))
+    out = await done
+    if isinstance(out, Exception):
+        raise out
+    return out

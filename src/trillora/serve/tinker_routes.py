@@ -1,4 +1,4 @@
-"""`trillora serve MODEL --tinker`: the REST API the `tinker` SDK calls, on `TinkerService`.
+"""`trillora serve MODEL --tinker`: the Tinker routes (the REST API the `tinker` SDK calls) on the service.
 
 Operations that compute (create_model, forward[_backward], optim_step, save / load, sample)
 return a future id at once and run on ONE worker thread (`serve.worker`: each client's requests
@@ -10,25 +10,29 @@ sample results go back as protobuf (`wire`), everything else as JSON.
 Requests that cannot succeed (unknown model, rank 0, a datum whose lengths disagree, an
 unknown loss, a body too large or not the message it claims) are refused when they arrive,
 with a 4xx and a message; a failure found while running comes back as the future's error.
-Safety as `trillora serve`: binds 127.0.0.1, `X-API-Key` checked when a key is set, bounded
-bodies, counts and connections; saved states only under `state_dir`.
+The key, body bounds and time limits are the HTTP layer's (`serve.http`); saved states live only
+under `state_dir`. retrieve_future waits on the event loop, holding no thread while it waits.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import itertools
 import json
 import threading
 import time
 from dataclasses import dataclass, field
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING
 
-from ..rollout.serve import drain, run_http
+from fastapi import APIRouter, Request, Response
+from fastapi.concurrency import run_in_threadpool
+
 from . import wire
-from .tinker_service import BadRequest, FwdBwd, SampleCall, TinkerConfig, TinkerService
-from .worker import Job, Worker
+from .tinker_service import BadRequest, FwdBwd, SampleCall
+from .worker import Job
+
+if TYPE_CHECKING:
+    from .app import Server
 
 PROTO = "application/x-protobuf"
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True,
@@ -38,31 +42,42 @@ CLIENT_CONFIG = {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "pa
 
 @dataclass
 class Future:
-    done: threading.Event = field(default_factory=threading.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set on the event loop once `body` holds the outcome."""
     body: bytes = b""
     proto: bool = False
     created: float = field(default_factory=time.monotonic)
 
 
-class TinkerServer:
-    def __init__(self, cfg: TinkerConfig, service: TinkerService | None = None):
-        self.cfg = cfg
-        self.service = service or TinkerService(cfg)
-        self.worker = Worker({"forward_backward": self._fused_forward_backward, "sample": self._fused_sample},
-                             max_fused=cfg.max_fused, gather_seconds=cfg.gather_seconds)
+class TinkerRoutes:
+    def __init__(self, server: Server):
+        self.server, self.cfg, self.service, self.worker = server, server.cfg, server.service, server.worker
         self.futures: dict[str, Future] = {}
         self.ids = itertools.count()
-        self.lock = threading.Lock()
-        self.httpd = None  # the HTTP server once listening (`bound`)
+        self.lock = threading.Lock()  # the futures: routes run on the threadpool
+        self.loop: asyncio.AbstractEventLoop | None = None  # the HTTP layer's, where futures are settled
+        self.router = APIRouter()
+        self.router.add_api_route("/api/v1/healthz", lambda: {"status": "ok"}, methods=["GET"])
+        self.router.add_api_route("/api/v1/{rest:path}", self.handle, methods=["GET", "POST"])
 
-    def bound(self, httpd) -> None:
-        """The HTTP server is listening: its port (0 asked for any) and a handle to stop it."""
-        self.httpd, self.cfg.port = httpd, httpd.server_address[1]
+    async def handle(self, request: Request) -> Response:
+        self.loop = asyncio.get_running_loop()
+        path = request.url.path
+        if request.method == "GET":
+            return _json_response(await run_in_threadpool(self.get, path))
+        if request.headers.get("content-encoding", "identity") not in ("identity", ""):
+            raise BadRequest("compressed request bodies are not accepted", 415)
+        raw = await request.body()
+        if path == "/api/v1/retrieve_future":
+            data, content_type = await self.retrieve(_json_object(raw))
+        else:
+            data, content_type = await run_in_threadpool(self.post, path, raw, request.headers.get("content-type", ""))
+        return Response(data, media_type=content_type)
 
     # --- futures -------------------------------------------------------------------------
     def start(self, fn, proto: bool = False, model_id: str | None = None, seq_id: int | None = None,
-              fuse: str | None = None, payload=None) -> dict:
-        """Queue `fn` (returns a JSON dict, or protobuf bytes when `proto`); the future's id.
+              fuse: str | None = None, payload=None, encode=json.dumps) -> dict:
+        """Queue `fn` (a result that `encode` makes bytes or text of); the future's id.
         `fuse`/`payload`: the kind of request and what its fuser needs, to share a pass."""
         with self.lock:
             rid = f"req-{next(self.ids)}"
@@ -77,8 +92,12 @@ class TinkerServer:
             elif isinstance(out, Exception):  # a server fault still answers the poll, with what went wrong
                 fut.body, fut.proto = json.dumps({"error": f"{type(out).__name__}: {out}", "category": "server"}).encode(), False
             else:
-                fut.body = out if proto else json.dumps(out).encode()
-            fut.done.set()
+                try:
+                    body = encode(out)
+                    fut.body = body.encode() if isinstance(body, str) else body
+                except Exception as e:  # noqa: BLE001 - settled as the request's error; the worker goes on
+                    fut.body, fut.proto = json.dumps({"error": f"{type(e).__name__}: {e}", "category": "server"}).encode(), False
+            self.loop.call_soon_threadsafe(fut.done.set)
 
         self.worker.submit(Job(fn, settle, model_id, fuse, payload), seq_id)
         return {"request_id": rid, **({"model_id": model_id} if model_id else {})}
@@ -94,19 +113,13 @@ class TinkerServer:
             raise box[0]
         return box[0]
 
-    def _fused_forward_backward(self, calls: list[FwdBwd]) -> list:
-        outs = self.service.forward_backward_many(calls)
-        return [o if isinstance(o, Exception) else wire.forward_backward_output({"logprobs": o[0]}, o[1], len(c.data))
-                for c, o in zip(calls, outs)]
-
-    def _fused_sample(self, calls: list[SampleCall]) -> list:
-        return [o if isinstance(o, Exception) else wire.sample_response(*o) for o in self.service.sample_many(calls)]
-
-    def retrieve(self, body: dict) -> tuple[bytes, str]:
+    async def retrieve(self, body: dict) -> tuple[bytes, str]:
         fut = self.futures.get(body.get("request_id", ""))
         if fut is None:
             raise BadRequest(f"unknown request_id {body.get('request_id')!r}", 404)
-        if not fut.done.wait(self.cfg.poll_seconds):
+        try:
+            await asyncio.wait_for(fut.done.wait(), self.cfg.poll_seconds)
+        except TimeoutError:
             return json.dumps({"type": "try_again", "request_id": body["request_id"], "queue_state": "active"}).encode(), "application/json"
         return fut.body, PROTO if fut.proto else "application/json"
 
@@ -124,16 +137,10 @@ class TinkerServer:
             tensors = s.check_data(req.loss_fn, req.loss_fn_config, req.data)  # refused now, not in the future
 
             call = FwdBwd(req.model_id, req.loss_fn, req.loss_fn_config, req.data, tensors, req.forward_only)
-            return self._json(self.start(lambda: self._fused_forward_backward([call])[0], proto=True, model_id=req.model_id,
-                                         seq_id=req.seq_id, fuse="forward_backward", payload=call))
-        try:
-            body = json.loads(raw or b"{}")
-        except json.JSONDecodeError as e:
-            raise BadRequest(f"invalid JSON: {e.msg} at character {e.pos}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        if path == "/api/v1/retrieve_future":
-            return self.retrieve(body)
+            encode = lambda o: wire.forward_backward_output({"logprobs": o[0]}, o[1], len(call.data))  # noqa: E731
+            return self._json(self.start(lambda: s.forward_backward_many([call])[0], proto=True, model_id=req.model_id,
+                                         seq_id=req.seq_id, fuse="forward_backward", payload=call, encode=encode))
+        body = _json_object(raw)
         handler = self._routes().get(path)
         if handler is None and path.startswith("/api/v1/sessions/") and path.endswith("/finish"):
             return self._json({})
@@ -239,8 +246,9 @@ class TinkerServer:
             raise BadRequest("prompt tokens must be integers")
         n, params, want_prompt = b.get("num_samples", 1), b.get("sampling_params") or {}, bool(b.get("prompt_logprobs"))
 
-        call = SampleCall(sid, prompt, n, params, want_prompt)
-        out = self.start(lambda: self._fused_sample([call])[0], proto=True, fuse="sample", payload=call)
+        calls = [SampleCall(sid, prompt, n, params, want_prompt)]
+        out = self.start(lambda: self.server.sample([calls])[0], proto=True, fuse="sample", payload=calls,
+                         encode=lambda o: wire.sample_response(*o[0]))
         out["sample_sequence_ids"] = [f"{out['request_id']}:{i}" for i in range(n if isinstance(n, int) else 0)]
         return out
 
@@ -250,76 +258,15 @@ class TinkerServer:
         return {"base_model": self.cfg.model, "is_lora": True, "lora_rank": meta["rank"]}
 
 
-def make_handler(server: TinkerServer):
-    cfg = server.cfg
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args) -> None:
-            pass
-
-        def _send(self, status: int, data: bytes, content_type: str = "application/json") -> None:
-            self.send_response(status)
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, status: int, message: str) -> None:
-            # a JSON body always: the SDK takes an empty 400 for a proxy's rejection and retries it
-            self._send(status, json.dumps({"error": message, "detail": message}).encode())
-
-        def _authorised(self) -> bool:
-            given = (self.headers.get("X-API-Key") or "").encode()
-            if cfg.api_key is None or hmac.compare_digest(given, cfg.api_key.encode()):
-                return True
-            self.close_connection = True
-            self._error(HTTPStatus.UNAUTHORIZED, "missing or wrong API key (X-API-Key)")
-            return False
-
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/api/v1/healthz":
-                return self._send(HTTPStatus.OK, b'{"status": "ok"}')
-            if not self._authorised():
-                return
-            try:
-                self._send(HTTPStatus.OK, json.dumps(server.get(path)).encode())
-            except BadRequest as e:
-                self._error(e.status, str(e))
-
-        def do_POST(self) -> None:
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                self.close_connection = True
-                return self._error(HTTPStatus.BAD_REQUEST, "bad Content-Length")
-            if length > cfg.max_body_bytes or length < 0:
-                drain(self.rfile, length, cfg.max_body_bytes)
-                self.close_connection = True
-                return self._error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                   f"request body of {length} bytes; this server takes at most {cfg.max_body_bytes}")
-            raw = self.rfile.read(length)
-            if not self._authorised():
-                return
-            if self.headers.get("Content-Encoding", "identity") not in ("identity", ""):
-                return self._error(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "compressed request bodies are not accepted")
-            try:
-                data, content_type = server.post(self.path.split("?", 1)[0], raw, self.headers.get("Content-Type", ""))
-                self._send(HTTPStatus.OK, data, content_type)
-            except BadRequest as e:
-                self._error(e.status, str(e))
-            except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field of the wrong type
-                self._error(HTTPStatus.BAD_REQUEST, f"malformed request: {type(e).__name__}: {e}")
-
-    return Handler
+def _json_object(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw or b"{}")
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"invalid JSON: {e.msg} at character {e.pos}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
 
 
-def serve_tinker(cfg: TinkerConfig, ready: threading.Event | None = None, server: TinkerServer | None = None) -> None:
-    server = server or TinkerServer(cfg)
-    handler = make_handler(server)
-    run_http(handler, cfg.host, cfg.port, cfg.max_connections, cfg.idle_seconds, f"trillora serve --tinker: {cfg.model}",
-             ready, bound=lambda httpd: server.bound(httpd))
+def _json_response(payload: dict) -> Response:
+    return Response(json.dumps(payload), media_type="application/json")

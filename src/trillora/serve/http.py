@@ -1,0 +1,237 @@
+"""The one HTTP layer of every face (`trillora serve`, `--tinker`): FastAPI routes behind a guard, on uvicorn.
+
+What holds before any route runs, so that a client without the key, or a slow one, cannot hold
+the server:
+
+- a connection has `idle_seconds` to start a request and, from its first byte, `header_seconds`
+  to finish the request's headers (uvicorn's own keep-alive timer restarts on every byte, so a
+  client trickling bytes would hold its connection forever); a late one gets a JSON 408;
+- at most `max_connections` connections at once: the next one gets a JSON 503 and is closed;
+- the API key (`Authorization: Bearer KEY` or `X-API-Key: KEY`, compared in constant time) is
+  checked before the body is read: an unauthorised body is never buffered;
+- a body over its limit, declared or chunked, is refused with 413 (read and dropped first when it
+  is within DRAIN times the limit, else not read), and a body must arrive within `body_seconds` (408);
+- every refusal and failure is a JSON body: `{"error": {"message": ...}}` on the OpenAI routes,
+  `{"error": ..., "detail": ...}` on the Tinker ones (what each SDK reads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import socket
+import threading
+from dataclasses import dataclass
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+DRAIN = 16
+"""A body over the limit by at most this factor is read and dropped before the 413 (clients that
+send a whole body before reading the answer would otherwise see a reset); a larger one is not read."""
+OPEN_PATHS = frozenset({"/health", "/api/v1/healthz"})
+"""Answered without the key: a load balancer's health checks."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    api_key: str | None
+    max_body_bytes: int
+    """The OpenAI routes' bodies."""
+    max_tinker_body_bytes: int
+    """The Tinker routes' bodies (a forward_backward of long datums)."""
+    max_connections: int = 512
+    idle_seconds: float = 60.0
+    header_seconds: float = 10.0
+    body_seconds: float = 60.0
+
+
+def error_body(path: str, status: int, message: str) -> bytes:
+    if path.startswith("/api/"):  # the Tinker SDK; a JSON body always (an empty 400 looks like a proxy's and is retried)
+        return json.dumps({"error": message, "detail": message}).encode()
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                                 "code": status}}).encode()
+
+
+async def reply(send, path: str, status: int, message: str, close: bool = False) -> None:
+    body = error_body(path, status, message)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:  # the rest of the request was not read: it must not be taken for the next request
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Guard:
+    """ASGI middleware: the key before the body, the body whole and bounded before the app sees it."""
+
+    def __init__(self, app, limits: Limits):
+        self.app, self.limits = app, limits
+        self.key = limits.api_key.encode() if limits.api_key is not None else None
+
+    def _authorised(self, headers: dict[bytes, bytes]) -> bool:
+        if self.key is None:
+            return True
+        bearer = headers.get(b"authorization", b"")
+        given = bearer[7:] if bearer[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+        return hmac.compare_digest(given, self.key)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, headers = scope["path"], dict(scope["headers"])
+        if path not in OPEN_PATHS and not self._authorised(headers):
+            return await reply(send, path, 401, "missing or wrong API key (Authorization: Bearer KEY or X-API-Key: KEY)",
+                               close=True)
+        limit = self.limits.max_tinker_body_bytes if path.startswith("/api/") else self.limits.max_body_bytes
+        declared = int(headers.get(b"content-length", 0))  # h11 has refused a length that is not a number
+        if declared > limit:
+            if declared <= DRAIN * limit:  # read and dropped, so that a client sending it all reads the 413
+                await self._read_body(receive, send, path, declared)
+            return await reply(send, path, 413, f"request body of {declared} bytes; this server takes at most {limit}",
+                               close=True)
+        body = await self._read_body(receive, send, path, limit)
+        if body is None:
+            return
+        started = False
+
+        async def replay():
+            nonlocal body
+            if body is not None:
+                message, body = {"type": "http.request", "body": body, "more_body": False}, None
+                return message
+            return await receive()  # after the body: only a disconnect comes
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, replay, tracked)
+        except Exception as e:  # noqa: BLE001 - the client gets an answer, never a dropped connection
+            if started:
+                raise
+            await reply(send, path, 500, f"{type(e).__name__}: {e}")
+
+    async def _read_body(self, receive, send, path: str, limit: int) -> bytes | None:
+        """The whole body, or None after answering 408 / 413 (or when the client left). A chunked
+        body over the limit is drained up to DRAIN times the limit before the 413."""
+        loop = asyncio.get_running_loop()
+        deadline, parts, size, more = loop.time() + self.limits.body_seconds, [], 0, True
+        while more and size <= DRAIN * limit:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                if size > limit:  # draining what is over the limit anyway
+                    break
+                await reply(send, path, 408, f"the request body did not arrive within {self.limits.body_seconds:g} s",
+                            close=True)
+                return None
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size <= limit:
+                parts.append(chunk)
+            more = message.get("more_body", False)
+        if size > limit:
+            await reply(send, path, 413, f"request body over {limit} bytes; this server takes at most {limit}", close=True)
+            return None
+        return b"".join(parts)
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on every wait for a request (`Limits`), a cap on
+    connections, and JSON for the requests h11 refuses (a bad Content-Length, a malformed line)."""
+
+    limits: Limits
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.timer, self.waiting, self.refusal = None, "idle", "malformed HTTP request"
+        next_event = self.conn.next_event
+
+        def recording_next_event():  # uvicorn answers h11's refusals with a fixed text; keep h11's reason
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as e:
+                self.refusal = f"malformed HTTP request: {e}"
+                raise
+
+        self.conn.next_event = recording_next_event
+        if len(self.connections) > self.limits.max_connections:
+            return self._refuse(503, f"the server holds {self.limits.max_connections} connections at once; try again")
+        self._arm("idle", self.limits.idle_seconds)
+
+    def _arm(self, waiting: str, seconds: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.waiting, self.timer = waiting, self.loop.call_later(seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer, self.waiting = None, "request"
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def data_received(self, data: bytes) -> None:
+        if self.waiting == "idle" and self._between_requests():  # a request's first bytes: its headers are due
+            self._arm("headers", self.limits.header_seconds)
+        super().data_received(data)
+        if not self._between_requests():
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self._between_requests():
+            self._arm("idle", self.limits.idle_seconds)
+
+    def connection_lost(self, exc) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        super().connection_lost(exc)
+
+    def _expired(self) -> None:
+        if self.transport.is_closing():
+            return
+        if self.waiting == "headers":
+            return self._refuse(408, f"the request's headers did not arrive within {self.limits.header_seconds:g} s")
+        self.transport.close()  # idle between requests: a plain keep-alive close
+
+    def _refuse(self, status: int, message: str) -> None:
+        body = json.dumps({"error": {"message": message, "code": status}, "detail": message}).encode()
+        reason = {400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable"}[status]
+        self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: "
+                             f"{len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+        self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, self.refusal)
+
+
+class Listener:
+    """uvicorn serving `app` behind the guard on (host, port); port 0 takes a free one (`port` then says which)."""
+
+    def __init__(self, app, host: str, port: int, limits: Limits):
+        protocol = type("Protocol", (TimedH11Protocol,), {"limits": limits})
+        self.config = uvicorn.Config(Guard(app, limits), host=host, port=port, http=protocol, ws="none", lifespan="off",
+                                     log_level="warning", access_log=False, timeout_keep_alive=max(1, int(limits.idle_seconds)),
+                                     timeout_graceful_shutdown=2, h11_max_incomplete_event_size=64 << 10)
+        self.server = uvicorn.Server(self.config)
+        self.socket: socket.socket = self.config.bind_socket()
+        self.socket.listen(2048)  # uvicorn listens only once it starts; connections made before then wait
+        self.host, self.port = host, self.socket.getsockname()[1]
+
+    def run(self, ready: threading.Event | None = None) -> None:
+        """Serve until `stop()` (or Ctrl-C in the main thread); `ready` is set once connections are taken."""
+        if ready is not None:
+            ready.set()  # the socket listens already: a client that connects now waits in its backlog
+        self.server.run(sockets=[self.socket])
+
+    def stop(self) -> None:
+        self.server.should_exit = True

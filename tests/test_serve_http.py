@@ -1,0 +1,200 @@
+"""The HTTP layer as an attacker meets it (`serve.http`), on loopback: slow and idle connections,
+bodies without the key, bodies larger than they say, chunked bodies, too many connections. Each
+refusal is a JSON body; a client with the key is still served."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine_helpers import free_port, running_server, wait_for_health
+from trillora.serve.config import ServeConfig
+
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """tiny-moe's OpenAI routes with the Tinker ones, short body and header limits for the tests."""
+    yield from running_server(ServeConfig(model="tiny-moe", tinker=True, port=0, api_key=KEY, header_seconds=60,
+                                          idle_seconds=60, body_seconds=2, max_connections=100, max_body_bytes=1 << 16))
+
+
+def request(port: int, raw: bytes, timeout: float = 30.0) -> bytes:
+    """Send `raw`, then read until the server closes (or answers one response with a length)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(raw)
+        return read_reply(sock)
+
+
+def read_reply(sock: socket.socket) -> bytes:
+    reply = b""
+    while chunk := sock.recv(65536):
+        reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        length = [int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")]
+        if length and len(body) >= length[0]:
+            break
+    return reply
+
+
+def status_and_json(reply: bytes) -> tuple[int, dict]:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)
+
+
+def models(port: int, timeout: float = 20.0) -> tuple[int, dict]:
+    return status_and_json(request(port, f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode(),
+                                   timeout))
+
+
+def test_64_half_requests_without_the_key_do_not_hold_the_server(server):
+    """Each sends half a request line and waits (their header deadline is 60 s here); a thread per
+    connection with 64 slots would make the client with the key wait for those 60 s."""
+    port = server.cfg.port
+    slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+    try:
+        for s in slow:
+            s.sendall(b"POST /v1/compl")
+        started = time.monotonic()
+        status, out = models(port)
+        took = time.monotonic() - started
+        assert status == 200 and out["data"][0]["id"] == "tiny-moe"
+        print(f"the client with the key answered in {took * 1000:.0f} ms beside 64 half requests")
+        for s in slow:  # and the slow ones are still open: nothing was freed to make room
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+    finally:
+        for s in slow:
+            s.close()
+
+
+def test_a_request_whose_headers_stall_gets_408_and_is_closed():
+    gen = running_server(ServeConfig(model="tiny-moe", port=0, api_key=KEY, header_seconds=0.5, idle_seconds=0.5))
+    srv = next(gen)
+    try:
+        status, out = status_and_json(request(srv.cfg.port, b"GET /v1/mod"))
+        assert status == 408 and "headers did not arrive within 0.5 s" in out["error"]["message"]
+        with socket.create_connection(("127.0.0.1", srv.cfg.port), timeout=30) as idle:  # idle: closed, no answer
+            assert idle.recv(1) == b""
+        # a trickle of bytes does not keep a connection: the deadline runs from the first byte
+        with socket.create_connection(("127.0.0.1", srv.cfg.port), timeout=30) as sock:
+            reply = b""
+            for c in b"GET /v1/models HTTP/1.1\r\nHost: x\r\n":
+                try:
+                    sock.sendall(bytes([c]))
+                except OSError:
+                    break
+                time.sleep(0.05)
+            reply = read_reply(sock)
+        assert status_and_json(reply)[0] == 408
+    finally:
+        next(gen, None)
+
+
+def test_a_body_that_stalls_gets_408(server):
+    reply = request(server.cfg.port, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                                     f"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"prompt\"".encode())
+    status, out = status_and_json(reply)
+    assert status == 408 and "did not arrive within 2 s" in out["error"]["message"]
+
+
+def test_bodies_over_the_limit_are_refused_declared_or_chunked(server):
+    port = server.cfg.port
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+    status, out = status_and_json(request(port, (head + f"Content-Length: {1 << 30}\r\n\r\n").encode()))
+    assert status == 413 and "at most 65536" in out["error"]["message"]
+    chunk = b"x" * 50_000
+    chunked = (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(3))
+    status, out = status_and_json(request(port, chunked))
+    assert status == 413 and "over 65536 bytes" in out["error"]["message"]
+    # a chunked body within the limit is read whole
+    body = json.dumps({"prompt": "rev abc=", "max_tokens": 5, "temperature": 0}).encode()
+    parts = [body[:7], body[7:]]
+    ok = (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+    status, out = status_and_json(request(port, ok))
+    assert status == 200 and out["choices"][0]["text"] == "cba"
+    # the Tinker routes take the same key, by either header, and answer in their SDK's shape
+    status, out = status_and_json(request(port, b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"))
+    assert status == 401 and "API key" in out["error"]
+    status, out = status_and_json(request(port, f"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY}\r\n"
+                                                f"Content-Length: 2\r\n\r\n{{}}".encode()))
+    assert status == 200 and out["session_id"].startswith("session-")
+
+
+@pytest.mark.parametrize("length", ["-1", "x", "1, 2"])
+def test_a_malformed_content_length_gets_a_json_400(server, length):
+    reply = request(server.cfg.port, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                                     f"Content-Length: {length}\r\n\r\n{{}}".encode())
+    status, out = status_and_json(reply)
+    assert status == 400 and "Content-Length" in out["error"]["message"], out
+    assert models(server.cfg.port)[0] == 200  # and it serves on
+
+
+def test_connections_past_the_cap_get_503():
+    gen = running_server(ServeConfig(model="tiny-moe", port=0, api_key=KEY, max_connections=3))
+    srv = next(gen)
+    held = [socket.create_connection(("127.0.0.1", srv.cfg.port)) for _ in range(3)]
+    try:
+        time.sleep(0.2)  # let the server take them
+        status, out = status_and_json(request(srv.cfg.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
+        assert status == 503 and "3 connections at once" in out["error"]["message"]
+        held.pop().close()
+        for _ in range(100):  # the server sees the close shortly
+            reply = request(srv.cfg.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            if reply.startswith(b"HTTP/1.1 200"):
+                break
+            time.sleep(0.1)
+        assert reply.startswith(b"HTTP/1.1 200")
+    finally:
+        for s in held:
+            s.close()
+        next(gen, None)
+
+
+def rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def test_a_body_without_the_key_is_not_read():
+    """A 1 GiB body announced without the key: 401 at once and the connection closed, so the
+    client cannot push more than the sockets' buffers; the server's memory does not grow."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "trillora", "serve", "tiny-moe", "--port", str(port), "--api-key", KEY],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        failure = wait_for_health(proc, f"http://127.0.0.1:{port}", 120)
+        assert failure is None, failure
+        before = rss_kib(proc.pid)
+        sent, reply = 0, b""
+        for _ in range(4):
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {1 << 30}\r\n\r\n".encode())
+                block = b"x" * (1 << 20)
+                try:
+                    for _ in range(256):  # 256 MiB, if the server read it all
+                        sock.sendall(block)
+                        sent += len(block)
+                except OSError:  # reset: the server closed after its 401
+                    pass
+                try:
+                    reply = read_reply(sock) or reply
+                except OSError:
+                    pass
+        after = rss_kib(proc.pid)
+        print(f"sent {sent >> 20} MiB of 1 GiB over 4 connections; server RSS {before} -> {after} KiB")
+        assert sent < 4 * 64 << 20  # the kernel's buffers, not the body
+        assert after - before < 16 << 10, (before, after)
+        assert not reply or status_and_json(reply)[0] == 401
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
