@@ -198,3 +198,126 @@ def test_a_body_without_the_key_is_not_read():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def keyed(port: int, method: str, path: str, body: object = None, raw: bytes | None = None) -> tuple[int, dict]:
+    data = raw if raw is not None else json.dumps(body).encode() if body is not None else b""
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    return status_and_json(request(port, head.encode() + data))
+
+
+def test_a_half_closed_client_still_gets_its_answer(server):
+    with socket.create_connection(("127.0.0.1", server.cfg.port), timeout=30) as sock:
+        sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+        sock.shutdown(socket.SHUT_WR)
+        status, out = status_and_json(read_reply(sock))
+    assert status == 200 and out["data"][0]["id"] == "tiny-moe"
+
+
+def test_a_pipelined_partial_request_has_the_header_deadline():
+    gen = running_server(ServeConfig(model="tiny-moe", port=0, api_key=KEY, header_seconds=0.5, idle_seconds=60))
+    srv = next(gen)
+    try:
+        first = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", srv.cfg.port), timeout=30) as sock:
+            sock.sendall((first + "GET /v1/models HTTP/1.1\r\nHost: x\r\n").encode())
+            reply = b""
+            while chunk := sock.recv(65536):  # the first answer, then the second's 408, then the close
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in reply
+    finally:
+        next(gen, None)
+
+
+def test_errors_do_not_echo_a_long_field_back(server):
+    status, out = keyed(server.cfg.port, "POST", "/api/v1/retrieve_future", {"request_id": "x" * 50_000})
+    assert status == 404 and len(json.dumps(out)) < 5000 and "characters)" in out["error"]
+
+
+def test_the_openai_revisions_are_out_of_the_tinker_routes_reach(server):
+    """The session holding the OpenAI routes' revisions (the base among them) is no Tinker session."""
+    port = server.cfg.port
+    for path, body in [("/api/v1/create_sampling_session", {"session_id": "served", "sampling_session_seq_id": "evil",
+                                                            "base_model": "tiny-moe"}),
+                       ("/api/v1/create_model", {"session_id": "served", "model_seq_id": 0, "base_model": "tiny-moe",
+                                                 "lora_config": {"rank": 1}}),
+                       ("/api/v1/asample", {"sampling_session_id": "served:sample:tiny-moe",
+                                            "prompt": {"chunks": [{"tokens": [5, 6]}]}})]:
+        status, out = keyed(port, "POST", path, body)
+        assert status == 404 and "served" in out["error"], (path, out)
+    assert keyed(port, "GET", "/api/v1/sessions/served")[0] == 404
+    assert [m["id"] for m in models(port)[1]["data"]] == ["tiny-moe"]
+
+
+@pytest.mark.parametrize("field,value,message", [("top_k", "Infinity", "OverflowError|cannot convert float infinity"),
+                                                 ("temperature", "NaN", "temperature=nan"),
+                                                 ("temperature", "1e-320", "temperature="),
+                                                 ("seed", str(2**64), "seed must be in 0..2\\*\\*63-1")])
+def test_sampling_settings_out_of_range_get_400_on_both_faces(server, field, value, message):
+    import re
+
+    port = server.cfg.port
+    raw = f'{{"prompt": "1+1=", "max_tokens": 2, "{field}": {value}}}'.encode()
+    status, out = keyed(port, "POST", "/v1/completions", raw=raw)
+    assert status == 400 and re.search(message, out["error"]["message"]), out
+    session = keyed(port, "POST", "/api/v1/create_session", {})[1]["session_id"]
+    raw = (f'{{"base_model": "tiny-moe", "prompt": {{"chunks": [{{"tokens": [5, 6]}}]}}, '
+           f'"sampling_params": {{"max_tokens": 2, "{field}": {value}}}, "num_samples": 1}}').encode()
+    status, out = keyed(port, "POST", "/api/v1/asample", raw=raw)
+    assert session and status == 400 and "sampling_params" in out["error"], out
+
+
+def test_counts_are_checked_before_anything_is_built(server):
+    body = {"base_model": "tiny-moe", "prompt": {"chunks": [{"tokens": [1, 2]}]}, "num_samples": 10**9}
+    status, out = keyed(server.cfg.port, "POST", "/api/v1/asample", body)
+    assert status == 400 and "num_samples=1000000000" in out["error"]
+
+
+def test_json_nested_too_deeply_is_a_400(server):
+    deep = b"[" * 30_000 + b"]" * 30_000  # within the 64 KiB bound, past the parser's depth
+    assert keyed(server.cfg.port, "POST", "/v1/completions", raw=deep)[0] == 400
+    assert keyed(server.cfg.port, "POST", "/api/v1/create_session", raw=deep)[0] == 400
+
+
+def test_adapter_paths_that_cannot_be_read_or_link_outside_are_refused(tmp_path):
+    from trillora import lora
+    from trillora.checkpoint import load_model, resolve_model_path
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    model = load_model(resolve_model_path("tiny-moe"))
+    lora.apply_lora(model, lora.LoraConfig(rank=2))
+    lora.save_adapter(model, outside / "adp")
+    (root / "links").mkdir(parents=True)
+    for f in (outside / "adp").iterdir():  # a folder inside the root whose files lead out of it
+        (root / "links" / f.name).symlink_to(f)
+    (root / "loop").symlink_to(root / "loop")
+    gen = running_server(ServeConfig(model="tiny-moe", port=0, api_key=KEY, adapter_root=str(root)))
+    port = next(gen).cfg.port
+    try:
+        for given, want in [("links", 403), ("loop", 400), ("x" * 5000, 400)]:
+            status, out = keyed(port, "POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": given})
+            assert status == want and str(tmp_path) not in out["error"]["message"], (given, out)
+    finally:
+        next(gen, None)
+
+
+def test_a_failing_group_of_samples_fails_alone():
+    """Samples that wait together run as groups (one `generate` per setting); one group's failure is
+    its own calls' outcome, the others' results stand."""
+    from trillora.serve.tinker_service import SampleCall, TinkerService
+
+    service = TinkerService(ServeConfig(model="tiny-moe"))
+    base = f"served:sample:{service.cfg.model}"
+    real = service.engine.generate
+
+    def failing_on_one_prompt(prompts, n, sp):  # a fault injected into one group's generate
+        if [7, 7, 7] in prompts:
+            raise RuntimeError("injected")
+        return real(prompts, n, sp)
+
+    service.engine.generate = failing_on_one_prompt
+    calls = [SampleCall(base, [7, 7, 7], 1, {"max_tokens": 2}),
+             SampleCall(base, [5, 6], 1, {"max_tokens": 3, "temperature": 0.0})]  # other settings: another group
+    failed, ok = service.sample_many(calls)
+    assert isinstance(failed, RuntimeError) and str(failed) == "injected"
+    assert len(ok[0]) == 1 and len(ok[0][0][0]) >= 1

@@ -10,7 +10,7 @@ Under tensor parallel, an adapter matrix that is replicated across tp (A of a co
 layer, B of a row-parallel one) gets a partial gradient on each tp rank (DTensor marks it
 `Partial`): it is reduced over tp first, to the parameter's own placement.
 
-`global_grad_norm` is the clipping norm over all of it: each shard's squares counted once.
+`GradientSync.norm` is the clipping norm over all of it: each shard's squares counted once.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..lora.apply import lora_parameters
 from ..models.moe import GroupedExperts
 
 
@@ -43,14 +42,19 @@ def expert_parameter_names(model: nn.Module) -> set[str]:
 
 
 class GradientSync:
-    """All-reduce (sum) of LoRA gradients, bucketed per group; `bytes_per_step` is what this
-    rank sends into the collectives (the local gradient bytes)."""
+    """Where an adapter's gradients live over the ranks, and the two things done with them before a
+    step: the all-reduce (sum) of the gradients, bucketed per group, and the global norm.
+    `named`: the adapter's (name, parameter) pairs; `experts`: the names of routed-expert slices.
+    `bytes_per_step` is what this rank sends into the sum (the local gradient bytes)."""
 
-    def __init__(self, model: nn.Module, dp_group, edp_group, dp_size: int, edp_size: int):
-        experts = expert_parameter_names(model)
-        self.dense = [p for n, p in lora_parameters(model) if n not in experts]
-        self.experts = [p for n, p in lora_parameters(model) if n in experts]
-        self.groups = [(self.dense, dp_group, dp_size), (self.experts, edp_group, edp_size)]
+    def __init__(self, named: list[tuple[str, nn.Parameter]], experts: set[str], dp_group, edp_group, dp_size: int,
+                 edp_size: int, ep_group=None, pp_group=None):
+        self.named, self.experts = named, experts
+        self.dense = [p for n, p in named if n not in experts]
+        self.expert_params = [p for n, p in named if n in experts]
+        self.groups = [(self.dense, dp_group, dp_size), (self.expert_params, edp_group, edp_size)]
+        self.ep_group, self.pp_group = ep_group, pp_group
+        """Other ranks hold other expert slices (ep) or other layers (pp): the norm sums over them."""
         self.bytes_per_step = sum(local_tensor(p).numel() * local_tensor(p).element_size()
                                   for params, _, size in self.groups if size > 1 for p in params)
 
@@ -73,36 +77,32 @@ class GradientSync:
                 offset += g.numel()
         return sent
 
-
-@torch.no_grad()
-def global_grad_norm(model: nn.Module, par) -> torch.Tensor:
-    """The L2 norm of every LoRA gradient of the whole model, equal on every rank of `par`
-    (a `Parallelized`; call after the gradient sync): squares summed locally, then over every
-    mesh axis a gradient is split on (tp, FSDP's dp × cp), over ep for expert shards, and over
-    the pipeline stages."""
-    dims = par.dims
-    experts = expert_parameter_names(model)
-    buckets: dict[tuple, list] = {}  # mesh axis names -> [sum of squares, groups]
-    for name, p in lora_parameters(model):
-        if p.grad is None:
-            continue
-        g = p.grad
-        names, groups = [], []
-        for i in sharded_dims(g):
-            mesh = g.device_mesh
-            names.append(mesh.mesh_dim_names[i] if mesh.mesh_dim_names else str(i))
-            groups.append(mesh.get_group(i))
-        if name in experts and dims.ep > 1:
-            names.append("ep")
-            groups.append(par.meshes.group("ep"))
-        bucket = buckets.setdefault(tuple(names), [torch.zeros((), dtype=torch.float64), groups])
-        bucket[0] += local_tensor(g).double().square().sum()
-    total = torch.zeros((), dtype=torch.float64)
-    for key in sorted(buckets):  # names are the same on every rank of a stage, so the collectives line up
-        sq, groups = buckets[key]
-        for group in groups:
-            dist.all_reduce(sq, group=group)
-        total += sq
-    if dims.pp > 1:  # each pipeline rank holds other layers' adapters
-        dist.all_reduce(total, group=par.meshes.group("pp"))
-    return total.sqrt().float()
+    @torch.no_grad()
+    def norm(self) -> torch.Tensor:
+        """The L2 norm of the whole adapter's gradient, equal on every rank (call after the sum):
+        squares summed locally, then over every mesh axis a gradient is split on (tp, FSDP's dp × cp),
+        over ep for expert slices, and over the pipeline stages."""
+        buckets: dict[tuple, list] = {}  # mesh axis names -> [sum of squares, groups]
+        for name, p in self.named:
+            if p.grad is None:
+                continue
+            g = p.grad
+            names, groups = [], []
+            for i in sharded_dims(g):
+                mesh = g.device_mesh
+                names.append(mesh.mesh_dim_names[i] if mesh.mesh_dim_names else str(i))
+                groups.append(mesh.get_group(i))
+            if name in self.experts and self.ep_group is not None:
+                names.append("ep")
+                groups.append(self.ep_group)
+            bucket = buckets.setdefault(tuple(names), [torch.zeros((), dtype=torch.float64), groups])
+            bucket[0] += local_tensor(g).double().square().sum()
+        total = torch.zeros((), dtype=torch.float64)
+        for key in sorted(buckets):  # names are the same on every rank of a stage, so the collectives line up
+            sq, groups = buckets[key]
+            for group in groups:
+                dist.all_reduce(sq, group=group)
+            total += sq
+        if self.pp_group is not None:  # each pipeline rank holds other layers' adapters
+            dist.all_reduce(total, group=self.pp_group)
+        return total.sqrt().float()

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch import nn
 
-from .data_parallel import GradientSync
+from ..lora.apply import lora_parameters
+from .data_parallel import GradientSync, expert_parameter_names
 from .dims import Meshes, ParallelDims, ParallelError, build_meshes
 from .checkpointing import apply_activation_checkpointing
 from .context_parallel import ContextParallel, apply_context_parallel
@@ -83,6 +84,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = No
     fsdp = apply_fsdp(model, meshes, roots=pipeline.modules if pipeline else None) if dims.fsdp and meshes else None
     # with FSDP the data-parallel reductions are its reduce-scatters; what is left is tp's partial sums
     dp, edp = (1, 1) if fsdp is not None else (dims.dp * dims.cp, dims.edp * dims.cp)
-    sync = GradientSync(model, group("dp_cp"), group("edp_cp"), dp, edp)
+    sync = GradientSync(list(lora_parameters(model)), expert_parameter_names(model), group("dp_cp"), group("edp_cp"), dp, edp,
+                        group("ep") if dims.ep > 1 else None, group("pp") if dims.pp > 1 else None)
     model.parallel = dims
     return Parallelized(dims, meshes, sync, tp_plan, ep_plans, fsdp, pipeline, context)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, get_args
 
@@ -34,8 +35,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}; must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}; must be >= 0")
+        if not (self.temperature == 0 or 1e-5 <= self.temperature < math.inf):  # NaN fails too
+            raise ValueError(f"temperature={self.temperature}; must be 0 (greedy) or in [1e-5, inf)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p}; must be in (0, 1]")
         if self.top_k < 0:

@@ -31,6 +31,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 DRAIN = 16
 """A body over the limit by at most this factor is read and dropped before the 413 (clients that
 send a whole body before reading the answer would otherwise see a reset); a larger one is not read."""
+MAX_MESSAGE = 1000
 OPEN_PATHS = frozenset({"/health", "/api/v1/healthz"})
 """Answered without the key: a load balancer's health checks."""
 
@@ -49,6 +50,8 @@ class Limits:
 
 
 def error_body(path: str, status: int, message: str) -> bytes:
+    if len(message) > MAX_MESSAGE:  # messages quote what was sent: a long field must not come back many times over
+        message = message[:MAX_MESSAGE] + f"... ({len(message)} characters)"
     if path.startswith("/api/"):  # the Tinker SDK; a JSON body always (an empty 400 looks like a proxy's and is retried)
         return json.dumps({"error": message, "detail": message}).encode()
     return json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
@@ -88,7 +91,8 @@ class Guard:
         limit = self.limits.max_tinker_body_bytes if path.startswith("/api/") else self.limits.max_body_bytes
         declared = int(headers.get(b"content-length", 0))  # h11 has refused a length that is not a number
         if declared > limit:
-            if declared <= DRAIN * limit:  # read and dropped, so that a client sending it all reads the 413
+            # read and dropped, so that a client sending it all reads the 413 (one that waits for 100-continue is not sent it)
+            if declared <= DRAIN * limit and headers.get(b"expect", b"").lower() != b"100-continue":
                 await self._read_body(receive, send, path, declared)
             return await reply(send, path, 413, f"request body of {declared} bytes; this server takes at most {limit}",
                                close=True)
@@ -151,7 +155,7 @@ class TimedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self.timer, self.waiting, self.refusal = None, "idle", "malformed HTTP request"
+        self.timer, self.waiting, self.refusal, self.half_closed = None, "idle", "malformed HTTP request", False
         next_event = self.conn.next_event
 
         def recording_next_event():  # uvicorn answers h11's refusals with a fixed text; keep h11's reason
@@ -188,8 +192,19 @@ class TimedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and self._between_requests():
-            self._arm("idle", self.limits.idle_seconds)
+        if self.half_closed:  # the client sends nothing more: its answer was the last thing to write
+            self.transport.close()
+        elif not self.transport.is_closing() and self._between_requests():
+            pipelined = bool(self.conn.trailing_data[0])  # part of the next request already arrived
+            self._arm("headers" if pipelined else "idle", self.limits.header_seconds if pipelined else self.limits.idle_seconds)
+
+    def eof_received(self) -> bool:
+        """A client that shut its sending side still gets the answer to a request it completed (uvicorn
+        would close at once); an incomplete one runs into the header deadline."""
+        self.half_closed = True
+        if self._between_requests() and not self.conn.trailing_data[0]:
+            self.transport.close()
+        return True
 
     def connection_lost(self, exc) -> None:
         if self.timer is not None:
@@ -199,6 +214,8 @@ class TimedH11Protocol(H11Protocol):
     def _expired(self) -> None:
         if self.transport.is_closing():
             return
+        if self.transport.get_write_buffer_size():  # a client that does not read its answers: close() would wait on it
+            return self.transport.abort()
         if self.waiting == "headers":
             return self._refuse(408, f"the request's headers did not arrive within {self.limits.header_seconds:g} s")
         self.transport.close()  # idle between requests: a plain keep-alive close

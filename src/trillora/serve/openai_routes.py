@@ -30,6 +30,8 @@ from .worker import outcome_of
 if TYPE_CHECKING:
     from .app import Server
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "trillora_adapter.json")
+
 
 class OpenAIRoutes:
     def __init__(self, server: Server):
@@ -51,11 +53,16 @@ class OpenAIRoutes:
 
     # --- adapters ------------------------------------------------------------------------
     def _adapter_path(self, given: str) -> Path:
+        """The adapter folder `given` names, it and its files (links followed) inside the adapter root."""
         if self.cfg.adapter_root is None:
             raise BadRequest("adapter loading is disabled (start the server with --adapter-root)", 403)
         root = Path(self.cfg.adapter_root).resolve()
-        path = (root / given).resolve() if not Path(given).is_absolute() else Path(given).resolve()
-        if root != path and root not in path.parents:
+        try:
+            path = (root / given).resolve()  # an absolute `given` replaces the root
+            files = [(path / f).resolve() for f in ADAPTER_FILES if (path / f).exists()]
+        except (OSError, RuntimeError, ValueError) as e:  # too long, a link loop, a NUL byte
+            raise BadRequest(f"lora_path {given!r} cannot be read: {type(e).__name__}") from None
+        if any(root != p and root not in p.parents for p in [path, *files]):
             raise BadRequest(f"lora_path {given!r} is outside the adapter root", 403)
         if not (path / "adapter_config.json").exists():
             raise BadRequest(f"no adapter at {given!r}", 404)
@@ -135,13 +142,15 @@ class OpenAIRoutes:
             raise BadRequest(f"stop_token_ids must be a list of token ids in 0..{len(self.tokenizer) - 1}")
         if self.tokenizer.eos_token_id is not None and not body.get("ignore_eos", False):
             stop = stop + [self.tokenizer.eos_token_id]
+        if seed is not None and not 0 <= seed < 2**63:
+            raise BadRequest(f"seed must be in 0..2**63-1, not {seed}")
         try:
             params = {"max_tokens": max_tokens, "temperature": float(body.get("temperature", 1.0)),
                       "top_p": float(body.get("top_p", 1.0)), "top_k": max(0, int(body.get("top_k", 0) or 0)),
                       "seed": seed, "stop": stop}
             SamplingParams(max_new_tokens=max_tokens, temperature=params["temperature"], top_p=params["top_p"],
                            top_k=params["top_k"], seed=seed)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise BadRequest(str(e)) from None
         return params, n
 
@@ -186,6 +195,8 @@ async def _body(request: Request) -> dict:
         body = json.loads(await request.body() or b"{}")
     except json.JSONDecodeError as e:
         raise BadRequest(f"invalid JSON: {e.msg}") from None
+    except RecursionError:
+        raise BadRequest("invalid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body

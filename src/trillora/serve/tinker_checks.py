@@ -67,11 +67,14 @@ def check_sample(c: SampleCall, vocab: int, eos: int | None, cfg: ServeConfig) -
     max_tokens = c.params.get("max_tokens") or 64
     if not isinstance(max_tokens, int) or not 1 <= max_tokens <= cfg.max_tokens_limit:
         raise BadRequest(f"sampling_params.max_tokens={max_tokens!r}; allowed: 1..{cfg.max_tokens_limit}")
+    seed = c.params.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
+        raise BadRequest(f"sampling_params.seed={seed!r}; allowed: an integer in 0..2**63-1")
     try:
         sp = SamplingParams(max_new_tokens=max_tokens, temperature=float(c.params.get("temperature", 1.0)),
                             top_p=float(c.params.get("top_p", 1.0)), top_k=max(0, int(c.params.get("top_k", -1))),
-                            stop_token_ids=stop_ids, seed=c.params.get("seed"))
-    except (TypeError, ValueError) as e:
+                            stop_token_ids=stop_ids, seed=seed)
+    except (TypeError, ValueError, OverflowError) as e:
         raise BadRequest(f"sampling_params: {e}") from None
     return sp, stop_strings
 

@@ -6,7 +6,7 @@ forward_backward, optim_step) is broadcast by rank 0 before it runs, so all rank
 calls in the same order. forward_backward splits each call's datums into contiguous blocks, one
 per rank; every rank runs its block through the base, the per-call loss sums are all-reduced (so
 every rank makes the same decision about a non-finite loss) and rank 0 gathers the logprobs in
-datum order. optim_step all-reduces the gradients first (the losses are sums over datums, so the
+datum order. optim_step all-reduces the gradients first (`parallel.data_parallel.GradientSync`) (the losses are sums over datums, so the
 sum of the blocks' gradients is the whole call's), then every rank takes the same AdamW step:
 the adapters stay identical without being sent. Sampling, saving and sampler sessions run on
 rank 0 alone: they read an adapter every rank has, and change nothing the others need.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..parallel.data_parallel import GradientSync
 from .tinker_checks import adam_settings
 from .tinker_service import BadRequest, FwdBwd, TinkerService
 from .tinker_types import Session
@@ -99,19 +100,9 @@ class DataParallelService(TinkerService):
         for p, h in zip(params.values(), has.tolist()):
             if h and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self._sum_gradients(params)
         return super().optim_step(model_id, adam)
 
-    def _sum_gradients(self, params: dict[str, torch.nn.Parameter]) -> None:
+    def _gradient_sync(self, params):
         """Every rank's gradients summed: the whole call's gradient, the same on every rank."""
-        sum_over([p.grad for p in params.values() if p.grad is not None], self.grad_group)
-
-
-@torch.no_grad()
-def sum_over(grads: list[torch.Tensor], group) -> None:
-    """All-reduce (sum) `grads` in place over `group` (None: the world), as one flat collective."""
-    if grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+        size = dist.get_world_size(self.grad_group)
+        return GradientSync(list(params.items()), set(), self.grad_group, self.grad_group, size, size)

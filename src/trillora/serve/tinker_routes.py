@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from . import wire
-from .tinker_service import BadRequest, FwdBwd, SampleCall
+from .tinker_service import SERVED, BadRequest, FwdBwd, SampleCall
 from .worker import Job
 
 if TYPE_CHECKING:
@@ -171,6 +171,8 @@ class TinkerRoutes:
         s = self.service
         if path == "/api/v1/get_server_capabilities":
             return s.capabilities()
+        if path.rsplit("/", 1)[1].split(":")[0] == SERVED:
+            raise BadRequest(f"no route GET {path}", 404)
         if path.startswith("/api/v1/samplers/"):
             sid = path.rsplit("/", 1)[1]
             s.sampler(sid)
@@ -245,11 +247,14 @@ class TinkerRoutes:
         if not all(isinstance(t, int) for t in prompt):
             raise BadRequest("prompt tokens must be integers")
         n, params, want_prompt = b.get("num_samples", 1), b.get("sampling_params") or {}, bool(b.get("prompt_logprobs"))
+        if not isinstance(n, int) or not 1 <= n <= self.cfg.max_samples:  # before anything is built from it
+            raise BadRequest(f"num_samples={n!r}; allowed: 1..{self.cfg.max_samples}")
 
         calls = [SampleCall(sid, prompt, n, params, want_prompt)]
+        s.check_sample(calls[0])  # refused now, not in the future
         out = self.start(lambda: self.server.sample([calls])[0], proto=True, fuse="sample", payload=calls,
                          encode=lambda o: wire.sample_response(*o[0]))
-        out["sample_sequence_ids"] = [f"{out['request_id']}:{i}" for i in range(n if isinstance(n, int) else 0)]
+        out["sample_sequence_ids"] = [f"{out['request_id']}:{i}" for i in range(n)]
         return out
 
     def _weights_info(self, b: dict) -> dict:
@@ -263,8 +268,13 @@ def _json_object(raw: bytes) -> dict:
         body = json.loads(raw or b"{}")
     except json.JSONDecodeError as e:
         raise BadRequest(f"invalid JSON: {e.msg} at character {e.pos}") from None
+    except RecursionError:
+        raise BadRequest("invalid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    for key in ("session_id", "model_id", "sampling_session_id"):  # the OpenAI routes' revisions are theirs alone
+        if isinstance(body.get(key), str) and body[key].split(":")[0] == SERVED:
+            raise BadRequest(f"unknown {key} {body[key]!r}", 404)
     return body
 
 

@@ -23,6 +23,8 @@ from .. import lora
 from ..checkpoint.atomic import AtomicFolder
 from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
 from ..parallel.checkpointing import apply_activation_checkpointing
+from ..parallel.data_parallel import GradientSync
+from ..policy import adamw, optimizer_step
 from ..rl.tinker_losses import datum_loss
 from ..rollout.local import LocalEngine
 from ..rollout.types import SamplingParams
@@ -234,32 +236,24 @@ class TinkerService:
                                getattr(model, "context_parallel", None), getattr(model, "vocab_parallel_group", None))
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
-        """One AdamW step (decoupled weight decay, as torch) on the accumulated gradients."""
+        """One AdamW step on the accumulated gradients (`policy.optimizer_step`)."""
         client = self.client(model_id)
         lr, b1, b2, eps, wd, clip = adam_settings(adam)
         a = client.adapter
         params = list(a.params.values())
         if a.optimizer is None:
-            a.optimizer = torch.optim.AdamW(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+            a.optimizer = adamw(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
         for g in a.optimizer.param_groups:
             g.update(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = self._grad_norm(a)
-        if not math.isfinite(norm):  # a NaN never reaches the adapter
-            a.optimizer.zero_grad(set_to_none=True)
+        outcome = optimizer_step(a.optimizer, params, self._gradient_sync(a.params), clip)
+        if not outcome.stepped:  # a NaN never reaches the adapter
             raise BadRequest("the accumulated gradient is not finite; the step was dropped")
-        if clip > 0 and norm > clip:
-            for g in grads:
-                g.mul_(clip / (norm + 1e-6))
-        a.optimizer.step()
-        a.optimizer.zero_grad(set_to_none=True)
         a.steps += 1
-        return {"metrics": {"grad_norm:mean": norm}}
+        return {"metrics": {"grad_norm:mean": outcome.norm}}
 
-    def _grad_norm(self, adapter) -> float:
-        """The L2 norm of the adapter's whole gradient (an expert-parallel service adds the other ranks' experts)."""
-        grads = [p.grad for p in adapter.params.values() if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+    def _gradient_sync(self, params: dict[str, torch.nn.Parameter]) -> GradientSync | None:
+        """The ranks an adapter's gradients live on (one process: none)."""
+        return None
 
     # --- saved states --------------------------------------------------------------------
     def state_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
@@ -273,7 +267,7 @@ class TinkerService:
         path, folder = self.state_path(model_id, "weights", name)
         a = client.adapter
         if a.optimizer is None:
-            a.optimizer = torch.optim.AdamW(list(a.params.values()))
+            a.optimizer = adamw(a.params.values())
         meta = {"rank": client.rank, "roles": list(client.roles), "seed": a.config.seed, "expert_rank": a.config.expert_rank,
                 "steps": a.steps,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in a.optimizer.param_groups]}
@@ -295,7 +289,7 @@ class TinkerService:
         adapter = self.base.adapter_from(lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=roles,
                                                          seed=meta["seed"], expert_rank=meta.get("expert_rank")),
                                          {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")})
-        adapter.optimizer = torch.optim.AdamW(list(adapter.params.values()))
+        adapter.optimizer = adamw(adapter.params.values())
         if optimizer:
             restore_rank_tensors(self.base.placement.local(tensors), adapter.params, adapter.optimizer, folder)
             for g, saved in zip(adapter.optimizer.param_groups, meta["param_groups"]):
@@ -382,7 +376,7 @@ class TinkerService:
         groups: dict = {}
         for i, c in enumerate(calls):
             try:
-                revision, sp, stops = self._check_sample(c)
+                revision, sp, stops = self.check_sample(c)
             except BadRequest as e:
                 outcomes[i] = e
                 continue
@@ -393,21 +387,29 @@ class TinkerService:
             revisions = list({id(r): r for _, _, r, _, _ in group}.values())
             group.sort(key=lambda g: [id(r) for r in revisions].index(id(g[2])))  # each revision's rows together
             rows = [sum(g[2] is r for g in group) for r in revisions]
-            _, c, _, sp, stops = group[0]
-            use = self.base.use(revisions[0]) if len(revisions) == 1 else self.base.use_many(revisions, rows)
-            with use as model, torch.no_grad():
-                self.engine.forget()
-                out = self.engine.generate([g[1].prompt for g in group], c.n, sp)
-                for (i, call, *_), completions in zip(group, out):
-                    scored = None
-                    if call.prompt_logprobs:  # a group of one
-                        prompt = torch.tensor([call.prompt], device=self.device)
-                        logp = torch.log_softmax(model(prompt).float(), -1)[0]  # [N, V]
-                        scored = [math.nan] + logp[:-1].gather(-1, prompt[0, 1:, None])[:, 0].tolist()
-                    outcomes[i] = ([cut_at_stop(x, stops, self.tokenizer) for x in completions], scored)
+            try:
+                self._generate(group, revisions, rows, outcomes)
+            except Exception as e:  # noqa: BLE001 - this group's calls fail, the other groups' stand
+                for i, *_ in group:
+                    outcomes[i] = e
         return outcomes
 
-    def _check_sample(self, c: SampleCall) -> tuple[Revision, SamplingParams, tuple[str, ...]]:
+    def _generate(self, group: list, revisions: list[Revision], rows: list[int], outcomes: list) -> None:
+        """One `generate` for a group of calls with the same settings, each row with its revision."""
+        _, c, _, sp, stops = group[0]
+        use = self.base.use(revisions[0]) if len(revisions) == 1 else self.base.use_many(revisions, rows)
+        with use as model, torch.no_grad():
+            self.engine.forget()
+            out = self.engine.generate([g[1].prompt for g in group], c.n, sp)
+            for (i, call, *_), completions in zip(group, out):
+                scored = None
+                if call.prompt_logprobs:  # a group of one
+                    prompt = torch.tensor([call.prompt], device=self.device)
+                    logp = torch.log_softmax(model(prompt).float(), -1)[0]  # [N, V]
+                    scored = [math.nan] + logp[:-1].gather(-1, prompt[0, 1:, None])[:, 0].tolist()
+                outcomes[i] = ([cut_at_stop(x, stops, self.tokenizer) for x in completions], scored)
+
+    def check_sample(self, c: SampleCall) -> tuple[Revision, SamplingParams, tuple[str, ...]]:
         revision = self.sampler(c.sampler_id)
         return (revision, *check_sample(c, self.vocab, self.tokenizer.eos_token_id, self.cfg))
 

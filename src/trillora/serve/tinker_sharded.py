@@ -50,7 +50,8 @@ from ..parallel.staged import StagedModel
 from ..parallel.tensor_parallel import apply_tensor_parallel
 from .adapters import ResidentBase
 from .shards import ExpertShard, TensorShard
-from .tinker_dp import DataParallelService, sum_over
+from ..parallel.data_parallel import GradientSync
+from .tinker_dp import DataParallelService
 from .tinker_service import BadRequest
 
 
@@ -217,37 +218,15 @@ class ShardedService(DataParallelService):
             self.stages.backward(total)
 
     # --- gradients ----------------------------------------------------------------------------
-    def _sum_gradients(self, params):
-        """tp layers' partial sums completed; dense adapters summed over dp; expert slices over the
+    def _gradient_sync(self, params):
+        """tp layers' partial sums completed; dense adapters summed over dp × cp; expert slices over the
         ranks that hold the same experts (expert parallelism already brought each of them every
-        token routed to it)."""
-        for p in params.values():
-            if p.grad is not None and hasattr(p.grad, "placements") and p.grad.placements != p.placements:
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # Partial -> Replicate: all-reduce over tp
-        is_expert = self.base.placement.is_expert
-        sum_over([_local(p.grad) for k, p in params.items() if p.grad is not None and not is_expert(k)], self.grad_group)
-        if self.dims.edp * self.dims.cp > 1:
-            sum_over([p.grad for k, p in params.items() if p.grad is not None and is_expert(k)], self.edp_group)
-
-    @torch.no_grad()
-    def _grad_norm(self, adapter) -> float:
-        """Squares of replicated gradients counted once, of tp-split parts summed over tp, of expert
-        slices summed over ep."""
-        squares = torch.zeros(3, dtype=torch.float64, device=self.device)  # [replicated, tp parts, expert slices]
-        placement = self.base.placement
-        for k, p in adapter.params.items():
-            if p.grad is not None:
-                part = 2 if placement.is_expert(k) else 1 if placement.is_tp_split(k) else 0
-                squares[part] += _local(p.grad).double().square().sum()
-        tp_parts, expert_parts = squares[1:2].clone(), squares[2:3].clone()
-        if self.dims.tp > 1:
-            dist.all_reduce(tp_parts, group=self.tp_group)
-        if self.dims.ep > 1:
-            dist.all_reduce(expert_parts, group=placement.experts.group)
-        total = squares[0:1] + tp_parts + expert_parts
-        if self.dims.pp > 1:  # each stage holds its own layers' adapters
-            dist.all_reduce(total, group=placement.stages)
-        return float(total[0].sqrt())
+        token routed to it); the norm counts replicated parts once, tp parts, expert slices and
+        stages summed."""
+        d, placement = self.dims, self.base.placement
+        experts = {k for k in params if placement.is_expert(k)}
+        return GradientSync(list(params.items()), experts, self.grad_group, self.edp_group, d.dp * d.cp, d.edp * d.cp,
+                            placement.experts.group if d.ep > 1 else None, placement.stages if d.pp > 1 else None)
 
 
 @torch.no_grad()
@@ -256,7 +235,3 @@ def _gather_vocab(logits_local: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(logits_local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, logits_local.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t

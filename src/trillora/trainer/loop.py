@@ -29,6 +29,7 @@ from ..checkpoint import check_tokenizer_fits, load_model, load_tokenizer, resol
 from ..checkpoint.hf import EXPERT_LAYOUTS
 from ..config import TrainConfig, to_toml
 from ..errors import ConfigError, TrainingDiverged
+from ..policy import adamw
 from ..tasks import make_task
 from ..tasks.env_dataset import load_env_dataset
 from ..tasks.guard import GuardedReward
@@ -84,7 +85,7 @@ class Trainer:
             self.full = None
         o = cfg.optim
         params = [p for _, p in lora.trained_parameters(self.model)]
-        self.opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.opt = adamw(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.update = PolicyUpdate(self.model, self.opt, self.world, cfg)
         t, r = cfg.task, cfg.rollout
         # a task (single-turn, built in or JSONL) or user envs (`task.name = "env"`), both sampled as envs

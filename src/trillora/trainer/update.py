@@ -22,6 +22,7 @@ import torch
 
 from .. import lora, rl
 from ..errors import ConfigError
+from ..policy import optimizer_step
 from .batch import TokenBatch, completion_spans
 from .logprobs import shared_prompt_logprobs, token_logprobs
 from .router_replay import RouterReplay
@@ -50,6 +51,7 @@ class Minibatch:
 class PolicyUpdate:
     def __init__(self, model, optimizer: torch.optim.Optimizer, world: World, cfg):
         self.model, self.opt, self.world = model, optimizer, world
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.algorithm, self.optim = cfg.algorithm, cfg.optim
         r, p = cfg.rollout, cfg.parallel
         self.temperature, self.norm_len = r.temperature, float(r.max_new_tokens)
@@ -203,17 +205,16 @@ class PolicyUpdate:
     def _optimizer_step(self) -> dict[str, float]:
         """Sync, clip and apply the accumulated gradient; a non-finite one is dropped, so a NaN never
         reaches the adapter, the engine or a saved file."""
-        traffic = self.world.sync_gradients()  # adapter gradients only, over data (and expert-data) ranks
-        norm = self.world.clip_gradients(self.model, self.optim.grad_clip)  # the global norm, equal on every rank
-        finite = bool(torch.isfinite(norm))
-        if finite:
+        # adapter gradients only, summed over data (and expert-data) ranks; the global norm, equal on every rank
+        sync = self.world.par.grad_sync if self.world.size > 1 else None
+        out = optimizer_step(self.opt, self.params, sync, self.optim.grad_clip)
+        traffic = self.world.par.traffic(out.sent_bytes) if sync is not None else {}
+        if out.stepped:
             self.nonfinite_in_a_row = 0
-            self.opt.step()
         else:
             self.skipped_updates += 1
             self.nonfinite_in_a_row += 1
-        self.opt.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm) if finite else float("nan"), "skipped": float(not finite), **traffic}
+        return {"grad_norm": out.norm if out.stepped else float("nan"), "skipped": float(not out.stepped), **traffic}
 
 
 @contextlib.contextmanager

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass
 
@@ -28,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
-from ..lora.apply import lora_parameters, trained_parameters
+from ..lora.apply import lora_parameters
 from ..parallel import ParallelDims, Parallelized, parallelize
-from ..parallel.data_parallel import expert_parameter_names, global_grad_norm, local_tensor
+from ..parallel.data_parallel import expert_parameter_names
 
 
 def launched() -> bool:
@@ -146,28 +145,6 @@ class World:
         out.update(zip(groups[1], v[n + 1:n + 1 + len(groups[1])]))
         out.update((k, x / self.dims.dp) for k, x in zip(groups[2], v[n + 1 + len(groups[1]):]))
         return out
-
-    # --- gradients ------------------------------------------------------------------------
-    def sync_gradients(self) -> dict[str, float]:
-        """Sum adapter gradients over the data-parallel ranks; this rank's collective bytes since the
-        last call, by collective ({} in one process: nothing moved)."""
-        sent = self.par.grad_sync()
-        return self.par.traffic(sent) if self.size > 1 else {}
-
-    @torch.no_grad()
-    def clip_gradients(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip the adapter gradients to a global L2 norm of `max_norm` (0 = no clipping); returns the
-        norm before clipping, the same on every rank."""
-        if self.size == 1:
-            params = [p for _, p in trained_parameters(model)]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        norm = global_grad_norm(model, self.par)
-        if math.isfinite(float(norm)) and max_norm > 0:
-            coef = min(1.0, max_norm / (float(norm) + 1e-6))
-            for _, p in lora_parameters(model):
-                if p.grad is not None:
-                    local_tensor(p.grad).mul_(coef)
-        return norm
 
     # --- the adapter ------------------------------------------------------------------------
     @torch.no_grad()
