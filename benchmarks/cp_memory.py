@@ -51,7 +51,7 @@ def worker(rank: int, world: int, port: int, family: str, seq_len: int, results)
     from trillora.parallel.memory_probe import MemoryProbe
     from trillora.models import build_model, from_hf_config
     from trillora.parallel import ParallelDims, parallelize
-    from trillora.trainer.logprobs import token_logprobs
+    from trillora.policy.logprobs import token_logprobs
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, 2 // world))

@@ -34,7 +34,7 @@ def one_step(full: bool, rows: int, micro: int, seq_len: int, rank: int, device:
     from trillora import lora, rl
     from trillora.parallel.memory_probe import MemoryProbe
     from trillora.models import build_model, from_hf_config
-    from trillora.trainer.logprobs import token_logprobs
+    from trillora.policy.logprobs import token_logprobs
 
     torch.manual_seed(0)
     args = from_hf_config(CONFIG, where="benchmark")

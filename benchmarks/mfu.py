@@ -63,7 +63,7 @@ def step_seconds(config: dict, full: bool, rows: int, seq_len: int, repeats: int
     from trillora import lora, rl
     from trillora.models import build_model, from_hf_config
     from trillora.parallel.cost import Footprint, Training, training_flops
-    from trillora.trainer.logprobs import token_logprobs
+    from trillora.policy.logprobs import token_logprobs
 
     args = from_hf_config(config, where="benchmark")
     model = build_model(args, device="cpu")

@@ -26,7 +26,7 @@ from trillora.parallel import ParallelDims
 from trillora.parallel.clusters import CLUSTERS
 from trillora.parallel.cost import Footprint, Training, Workload, estimate
 from trillora.parallel.memory_probe import MemoryProbe
-from trillora.trainer.logprobs import token_logprobs
+from trillora.policy.logprobs import token_logprobs
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ASSET = Path(__file__).resolve().parents[1] / "src" / "trillora" / "assets" / "tiny-moe" / "config.json"

@@ -25,7 +25,7 @@ from trillora.checkpoint import load_model, load_tokenizer
 from trillora.config import TrainConfig
 from trillora.tasks.prompts import encode_prompt
 from trillora.trainer.batch import build_batch
-from trillora.trainer.logprobs import token_logprobs
+from trillora.policy.logprobs import token_logprobs
 from trillora.rollout import LocalEngine, SamplingParams
 from trillora.tasks import make_task
 from trillora.checkpoint import resolve_model_path

@@ -12,7 +12,7 @@ import torch
 
 from trillora.serve.config import ServeConfig
 from trillora.trainer.batch import build_batch
-from trillora.trainer.logprobs import token_logprobs
+from trillora.policy.logprobs import token_logprobs
 
 
 def free_port() -> int:

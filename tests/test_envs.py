@@ -18,7 +18,7 @@ from trillora.tasks.task_env import TaskGroupBuilder
 from trillora.tasks.trajectory import Sample, merge_trajectory
 from trillora.trainer.batch import batch_from_samples, build_batch, completion_spans
 from trillora.trainer.episodes import EnvError, EpisodeLimits, episode_metrics, run_episodes, run_groups, training_samples
-from trillora.trainer.logprobs import shared_prompt_logprobs, token_logprobs
+from trillora.policy.logprobs import shared_prompt_logprobs, token_logprobs
 
 
 def test_merge_keeps_one_sequence_while_the_prefix_property_holds():

@@ -25,7 +25,7 @@ from engine_helpers import free_port
 from hf_models import DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_MOE
 from trillora import lora
 from trillora.models import build_model, from_hf_config
-from trillora.trainer.logprobs import token_logprobs
+from trillora.policy.logprobs import token_logprobs
 from trillora.parallel import ParallelDims, ParallelError, build_meshes, parallelize
 from trillora.parallel.data_parallel import expert_parameter_names
 

@@ -132,7 +132,7 @@ def measure(family: str, dims) -> dict:
     from trillora.parallel.memory_probe import MemoryProbe
     from trillora.models import build_model
     from trillora.parallel import build_meshes, parallelize
-    from trillora.trainer.logprobs import token_logprobs
+    from trillora.policy.logprobs import token_logprobs
 
     args = from_hf_config({"qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}[family], where=family)
     model = build_model(args, device="cpu")

@@ -11,7 +11,7 @@ from trillora import lora, rl
 from trillora.models import build_model, from_hf_config
 from trillora.rollout.routing import record_routing
 from trillora.trainer.batch import build_batch
-from trillora.trainer.logprobs import token_logprobs
+from trillora.policy.logprobs import token_logprobs
 from trillora.rollout import LocalEngine, SamplingParams
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 6], [11]]

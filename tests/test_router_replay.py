@@ -15,7 +15,7 @@ from trillora.models import build_model, from_hf_config
 from trillora.rollout.routing import record_routing
 from trillora.trainer.router_replay import compare_routing
 from trillora.trainer.batch import build_batch
-from trillora.trainer.logprobs import token_logprobs
+from trillora.policy.logprobs import token_logprobs
 from trillora.rollout import LocalEngine, SamplingParams
 from trillora.trainer import Trainer
 

@@ -13,7 +13,7 @@ from trillora import lora, rl
 from trillora.config import load_config
 from trillora.models import build_model, from_hf_config
 from trillora.trainer.batch import build_batch
-from trillora.trainer.logprobs import shared_prompt_logprobs, token_logprobs
+from trillora.policy.logprobs import shared_prompt_logprobs, token_logprobs
 from trillora.trainer import Trainer
 
 

@@ -1,4 +1,4 @@
-"""`serve.targets.target_logprobs`: each datum's log p at its [N] or [N, K] targets, from whole
+"""`policy.logprobs.target_logprobs`: each datum's log p at its [N] or [N, K] targets, from whole
 logits, from a context-parallel rank's positions, or from a vocabulary slice per tp rank; values
 and gradients against log_softmax over the whole logits (2 gloo ranks for the split forms)."""
 
@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from engine_helpers import free_port
 from trillora.parallel.context_parallel import ContextParallel
-from trillora.serve.targets import target_logprobs
+from trillora.policy.logprobs import target_logprobs
 
 
 def test_logprobs_at_targets_by_hand():

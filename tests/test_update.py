@@ -16,7 +16,7 @@ from trillora import lora, rl
 from trillora.models import build_model, from_hf_config
 from trillora.trainer import Trainer
 from trillora.trainer.batch import build_batch
-from trillora.trainer.logprobs import token_logprobs
+from trillora.policy.logprobs import token_logprobs
 from trillora.trainer.update import PolicyUpdate
 from trillora.trainer.world import World
 

@@ -206,7 +206,7 @@ class ParallelSection(ParallelDims):
     pipeline's own microbatches (`pp_microbatches`) play this part."""
     share_prompts: bool = True
     """Run each group's prompt once in the training passes, its G completions attending to its keys
-    (`trillora.trainer.logprobs.shared_prompt_logprobs`); used where a (micro)batch holds whole groups
+    (`trillora.policy.logprobs.shared_prompt_logprobs`); used where a (micro)batch holds whole groups
     and there is no pp, cp or sp. Off: whole rows, every prompt G times."""
 
     def validate(self) -> None:

@@ -160,7 +160,7 @@ def apply_context_parallel(model: nn.Module, group, rank: int, size: int) -> Con
     """Swap every attention's inner product for the gathering one and shard the backbone's input.
 
     After this `model.hidden_states(ids)` returns this rank's tokens [B, t, C];
-    `trillora.trainer.logprobs.token_logprobs` finds `model.context_parallel` and returns whole rows."""
+    `trillora.policy.logprobs.token_logprobs` finds `model.context_parallel` and returns whole rows."""
     if size == 1:
         return None
     cp = ContextParallel(group, rank, size)

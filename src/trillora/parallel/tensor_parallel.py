@@ -152,6 +152,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
                 _share_k_rope(m, tp_mesh.get_group())
             if isinstance(m, GQAttention) and hasattr(m, "sinks"):  # gpt-oss: one sink per head, split with the heads
                 _distribute(m, tp_mesh, {"sinks": [Shard(0)]})
-        if vocab_parallel:  # trillora.trainer.logprobs.token_logprobs combines the slices over this group
+        if vocab_parallel:  # trillora.policy.logprobs.token_logprobs combines the slices over this group
             model.vocab_parallel_group = tp_mesh.get_group()
     return plan

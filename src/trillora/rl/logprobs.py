@@ -18,9 +18,11 @@ def scale_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tens
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(logits / temperature)[target] for logits [B, T, V] and targets [B, T]: [B, T]
-    (and the entropy [B, T])."""
+    """log softmax(logits / temperature)[target] for logits [B, T, V] and targets [B, T] (or [B, T, K]:
+    K candidates per position): shaped as targets (and the entropy [B, T])."""
     logp_all = scale_by_temperature(logits, temperature).log_softmax(-1)  # [B, T, V]
-    logp = logp_all.gather(-1, targets[..., None])[..., 0]
+    per_position = targets.dim() == logits.dim() - 1
+    logp = logp_all.gather(-1, targets[..., None] if per_position else targets)  # [B, T, 1 or K]
+    logp = logp[..., 0] if per_position else logp
     entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
     return logp, entropy

@@ -25,11 +25,11 @@ from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
 from ..parallel.checkpointing import apply_activation_checkpointing
 from ..parallel.data_parallel import GradientSync
 from ..policy import adamw, optimizer_step
+from ..policy.logprobs import target_logprobs
 from ..rl.tinker_losses import datum_loss
 from ..rollout.local import LocalEngine
 from ..rollout.types import SamplingParams
 from .adapters import ResidentBase, Revision, roles_of
-from .targets import target_logprobs
 from .tinker_checks import adam_settings, check_data, check_sample, cut_at_stop, resolve, state_path
 from .config import ServeConfig
 from .tinker_types import BadRequest, Client, FwdBwd, SampleCall, Session

@@ -23,8 +23,8 @@ import torch
 from .. import lora, rl
 from ..errors import ConfigError
 from ..policy import optimizer_step
+from ..policy.logprobs import shared_prompt_logprobs, token_logprobs
 from .batch import TokenBatch, completion_spans
-from .logprobs import shared_prompt_logprobs, token_logprobs
 from .router_replay import RouterReplay
 from .world import World
 

@@ -1,5 +1,8 @@
-"""The log-probabilities the policy gives to the tokens of a batch of sampled rows: whole rows,
-or each group's prompt run once (`shared_prompt_logprobs`).
+"""The log-probabilities the policy gives to tokens, the one place they are read off the head:
+the next tokens of sampled rows (`token_logprobs`; each group's prompt run once:
+`shared_prompt_logprobs`), and each datum's targets, [N] or [N, K] (`target_logprobs`, what the
+Tinker losses read). Whole logits, a context-parallel rank's positions and a vocabulary-parallel
+head's slices all go through `head_logprobs`.
 
 Rows are right-padded, so plain causal attention is exact for the real tokens and no
 padding mask is needed. Shape legend: B rows, T tokens, V vocabulary, C hidden channels.
@@ -84,3 +87,24 @@ def shared_prompt_logprobs(model: CausalLM, input_ids: torch.Tensor, prompt_leng
         return torch.where(valid, x.gather(1, kk), 0.0)
 
     return place(logp), (place(entropy) if with_entropy else None)
+
+
+def target_logprobs(logits: torch.Tensor, targets: list[torch.Tensor], cp=None, vocab_group=None) -> list[torch.Tensor]:
+    """logits [B, T or t, V or V/tp] of right-padded rows of T tokens; `targets`: each datum's ids,
+    [N] or [N, K] (N <= T) -> each datum's logprobs, shaped as its targets.
+
+    The gather runs on a [B, T, K] block padded with token 0, each datum keeping its own [:N, :K].
+    Under context parallelism (`cp`) the logits are this rank's positions [B, t, V]: their targets
+    are taken at the same positions and the [B, t, K] logprobs gathered into whole rows, the same on
+    every cp rank (so every rank computes the same loss, and backward keeps this rank's columns)."""
+    as_nk = [t.reshape(t.shape[0], -1) for t in targets]  # [N, K] (K = 1 for [N])
+    width, k = max(t.shape[0] for t in as_nk), max(t.shape[1] for t in as_nk)
+    ids = torch.zeros(len(targets), width, k, dtype=torch.long, device=logits.device)  # [B, T, K]
+    for i, t in enumerate(as_nk):
+        ids[i, :t.shape[0], :t.shape[1]] = t
+    if cp is not None:
+        ids = cp.split(ids)  # [B, t, K]: the targets of this rank's positions
+    logp = head_logprobs(logits.float(), ids, 1.0, vocab_group)[0]  # [B, T or t, K]
+    if cp is not None:
+        logp = cp.gather(logp, width)  # [B, T, K] whole rows, on every cp rank
+    return [logp[i, :nk.shape[0], :nk.shape[1]].reshape(t.shape) for i, (t, nk) in enumerate(zip(targets, as_nk))]
