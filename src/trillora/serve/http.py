@@ -28,6 +28,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .tinker_types import BadRequest
+
 DRAIN = 16
 """A body over the limit by at most this factor is read and dropped before the 413 (clients that
 send a whole body before reading the answer would otherwise see a reset); a larger one is not read."""
@@ -56,6 +58,19 @@ def error_body(path: str, status: int, message: str) -> bytes:
         return json.dumps({"error": message, "detail": message}).encode()
     return json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
                                  "code": status}}).encode()
+
+
+def json_object(raw: bytes) -> dict:
+    """A request body as a JSON object, or BadRequest saying what is wrong with it."""
+    try:
+        body = json.loads(raw or b"{}")
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"invalid JSON: {e.msg} at character {e.pos}") from None
+    except RecursionError:
+        raise BadRequest("invalid JSON: nested too deeply") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
 
 
 async def reply(send, path: str, status: int, message: str, close: bool = False) -> None:

@@ -14,7 +14,6 @@ adapters that wait together are sampled in one pass, each row with its own adapt
 from __future__ import annotations
 
 import itertools
-import json
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from fastapi import APIRouter, Request
 
 from ..rollout.types import SamplingParams
+from .http import json_object
 from .tinker_service import BadRequest, SampleCall
 from .worker import outcome_of
 
@@ -191,15 +191,7 @@ class OpenAIRoutes:
 
 
 async def _body(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"invalid JSON: {e.msg}") from None
-    except RecursionError:
-        raise BadRequest("invalid JSON: nested too deeply") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    return body
+    return json_object(await request.body())
 
 
 def _available_bytes(device: torch.device) -> int:

@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from . import wire
+from .http import json_object
 from .tinker_service import SERVED, BadRequest, FwdBwd, SampleCall
 from .worker import Job
 
@@ -264,14 +265,7 @@ class TinkerRoutes:
 
 
 def _json_object(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw or b"{}")
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"invalid JSON: {e.msg} at character {e.pos}") from None
-    except RecursionError:
-        raise BadRequest("invalid JSON: nested too deeply") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
+    body = json_object(raw)
     for key in ("session_id", "model_id", "sampling_session_id"):  # the OpenAI routes' revisions are theirs alone
         if isinstance(body.get(key), str) and body[key].split(":")[0] == SERVED:
             raise BadRequest(f"unknown {key} {body[key]!r}", 404)
