@@ -11,7 +11,7 @@ grouped per adapter, per (expert, adapter) in MoE layers). The same for sampling
 timing, the fused results are checked against the separate ones (logprobs, every gradient).
 `--shape`: instead of the tiny model's weights, a shipped config's layer shapes (its first
 `--layers` layers) with random weights, the tiny tokenizer's ids as input.
-`--ep K`: the service on K gloo ranks holding E/K experts each (`serve.tinker_sharded`), each
+`--ep K`: the service on K gloo ranks holding E/K experts each (`serve.ranks`), each
 call's rows split over them; fused, every routed row's adapter travels with it through the
 all-to-all. Rank 0 times the calls; the adapters get their non-zero B from one AdamW step each
 (a random fill on rank 0 alone would leave the ranks' adapters apart).
@@ -133,13 +133,13 @@ def on_ranks(args) -> dict:
 def _rank(rank: int, args, port: int) -> None:
     import torch.distributed as dist
 
-    from trillora.serve.tinker_sharded import ShardedService
+    from trillora.serve.tinker_service import TinkerService
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=args.ep)
     try:
-        service = ShardedService(config(args, ep=args.ep))
+        service = TinkerService(config(args, ep=args.ep))
         if rank == 0:
             try:
                 measure(args, service)

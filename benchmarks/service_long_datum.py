@@ -60,22 +60,26 @@ def run(service, seq_len: int) -> tuple[int, float]:
     import numpy as np
 
     from trillora.parallel.memory_probe import MemoryProbe
-    from trillora.serve.tinker_service import FwdBwd, TinkerService
+    from trillora.serve.tinker_service import FwdBwd
     from trillora.serve.wire import Datum
 
+    if service.ranks.rank > 0:  # the other ranks run rank 0's calls
+        with MemoryProbe() as probe:
+            service.follow()
+        return probe.report.peak_bytes, float("nan")  # rank 0 reports the loss
     sid = service.create_session()
-    model_id = TinkerService.create_model(service, sid, 1, 8, EVERY_ROLE, 7)["model_id"]  # every rank, no mirroring
+    model_id = service.create_model(sid, 1, 8, EVERY_ROLE, 7)["model_id"]
     ids = torch.randint(0, len(service.tokenizer), (seq_len + 1,), generator=torch.Generator().manual_seed(1)).numpy()
     data = [Datum(ids[:-1].tolist(), {"target_tokens": ids[1:], "weights": np.ones(seq_len, np.float32)})]
     call = FwdBwd(model_id, "cross_entropy", {}, data, service.check_data("cross_entropy", {}, data), False)
     with MemoryProbe() as probe:
-        (outcome,) = TinkerService.forward_backward_many(service, [call])
+        (outcome,) = service.forward_backward_many([call])
+    service.stop()
     return probe.report.peak_bytes, outcome[1]["loss:sum"]
 
 
 def worker(rank: int, world: int, port: int, flags: dict, seq_len: int, vocab: int, root: str, results) -> None:
     from trillora.serve.tinker_service import ServeConfig, TinkerService
-    from trillora.serve.tinker_sharded import ShardedService
 
     torch.set_num_threads(max(1, 2 // world))
     cfg = ServeConfig(model="tiny-moe-chat", state_dir=root, **flags)
@@ -86,7 +90,7 @@ def worker(rank: int, world: int, port: int, flags: dict, seq_len: int, vocab: i
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        service = ShardedService(cfg, model=base_model(seq_len, vocab))
+        service = TinkerService(cfg, model=base_model(seq_len, vocab))
         results.put((rank, *run(service, seq_len)))
     finally:
         dist.destroy_process_group()
@@ -100,7 +104,7 @@ def measure(name: str, flags: dict, seq_len: int, vocab: int, root: str) -> dict
                        start_method="spawn")
     rows = [results.get() for _ in range(world)]
     return dict(layout=name, ranks=world, seq_len=seq_len, vocab=vocab, peak_bytes=max(r[1] for r in rows),
-                loss=rows[0][2])
+                loss=next(r[2] for r in rows if r[0] == 0))
 
 
 def plot(rows: list[dict], path: Path) -> None:

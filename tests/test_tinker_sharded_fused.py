@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 from engine_helpers import free_port
 from trillora.models.transformer import DecoderLayer
 from trillora.serve.tinker_service import FwdBwd, SampleCall, ServeConfig, TinkerService
-from trillora.serve.tinker_sharded import ShardedService
 from trillora.serve.wire import Datum
 
 MODEL = "tiny-moe-chat"
@@ -87,7 +86,7 @@ def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        service = ShardedService(ServeConfig(model=MODEL, state_dir=os.path.join(root, "sharded"), **flags))
+        service = TinkerService(ServeConfig(model=MODEL, state_dir=os.path.join(root, "sharded"), **flags))
         if flags.get("fsdp"):  # the base's layers sharded over the data-parallel ranks (and cp)
             norm = next(m for m in service.base.model.modules() if isinstance(m, DecoderLayer)).input_layernorm.weight
             assert norm.to_local().shape[0] < norm.shape[0], norm.placements
@@ -111,7 +110,8 @@ def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> 
             service.stop()
         assert not flags.get("sp") or seen == {"(Shard(dim=1),)"}, seen
         rule = flags.get("expert_rank_rule", "same")
-        want = scenario(TinkerService(ServeConfig(model=MODEL, state_dir=os.path.join(root, "one"), expert_rank_rule=rule)),
+        want = scenario(TinkerService(ServeConfig(model=MODEL, state_dir=os.path.join(root, "one"), expert_rank_rule=rule),
+                                      alone=True),
                         {"alone": True})
         for (lp1, m1), (lp2, m2) in zip(want["results"], got["results"], strict=True):
             assert m2["loss:sum"] == pytest.approx(m1["loss:sum"], rel=1e-5, abs=1e-6)
@@ -182,7 +182,7 @@ def tp_worker(rank: int, world: int, port: int, root: str, errors) -> None:
             return real(t, *args, **kwargs)
 
         tensor_parallel.distribute_tensor = spy
-        service = ShardedService(ServeConfig(model=MODEL, state_dir=root, tp=2))
+        service = TinkerService(ServeConfig(model=MODEL, state_dir=root, tp=2))
         tensor_parallel.distribute_tensor = real
         assert split_on and set(split_on) == {"meta"}  # split before anything whole was allocated
         whole = dict(trillora.load_model(MODEL).named_parameters())

@@ -118,31 +118,30 @@ def _layout(cfg) -> str:
 
 def _serve_parallel(cfg) -> int:
     """Under torchrun: every rank holds the base (split with --tp / --ep / --pp) and the clients' adapters;
-    rank 0 serves HTTP (`serve.tinker_dp`, `serve.tinker_sharded`)."""
+    rank 0 serves HTTP (`serve.ranks`)."""
     import dataclasses
 
     import torch.distributed as dist
 
-    from ..serve.tinker_dp import DataParallelService
-    from ..serve.tinker_sharded import ShardedService
+    from ..serve.tinker_service import TinkerService
     from ..serve.app import serve
     from ..trainer.world import pick_device
 
     device = pick_device(cfg.device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     cfg = dataclasses.replace(cfg, device=str(device))
-    service = ShardedService(cfg) if _sharded(cfg) else DataParallelService(cfg)
+    service = TinkerService(cfg)
     try:
-        if service.rank == 0:
+        if service.ranks.rank == 0:
             split = (", the base sharded over them (FSDP)" if cfg.fsdp else "") + (f", stages over pp={cfg.pp}" if cfg.pp > 1 else "") + (f", rows over cp={cfg.cp}" if cfg.cp > 1 else "") \
                 + (f", layers over tp={cfg.tp}" if cfg.tp > 1 else "") + _tp_extras(cfg) \
                 + (f", experts over ep={cfg.ep}" if cfg.ep > 1 else "")
-            print(f"trillora serve: data parallel over {service.dp_size} ranks{split}", flush=True)
+            print(f"trillora serve: data parallel over {service.ranks.dp_size} ranks{split}", flush=True)
             serve(cfg, service=service)
         else:
             service.follow()
     finally:
-        if service.rank == 0:
+        if service.ranks.rank == 0:
             service.stop()
         dist.destroy_process_group()
     return 0

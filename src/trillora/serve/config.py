@@ -58,9 +58,9 @@ class ServeConfig:
     trust_remote_code: bool = False
     """Let the tokenizer run its own Python code (Kimi K2's tiktoken tokenizer)."""
     tp: int = 1
-    """Under torchrun: split attention and dense MLP layers over groups of this many ranks (`serve.tinker_sharded`)."""
+    """Under torchrun: split attention and dense MLP layers over groups of this many ranks (`serve.ranks`)."""
     ep: int = 1
-    """Under torchrun: shard the routed experts over groups of this many ranks (`serve.tinker_sharded`)."""
+    """Under torchrun: shard the routed experts over groups of this many ranks (`serve.ranks`)."""
     pp: int = 1
     """Under torchrun: split the decoder layers into this many pipeline stages (`parallel.staged`)."""
     cp: int = 1

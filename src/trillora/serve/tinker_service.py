@@ -5,25 +5,29 @@ built-in losses, optimizer steps, saved states and sampler revisions, sampling.
 Every method here runs on the service's single worker (`serve.worker`), one call at a time, so the
 resident model's adapter slots are never shared by two calls; the `*_many` methods serve several
 waiting requests, of one client or several, in one pass with each row's own adapter. Bad requests raise
-`BadRequest` (HTTP 400/404 with the message); nothing half-applied is left behind.
+`BadRequest` (HTTP 400/404 with the message); nothing half-applied is left behind. Under torchrun
+every rank runs this same class over its part of the base (`serve.ranks`: an identity in one
+process); rank 0 sends each call every rank must run as a typed command (`serve.commands`).
 Shape legend: B datums, T tokens (padded), V vocabulary, N one datum's tokens, K top-k targets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from .. import lora
 from ..checkpoint.atomic import AtomicFolder
 from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
+from ..models.transformer import OtherStage
 from ..parallel.checkpointing import apply_activation_checkpointing
-from ..parallel.data_parallel import GradientSync
 from ..policy import adamw, optimizer_step
 from ..policy.logprobs import target_logprobs
 from ..rl.tinker_losses import datum_loss
@@ -32,6 +36,8 @@ from ..rollout.types import SamplingParams
 from .adapters import ResidentBase, Revision, roles_of
 from .tinker_checks import adam_settings, check_data, check_sample, cut_at_stop, resolve, state_path
 from .config import ServeConfig
+from .commands import CreateModel, CreateSampler, ForwardBackward, LoadState, OptimStep, Sample, SaveForSampler, SaveState, Stop
+from .ranks import Ranks
 from .tinker_types import BadRequest, Client, FwdBwd, SampleCall, Session
 from .wire import Datum
 
@@ -42,21 +48,22 @@ __all__ = ["BadRequest", "FwdBwd", "SampleCall", "ServeConfig", "TinkerService"]
 
 
 class TinkerService:
-    writes = True
-    """This process writes saved states (a parallel service's rank 0 alone)."""
-    joins_every_pass = False
-    """A process with no datums of a pass still runs one (expert parallelism's all-to-alls need every rank)."""
-
-    def __init__(self, cfg: ServeConfig, model=None):
+    def __init__(self, cfg: ServeConfig, model=None, alone: bool = False):
         """`model`: an already built model to serve instead of the checkpoint's weights (benchmarks
-        of real shapes with random weights); the tokenizer still comes from `cfg.model`."""
+        of real shapes with random weights); the tokenizer still comes from `cfg.model`. Under
+        torchrun (a process group initialised), this rank's part of a parallel service (`serve.ranks`),
+        unless `alone`."""
         from ..checkpoint import check_tokenizer_fits, load_tokenizer, resolve_model_path
+        from ..models import load_hf_config
 
         self.cfg = cfg
         path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        self.base = self._resident(path, dtype, model)
+        self.ranks = Ranks(cfg, model.args if model is not None else load_hf_config(path)[0], alone)
+        self.writes = self.ranks.rank == 0  # saved states are written once
+        self.base = self.ranks.resident(path, dtype, model)
+        self.stages = self.ranks.stages  # this rank's pipeline stage (`parallel.staged`), under pp
         if cfg.precision == "bf16_weights":
             _round_to_bf16(self.base.model)
         check_tokenizer_fits(self.tokenizer, self.base.model.args.vocab_size, path)
@@ -71,12 +78,18 @@ class TinkerService:
         base = Revision(None, sampler_id=f"{SERVED}:sample:{cfg.model}")
         self.sessions[SERVED].samplers[base.sampler_id] = base
 
-    def _resident(self, path: Path, dtype: torch.dtype, model=None) -> ResidentBase:
-        """The base with its adapter slots (a parallel service: this rank's part of it)."""
-        from ..checkpoint import load_model
+    # --- the other ranks --------------------------------------------------------------------
+    def follow(self) -> None:
+        """Ranks > 0: run rank 0's commands until it says stop. A command's BadRequest is rank 0's to
+        answer; here it only means the same nothing happened."""
+        while not isinstance(command := self.ranks.receive(), Stop):
+            try:
+                command.run(self)
+            except BadRequest:
+                pass
 
-        model = model if model is not None else load_model(path, dtype=dtype, device=self.cfg.device)
-        return ResidentBase(model, alpha=self.cfg.lora_alpha)
+    def stop(self) -> None:
+        self.ranks.mirror(Stop())
 
     # --- registry ------------------------------------------------------------------------
     def create_session(self) -> str:
@@ -86,6 +99,9 @@ class TinkerService:
         return sid
 
     def session(self, sid: str) -> Session:
+        if self.ranks.rank > 0:  # sessions are opened on rank 0's HTTP threads; here they exist when used
+            with self.lock:
+                return self.sessions.setdefault(sid, Session(sid))
         s = self.sessions.get(sid)
         if s is None:
             raise BadRequest(f"unknown session_id {sid!r}", 404)
@@ -117,10 +133,14 @@ class TinkerService:
                          bool(lora_config.get("train_unembed", True)))
         if not roles:
             raise BadRequest("lora_config trains nothing: set one of train_attn, train_mlp, train_unembed")
+        if self.stages is not None and set(roles) <= {"lm_head"}:
+            raise BadRequest(f"lora_config trains only the unembedding, which lives on the last of --pp {self.cfg.pp} "
+                             "stages; every stage needs an adapter: set train_attn or train_mlp")
         return rank, roles, int(lora_config.get("seed") or 0)
 
     def create_model(self, sid: str, seq: int, rank: int, roles: tuple[str, ...], seed: int) -> dict:
         """A new training client (settings checked by `lora_settings`)."""
+        self.ranks.mirror(CreateModel(sid, seq, rank, roles, seed))
         expert_rank = max(1, rank // self.base.model.args.top_k) if self.cfg.expert_rank_rule == "divide_by_top_k" else None
         return self._register(sid, seq, Client("", self.base.new_adapter(rank, roles, seed, expert_rank), rank, roles))
 
@@ -153,6 +173,7 @@ class TinkerService:
         each call's rows with its own client's adapter; each outcome is what `forward_backward`
         returns, or the BadRequest it raises. The summed loss's backward gives each adapter exactly
         its own calls' gradients: rows never mix in a causal LM."""
+        self.ranks.mirror(ForwardBackward(calls))
         outcomes: list = [None] * len(calls)
         live = []  # (index, call, adapter, first datum, end): the datums this process runs
         for i, c in enumerate(calls):
@@ -161,9 +182,9 @@ class TinkerService:
             except BadRequest as e:
                 outcomes[i] = e
                 continue
-            live.append((i, c, adapter, *self._block(len(c.data))))
+            live.append((i, c, adapter, *self.ranks.block(len(c.data))))
         mine = [x for x in live if x[4] > x[3]]
-        if not mine and not (self.joins_every_pass and live):
+        if not mine and not (self.ranks.sharded and live):  # a sharded rank joins every pass (its collectives)
             self._losses_and_backward(live, [], outcomes)
             return outcomes
         adapters, rows = self._pass_adapters(live, mine)
@@ -179,14 +200,33 @@ class TinkerService:
         return outcomes
 
     def _pass_adapters(self, live: list, mine: list) -> tuple[list, list[int]]:
-        """The pass's adapters and their rows here: those of the calls with datums in this process."""
-        return [a for _, _, a, _, _ in mine] or [live[0][2]], [hi - lo for *_, lo, hi in mine] or [1]
+        """The pass's adapters and their rows here: those of the calls with datums in this process.
+        Sharded: every call's adapter on every rank, in call order, with 0 rows where none of its datums
+        are here (the ranks of an expert-parallel group number the adapters alike); a rank with no
+        datums runs its filler token with the first. Under pp a pass (of one call or several: each
+        chunk's rows keep their adapters, `RowAdapters.select_rows`) runs as `--pp-microbatches` chunks."""
+        if not self.ranks.sharded:
+            return [a for _, _, a, _, _ in mine] or [live[0][2]], [hi - lo for *_, lo, hi in mine] or [1]
+        rows = [hi - lo for *_, lo, hi in live]
+        if not any(rows):
+            rows[0] = 1
+        if self.stages is not None:
+            self.stages.microbatches = self.cfg.pp_microbatches
+        return [a for _, _, a, _, _ in live], rows
 
     def _losses_and_backward(self, live: list, logps: list[torch.Tensor], outcomes: list,
                              filler: torch.Tensor | None = None) -> None:
-        total = self._kept_loss(live, logps, outcomes, filler)
-        if total is not None:
-            total.backward()
+        """Under pp the losses are the last stage's; their outcomes go to every stage, then backward runs
+        through the stages (after the outcomes: a stage waiting for them cannot take a gradient)."""
+        if self.stages is None:
+            total = self._kept_loss(live, logps, outcomes, filler)
+            if total is not None:
+                total.backward()
+            return
+        total = self._kept_loss(live, logps, outcomes, filler) if self.stages.last else None
+        outcomes[:], backward = self.stages.from_last((outcomes, total is not None))
+        if backward:
+            self.stages.backward(total)
 
     def _kept_loss(self, live: list, logps: list[torch.Tensor], outcomes: list,
                    filler: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -201,7 +241,7 @@ class TinkerService:
                                 for lp, t in zip(lps, c.tensors[lo:hi])), torch.zeros((), device=self.device)))
         if filler is not None:
             partial[0] = partial[0] + filler.sum() * 0
-        totals, every = self._combine(partial, mine)
+        totals, every = self.ranks.combine(partial, mine, self.device)
         kept = []
         for (i, c, *_), loss, total in zip(live, partial, totals):
             if not c.forward_only and not math.isfinite(total):
@@ -211,14 +251,6 @@ class TinkerService:
                 kept.append(loss)
             outcomes[i] = (every[i], {"loss:sum": total})
         return torch.stack(kept).sum() if kept else None
-
-    def _block(self, n: int) -> tuple[int, int]:
-        """Which of a call's n datums this process runs: all of them (a data-parallel rank: its share)."""
-        return 0, n
-
-    def _combine(self, partial: list[torch.Tensor], logps: dict[int, list[torch.Tensor]]) -> tuple[list[float], dict]:
-        """Each call's whole loss and per-datum logprobs from this process's parts (data parallel: all ranks')."""
-        return [float(p.detach()) for p in partial], {i: [lp.detach().cpu().numpy() for lp in lps] for i, lps in logps.items()}
 
     def check_data(self, loss_fn: str, config: dict, data: list[Datum]) -> list[dict[str, torch.Tensor]]:
         """Each datum's loss inputs as tensors, or BadRequest naming the datum and key."""
@@ -237,23 +269,26 @@ class TinkerService:
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
         """One AdamW step on the accumulated gradients (`policy.optimizer_step`)."""
+        self.ranks.mirror(OptimStep(model_id, adam))
         client = self.client(model_id)
-        lr, b1, b2, eps, wd, clip = adam_settings(adam)
+        lr, b1, b2, eps, wd, clip = adam_settings(adam)  # refused before the gradients are summed: a retry sums once
         a = client.adapter
         params = list(a.params.values())
+        if self.ranks.world > 1:  # a rank with no rows of this client has no gradient: it joins the sum with zeros
+            has = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
+            dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.ranks.grad_group)
+            for p, h in zip(params, has.tolist()):
+                if h and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         if a.optimizer is None:
             a.optimizer = adamw(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
         for g in a.optimizer.param_groups:
             g.update(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
-        outcome = optimizer_step(a.optimizer, params, self._gradient_sync(a.params), clip)
+        outcome = optimizer_step(a.optimizer, params, self.ranks.gradient_sync(a.params, self.base.placement), clip)
         if not outcome.stepped:  # a NaN never reaches the adapter
             raise BadRequest("the accumulated gradient is not finite; the step was dropped")
         a.steps += 1
         return {"metrics": {"grad_norm:mean": outcome.norm}}
-
-    def _gradient_sync(self, params: dict[str, torch.nn.Parameter]) -> GradientSync | None:
-        """The ranks an adapter's gradients live on (one process: none)."""
-        return None
 
     # --- saved states --------------------------------------------------------------------
     def state_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
@@ -263,6 +298,7 @@ class TinkerService:
         return resolve(self.root, tinker_path)
 
     def save_state(self, model_id: str, name: str, optimizer: bool = True) -> dict:
+        self.ranks.mirror(SaveState(model_id, name, optimizer))
         client = self.client(model_id)
         path, folder = self.state_path(model_id, "weights", name)
         a = client.adapter
@@ -280,6 +316,7 @@ class TinkerService:
 
     def load_state(self, sid: str, seq: int, tinker_path: str, optimizer: bool) -> dict:
         """A new training client from a saved state (with its AdamW moments when `optimizer`)."""
+        self.ranks.mirror(LoadState(sid, seq, tinker_path, optimizer))
         _, kind, folder = self.resolve(tinker_path)
         if kind != "weights":
             raise BadRequest(f"{tinker_path!r} holds sampler weights; load a tinker://.../weights/... state")
@@ -301,6 +338,7 @@ class TinkerService:
     def save_for_sampler(self, model_id: str, name: str | None, sid: str | None = None, sampler_seq: int = 0) -> dict:
         """A frozen revision: named ones are written as tinker://.../sampler_weights/<name>; unnamed
         ones become a sampling session at once."""
+        self.ranks.mirror(SaveForSampler(model_id, name, sid, sampler_seq))
         client = self.client(model_id)
         revision = ResidentBase.revision(client.adapter)
         if name is None:
@@ -324,6 +362,7 @@ class TinkerService:
         return sampler_id
 
     def create_sampler(self, sid: str, seq: int, model_path: str | None, base_model: str | None) -> str:
+        self.ranks.mirror(CreateSampler(sid, seq, model_path, base_model))
         if model_path is None:
             self.check_base_model(base_model)
             return self._add_sampler(sid, seq, Revision(None))
@@ -372,6 +411,13 @@ class TinkerService:
         """Several sample calls; those with the same settings (n, sampling params, no prompt logprobs,
         no seed unless they are one request's prompts) share one `generate`, each prompt with its own
         sampler's revision. Each outcome is what `sample` returns, or the BadRequest it raises."""
+        self.ranks.mirror(Sample(calls))
+        if self.ranks.sharded:
+            with self._decoding():
+                return self._sample_or_follow(calls)
+        return self._sample_groups(calls)
+
+    def _sample_groups(self, calls: list[SampleCall]) -> list:
         outcomes: list = [None] * len(calls)
         groups: dict = {}
         for i, c in enumerate(calls):
@@ -409,9 +455,67 @@ class TinkerService:
                     scored = [math.nan] + logp[:-1].gather(-1, prompt[0, 1:, None])[:, 0].tolist()
                 outcomes[i] = ([cut_at_stop(x, stops, self.tokenizer) for x in completions], scored)
 
+    @contextlib.contextmanager
+    def _decoding(self):
+        """Whole rows and whole logits on every rank that decodes: context parallelism off (every cp
+        rank runs the same tokens), a vocabulary-parallel head's slices gathered over tp, and under
+        pp the last stage's logits shared with every stage."""
+        model = self.base.model
+        cp = getattr(model, "context_parallel", None)
+        with contextlib.ExitStack() as stack:
+            if cp is not None:
+                stack.enter_context(cp.off())
+            if self.stages is not None:
+                stack.enter_context(self.stages.sharing_logits())
+            if self.cfg.vocab_parallel and not isinstance(model.lm_head, OtherStage):
+                hook = model.lm_head.register_forward_hook(lambda m, args, out: _gather_vocab(out, self.ranks.tp_group))
+                stack.callback(hook.remove)
+            yield
+
+    def _sample_or_follow(self, calls: list[SampleCall]) -> list:
+        """A sharded base samples on every rank: dp rank 0's tp / cp / pp group drives the same
+        `generate` (the same logits after the all-reduces, the same seeded generator, so the same
+        tokens); before each forward rank 0 names the revision(s), and the other ranks run one token
+        through the same ones so that their experts serve the drivers' rows."""
+        if self.ranks.dp_rank == 0:
+            hook = self.base.model.register_forward_pre_hook(self._before_forward, prepend=True)  # before FSDP gathers
+            try:
+                return self._sample_groups(calls)
+            finally:
+                hook.remove()
+                self._announce(None)
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        while (named := self._announce(None)) is not None:
+            if isinstance(named, list):  # several revisions in the pass: the same ones, numbered alike
+                revisions = [self.sampler(n) for n in named]
+                use = self.base.use_many(revisions, [1] + [0] * (len(revisions) - 1))
+            else:
+                use = self.base.use(self.sampler(named))
+            with use as model, torch.no_grad():
+                model(ids)
+        return []
+
+    def _before_forward(self, module, args) -> None:
+        in_use = self.base.in_use
+        self._announce([r.sampler_id for r in in_use] if isinstance(in_use, tuple) else in_use.sampler_id)
+
+    def _announce(self, sampler_id: str | list[str] | None) -> str | list[str] | None:
+        """Rank 0's sampler id (or ids), on every rank (what the others pass is ignored)."""
+        box = [sampler_id]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def check_sample(self, c: SampleCall) -> tuple[Revision, SamplingParams, tuple[str, ...]]:
         revision = self.sampler(c.sampler_id)
         return (revision, *check_sample(c, self.vocab, self.tokenizer.eos_token_id, self.cfg))
+
+
+@torch.no_grad()
+def _gather_vocab(logits_local: torch.Tensor, group) -> torch.Tensor:
+    """[B, T, V/tp] slices of the head's output -> [B, T, V] on every tp rank (decoding: a few positions)."""
+    parts = [torch.empty_like(logits_local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits_local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
 
 
 @torch.no_grad()

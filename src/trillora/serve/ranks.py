@@ -1,0 +1,154 @@
+"""The processes a service runs on: `Ranks`, an identity in one process (no process group), and under
+`torchrun --nproc-per-node N -m trillora serve MODEL --tinker [--tp T --ep K --pp P --cp C --fsdp]`
+the layout `trillora train` uses (`parallel.dims`): N = P × dp × C × T ranks.
+
+- Rank 0 speaks HTTP and runs the worker; before each call that every rank must run it broadcasts a
+  typed command (`serve.commands`), and the other ranks run the commands they receive, in order.
+- Data parallelism alone (the base replicated): the calls that change a client (create, load,
+  forward_backward, optim_step) run everywhere; sampling, saving and sampler sessions run on rank 0,
+  which holds every adapter too.
+- A sharded base (`sharded`): the decoder layers in P pipeline stages (`parallel.staged`), attention
+  and dense MLP layers over T tensor-parallel ranks (with sp the norms and residual, with
+  vocab_parallel the head), routed experts over K ranks borrowed from dp, each row over C context
+  ranks, the layers sharded over dp × cp by FSDP2. Every rank joins every pass and every sample.
+- A call's datums are split over dp (`block`); the loss sums are all-reduced and the logprobs
+  gathered in datum order (`combine`); the gradients are summed and measured by
+  `parallel.data_parallel.GradientSync` (`gradient_sync`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..models.transformer import OtherStage
+from ..parallel.context_parallel import apply_context_parallel
+from ..parallel.data_parallel import GradientSync
+from ..parallel.dims import ParallelDims, ParallelError, build_meshes
+from ..parallel.expert_parallel import apply_expert_parallel
+from ..parallel.fsdp import apply_fsdp
+from ..parallel.pipeline import split_layers
+from ..parallel.staged import StagedModel
+from ..parallel.tensor_parallel import apply_tensor_parallel
+from .adapters import ResidentBase
+from .config import ServeConfig
+from .shards import ExpertShard, TensorShard
+
+
+class Ranks:
+    def __init__(self, cfg: ServeConfig, args, alone: bool = False):
+        """`args`: the model's architecture (what the layout must divide); `alone`: one process even
+        where a process group exists (a reference for a parallel layout to be compared with)."""
+        self.cfg, self.args = cfg, args
+        parallel = dist.is_initialized() and not alone
+        self.world = dist.get_world_size() if parallel else 1
+        self.rank = dist.get_rank() if parallel else 0
+        self.sharded = cfg.tp > 1 or cfg.ep > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.fsdp
+        """Every rank holds part of the base: each joins every pass and every sample."""
+        self.dims, self.meshes, self.stages = ParallelDims(dp=1, fsdp=False), None, None
+        if self.world == 1:
+            if self.sharded:
+                raise ParallelError("a sharded base needs several ranks: launch with torchrun --nproc-per-node N")
+            self.dp_group = self.grad_group = self.edp_group = self.tp_group = None
+            self.dp_rank, self.dp_size = 0, 1
+            return
+        try:
+            if cfg.ep > 1 and not args.num_experts:
+                raise ParallelError(f"{cfg.model} has no routed experts to shard")
+            if self.world % (cfg.tp * cfg.pp * cfg.cp):
+                raise ParallelError(f"parallel.tp={cfg.tp} × pp={cfg.pp} × cp={cfg.cp} must divide the {self.world} ranks")
+            if cfg.pp > args.num_layers:
+                raise ParallelError(f"parallel.pp={cfg.pp} stages for {args.num_layers} layers; allowed: 1..{args.num_layers}")
+            dims = ParallelDims(dp=self.world // (cfg.tp * cfg.pp * cfg.cp), tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp,
+                                fsdp=cfg.fsdp, sp=cfg.sp, vocab_parallel=cfg.vocab_parallel)  # ep must divide dp ...
+            dims.check_model(args)  # ... and the experts; tp the heads, MLP widths (and the vocabulary)
+        except ParallelError as e:
+            raise ParallelError(f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp} on {self.world} ranks: {e}") from None
+        self.dims, self.meshes = dims, build_meshes(dims, torch.device(cfg.device).type)
+        self.dp_group, self.dp_rank, self.dp_size = self.meshes.group("dp"), self.meshes.rank("dp"), dims.dp
+        self.grad_group = self.meshes.group("dp_cp")  # cp ranks ran other positions of the same rows
+        self.edp_group, self.tp_group = self.meshes.group("edp_cp"), self.meshes.group("tp")
+
+    # --- the base ---------------------------------------------------------------------------
+    def resident(self, path: Path, dtype: torch.dtype, model=None) -> ResidentBase:
+        """This rank's part of the base, with its adapter slots. Sharded: built on the meta device, cut
+        to this rank's stage and experts, split over tp, and only then allocated and read, each rank
+        reading its own part of every tensor (`checkpoint.fill_model`); a given `model` (benchmarks
+        of real shapes) is split the same way after the fact."""
+        from ..checkpoint import fill_model, load_model, meta_model
+
+        cfg, dims, meshes = self.cfg, self.dims, self.meshes
+        if not self.sharded:
+            model = model if model is not None else load_model(path, dtype=dtype, device=cfg.device)
+            return ResidentBase(model, alpha=cfg.lora_alpha)
+        experts = (meshes.rank("ep"), dims.ep) if dims.ep > 1 else None
+        layers = split_layers(self.args.num_layers, dims.pp)[meshes.rank("pp")] if dims.pp > 1 else None
+        on_meta = model is None
+        if on_meta:
+            model = meta_model(path, dtype, experts, layers)
+        if dims.pp > 1:
+            model = self.stages = StagedModel(model, meshes.group("pp"), meshes.rank("pp"), dims.pp)
+            self.stages.chunk_group = meshes.group("ep") if dims.ep > 1 else None
+        base = ResidentBase(model, alpha=cfg.lora_alpha)
+        placement = base.placement
+        if dims.pp > 1:
+            placement.stages = meshes.group("pp")
+        if dims.ep > 1:
+            apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
+            placement.experts = ExpertShard(meshes.group("ep"), meshes.rank("ep"), dims.ep, model.args.num_experts)
+        if dims.tp > 1:
+            plan = apply_tensor_parallel(model, meshes.mesh("tp"), dims.sp, dims.vocab_parallel)
+            placement.tp = TensorShard.of(plan, base.slots, meshes.mesh("tp"))
+        apply_context_parallel(model, meshes.group("cp"), meshes.rank("cp"), dims.cp)
+        if cfg.fsdp:  # the base's layers over dp × cp; the adapter slots are swapped per call, so left alone
+            slots = {p for name, p in model.named_parameters() if ".lora_" in name}
+            # a stage's chunks run the embedding, norm and head one by one (and backward from each
+            # chunk's logits): each is its own unit, gathered again for every chunk
+            ends = None if self.stages is None else [m for m in (model.model.embed_tokens, model.model.norm, model.lm_head)
+                                                     if not isinstance(m, OtherStage)]
+            apply_fsdp(model, meshes, roots=ends, keep=slots)
+        if on_meta:
+            fill_model(model, path, cfg.device, experts)
+        return base
+
+    # --- commands ---------------------------------------------------------------------------
+    def mirror(self, command) -> None:
+        """Rank 0: tell the other ranks to run `command` too (when this layout runs it everywhere)."""
+        if self.rank == 0 and self.world > 1 and (self.sharded or not command.sharded_only):
+            dist.broadcast_object_list([command], src=0)
+
+    def receive(self):
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # --- a pass's datums, losses and gradients ------------------------------------------------
+    def block(self, n: int) -> tuple[int, int]:
+        """Which of a call's n datums this rank runs: a contiguous share, in dp rank order."""
+        return n * self.dp_rank // self.dp_size, n * (self.dp_rank + 1) // self.dp_size
+
+    def combine(self, partial: list[torch.Tensor], logps: dict[int, list[torch.Tensor]], device) -> tuple[list[float], dict]:
+        """Each call's whole loss and per-datum logprobs from every dp rank's parts: the losses summed
+        (so every rank refuses the same non-finite calls), the logprobs gathered in datum order."""
+        mine = {i: [lp.detach().cpu().numpy() for lp in lps] for i, lps in logps.items()}
+        if self.dp_size == 1 and self.world == 1:
+            return [float(p.detach()) for p in partial], mine
+        totals = torch.stack([p.detach() for p in partial]) if partial else torch.zeros(0, device=device)
+        dist.all_reduce(totals, group=self.dp_group)  # [calls]: each call's whole loss, the same on every rank
+        gathered = [None] * self.dp_size
+        dist.all_gather_object(gathered, mine, group=self.dp_group)
+        return totals.tolist(), {i: [lp for g in gathered for lp in g[i]] for i in logps}
+
+    def gradient_sync(self, params: dict[str, torch.nn.Parameter], placement) -> GradientSync | None:
+        """tp layers' partial sums completed; dense adapters summed over dp × cp; expert slices over the
+        ranks that hold the same experts (expert parallelism already brought each of them every token
+        routed to it); the norm counts replicated parts once, tp parts, expert slices and stages
+        summed. None in one process."""
+        if self.world == 1:
+            return None
+        d = self.dims
+        experts = {k for k in params if placement.is_expert(k)}
+        return GradientSync(list(params.items()), experts, self.grad_group, self.edp_group, d.dp * d.cp, d.edp * d.cp,
+                            placement.experts.group if d.ep > 1 else None, placement.stages if d.pp > 1 else None)
