@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from fastapi import APIRouter, Request
 
+from ..lora import AdapterError
 from ..rollout.types import SamplingParams
 from .http import json_object
 from .tinker_service import BadRequest, SampleCall
@@ -80,8 +81,15 @@ class OpenAIRoutes:
         return {"status": "ok", "lora_name": name}
 
     def _load(self, name: str, path: Path) -> None:
-        held = sum(r.bytes() for n, r in self.service.served().items() if n != name)  # replacing a name frees its bytes
-        self.service.serve_adapter(name, path, room=self.adapter_limit - held)
+        try:
+            revision = self.service.base.revision_from_folder(path)
+        except (AdapterError, ValueError) as e:
+            raise BadRequest(str(e)) from None
+        room = self.adapter_limit - sum(r.bytes() for n, r in self.service.served().items() if n != name)  # a replaced name frees its bytes
+        if revision.bytes() > room:
+            raise BadRequest(f"adapter {name!r} holds {revision.bytes() / 2**20:.1f} MiB; {max(room, 0) / 2**20:.1f} MiB of the "
+                             "adapter memory is free (--adapter-memory-mib): unload one first", 429)
+        self.service.serve_adapter(name, revision)
 
     async def unload_adapter(self, request: Request) -> dict:
         name = (await _body(request)).get("lora_name")

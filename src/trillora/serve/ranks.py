@@ -73,6 +73,15 @@ class Ranks:
 
     # --- the base ---------------------------------------------------------------------------
     def resident(self, path: Path, dtype: torch.dtype, model=None) -> ResidentBase:
+        base = self._build(path, dtype, model)
+        if self.cfg.precision == "bf16_weights":  # bf16 numerics at fp32 speed on a CPU
+            with torch.no_grad():
+                for name, p in base.model.named_parameters():
+                    if ".lora_" not in name and p.is_floating_point():
+                        p.copy_(p.to(torch.bfloat16))
+        return base
+
+    def _build(self, path: Path, dtype: torch.dtype, model=None) -> ResidentBase:
         """This rank's part of the base, with its adapter slots. Sharded: built on the meta device, cut
         to this rank's stage and experts, split over tp, and only then allocated and read, each rank
         reading its own part of every tensor (`checkpoint.fill_model`); a given `model` (benchmarks
@@ -140,6 +149,33 @@ class Ranks:
         gathered = [None] * self.dp_size
         dist.all_gather_object(gathered, mine, group=self.dp_group)
         return totals.tolist(), {i: [lp for g in gathered for lp in g[i]] for i in logps}
+
+    def pass_adapters(self, live: list, mine: list) -> tuple[list, list[int]]:
+        """A pass's adapters and their rows here, from (index, call, adapter, first, end) of every live
+        call and of those with datums here (`mine`). Replicated: the adapters of `mine`. Sharded:
+        every call's adapter on every rank, in call order, with 0 rows where none of its datums are
+        here (the ranks of an expert-parallel group number the adapters alike), a rank with no
+        datums running its filler token with the first; under pp the pass (of one call or several:
+        each chunk's rows keep their adapters, `RowAdapters.select_rows`) runs as `--pp-microbatches` chunks."""
+        if not self.sharded:
+            return [a for _, _, a, _, _ in mine] or [live[0][2]], [hi - lo for *_, lo, hi in mine] or [1]
+        rows = [hi - lo for *_, lo, hi in live]
+        if not any(rows):
+            rows[0] = 1
+        if self.stages is not None:
+            self.stages.microbatches = self.cfg.pp_microbatches
+        return [a for _, _, a, _, _ in live], rows
+
+    @torch.no_grad()
+    def join_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """A rank with no rows of a client has no gradient for it: it joins the sum with zeros."""
+        if self.world == 1:
+            return
+        has = torch.tensor([float(p.grad is not None) for p in params], device=torch.device(self.cfg.device))
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.grad_group)
+        for p, h in zip(params, has.tolist()):
+            if h and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     def gradient_sync(self, params: dict[str, torch.nn.Parameter], placement) -> GradientSync | None:
         """tp layers' partial sums completed; dense adapters summed over dp × cp; expert slices over the

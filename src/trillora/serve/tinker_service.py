@@ -13,20 +13,17 @@ Shape legend: B datums, T tokens (padded), V vocabulary, N one datum's tokens, K
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import threading
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from .. import lora
 from ..checkpoint.atomic import AtomicFolder
 from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
-from ..models.transformer import OtherStage
 from ..parallel.checkpointing import apply_activation_checkpointing
 from ..policy import adamw, optimizer_step
 from ..policy.logprobs import target_logprobs
@@ -34,10 +31,11 @@ from ..rl.tinker_losses import datum_loss
 from ..rollout.local import LocalEngine
 from ..rollout.types import SamplingParams
 from .adapters import ResidentBase, Revision, roles_of
-from .tinker_checks import adam_settings, check_data, check_sample, cut_at_stop, resolve, state_path
+from .tinker_checks import adam_settings, check_data, check_sample, resolve, state_path
 from .config import ServeConfig
 from .commands import CreateModel, CreateSampler, ForwardBackward, LoadState, OptimStep, Sample, SaveForSampler, SaveState, Stop
 from .ranks import Ranks
+from .sampling import Sampling
 from .tinker_types import BadRequest, Client, FwdBwd, SampleCall, Session
 from .wire import Datum
 
@@ -64,13 +62,12 @@ class TinkerService:
         self.writes = self.ranks.rank == 0  # saved states are written once
         self.base = self.ranks.resident(path, dtype, model)
         self.stages = self.ranks.stages  # this rank's pipeline stage (`parallel.staged`), under pp
-        if cfg.precision == "bf16_weights":
-            _round_to_bf16(self.base.model)
         check_tokenizer_fits(self.tokenizer, self.base.model.args.vocab_size, path)
         apply_activation_checkpointing(self.base.model, cfg.activation_checkpoint_every)  # a long call's pass
         self.device = torch.device(cfg.device)
         self.vocab = self.base.model.args.vocab_size
         self.engine = LocalEngine.sharing(self.base.model, pad_id=self.tokenizer.pad_token_id or 0)
+        self.sampling = Sampling(self.base, self.engine, self.ranks, self.tokenizer, self.device, self.check_sample, self.sampler)
         self.sessions: dict[str, Session] = {SERVED: Session(SERVED)}
         """Tinker sessions, and SERVED: the revisions the OpenAI routes sample, by model name."""
         self.lock = threading.Lock()  # the registry (sessions, clients, samplers), not the model
@@ -187,7 +184,7 @@ class TinkerService:
         if not mine and not (self.ranks.sharded and live):  # a sharded rank joins every pass (its collectives)
             self._losses_and_backward(live, [], outcomes)
             return outcomes
-        adapters, rows = self._pass_adapters(live, mine)
+        adapters, rows = self.ranks.pass_adapters(live, mine)
         use = self.base.use(adapters[0]) if len(adapters) == 1 else self.base.use_many(adapters, rows)
         with use as model, torch.set_grad_enabled(any(not c.forward_only for _, c, *_ in live)):
             if not mine:  # one token through the pass, weighted 0: its collectives, not its loss
@@ -198,21 +195,6 @@ class TinkerService:
                                           [t for _, c, _, lo, hi in mine for t in c.tensors[lo:hi]])
             self._losses_and_backward(live, logps, outcomes)
         return outcomes
-
-    def _pass_adapters(self, live: list, mine: list) -> tuple[list, list[int]]:
-        """The pass's adapters and their rows here: those of the calls with datums in this process.
-        Sharded: every call's adapter on every rank, in call order, with 0 rows where none of its datums
-        are here (the ranks of an expert-parallel group number the adapters alike); a rank with no
-        datums runs its filler token with the first. Under pp a pass (of one call or several: each
-        chunk's rows keep their adapters, `RowAdapters.select_rows`) runs as `--pp-microbatches` chunks."""
-        if not self.ranks.sharded:
-            return [a for _, _, a, _, _ in mine] or [live[0][2]], [hi - lo for *_, lo, hi in mine] or [1]
-        rows = [hi - lo for *_, lo, hi in live]
-        if not any(rows):
-            rows[0] = 1
-        if self.stages is not None:
-            self.stages.microbatches = self.cfg.pp_microbatches
-        return [a for _, _, a, _, _ in live], rows
 
     def _losses_and_backward(self, live: list, logps: list[torch.Tensor], outcomes: list,
                              filler: torch.Tensor | None = None) -> None:
@@ -274,12 +256,7 @@ class TinkerService:
         lr, b1, b2, eps, wd, clip = adam_settings(adam)  # refused before the gradients are summed: a retry sums once
         a = client.adapter
         params = list(a.params.values())
-        if self.ranks.world > 1:  # a rank with no rows of this client has no gradient: it joins the sum with zeros
-            has = torch.tensor([float(p.grad is not None) for p in params], device=self.device)
-            dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.ranks.grad_group)
-            for p, h in zip(params, has.tolist()):
-                if h and p.grad is None:
-                    p.grad = torch.zeros_like(p)
+        self.ranks.join_gradients(params)
         if a.optimizer is None:
             a.optimizer = adamw(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
         for g in a.optimizer.param_groups:
@@ -375,16 +352,8 @@ class TinkerService:
                                  expert_rank=meta.get("expert_rank"))
         return self._add_sampler(sid, seq, Revision(config, tensors))
 
-    def serve_adapter(self, name: str, folder: Path, room: int | None = None) -> None:
-        """The OpenAI routes' `load_lora_adapter`: a PEFT adapter folder as a revision named `name`
-        (replacing one of that name), refused when it needs more than `room` bytes."""
-        try:
-            revision = self.base.revision_from_folder(folder)
-        except (lora.AdapterError, ValueError) as e:
-            raise BadRequest(str(e)) from None
-        if room is not None and revision.bytes() > room:
-            raise BadRequest(f"adapter {name!r} holds {revision.bytes() / 2**20:.1f} MiB; {max(room, 0) / 2**20:.1f} MiB of the "
-                             "adapter memory is free (--adapter-memory-mib): unload one first", 429)
+    def serve_adapter(self, name: str, revision: Revision) -> None:
+        """The OpenAI routes' `load_lora_adapter`: `revision` served as `name` (replacing one of that name)."""
         self._add_sampler(SERVED, name, revision)
 
     def unserve_adapter(self, name: str) -> None:
@@ -412,117 +381,11 @@ class TinkerService:
         no seed unless they are one request's prompts) share one `generate`, each prompt with its own
         sampler's revision. Each outcome is what `sample` returns, or the BadRequest it raises."""
         self.ranks.mirror(Sample(calls))
-        if self.ranks.sharded:
-            with self._decoding():
-                return self._sample_or_follow(calls)
-        return self._sample_groups(calls)
-
-    def _sample_groups(self, calls: list[SampleCall]) -> list:
-        outcomes: list = [None] * len(calls)
-        groups: dict = {}
-        for i, c in enumerate(calls):
-            try:
-                revision, sp, stops = self.check_sample(c)
-            except BadRequest as e:
-                outcomes[i] = e
-                continue
-            shared = (sp.seed is None or c.batch is not None) and not c.prompt_logprobs
-            key = (c.n, sp, stops, None if sp.seed is None else c.batch) if shared else ("alone", i)
-            groups.setdefault(key, []).append((i, c, revision, sp, stops))
-        for group in groups.values():
-            revisions = list({id(r): r for _, _, r, _, _ in group}.values())
-            group.sort(key=lambda g: [id(r) for r in revisions].index(id(g[2])))  # each revision's rows together
-            rows = [sum(g[2] is r for g in group) for r in revisions]
-            try:
-                self._generate(group, revisions, rows, outcomes)
-            except Exception as e:  # noqa: BLE001 - this group's calls fail, the other groups' stand
-                for i, *_ in group:
-                    outcomes[i] = e
-        return outcomes
-
-    def _generate(self, group: list, revisions: list[Revision], rows: list[int], outcomes: list) -> None:
-        """One `generate` for a group of calls with the same settings, each row with its revision."""
-        _, c, _, sp, stops = group[0]
-        use = self.base.use(revisions[0]) if len(revisions) == 1 else self.base.use_many(revisions, rows)
-        with use as model, torch.no_grad():
-            self.engine.forget()
-            out = self.engine.generate([g[1].prompt for g in group], c.n, sp)
-            for (i, call, *_), completions in zip(group, out):
-                scored = None
-                if call.prompt_logprobs:  # a group of one
-                    prompt = torch.tensor([call.prompt], device=self.device)
-                    logp = torch.log_softmax(model(prompt).float(), -1)[0]  # [N, V]
-                    scored = [math.nan] + logp[:-1].gather(-1, prompt[0, 1:, None])[:, 0].tolist()
-                outcomes[i] = ([cut_at_stop(x, stops, self.tokenizer) for x in completions], scored)
-
-    @contextlib.contextmanager
-    def _decoding(self):
-        """Whole rows and whole logits on every rank that decodes: context parallelism off (every cp
-        rank runs the same tokens), a vocabulary-parallel head's slices gathered over tp, and under
-        pp the last stage's logits shared with every stage."""
-        model = self.base.model
-        cp = getattr(model, "context_parallel", None)
-        with contextlib.ExitStack() as stack:
-            if cp is not None:
-                stack.enter_context(cp.off())
-            if self.stages is not None:
-                stack.enter_context(self.stages.sharing_logits())
-            if self.cfg.vocab_parallel and not isinstance(model.lm_head, OtherStage):
-                hook = model.lm_head.register_forward_hook(lambda m, args, out: _gather_vocab(out, self.ranks.tp_group))
-                stack.callback(hook.remove)
-            yield
-
-    def _sample_or_follow(self, calls: list[SampleCall]) -> list:
-        """A sharded base samples on every rank: dp rank 0's tp / cp / pp group drives the same
-        `generate` (the same logits after the all-reduces, the same seeded generator, so the same
-        tokens); before each forward rank 0 names the revision(s), and the other ranks run one token
-        through the same ones so that their experts serve the drivers' rows."""
-        if self.ranks.dp_rank == 0:
-            hook = self.base.model.register_forward_pre_hook(self._before_forward, prepend=True)  # before FSDP gathers
-            try:
-                return self._sample_groups(calls)
-            finally:
-                hook.remove()
-                self._announce(None)
-        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        while (named := self._announce(None)) is not None:
-            if isinstance(named, list):  # several revisions in the pass: the same ones, numbered alike
-                revisions = [self.sampler(n) for n in named]
-                use = self.base.use_many(revisions, [1] + [0] * (len(revisions) - 1))
-            else:
-                use = self.base.use(self.sampler(named))
-            with use as model, torch.no_grad():
-                model(ids)
-        return []
-
-    def _before_forward(self, module, args) -> None:
-        in_use = self.base.in_use
-        self._announce([r.sampler_id for r in in_use] if isinstance(in_use, tuple) else in_use.sampler_id)
-
-    def _announce(self, sampler_id: str | list[str] | None) -> str | list[str] | None:
-        """Rank 0's sampler id (or ids), on every rank (what the others pass is ignored)."""
-        box = [sampler_id]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return self.sampling.run(calls)
 
     def check_sample(self, c: SampleCall) -> tuple[Revision, SamplingParams, tuple[str, ...]]:
         revision = self.sampler(c.sampler_id)
         return (revision, *check_sample(c, self.vocab, self.tokenizer.eos_token_id, self.cfg))
-
-
-@torch.no_grad()
-def _gather_vocab(logits_local: torch.Tensor, group) -> torch.Tensor:
-    """[B, T, V/tp] slices of the head's output -> [B, T, V] on every tp rank (decoding: a few positions)."""
-    parts = [torch.empty_like(logits_local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, logits_local.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
-
-
-@torch.no_grad()
-def _round_to_bf16(model: torch.nn.Module) -> None:
-    for name, p in model.named_parameters():
-        if ".lora_" not in name and p.is_floating_point():
-            p.copy_(p.to(torch.bfloat16))
 
 
 def _raised(outcome):

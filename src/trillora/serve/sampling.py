@@ -1,0 +1,134 @@
+"""Sampling on the resident base, for the service's `sample_many`: the calls that wait together
+grouped by their settings, one `generate` per group with each row's own revision (`lora.multi`),
+one group's failure its own calls' outcome. On a sharded base (`serve.ranks`) every rank samples:
+the ranks of dp rank 0's tp / cp / pp group drive the same `generate` (the same logits after the
+all-reduces, the same seeded generator, so the same tokens) over whole rows and whole logits, and
+before each forward rank 0 names the revision(s) so that the other ranks run one token through the
+same ones and their experts serve the drivers' rows."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..models.transformer import OtherStage
+from ..rollout.local import LocalEngine
+from .adapters import ResidentBase, Revision
+from .ranks import Ranks
+from .tinker_checks import cut_at_stop
+from .tinker_types import BadRequest, SampleCall
+
+
+class Sampling:
+    def __init__(self, base: ResidentBase, engine: LocalEngine, ranks: Ranks, tokenizer, device: torch.device,
+                 check: Callable, lookup: Callable[[str], Revision]):
+        """`check(call)`: (revision, SamplingParams, stop strings), or BadRequest; `lookup(sampler_id)`: a revision."""
+        self.base, self.engine, self.ranks, self.tokenizer, self.device = base, engine, ranks, tokenizer, device
+        self.check, self.lookup = check, lookup
+        self.stages = ranks.stages
+
+    def run(self, calls: list[SampleCall]) -> list:
+        if not self.ranks.sharded:
+            return self._groups(calls)
+        with self._decoding():
+            return self._sample_or_follow(calls)
+
+    def _groups(self, calls: list[SampleCall]) -> list:
+        outcomes: list = [None] * len(calls)
+        groups: dict = {}
+        for i, c in enumerate(calls):
+            try:
+                revision, sp, stops = self.check(c)
+            except BadRequest as e:
+                outcomes[i] = e
+                continue
+            shared = (sp.seed is None or c.batch is not None) and not c.prompt_logprobs
+            key = (c.n, sp, stops, None if sp.seed is None else c.batch) if shared else ("alone", i)
+            groups.setdefault(key, []).append((i, c, revision, sp, stops))
+        for group in groups.values():
+            revisions = list({id(r): r for _, _, r, _, _ in group}.values())
+            group.sort(key=lambda g: [id(r) for r in revisions].index(id(g[2])))  # each revision's rows together
+            rows = [sum(g[2] is r for g in group) for r in revisions]
+            try:
+                self._generate(group, revisions, rows, outcomes)
+            except Exception as e:  # noqa: BLE001 - this group's calls fail, the other groups' stand
+                for i, *_ in group:
+                    outcomes[i] = e
+        return outcomes
+
+    def _generate(self, group: list, revisions: list[Revision], rows: list[int], outcomes: list) -> None:
+        """One `generate` for a group of calls with the same settings, each row with its revision."""
+        _, c, _, sp, stops = group[0]
+        use = self.base.use(revisions[0]) if len(revisions) == 1 else self.base.use_many(revisions, rows)
+        with use as model, torch.no_grad():
+            self.engine.forget()
+            out = self.engine.generate([g[1].prompt for g in group], c.n, sp)
+            for (i, call, *_), completions in zip(group, out):
+                scored = None
+                if call.prompt_logprobs:  # a group of one
+                    prompt = torch.tensor([call.prompt], device=self.device)
+                    logp = torch.log_softmax(model(prompt).float(), -1)[0]  # [N, V]
+                    scored = [math.nan] + logp[:-1].gather(-1, prompt[0, 1:, None])[:, 0].tolist()
+                outcomes[i] = ([cut_at_stop(x, stops, self.tokenizer) for x in completions], scored)
+
+    @contextlib.contextmanager
+    def _decoding(self):
+        """Whole rows and whole logits on every rank that decodes: context parallelism off (every cp
+        rank runs the same tokens), a vocabulary-parallel head's slices gathered over tp, and under
+        pp the last stage's logits shared with every stage."""
+        model = self.base.model
+        cp = getattr(model, "context_parallel", None)
+        with contextlib.ExitStack() as stack:
+            if cp is not None:
+                stack.enter_context(cp.off())
+            if self.stages is not None:
+                stack.enter_context(self.stages.sharing_logits())
+            if self.ranks.dims.vocab_parallel and not isinstance(model.lm_head, OtherStage):
+                hook = model.lm_head.register_forward_hook(lambda m, args, out: _gather_vocab(out, self.ranks.tp_group))
+                stack.callback(hook.remove)
+            yield
+
+    def _sample_or_follow(self, calls: list[SampleCall]) -> list:
+        """A sharded base samples on every rank: dp rank 0's tp / cp / pp group drives the same
+        `generate` (the same logits after the all-reduces, the same seeded generator, so the same
+        tokens); before each forward rank 0 names the revision(s), and the other ranks run one token
+        through the same ones so that their experts serve the drivers' rows."""
+        if self.ranks.dp_rank == 0:
+            hook = self.base.model.register_forward_pre_hook(self._before_forward, prepend=True)  # before FSDP gathers
+            try:
+                return self._groups(calls)
+            finally:
+                hook.remove()
+                self._announce(None)
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        while (named := self._announce(None)) is not None:
+            if isinstance(named, list):  # several revisions in the pass: the same ones, numbered alike
+                revisions = [self.lookup(n) for n in named]
+                use = self.base.use_many(revisions, [1] + [0] * (len(revisions) - 1))
+            else:
+                use = self.base.use(self.lookup(named))
+            with use as model, torch.no_grad():
+                model(ids)
+        return []
+
+    def _before_forward(self, module, args) -> None:
+        in_use = self.base.in_use
+        self._announce([r.sampler_id for r in in_use] if isinstance(in_use, tuple) else in_use.sampler_id)
+
+    def _announce(self, sampler_id: str | list[str] | None) -> str | list[str] | None:
+        """Rank 0's sampler id (or ids), on every rank (what the others pass is ignored)."""
+        box = [sampler_id]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+@torch.no_grad()
+def _gather_vocab(logits_local: torch.Tensor, group) -> torch.Tensor:
+    """[B, T, V/tp] slices of the head's output -> [B, T, V] on every tp rank (decoding: a few positions)."""
+    parts = [torch.empty_like(logits_local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits_local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
