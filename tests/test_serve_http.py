@@ -206,12 +206,20 @@ def keyed(port: int, method: str, path: str, body: object = None, raw: bytes | N
     return status_and_json(request(port, head.encode() + data))
 
 
-def test_a_half_closed_client_still_gets_its_answer(server):
+def test_a_half_closed_client_still_gets_its_answers(server):
+    one = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n"
     with socket.create_connection(("127.0.0.1", server.cfg.port), timeout=30) as sock:
-        sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+        sock.sendall(one.encode())
         sock.shutdown(socket.SHUT_WR)
         status, out = status_and_json(read_reply(sock))
     assert status == 200 and out["data"][0]["id"] == "tiny-moe"
+    with socket.create_connection(("127.0.0.1", server.cfg.port), timeout=30) as sock:  # three at once, then the close
+        sock.sendall((one * 3).encode())
+        sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.count(b"HTTP/1.1 200") == 3
 
 
 def test_a_pipelined_partial_request_has_the_header_deadline():

@@ -126,7 +126,7 @@ def test_chat_completions_with_a_real_chat_template(tmp_path):
 
 def test_adapters_are_slots_bounded_by_memory(tmp_path):
     """A loaded adapter is its tensors on the one base: past `adapter_memory_mib` a load is refused
-    (429) until one is unloaded; /v1/models reports each adapter's bytes and the budget."""
+    (400: retrying cannot help) until one is unloaded; /v1/models reports each adapter's bytes and the budget."""
     from trillora.serve.config import ServeConfig
 
     model = load_model(resolve_model_path("tiny-moe"))
@@ -138,7 +138,10 @@ def test_adapters_are_slots_bounded_by_memory(tmp_path):
     assert post(url, "/v1/load_lora_adapter", {"lora_name": "one", "lora_path": "a"}, key=None)[0] == 200
     assert post(url, "/v1/load_lora_adapter", {"lora_name": "one", "lora_path": "a"}, key=None)[0] == 200  # replaced, not one more
     status, out = post(url, "/v1/load_lora_adapter", {"lora_name": "two", "lora_path": "a"}, key=None)
-    assert status == 429 and "of the adapter memory is free" in out["error"]["message"]
+    assert status == 400 and "of the adapter memory is free" in out["error"]["message"]
+    for bad in ({"lora_name": "x" * 200, "lora_path": "a"}, {"lora_name": ["x"], "lora_path": "a"}):
+        assert post(url, "/v1/load_lora_adapter", bad, key=None)[0] == 400
+    assert post(url, "/v1/unload_lora_adapter", {}, key=None)[0] == 400
     assert post(url, "/v1/unload_lora_adapter", {"lora_name": "one"}, key=None)[0] == 200
     assert post(url, "/v1/load_lora_adapter", {"lora_name": "two", "lora_path": "a"}, key=None)[0] == 200
     with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:

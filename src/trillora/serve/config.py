@@ -105,6 +105,9 @@ class ServeConfig:
         for key in ("max_connections", "max_samples", "max_prompts", "max_tokens_limit"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1")
+        mib = self.adapter_memory_mib
+        if mib is not None and (not isinstance(mib, (int, float)) or not 0 <= mib < float("inf")):
+            raise BadRequest(f"adapter_memory_mib={mib!r}; allowed: a finite number of MiB >= 0 (or unset)")
         for key in ("idle_seconds", "header_seconds", "body_seconds", "poll_seconds"):
             if not getattr(self, key) > 0:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: a number of seconds > 0")

@@ -171,6 +171,7 @@ class TimedH11Protocol(H11Protocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.timer, self.waiting, self.refusal, self.half_closed = None, "idle", "malformed HTTP request", False
+        self.write_timer = None
         next_event = self.conn.next_event
 
         def recording_next_event():  # uvicorn answers h11's refusals with a fixed text; keep h11's reason
@@ -206,9 +207,9 @@ class TimedH11Protocol(H11Protocol):
             self._disarm()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if self.half_closed:  # the client sends nothing more: its answer was the last thing to write
-            self.transport.close()
+        super().on_response_complete()  # a complete request already buffered starts now
+        if self.half_closed and self._between_requests() and not self.conn.trailing_data[0]:
+            self.transport.close()  # the client sends nothing more: its last answer is written
         elif not self.transport.is_closing() and self._between_requests():
             pipelined = bool(self.conn.trailing_data[0])  # part of the next request already arrived
             self._arm("headers" if pipelined else "idle", self.limits.header_seconds if pipelined else self.limits.idle_seconds)
@@ -222,18 +223,35 @@ class TimedH11Protocol(H11Protocol):
         return True
 
     def connection_lost(self, exc) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
+        for timer in (self.timer, self.write_timer):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
 
     def _expired(self) -> None:
-        if self.transport.is_closing():
-            return
         if self.transport.get_write_buffer_size():  # a client that does not read its answers: close() would wait on it
             return self.transport.abort()
+        if self.transport.is_closing():
+            return
         if self.waiting == "headers":
             return self._refuse(408, f"the request's headers did not arrive within {self.limits.header_seconds:g} s")
         self.transport.close()  # idle between requests: a plain keep-alive close
+
+    def timeout_keep_alive_handler(self) -> None:
+        if self.transport.get_write_buffer_size():
+            return self.transport.abort()
+        super().timeout_keep_alive_handler()
+
+    def pause_writing(self) -> None:
+        """The client stopped reading: it has `idle_seconds` to read on before the connection is dropped."""
+        super().pause_writing()
+        self.write_timer = self.loop.call_later(self.limits.idle_seconds, self.transport.abort)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
 
     def _refuse(self, status: int, message: str) -> None:
         body = json.dumps({"error": {"message": message, "code": status}, "detail": message}).encode()

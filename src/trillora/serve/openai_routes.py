@@ -14,6 +14,7 @@ adapters that wait together are sampled in one pass, each row with its own adapt
 from __future__ import annotations
 
 import itertools
+import re
 import time
 import uuid
 from pathlib import Path
@@ -31,6 +32,7 @@ from .worker import outcome_of
 if TYPE_CHECKING:
     from .app import Server
 
+NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "trillora_adapter.json")
 
 
@@ -72,8 +74,9 @@ class OpenAIRoutes:
     async def load_adapter(self, request: Request) -> dict:
         body = await _body(request)
         name, given = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not name or not isinstance(given, str):
-            raise BadRequest("load_lora_adapter needs string fields lora_name and lora_path")
+        if not isinstance(name, str) or not NAME.fullmatch(name) or not isinstance(given, str):
+            raise BadRequest("load_lora_adapter needs string fields lora_name (1-128 letters, digits, '.', '_', ':', '/' "
+                             "or '-') and lora_path")
         if name == self.cfg.model:
             raise BadRequest(f"lora_name {name!r} is the base model's name")
         path = self._adapter_path(given)
@@ -88,11 +91,13 @@ class OpenAIRoutes:
         room = self.adapter_limit - sum(r.bytes() for n, r in self.service.served().items() if n != name)  # a replaced name frees its bytes
         if revision.bytes() > room:
             raise BadRequest(f"adapter {name!r} holds {revision.bytes() / 2**20:.1f} MiB; {max(room, 0) / 2**20:.1f} MiB of the "
-                             "adapter memory is free (--adapter-memory-mib): unload one first", 429)
+                             "adapter memory is free (--adapter-memory-mib): unload one first")  # 400: retrying cannot help
         self.service.serve_adapter(name, revision)
 
     async def unload_adapter(self, request: Request) -> dict:
         name = (await _body(request)).get("lora_name")
+        if not isinstance(name, str):
+            raise BadRequest("unload_lora_adapter needs a string field lora_name")
         self.service.unserve_adapter(name)
         return {"status": "ok", "lora_name": name}
 
@@ -117,6 +122,8 @@ class OpenAIRoutes:
             raise BadRequest(f"{len(prompt)} prompts; at most {self.cfg.max_prompts} per request")
         out = []
         for p in prompt:
+            if isinstance(p, str) and len(p) > 64 * self.max_len:  # bounded before the tokenizer runs on the event loop
+                raise BadRequest(f"a prompt of {len(p)} characters is longer than the model's {self.max_len} positions can hold")
             if isinstance(p, str):
                 out.append(self.tokenizer(p, add_special_tokens=False)["input_ids"])
             elif isinstance(p, list) and p and all(isinstance(t, int) and 0 <= t < len(self.tokenizer) for t in p):
@@ -181,7 +188,12 @@ class OpenAIRoutes:
             raise BadRequest(f"model {name!r} is not loaded; loaded: {', '.join(served)}", 404)
         batch = next(self.requests)
         calls = [SampleCall(served[name].sampler_id, p, n, params, batch=batch) for p in prompts]
-        outcomes = await outcome_of(self.server.worker, lambda: self.server.sample([calls])[0], fuse="sample", payload=calls)
+        try:
+            outcomes = await outcome_of(self.server.worker, lambda: self.server.sample([calls])[0], fuse="sample", payload=calls)
+        except BadRequest as e:
+            if e.status == 404:  # unloaded while the request waited
+                raise BadRequest(f"model {name!r} is not loaded", 404) from None
+            raise
         choices = []
         for i, (tokens, logprobs, reason) in enumerate(c for completions, _ in outcomes for c in completions):
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
