@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from .. import lora
@@ -84,9 +85,12 @@ class TinkerService:
                 command.run(self)
             except BadRequest:
                 pass
+        dist.barrier()  # with rank 0's in `stop`: no rank tears the group down while another still receives
 
     def stop(self) -> None:
         self.ranks.mirror(Stop())
+        if self.ranks.world > 1:
+            dist.barrier()
 
     # --- registry ------------------------------------------------------------------------
     def create_session(self) -> str:
