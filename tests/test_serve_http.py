@@ -158,11 +158,12 @@ def test_connections_past_the_cap_get_503():
         next(gen, None)
 
 
-def rss_kib(pid: int) -> int:
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """The process's resident memory now (VmRSS) or at its peak (VmHWM)."""
     for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
+    raise RuntimeError(f"no {field}")
 
 
 def test_a_body_without_the_key_is_not_read():
@@ -195,6 +196,15 @@ def test_a_body_without_the_key_is_not_read():
         assert sent < 4 * 64 << 20  # the kernel's buffers, not the body
         assert after - before < 16 << 10, (before, after)
         assert not reply or status_and_json(reply)[0] == 401
+        # with the key, a body over the 1 MiB limit (but within 16×) is read so the client sees the 413, and dropped
+        body, peak = b"x" * (15 << 20), rss_kib(proc.pid, "VmHWM")
+        for _ in range(3):
+            status, out = status_and_json(request(port, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                                                        f"{KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body))
+            assert status == 413 and "at most 1048576" in out["error"]["message"]
+        drained = rss_kib(proc.pid, "VmHWM")
+        print(f"3 keyed 15 MiB bodies drained: server peak RSS {peak} -> {drained} KiB")
+        assert drained - peak < 8 << 10, (peak, drained)  # read and dropped, never held whole
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -108,7 +108,7 @@ class Guard:
         if declared > limit:
             # read and dropped, so that a client sending it all reads the 413 (one that waits for 100-continue is not sent it)
             if declared <= DRAIN * limit and headers.get(b"expect", b"").lower() != b"100-continue":
-                await self._read_body(receive, send, path, declared)
+                await self._read_body(receive, send, path, declared, keep=False)
             return await reply(send, path, 413, f"request body of {declared} bytes; this server takes at most {limit}",
                                close=True)
         body = await self._read_body(receive, send, path, limit)
@@ -135,9 +135,10 @@ class Guard:
                 raise
             await reply(send, path, 500, f"{type(e).__name__}: {e}")
 
-    async def _read_body(self, receive, send, path: str, limit: int) -> bytes | None:
+    async def _read_body(self, receive, send, path: str, limit: int, keep: bool = True) -> bytes | None:
         """The whole body, or None after answering 408 / 413 (or when the client left). A chunked
-        body over the limit is drained up to DRAIN times the limit before the 413."""
+        body over the limit is drained up to DRAIN times the limit before the 413. `keep` False:
+        read and drop (a body already refused)."""
         loop = asyncio.get_running_loop()
         deadline, parts, size, more = loop.time() + self.limits.body_seconds, [], 0, True
         while more and size <= DRAIN * limit:
@@ -153,7 +154,7 @@ class Guard:
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size <= limit:
+            if keep and size <= limit:
                 parts.append(chunk)
             more = message.get("more_body", False)
         if size > limit:
