@@ -339,3 +339,20 @@ def test_a_failing_group_of_samples_fails_alone():
     failed, ok = service.sample_many(calls)
     assert isinstance(failed, RuntimeError) and str(failed) == "injected"
     assert len(ok[0]) == 1 and len(ok[0][0][0]) >= 1
+
+
+def test_a_refused_numbered_request_keeps_its_clients_order_and_the_worker_alive(server):
+    """A `seq_id` that is not an integer is refused at the edge (it used to kill the worker once queued);
+    a refused request still takes its place in its client's order, so the next one is not held."""
+    port = server.cfg.port
+    sid = keyed(port, "POST", "/api/v1/create_session", {})[1]["session_id"]
+    created = keyed(port, "POST", "/api/v1/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": "tiny-moe",
+                                                           "lora_config": {"rank": 2}})[1]
+    assert keyed(port, "POST", "/api/v1/retrieve_future", {"request_id": created["request_id"]})[1]["model_id"] == created["model_id"]
+    mid = created["model_id"]
+    status, out = keyed(port, "POST", "/api/v1/optim_step", {"model_id": mid, "seq_id": "x", "adam_params": {}})
+    assert status == 400 and "seq_id='x'" in out["error"]
+    status, out = keyed(port, "POST", "/api/v1/optim_step", {"model_id": mid, "seq_id": 1})  # refused: no adam_params
+    assert status == 400 and "needs adam_params" in out["error"]
+    assert server.worker.next_seq[mid] == 2 and not server.worker.waiting[mid]  # seq 1 done: seq 2 runs at once
+    assert server.worker.alive and keyed(port, "GET", "/api/v1/healthz")[1] == {"status": "ok"}

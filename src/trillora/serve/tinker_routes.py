@@ -17,6 +17,7 @@ under `state_dir`. retrieve_future waits on the event loop, holding no thread wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import threading
@@ -58,8 +59,13 @@ class TinkerRoutes:
         self.lock = threading.Lock()  # the futures: routes run on the threadpool
         self.loop: asyncio.AbstractEventLoop | None = None  # the HTTP layer's, where futures are settled
         self.router = APIRouter()
-        self.router.add_api_route("/api/v1/healthz", lambda: {"status": "ok"}, methods=["GET"])
+        self.router.add_api_route("/api/v1/healthz", self.health, methods=["GET"])
         self.router.add_api_route("/api/v1/{rest:path}", self.handle, methods=["GET", "POST"])
+
+    def health(self) -> dict:
+        if not self.worker.alive:
+            raise BadRequest("the service's worker has stopped; restart the server", 503)
+        return {"status": "ok"}
 
     async def handle(self, request: Request) -> Response:
         self.loop = asyncio.get_running_loop()
@@ -134,9 +140,9 @@ class TinkerRoutes:
                 req = wire.read_forward_backward(raw)
             except wire.WireError as e:
                 raise BadRequest(f"forward_backward body: {e}") from None
-            s.client(req.model_id)
-            tensors = s.check_data(req.loss_fn, req.loss_fn_config, req.data)  # refused now, not in the future
-
+            with self._in_order(req.model_id, req.seq_id):
+                s.client(req.model_id)
+                tensors = s.check_data(req.loss_fn, req.loss_fn_config, req.data)  # refused now, not in the future
             call = FwdBwd(req.model_id, req.loss_fn, req.loss_fn_config, req.data, tensors, req.forward_only)
             encode = lambda o: wire.forward_backward_output({"logprobs": o[0]}, o[1], len(call.data))  # noqa: E731
             return self._json(self.start(lambda: s.forward_backward_many([call])[0], proto=True, model_id=req.model_id,
@@ -147,7 +153,24 @@ class TinkerRoutes:
             return self._json({})
         if handler is None:
             raise BadRequest(f"no route POST {path}", 404)
-        return self._json(handler(body))
+        if "seq_id" not in body:
+            return self._json(handler(body))
+        with self._in_order(body.get("model_id"), body["seq_id"]):
+            return self._json(handler(body))
+
+    @contextlib.contextmanager
+    def _in_order(self, model_id, seq_id):
+        """A request of a client's numbered sequence: a non-integer number is refused; a refused request
+        still takes its place in the sequence (the worker runs a no-op there), so the client's next
+        request is not held waiting for it."""
+        if seq_id is not None and (not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 0):
+            raise BadRequest(f"seq_id={seq_id!r}; allowed: an integer >= 0")
+        try:
+            yield
+        except BadRequest:
+            if isinstance(model_id, str) and seq_id is not None:
+                self.worker.submit(Job(lambda: None, lambda out: None, model_id), seq_id)
+            raise
 
     def _routes(self) -> dict:
         s = self.service

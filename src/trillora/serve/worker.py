@@ -54,9 +54,16 @@ class Worker:
         self.ready = threading.Condition()
         self.order = itertools.count()
         self.fused_batches = 0  # passes that served more than one request
-        threading.Thread(target=self._run, daemon=True, name="tinker-worker").start()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="tinker-worker")
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
 
     def submit(self, job: Job, seq_id: int | None = None) -> None:
+        if seq_id is not None and (not isinstance(seq_id, int) or isinstance(seq_id, bool)):
+            raise TypeError(f"seq_id={seq_id!r} is not an integer")  # in the heap it would stop the worker
         with self.ready:
             if job.fuse is not None:
                 self.recent.append(job)
