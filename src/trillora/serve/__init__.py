@@ -1,1 +1,2 @@
-"""Servers over a resident model: the Tinker-compatible training service (`serve --tinker`)."""
+"""`trillora serve`: the OpenAI and Tinker routes (one HTTP layer) over one resident base and its
+adapters, on one process or a torchrun layout."""

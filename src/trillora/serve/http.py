@@ -108,7 +108,8 @@ class Guard:
         if declared > limit:
             # read and dropped, so that a client sending it all reads the 413 (one that waits for 100-continue is not sent it)
             if declared <= DRAIN * limit and headers.get(b"expect", b"").lower() != b"100-continue":
-                await self._read_body(receive, send, path, declared, keep=False)
+                if await self._read_body(receive, send, path, declared, keep=False) is None:
+                    return  # answered already: the body stalled (408) or the client left
             return await reply(send, path, 413, f"request body of {declared} bytes; this server takes at most {limit}",
                                close=True)
         body = await self._read_body(receive, send, path, limit)
