@@ -96,90 +96,71 @@ def test_a_chunk_of_rows_keeps_each_rows_adapter():
     assert rows.counts.tolist() == [4, 2, 4] and rows.batch == 5
 
 
-def ep_worker(rank: int, port: int, folder: str, errors) -> None:
+def ep_worker(rank: int, world: int, folder: str) -> None:
     """Two expert-parallel ranks, each with its own rows of four adapters (one on no row here):
     logits, dense gradients summed over the ranks and each rank's expert slices equal to the one
     process running each adapter's rows of both ranks alone."""
-    import os
-    import traceback
-
     import torch.distributed as dist
 
     from trillora.parallel.expert_parallel import apply_expert_parallel
     from trillora.serve.shards import ExpertShard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        ref = ResidentBase(trillora.load_model(folder))
-        g = torch.Generator().manual_seed(3)
-        adapters = [ref.new_adapter(4, ("attention", "mlp", "shared_experts", "experts", "lm_head"), seed=1),
-                    ref.new_adapter(2, ("mlp", "shared_experts", "experts"), seed=2), ref.new_adapter(8, ("attention",), seed=3)]
-        with torch.no_grad():
-            for a in adapters:
-                for p in a.params.values():
-                    p.normal_(0.0, 0.1, generator=g)
-        model = trillora.load_model(folder, experts=(rank, 2))
-        base = ResidentBase(model)
-        apply_expert_parallel(model, dist.group.WORLD, rank, 2)
-        base.placement.experts = shard = ExpertShard(dist.group.WORLD, rank, 2, model.args.num_experts)
-        mine = [base.adapter_from(a.config, a.tensors()) for a in adapters]
-        order = [0, None, 1, 2]  # None: rows on the base alone
-        rows = {0: [2, 1, 0, 1], 1: [0, 1, 2, 1]}  # adapter 1 has no row on rank 0, adapter 0 none on rank 1
-        vocab = model.args.vocab_size
-        ids = {r: tokens(vocab, batch=4, length=12, seed=10 + r) for r in rows}
-        weights = {r: torch.randn(4, 12, vocab, generator=torch.Generator().manual_seed(20 + r)) for r in rows}
-        starts = {r: [sum(rows[r][:k]) for k in range(5)] for r in rows}
+    ref = ResidentBase(trillora.load_model(folder))
+    g = torch.Generator().manual_seed(3)
+    adapters = [ref.new_adapter(4, ("attention", "mlp", "shared_experts", "experts", "lm_head"), seed=1),
+                ref.new_adapter(2, ("mlp", "shared_experts", "experts"), seed=2), ref.new_adapter(8, ("attention",), seed=3)]
+    with torch.no_grad():
+        for a in adapters:
+            for p in a.params.values():
+                p.normal_(0.0, 0.1, generator=g)
+    model = trillora.load_model(folder, experts=(rank, 2))
+    base = ResidentBase(model)
+    apply_expert_parallel(model, dist.group.WORLD, rank, 2)
+    base.placement.experts = shard = ExpertShard(dist.group.WORLD, rank, 2, model.args.num_experts)
+    mine = [base.adapter_from(a.config, a.tensors()) for a in adapters]
+    order = [0, None, 1, 2]  # None: rows on the base alone
+    rows = {0: [2, 1, 0, 1], 1: [0, 1, 2, 1]}  # adapter 1 has no row on rank 0, adapter 0 none on rank 1
+    vocab = model.args.vocab_size
+    ids = {r: tokens(vocab, batch=4, length=12, seed=10 + r) for r in rows}
+    weights = {r: torch.randn(4, 12, vocab, generator=torch.Generator().manual_seed(20 + r)) for r in rows}
+    starts = {r: [sum(rows[r][:k]) for k in range(5)] for r in rows}
 
-        def part(r, k):  # the rows of rank r that adapter slot k runs
-            return slice(starts[r][k], starts[r][k + 1])
+    def part(r, k):  # the rows of rank r that adapter slot k runs
+        return slice(starts[r][k], starts[r][k + 1])
 
-        want_logits = {}
-        for k, a in enumerate(order):  # the one-process oracle: each adapter on its rows of both ranks
-            both = torch.cat([ids[r][part(r, k)] for r in rows])
-            w = torch.cat([weights[r][part(r, k)] for r in rows])
-            logits, grads = alone(ref, None if a is None else adapters[a], both, w)
-            split = [len(range(4)[part(r, k)]) for r in rows]
-            want_logits[k] = dict(zip(rows, logits.split(split)))
-            if a is not None:
-                for name, grad in grads.items():
-                    adapters[a].params[name].grad = grad
-        with base.use_many([None if a is None else mine[a] for a in order], rows[rank]) as m:
-            logits = m(ids[rank])
-            (logits * weights[rank]).sum().backward()
-        for k in range(4):
-            if rows[rank][k]:
-                assert (logits[part(rank, k)].detach() - want_logits[k][rank]).abs().max() < TOL, k
-        for a, ours in zip(adapters, mine):
-            for name, p in ours.params.items():
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                if base.placement.is_expert(name):  # every rank's rows routed to these experts came here
-                    want = a.params[name].grad[shard.rows]
-                else:  # this rank's rows only: the other rank's part is added
-                    dist.all_reduce(grad)
-                    want = a.params[name].grad
-                assert (grad - want).abs().max() < TOL * max(1.0, float(want.abs().max())), name
-    except Exception:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
+    want_logits = {}
+    for k, a in enumerate(order):  # the one-process oracle: each adapter on its rows of both ranks
+        both = torch.cat([ids[r][part(r, k)] for r in rows])
+        w = torch.cat([weights[r][part(r, k)] for r in rows])
+        logits, grads = alone(ref, None if a is None else adapters[a], both, w)
+        split = [len(range(4)[part(r, k)]) for r in rows]
+        want_logits[k] = dict(zip(rows, logits.split(split)))
+        if a is not None:
+            for name, grad in grads.items():
+                adapters[a].params[name].grad = grad
+    with base.use_many([None if a is None else mine[a] for a in order], rows[rank]) as m:
+        logits = m(ids[rank])
+        (logits * weights[rank]).sum().backward()
+    for k in range(4):
+        if rows[rank][k]:
+            assert (logits[part(rank, k)].detach() - want_logits[k][rank]).abs().max() < TOL, k
+    for a, ours in zip(adapters, mine):
+        for name, p in ours.params.items():
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if base.placement.is_expert(name):  # every rank's rows routed to these experts came here
+                want = a.params[name].grad[shard.rows]
+            else:  # this rank's rows only: the other rank's part is added
+                dist.all_reduce(grad)
+                want = a.params[name].grad
+            assert (grad - want).abs().max() < TOL * max(1.0, float(want.abs().max())), name
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_rows_of_several_adapters_under_expert_parallelism_equal_each_alone(family, tmp_path):
-    import torch.multiprocessing as mp
-
-    from engine_helpers import free_port
+    from gloo_ranks import run_ranks
 
     folder = save_fused(hf_model(CONFIGS[family]), tmp_path / family)
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(ep_worker, args=(free_port(), str(folder), errors), nprocs=2, start_method="spawn")
-    except Exception as e:
-        raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
+    run_ranks(ep_worker, 2, str(folder))
 
 
 def test_one_generate_samples_several_revisions_as_each_alone(resident):

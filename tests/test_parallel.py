@@ -13,15 +13,14 @@ from __future__ import annotations
 import copy
 import json
 import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import Shard
 
 from engine_helpers import free_port
+from gloo_ranks import run_ranks
 from hf_models import DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_MOE
 from trillora import lora
 from trillora.models import build_model, from_hf_config
@@ -207,34 +206,19 @@ def _root_once(model) -> int:
     return sum(p.numel() * 4 for m in root for p in m.parameters())
 
 
-def worker(rank: int, world: int, port: int, family: str, layouts: list[dict], errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for layout in layouts:
-            try:
-                layout = dict(layout)
-                base_dtype = layout.pop("base_dtype", "float32")
-                run_layout(family, ParallelDims(**layout), base_dtype)
-            except Exception:
-                errors.put(f"rank {rank} {family} {layout}:\n{traceback.format_exc()}")
-                raise
-    finally:
-        dist.destroy_process_group()
+def worker(rank: int, world: int, family: str, layouts: list[dict]) -> None:
+    for layout in layouts:
+        try:
+            layout = dict(layout)
+            base_dtype = layout.pop("base_dtype", "float32")
+            run_layout(family, ParallelDims(**layout), base_dtype)
+        except Exception as e:
+            e.add_note(f"{family} {layout}")
+            raise
 
 
 def spawn(world: int, family: str, layouts: list[dict]) -> None:
-    ctx = mp.get_context("spawn")
-    for attempt in range(3):  # free_port() only reserves nothing: another process may take it first
-        errors = ctx.SimpleQueue()
-        try:
-            mp.start_processes(worker, args=(world, free_port(), family, layouts, errors), nprocs=world, start_method="spawn")
-            return
-        except Exception as e:
-            message = errors.get() if not errors.empty() else str(e)
-            if "EADDRINUSE" not in message or attempt == 2:
-                raise AssertionError(message) from None
+    run_ranks(worker, world, family, layouts)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

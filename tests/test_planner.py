@@ -4,18 +4,15 @@ predictions against what the parallel engine measures on CPU/gloo."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine_helpers import free_port
+from gloo_ranks import run_ranks
 from hf_models import DEEPSEEK_V3, QWEN3_MOE
 from trillora.models.params import resolve_args
 from trillora.models import from_hf_config
@@ -154,20 +151,11 @@ def measure(family: str, dims) -> dict:
             "all_gather": par.fsdp.all_gather_out if par.fsdp else 0}
 
 
-def worker(rank, world, port, family, layouts, results, errors):
+def worker(rank, world, family, layouts, results):
     from trillora.parallel import ParallelDims
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for layout in layouts:
-            results.put((rank, json.dumps(layout), measure(family, ParallelDims(**layout))))
-    except Exception:
-        errors.put(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+    for layout in layouts:
+        results.put((rank, json.dumps(layout), measure(family, ParallelDims(**layout))))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
@@ -176,12 +164,8 @@ def test_predictions_match_measurement_on_two_ranks(family):
     and reduce-scatters and the bytes replicated data parallelism all-reduces as predicted, and
     the activation peak per rank within 25% of the measured one."""
     layouts = [dict(dp=2), dict(dp=2, fsdp=False), dict(tp=2), dict(cp=2, fsdp=False), dict(pp=2), dict(dp=2, ep=2)]
-    ctx = mp.get_context("spawn")
-    results, errors = ctx.SimpleQueue(), ctx.SimpleQueue()
-    try:
-        mp.start_processes(worker, args=(2, free_port(), family, layouts, results, errors), nprocs=2, start_method="spawn")
-    except Exception as e:
-        raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
+    results = mp.get_context("spawn").SimpleQueue()
+    run_ranks(worker, 2, family, layouts, results)
     measured: dict[str, list[dict]] = {}
     while not results.empty():
         _, layout, m = results.get()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine_helpers import free_port
+from gloo_ranks import run_ranks
 from trillora.parallel.data_parallel import GradientSync
 from trillora.policy import adamw, optimizer_step
 
@@ -45,29 +45,20 @@ def test_a_non_finite_gradient_never_reaches_the_adapter():
     assert ps[0].detach().tolist() == [1.0, 2.0] and ps[0].grad is None and not opt.state
 
 
-def _two_ranks(rank: int, port: int, results) -> None:
-    import os
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        # rank r holds gradient g_r; the sum is [4, 8] | [2] (norm sqrt(84)), clipped to 2
-        grads = {0: ([1.0, 2.0], [0.5]), 1: ([3.0, 6.0], [1.5])}[rank]
-        ps = params_with_grads([[1.0, 1.0], [1.0]], grads)
-        sync = GradientSync([("a", ps[0]), ("b", ps[1])], set(), None, None, 2, 2)
-        out = optimizer_step(adamw(ps, lr=0.01), ps, sync, max_norm=2.0)
-        results[rank] = (out.norm, out.sent_bytes, [p.detach().tolist() for p in ps])
-    finally:
-        dist.destroy_process_group()
+def _two_ranks(rank: int, world: int, results) -> None:
+    # rank r holds gradient g_r; the sum is [4, 8] | [2] (norm sqrt(84)), clipped to 2
+    grads = {0: ([1.0, 2.0], [0.5]), 1: ([3.0, 6.0], [1.5])}[rank]
+    ps = params_with_grads([[1.0, 1.0], [1.0]], grads)
+    sync = GradientSync([("a", ps[0]), ("b", ps[1])], set(), None, None, 2, 2)
+    out = optimizer_step(adamw(ps, lr=0.01), ps, sync, max_norm=2.0)
+    results[rank] = (out.norm, out.sent_bytes, [p.detach().tolist() for p in ps])
 
 
 def test_two_ranks_step_as_one_process_on_the_summed_gradient():
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
-    mp.spawn(_two_ranks, args=(free_port(), results), nprocs=2)
+    run_ranks(_two_ranks, 2, results)
     one = params_with_grads([[1.0, 1.0], [1.0]], [[4.0, 8.0], [2.0]])
     want = optimizer_step(adamw(one, lr=0.01), one, None, max_norm=2.0)
     for rank in (0, 1):

@@ -7,14 +7,11 @@ left-padded prompts on every stage, fp32 and on a bf16 base. Families: DeepSeek-
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from engine_helpers import free_port
+from gloo_ranks import run_ranks
 from hf_models import DEEPSEEK_V3, GPT_OSS
 from trillora import lora
 from trillora.models import build_model, from_hf_config
@@ -111,27 +108,13 @@ def same_samples(got, wanted) -> None:
             torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(w.logprobs))
 
 
-def worker(rank: int, port: int, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
-    try:
-        for family in FAMILIES:
-            check_family(family, rank)
-    except Exception:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
+def worker(rank: int, world: int) -> None:
+    for family in FAMILIES:
+        check_family(family, rank)
 
 
 def test_three_stages_compute_what_the_whole_model_computes():
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(worker, args=(free_port(), errors), nprocs=RANKS, start_method="spawn")
-    except Exception as e:
-        raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
+    run_ranks(worker, RANKS)
 
 
 def test_the_pipeline_microbatches_benchmark_runs(tmp_path):

@@ -9,16 +9,13 @@ tensor-parallel rank splits the base before allocating it and reads only its chu
 from __future__ import annotations
 
 import os
-import traceback
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from engine_helpers import free_port
+from gloo_ranks import run_ranks
 from trillora.models.transformer import DecoderLayer
 from trillora.serve.tinker_service import FwdBwd, SampleCall, ServeConfig, TinkerService
 from trillora.serve.wire import Datum
@@ -81,60 +78,51 @@ def state_of(root: str, path: str) -> dict:
     return load_file(os.path.join(root, model_id.replace(":", "_"), "weights", "after", "adapter.safetensors"))
 
 
-def worker(rank: int, world: int, port: int, flags: dict, root: str, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        service = TinkerService(ServeConfig(model=MODEL, state_dir=os.path.join(root, "sharded"), **flags))
-        if flags.get("fsdp"):  # the base's layers sharded over the data-parallel ranks (and cp)
-            norm = next(m for m in service.base.model.modules() if isinstance(m, DecoderLayer)).input_layernorm.weight
-            assert norm.to_local().shape[0] < norm.shape[0], norm.placements
-        if flags == {"fsdp": True}:  # what this rank holds of the base is what the planner counts for it
-            from trillora.parallel.clusters import CLUSTERS
-            from trillora.parallel.planner import plan_service
+def worker(rank: int, world: int, flags: dict, root: str) -> None:
+    service = TinkerService(ServeConfig(model=MODEL, state_dir=os.path.join(root, "sharded"), **flags))
+    if flags.get("fsdp"):  # the base's layers sharded over the data-parallel ranks (and cp)
+        norm = next(m for m in service.base.model.modules() if isinstance(m, DecoderLayer)).input_layernorm.weight
+        assert norm.to_local().shape[0] < norm.shape[0], norm.placements
+    if flags == {"fsdp": True}:  # what this rank holds of the base is what the planner counts for it
+        from trillora.parallel.clusters import CLUSTERS
+        from trillora.parallel.planner import plan_service
 
-            held = sum(_local(p).numel() for n, p in service.base.model.named_parameters() if ".lora_" not in n)
-            planned = next(x for x in plan_service(service.base.model.args, 2, CLUSTERS["cpu"], 2, 8, 64, 4, base_bytes=4)
-                           if x.layout.fsdp and x.layout.ep == 1 and x.layout.cp == 1)
-            assert held == pytest.approx(planned.estimate.memory["base weights"] / 4, rel=1e-3)
-        seen = set()  # under sp: what the final norm receives, a sequence shard
-        service.base.model.model.norm.register_forward_pre_hook(lambda m, args: seen.add(str(getattr(args[0], "placements", ""))))
-        if rank > 0:
-            service.follow()
-            assert not flags.get("sp") or seen == {"(Shard(dim=1),)"}, seen
-            return
-        try:  # with microbatches the shared pass runs in chunks, each chunk's rows with their adapters
-            got = scenario(service, {"alone": False})
-        finally:
-            service.stop()
+        held = sum(_local(p).numel() for n, p in service.base.model.named_parameters() if ".lora_" not in n)
+        planned = next(x for x in plan_service(service.base.model.args, 2, CLUSTERS["cpu"], 2, 8, 64, 4, base_bytes=4)
+                       if x.layout.fsdp and x.layout.ep == 1 and x.layout.cp == 1)
+        assert held == pytest.approx(planned.estimate.memory["base weights"] / 4, rel=1e-3)
+    seen = set()  # under sp: what the final norm receives, a sequence shard
+    service.base.model.model.norm.register_forward_pre_hook(lambda m, args: seen.add(str(getattr(args[0], "placements", ""))))
+    if rank > 0:
+        service.follow()
         assert not flags.get("sp") or seen == {"(Shard(dim=1),)"}, seen
-        rule = flags.get("expert_rank_rule", "same")
-        want = scenario(TinkerService(ServeConfig(model=MODEL, state_dir=os.path.join(root, "one"), expert_rank_rule=rule),
-                                      alone=True),
-                        {"alone": True})
-        for (lp1, m1), (lp2, m2) in zip(want["results"], got["results"], strict=True):
-            assert m2["loss:sum"] == pytest.approx(m1["loss:sum"], rel=1e-5, abs=1e-6)
-            for x, y in zip(lp1, lp2, strict=True):
-                np.testing.assert_allclose(y, x, atol=1e-5, rtol=1e-5)
-        np.testing.assert_allclose(got["norms"], want["norms"], rtol=1e-5)
-        assert min(want["norms"]) > 0
-        for (want_seqs, _), (got_seqs, _) in zip(want["samples"], got["samples"], strict=True):
-            for (t1, lp1, r1), (t2, lp2, r2) in zip(want_seqs, got_seqs, strict=True):
-                assert t1 == t2 and r1 == r2
-                np.testing.assert_allclose(lp2, lp1, atol=5e-5)
-        assert got["samples"][0][0][0][0] != got["samples"][1][0][0][0]  # other prompt, other revision
-        for p_got, p_want in zip(got["paths"], want["paths"]):
-            mine, one = state_of(os.path.join(root, "sharded"), p_got), state_of(os.path.join(root, "one"), p_want)
-            assert set(mine) == set(one)
-            for k, t in one.items():
-                if k != "rng.torch":
-                    torch.testing.assert_close(mine[k], t, atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
-    except Exception:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
+        return
+    try:  # with microbatches the shared pass runs in chunks, each chunk's rows with their adapters
+        got = scenario(service, {"alone": False})
     finally:
-        dist.destroy_process_group()
+        service.stop()
+    assert not flags.get("sp") or seen == {"(Shard(dim=1),)"}, seen
+    rule = flags.get("expert_rank_rule", "same")
+    want = scenario(TinkerService(ServeConfig(model=MODEL, state_dir=os.path.join(root, "one"), expert_rank_rule=rule),
+                                  alone=True),
+                    {"alone": True})
+    for (lp1, m1), (lp2, m2) in zip(want["results"], got["results"], strict=True):
+        assert m2["loss:sum"] == pytest.approx(m1["loss:sum"], rel=1e-5, abs=1e-6)
+        for x, y in zip(lp1, lp2, strict=True):
+            np.testing.assert_allclose(y, x, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got["norms"], want["norms"], rtol=1e-5)
+    assert min(want["norms"]) > 0
+    for (want_seqs, _), (got_seqs, _) in zip(want["samples"], got["samples"], strict=True):
+        for (t1, lp1, r1), (t2, lp2, r2) in zip(want_seqs, got_seqs, strict=True):
+            assert t1 == t2 and r1 == r2
+            np.testing.assert_allclose(lp2, lp1, atol=5e-5)
+    assert got["samples"][0][0][0][0] != got["samples"][1][0][0][0]  # other prompt, other revision
+    for p_got, p_want in zip(got["paths"], want["paths"]):
+        mine, one = state_of(os.path.join(root, "sharded"), p_got), state_of(os.path.join(root, "one"), p_want)
+        assert set(mine) == set(one)
+        for k, t in one.items():
+            if k != "rng.torch":
+                torch.testing.assert_close(mine[k], t, atol=5e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
 LAYOUTS = {  # id: (ranks, service flags)
@@ -155,54 +143,34 @@ LAYOUTS = {  # id: (ranks, service flags)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_clients_in_one_pass_on_expert_parallel_ranks_equal_each_call_alone(tmp_path, layout):
     world, flags = LAYOUTS[layout]
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(worker, args=(world, free_port(), flags, str(tmp_path), errors), nprocs=world,
-                           start_method="spawn")
-    except Exception as e:
-        raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
+    run_ranks(worker, world, flags, str(tmp_path))
 
 
-def tp_worker(rank: int, world: int, port: int, root: str, errors) -> None:
+def tp_worker(rank: int, world: int, root: str) -> None:
     """Each tp rank splits the base on the meta device and reads only its part of every tensor."""
     from torch.distributed.tensor import DTensor
 
     import trillora
     from trillora.parallel import tensor_parallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        split_on, real = [], tensor_parallel.distribute_tensor
+    split_on, real = [], tensor_parallel.distribute_tensor
 
-        def spy(t, *args, **kwargs):
-            split_on.append(t.device.type)
-            return real(t, *args, **kwargs)
+    def spy(t, *args, **kwargs):
+        split_on.append(t.device.type)
+        return real(t, *args, **kwargs)
 
-        tensor_parallel.distribute_tensor = spy
-        service = TinkerService(ServeConfig(model=MODEL, state_dir=root, tp=2))
-        tensor_parallel.distribute_tensor = real
-        assert split_on and set(split_on) == {"meta"}  # split before anything whole was allocated
-        whole = dict(trillora.load_model(MODEL).named_parameters())
-        parts = {n: p for n, p in service.base.model.named_parameters() if isinstance(p, DTensor) and ".lora_" not in n}
-        assert any(".q_proj." in n for n in parts) and any(".o_proj." in n for n in parts)
-        for n, p in parts.items():
-            dim = p.placements[0].dim if p.placements[0].is_shard() else None
-            want = whole[n] if dim is None else whole[n].chunk(2, dim)[rank]
-            assert torch.equal(p.to_local(), want), n
-    except Exception:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
+    tensor_parallel.distribute_tensor = spy
+    service = TinkerService(ServeConfig(model=MODEL, state_dir=root, tp=2))
+    tensor_parallel.distribute_tensor = real
+    assert split_on and set(split_on) == {"meta"}  # split before anything whole was allocated
+    whole = dict(trillora.load_model(MODEL).named_parameters())
+    parts = {n: p for n, p in service.base.model.named_parameters() if isinstance(p, DTensor) and ".lora_" not in n}
+    assert any(".q_proj." in n for n in parts) and any(".o_proj." in n for n in parts)
+    for n, p in parts.items():
+        dim = p.placements[0].dim if p.placements[0].is_shard() else None
+        want = whole[n] if dim is None else whole[n].chunk(2, dim)[rank]
+        assert torch.equal(p.to_local(), want), n
 
 
 def test_a_tensor_parallel_rank_reads_only_its_part_of_each_layer(tmp_path):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(tp_worker, args=(2, free_port(), str(tmp_path), errors), nprocs=2, start_method="spawn")
-    except Exception as e:
-        raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
+    run_ranks(tp_worker, 2, str(tmp_path))

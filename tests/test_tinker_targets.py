@@ -5,14 +5,11 @@ and gradients against log_softmax over the whole logits (2 gloo ranks for the sp
 from __future__ import annotations
 
 import math
-import os
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from engine_helpers import free_port
+from gloo_ranks import run_ranks
 from trillora.parallel.context_parallel import ContextParallel
 from trillora.policy.logprobs import target_logprobs
 
@@ -55,46 +52,33 @@ def test_whole_logits_equal_log_softmax():
     torch.testing.assert_close(mine.grad, want_grad)
 
 
-def worker(rank: int, port: int, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        logits, targets, weights = problem()
-        want, want_grad = oracle(logits, targets, weights)
+def worker(rank: int, world: int) -> None:
+    logits, targets, weights = problem()
+    want, want_grad = oracle(logits, targets, weights)
 
-        cp = ContextParallel(dist.group.WORLD, rank, 2)
-        padded = cp.set_length(logits.shape[1], logits.device)  # 7 tokens -> 8: chunks (r, 3 - r) of 2
-        whole = torch.nn.functional.pad(logits, (0, 0, 0, padded - logits.shape[1]))
-        local = whole[:, cp.query_positions].clone().requires_grad_()  # [3, 4, 8]: this rank's positions
-        got = target_logprobs(local, targets, cp=cp)
-        sum((o * w).sum() for o, w in zip(got, weights)).backward()
-        for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w)  # whole rows on every cp rank
-        grad = torch.zeros_like(whole)
-        grad[:, cp.query_positions] = local.grad
-        dist.all_reduce(grad)  # each rank's positions' gradient, put together
-        torch.testing.assert_close(grad[:, :logits.shape[1]], want_grad)
+    cp = ContextParallel(dist.group.WORLD, rank, 2)
+    padded = cp.set_length(logits.shape[1], logits.device)  # 7 tokens -> 8: chunks (r, 3 - r) of 2
+    whole = torch.nn.functional.pad(logits, (0, 0, 0, padded - logits.shape[1]))
+    local = whole[:, cp.query_positions].clone().requires_grad_()  # [3, 4, 8]: this rank's positions
+    got = target_logprobs(local, targets, cp=cp)
+    sum((o * w).sum() for o, w in zip(got, weights)).backward()
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)  # whole rows on every cp rank
+    grad = torch.zeros_like(whole)
+    grad[:, cp.query_positions] = local.grad
+    dist.all_reduce(grad)  # each rank's positions' gradient, put together
+    torch.testing.assert_close(grad[:, :logits.shape[1]], want_grad)
 
-        part = logits.chunk(2, -1)[rank].clone().requires_grad_()  # [3, 7, 4]: this rank's vocabulary
-        got = target_logprobs(part, targets, vocab_group=dist.group.WORLD)
-        sum((o * w).sum() for o, w in zip(got, weights)).backward()
-        for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w)
-        torch.testing.assert_close(part.grad, want_grad.chunk(2, -1)[rank])
-    except Exception:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
+    part = logits.chunk(2, -1)[rank].clone().requires_grad_()  # [3, 7, 4]: this rank's vocabulary
+    got = target_logprobs(part, targets, vocab_group=dist.group.WORLD)
+    sum((o * w).sum() for o, w in zip(got, weights)).backward()
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(part.grad, want_grad.chunk(2, -1)[rank])
 
 
 def test_split_over_positions_or_vocabulary_equals_whole_logits():
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(worker, args=(free_port(), errors), nprocs=2, start_method="spawn")
-    except Exception as e:
-        raise AssertionError(errors.get() if not errors.empty() else str(e)) from None
+    run_ranks(worker, 2)
 
 
 def test_the_long_datum_benchmark_runs(tmp_path):

@@ -4,7 +4,9 @@ Order: LoRA first (so adapters exist to be placed with their base layers), then 
 split (each rank keeps its stages' layers), expert parallel (slices stacked experts, adds the
 all-to-all hooks), tensor parallel (`parallelize_module` over the plan), context parallel
 (attention gathers K/V, the backbone takes this rank's tokens), activation checkpointing
-(inside the FSDP units), then FSDP2 over dp × cp. The model code is not touched.
+(inside the FSDP units), then FSDP2 over dp × cp. The model code is not touched. The trainer
+(`trainer.world`) and a service (`serve.ranks`, which brings its own stage and adapter slots)
+both lay the base out here.
 
 At world size 1 without a process group there are no meshes: every plan is the identity except
 activation checkpointing, and the gradient sync does nothing, so one process takes the same path.
@@ -12,12 +14,14 @@ activation checkpointing, and the gradient sync does nothing, so one process tak
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch import nn
 
 from ..lora.apply import lora_parameters
+from ..models.transformer import OtherStage
 from .data_parallel import GradientSync, expert_parameter_names
 from .dims import Meshes, ParallelDims, ParallelError, build_meshes
 from .checkpointing import apply_activation_checkpointing
@@ -58,7 +62,13 @@ class Parallelized:
         return out
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = None) -> Parallelized:
+def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = None,
+                keep: Callable[[str], bool] | None = None, staged: bool = False) -> Parallelized:
+    """`keep(name)`: the parameters FSDP leaves whole (a service's adapter slots, filled per call),
+    named, since the plans before FSDP replace parameters. `staged`:
+    `model` is already this rank's pipeline stage (`parallel.staged.StagedModel`, a service's): no
+    training schedule is built, and its embedding, norm and head are FSDP units of their own (its
+    chunks call each of them apart)."""
     if getattr(model, "lora_config", None) is None and dims.world_size > 1:  # one process: full training may run
         raise ParallelError("apply LoRA before parallelize(): adapters are placed with their base layers")
     if dims.dp < 1:
@@ -74,14 +84,18 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = No
         return meshes.rank(name) if meshes is not None else 0
 
     device = next(model.parameters()).device
-    pipeline = Pipeline(model, dims, group("pp"), rank("pp"), device) if dims.pp > 1 else None
+    pipeline = Pipeline(model, dims, group("pp"), rank("pp"), device) if dims.pp > 1 and not staged else None
     ep_plans = apply_expert_parallel(model, group("ep"), rank("ep"), dims.ep)
     tp_plan = apply_tensor_parallel(model, meshes.mesh("tp") if meshes is not None else None, dims.sp, dims.vocab_parallel)
     context = apply_context_parallel(model, group("cp"), rank("cp"), dims.cp)
     for stage in pipeline.modules if pipeline is not None else []:  # stages compute logprobs themselves
         stage.vocab_group, stage.context = getattr(model, "vocab_parallel_group", None), context
     apply_activation_checkpointing(model, dims.activation_checkpoint_every)
-    fsdp = apply_fsdp(model, meshes, roots=pipeline.modules if pipeline else None) if dims.fsdp and meshes else None
+    roots = pipeline.modules if pipeline else None
+    if staged:
+        roots = [m for m in (model.model.embed_tokens, model.model.norm, model.lm_head) if not isinstance(m, OtherStage)]
+    kept = {p for name, p in model.named_parameters() if keep is not None and keep(name)}
+    fsdp = apply_fsdp(model, meshes, roots=roots, keep=kept) if dims.fsdp and meshes else None
     # with FSDP the data-parallel reductions are its reduce-scatters; what is left is tp's partial sums
     dp, edp = (1, 1) if fsdp is not None else (dims.dp * dims.cp, dims.edp * dims.cp)
     sync = GradientSync(list(lora_parameters(model)), expert_parameter_names(model), group("dp_cp"), group("edp_cp"), dp, edp,

@@ -23,15 +23,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..models.transformer import OtherStage
-from ..parallel.context_parallel import apply_context_parallel
+from ..parallel.checkpointing import apply_activation_checkpointing
 from ..parallel.data_parallel import GradientSync
 from ..parallel.dims import ParallelDims, ParallelError, build_meshes
-from ..parallel.expert_parallel import apply_expert_parallel
-from ..parallel.fsdp import apply_fsdp
+from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import split_layers
 from ..parallel.staged import StagedModel
-from ..parallel.tensor_parallel import apply_tensor_parallel
 from .adapters import ResidentBase
 from .config import ServeConfig
 from .shards import ExpertShard, TensorShard
@@ -62,7 +59,8 @@ class Ranks:
             if cfg.pp > args.num_layers:
                 raise ParallelError(f"parallel.pp={cfg.pp} stages for {args.num_layers} layers; allowed: 1..{args.num_layers}")
             dims = ParallelDims(dp=self.world // (cfg.tp * cfg.pp * cfg.cp), tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp,
-                                fsdp=cfg.fsdp, sp=cfg.sp, vocab_parallel=cfg.vocab_parallel)  # ep must divide dp ...
+                                fsdp=cfg.fsdp, sp=cfg.sp, vocab_parallel=cfg.vocab_parallel,
+                                activation_checkpoint_every=cfg.activation_checkpoint_every)  # ep must divide dp ...
             dims.check_model(args)  # ... and the experts; tp the heads, MLP widths (and the vocabulary)
         except ParallelError as e:
             raise ParallelError(f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp} on {self.world} ranks: {e}") from None
@@ -89,9 +87,11 @@ class Ranks:
         from ..checkpoint import fill_model, load_model, meta_model
 
         cfg, dims, meshes = self.cfg, self.dims, self.meshes
-        if not self.sharded:
+        if not self.sharded:  # the base whole on every rank: of the layout, only activation checkpointing applies
             model = model if model is not None else load_model(path, dtype=dtype, device=cfg.device)
-            return ResidentBase(model, alpha=cfg.lora_alpha)
+            base = ResidentBase(model, alpha=cfg.lora_alpha)
+            apply_activation_checkpointing(model, cfg.activation_checkpoint_every)
+            return base
         experts = (meshes.rank("ep"), dims.ep) if dims.ep > 1 else None
         layers = split_layers(self.args.num_layers, dims.pp)[meshes.rank("pp")] if dims.pp > 1 else None
         on_meta = model is None
@@ -101,23 +101,15 @@ class Ranks:
             model = self.stages = StagedModel(model, meshes.group("pp"), meshes.rank("pp"), dims.pp)
             self.stages.chunk_group = meshes.group("ep") if dims.ep > 1 else None
         base = ResidentBase(model, alpha=cfg.lora_alpha)
+        # the adapter slots are filled per call: FSDP leaves them whole
+        layout = parallelize(model, dims, meshes, keep=lambda name: ".lora_" in name, staged=self.stages is not None)
         placement = base.placement
         if dims.pp > 1:
             placement.stages = meshes.group("pp")
         if dims.ep > 1:
-            apply_expert_parallel(model, meshes.group("ep"), meshes.rank("ep"), dims.ep)
             placement.experts = ExpertShard(meshes.group("ep"), meshes.rank("ep"), dims.ep, model.args.num_experts)
         if dims.tp > 1:
-            plan = apply_tensor_parallel(model, meshes.mesh("tp"), dims.sp, dims.vocab_parallel)
-            placement.tp = TensorShard.of(plan, base.slots, meshes.mesh("tp"))
-        apply_context_parallel(model, meshes.group("cp"), meshes.rank("cp"), dims.cp)
-        if cfg.fsdp:  # the base's layers over dp × cp; the adapter slots are swapped per call, so left alone
-            slots = {p for name, p in model.named_parameters() if ".lora_" in name}
-            # a stage's chunks run the embedding, norm and head one by one (and backward from each
-            # chunk's logits): each is its own unit, gathered again for every chunk
-            ends = None if self.stages is None else [m for m in (model.model.embed_tokens, model.model.norm, model.lm_head)
-                                                     if not isinstance(m, OtherStage)]
-            apply_fsdp(model, meshes, roots=ends, keep=slots)
+            placement.tp = TensorShard.of(layout.tp_plan, base.slots, meshes.mesh("tp"))
         if on_meta:
             fill_model(model, path, cfg.device, experts)
         return base

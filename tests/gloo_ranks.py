@@ -1,0 +1,47 @@
+"""Spawned gloo ranks for the tests that compare a parallel layout with one process.
+
+`run_ranks(fn, world, *args)` runs `fn(rank, world, *args)` in `world` spawned processes joined
+by a gloo process group and raises the first rank's traceback as an AssertionError. `fn` must be
+a module-level function of a test module (spawn imports it by name).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine_helpers import free_port
+
+
+def run_ranks(fn, world: int, *args, attempts: int = 3) -> None:
+    ctx = mp.get_context("spawn")
+    for attempt in range(attempts):  # free_port() reserves nothing: another process may take it first
+        errors = ctx.SimpleQueue()
+        try:
+            mp.start_processes(_rank, args=(fn, world, free_port(), errors, args), nprocs=world, start_method="spawn")
+            return
+        except Exception as e:
+            message = errors.get() if not errors.empty() else str(e)
+            if "EADDRINUSE" not in message or attempt == attempts - 1:
+                raise AssertionError(message) from None
+
+
+def _rank(rank: int, fn, world: int, port: int, errors, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        # what `fn` built (meshes, FSDP states) may still hold process groups in reference cycles:
+        # freed here, while the interpreter is whole; freed at exit, gloo's threads abort the process
+        gc.collect()
+        dist.destroy_process_group()
