@@ -28,7 +28,7 @@ def test_forward_backward_requests_read_as_the_sdk_writes_them():
                                                                    types.EncodedTextChunk(tokens=[100000, 9])]),
                              loss_fn_inputs={"target_tokens": torch.tensor([[1, 0], [0, 5], [2, 3]]),  # 2-D: may go sparse
                                              "weights": torch.tensor([[1.0, 0.0], [0.0, 0.5], [0.0, 0.0]])})
-    got = wire.read_forward_backward(sdk_request([dense, two_chunks], config={"clip_low_threshold": 0.7, "mode": "x"}))
+    got = wire.read_forward_backward(sdk_request([dense, two_chunks], config={"clip_low_threshold": 0.7, "mode": "x"}), 100)
     assert (got.model_id, got.seq_id, got.loss_fn, got.forward_only) == ("s:train:0", 3, "ppo", False)
     assert got.loss_fn_config == {"clip_low_threshold": pytest.approx(0.7), "mode": "x"}
     assert got.data[0].tokens == [1, 2, 3] and got.data[1].tokens == [7, 100000, 9]
@@ -64,4 +64,46 @@ def test_sample_response_decodes_in_the_sdk():
 ])
 def test_broken_bodies_are_wire_errors(body, message):
     with pytest.raises(wire.WireError, match=message):
-        wire.read_forward_backward(body)
+        wire.read_forward_backward(body, 100)
+
+
+def tensor(shape: list[int], dtype: int = 1, data: bytes | None = None, csr: tuple | None = None) -> bytes:
+    out = wire.put_varint(3, dtype) + wire.put_bytes(4, b"".join(wire._put_varint(n) for n in shape))
+    if data is not None:
+        out += wire.put_bytes(1, data)
+    if csr is not None:
+        values, crow, col = csr
+        out += wire.put_bytes(2, wire.put_bytes(1, np.array(values, "<f4").tobytes()) +
+                              wire.put_bytes(2, np.array(crow, "<i8").tobytes()) + wire.put_bytes(3, np.array(col, "<i8").tobytes()))
+    return out
+
+
+def request(tokens: list[int], **inputs: bytes) -> bytes:
+    chunk = wire.put_bytes(1, wire.put_bytes(1, np.array(tokens, "<i4").tobytes()))
+    entries = b"".join(wire.put_bytes(2, wire.put_bytes(1, k.encode()) + wire.put_bytes(2, v)) for k, v in inputs.items())
+    return wire.put_bytes(3, wire.put_bytes(1, chunk) + entries)
+
+
+@pytest.mark.parametrize("weights, message", [
+    (tensor([3, 50_000_000]), "at most 192 values"),  # a declared shape with no data: refused, nothing allocated
+    (tensor([3, 2_000_000], csr=([1.0], [0, 1, 1, 1], [0])), "at most 192 values"),
+    (tensor([-1, 3]), "shape"),
+    (tensor([2, 4], csr=([1.0], [0, 1, 1], [-1])), "columns"),  # a negative column
+    (tensor([2, 4], csr=([1.0, 2.0], [0, 2, 1], [0, 1])), "never down"),  # row pointers that go down
+    (tensor([2, 4], csr=([1.0], [0, 1, 9], [0])), "never down"),  # ... or run past the values
+    (tensor([3], data=b"\x00" * 5), "whole number"),
+])
+def test_hostile_tensors_are_refused_before_allocation(weights, message):
+    import tracemalloc
+
+    tracemalloc.start()
+    with pytest.raises(wire.WireError, match=message):
+        wire.read_forward_backward(request([1, 2, 3], weights=weights), 100)
+    assert tracemalloc.get_traced_memory()[1] < 1 << 20  # peak: the declared shape was never allocated
+    tracemalloc.stop()
+
+
+def test_tokens_past_the_call_bound_are_refused_before_they_are_read():
+    with pytest.raises(wire.WireError, match="more than 100 tokens"):
+        wire.read_forward_backward(request(list(range(60))) + request(list(range(60))), 100)
+    assert len(wire.read_forward_backward(request(list(range(60))) + request(list(range(40))), 100).data) == 2

@@ -89,7 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"trillora serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     cfg = ServeConfig(model=args.model, tinker=args.tinker, host=args.host, port=args.port, api_key=args.api_key,
                       state_dir=args.state_dir, adapter_root=args.adapter_root, adapter_memory_mib=args.adapter_memory_mib,
-                      max_connections=args.max_connections, max_clients=args.max_clients, device=args.device,
+                      max_connections=args.max_connections, max_clients=args.max_clients, max_samplers=args.max_samplers,
+                      max_sessions=args.max_sessions, max_call_tokens=args.max_call_tokens, device=args.device,
                       precision=args.precision, max_fused=args.max_fused, trust_remote_code=args.trust_remote_code,
                       tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp, sp=args.sp, fsdp=args.fsdp,
                       vocab_parallel=args.vocab_parallel, pp_microbatches=args.pp_microbatches,
@@ -120,6 +121,7 @@ def _serve_parallel(cfg) -> int:
     """Under torchrun: every rank holds the base (split with --tp / --ep / --pp) and the clients' adapters;
     rank 0 serves HTTP (`serve.ranks`)."""
     import dataclasses
+    import gc
 
     import torch.distributed as dist
 
@@ -131,8 +133,9 @@ def _serve_parallel(cfg) -> int:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     cfg = dataclasses.replace(cfg, device=str(device))
     service = TinkerService(cfg)
+    rank = service.ranks.rank
     try:
-        if service.ranks.rank == 0:
+        if rank == 0:
             split = (", the base sharded over them (FSDP)" if cfg.fsdp else "") + (f", stages over pp={cfg.pp}" if cfg.pp > 1 else "") + (f", rows over cp={cfg.cp}" if cfg.cp > 1 else "") \
                 + (f", layers over tp={cfg.tp}" if cfg.tp > 1 else "") + _tp_extras(cfg) \
                 + (f", experts over ep={cfg.ep}" if cfg.ep > 1 else "")
@@ -141,8 +144,12 @@ def _serve_parallel(cfg) -> int:
         else:
             service.follow()
     finally:
-        if service.ranks.rank == 0:
+        if rank == 0:
             service.stop()
+        # the meshes and FSDP states hold process groups in reference cycles: freed now, while the
+        # interpreter is whole (freed at exit, gloo's threads can abort the process)
+        del service
+        gc.collect()
         dist.destroy_process_group()
     return 0
 
@@ -208,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tinker", action="store_true", help="serve the Tinker REST API: LoRA training clients on one base")
     p.add_argument("--state-dir", default="tinker-state", help="--tinker: where saved states and sampler weights go")
     p.add_argument("--max-clients", type=int, default=16, help="--tinker: training clients held at once")
+    p.add_argument("--max-samplers", type=int, default=256, help="--tinker: sampling sessions held at once")
+    p.add_argument("--max-sessions", type=int, default=256, help="--tinker: sessions held at once (one not heard "
+                                                                 "from for 5 minutes is ended and freed)")
+    p.add_argument("--max-call-tokens", type=int, default=65536, help="tokens one call may hold: a forward_backward's "
+                                                                      "datums, or n × (prompt + max_tokens) of a sample")
     p.add_argument("--device", default="cpu", help="--tinker: where the base and the adapters live (cpu, cuda)")
     p.add_argument("--tp", type=int, default=1, help="--tinker under torchrun: split attention and dense MLP layers "
                                                      "(and the clients' adapters on them) over groups of TP ranks")

@@ -99,6 +99,15 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class EndSessions:
+    sids: tuple[str, ...]
+    sharded_only = False
+
+    def run(self, s):
+        return s.end_sessions(list(self.sids))
+
+
+@dataclass(frozen=True)
 class Stop:
     """The service is closing: the other ranks leave `follow`."""
 

@@ -35,7 +35,17 @@ class ServeConfig:
     max_prompts: int = 64
     """Prompts in one OpenAI /v1/completions request."""
     max_tokens_limit: int = 4096
+    max_call_tokens: int = 65536
+    """Tokens one call may hold: a forward_backward's datums together, or a sample request's
+    n × (prompt + max_tokens). Each call's time is bounded by it, and the worker runs calls in
+    arrival order, so a client waits at most for the calls that arrived before its own."""
     max_clients: int = 16
+    max_samplers: int = 256
+    """Sampling sessions (saved revisions) held at once, over all Tinker sessions."""
+    max_sessions: int = 256
+    session_seconds: float = 300.0
+    """A Tinker session not heard from (heartbeat or any call) for this long is ended and its training
+    clients and samplers freed (the SDK beats every 10 s)."""
     lora_alpha: float = 16.0
     device: str = "cpu"
     precision: str = "fp32"
@@ -102,13 +112,14 @@ class ServeConfig:
             raise BadRequest(f"gather_seconds={self.gather_seconds!r}; allowed: 0..1")
         if self.precision not in PRECISIONS:
             raise BadRequest(f"precision {self.precision!r}; allowed: {', '.join(PRECISIONS)}")
-        for key in ("max_connections", "max_samples", "max_prompts", "max_tokens_limit"):
+        for key in ("max_connections", "max_samples", "max_prompts", "max_tokens_limit", "max_call_tokens", "max_clients",
+                    "max_samplers", "max_sessions"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1")
         mib = self.adapter_memory_mib
         if mib is not None and (not isinstance(mib, (int, float)) or not 0 <= mib < float("inf")):
             raise BadRequest(f"adapter_memory_mib={mib!r}; allowed: a finite number of MiB >= 0 (or unset)")
-        for key in ("idle_seconds", "header_seconds", "body_seconds", "poll_seconds"):
+        for key in ("idle_seconds", "header_seconds", "body_seconds", "poll_seconds", "session_seconds"):
             if not getattr(self, key) > 0:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: a number of seconds > 0")
 

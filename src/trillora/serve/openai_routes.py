@@ -183,6 +183,10 @@ class OpenAIRoutes:
             if len(p) + params["max_tokens"] > self.max_len:
                 raise BadRequest(f"a prompt of {len(p)} tokens plus max_tokens={params['max_tokens']} "
                                  f"is over the model's {self.max_len} positions")
+        total = n * sum(len(p) + params["max_tokens"] for p in prompts)
+        if total > self.cfg.max_call_tokens:  # the request's time on the engine is bounded by it
+            raise BadRequest(f"n={n} × {len(prompts)} prompts × (prompt + max_tokens={params['max_tokens']}) is {total} "
+                             f"tokens; at most {self.cfg.max_call_tokens} per request (--max-call-tokens)")
         name, served = body.get("model") or self.cfg.model, self.service.served()
         if name not in served:
             raise BadRequest(f"model {name!r} is not loaded; loaded: {', '.join(served)}", 404)

@@ -18,10 +18,14 @@ from .tinker_types import MODEL_ID, NAME, BadRequest, SampleCall
 from .wire import Datum
 
 
-def check_data(loss_fn: str, config: dict, data: list[Datum], vocab: int) -> list[dict[str, torch.Tensor]]:
-    """Each datum's `loss_fn_inputs` as tensors, checked against its tokens and the loss."""
+def check_data(loss_fn: str, config: dict, data: list[Datum], vocab: int, positions: int) -> list[dict[str, torch.Tensor]]:
+    """Each datum's `loss_fn_inputs` as tensors, checked against its tokens and the loss; each datum
+    within the model's `positions`."""
     if not data:
         raise BadRequest("forward_backward needs at least one datum")
+    for i, d in enumerate(data):
+        if len(d.tokens) > positions:
+            raise BadRequest(f"datum {i}: {len(d.tokens)} tokens; the model has {positions} positions")
     try:
         check_loss(loss_fn, set.intersection(*(set(d.inputs) for d in data)), config)
     except LossInputError as e:
@@ -57,16 +61,24 @@ def _datum_tensors(i: int, d: Datum, loss_fn: str, vocab: int) -> dict[str, torc
     return tensors
 
 
-def check_sample(c: SampleCall, vocab: int, eos: int | None, cfg: ServeConfig) -> tuple[SamplingParams, tuple[str, ...]]:
-    """The engine's sampling settings for an asample call, and its stop strings."""
-    if not c.prompt or min(c.prompt) < 0 or max(c.prompt) >= vocab:
-        raise BadRequest(f"prompt token ids must be a non-empty list in 0..{vocab - 1}")
+def check_sample(c: SampleCall, vocab: int, eos: int | None, cfg: ServeConfig,
+                 positions: int) -> tuple[SamplingParams, tuple[str, ...]]:
+    """The engine's sampling settings for an asample call, and its stop strings; the prompt and
+    max_tokens within the model's `positions`, n × both within `cfg.max_call_tokens`."""
+    if not c.prompt or any(type(t) is not int for t in c.prompt) or min(c.prompt) < 0 or max(c.prompt) >= vocab:
+        raise BadRequest(f"prompt token ids must be a non-empty list of integers in 0..{vocab - 1}")
     if not isinstance(c.n, int) or not 1 <= c.n <= cfg.max_samples:
         raise BadRequest(f"num_samples={c.n!r}; allowed: 1..{cfg.max_samples}")
     stop_ids, stop_strings = _stops(c.params.get("stop"), vocab, eos)
     max_tokens = c.params.get("max_tokens") or 64
     if not isinstance(max_tokens, int) or not 1 <= max_tokens <= cfg.max_tokens_limit:
         raise BadRequest(f"sampling_params.max_tokens={max_tokens!r}; allowed: 1..{cfg.max_tokens_limit}")
+    if len(c.prompt) + max_tokens > positions:
+        raise BadRequest(f"a prompt of {len(c.prompt)} tokens and max_tokens={max_tokens} need {len(c.prompt) + max_tokens} "
+                         f"positions; the model has {positions}")
+    if c.n * (len(c.prompt) + max_tokens) > cfg.max_call_tokens:
+        raise BadRequest(f"num_samples={c.n} × ({len(c.prompt)} prompt tokens + max_tokens={max_tokens}) is over "
+                         f"{cfg.max_call_tokens} tokens a call (--max-call-tokens)")
     seed = c.params.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
         raise BadRequest(f"sampling_params.seed={seed!r}; allowed: an integer in 0..2**63-1")
@@ -120,9 +132,9 @@ def adam_settings(adam: dict) -> tuple[float, float, float, float, float, float]
 def state_path(root: Path, model_id: str, kind: str, name: str) -> tuple[str, Path]:
     """The tinker:// path and the folder under `root` of a saved state, or BadRequest: names that
     could leave the folder (and symlinks planted under it) are refused."""
-    if not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise BadRequest(f"checkpoint name {name!r}: use 1-128 letters, digits, '.', '_' or '-', not starting with '.'")
-    if not MODEL_ID.match(model_id):
+    if not MODEL_ID.fullmatch(model_id):
         raise BadRequest(f"model id {model_id!r} in a tinker:// path is not one this server writes")
     folder = root / model_id.replace(":", "_") / kind / name
     if root.resolve() not in folder.resolve().parents:  # a symlink planted under the state folder
@@ -136,6 +148,9 @@ def resolve(root: Path, tinker_path: str) -> tuple[str, str, Path]:
     if m is None:
         raise BadRequest(f"path {tinker_path!r} is not tinker://<model_id>/weights|sampler_weights/<name>")
     _, folder = state_path(root, m.group(1), m.group(2), m.group(3))
-    if not (folder / "adapter.safetensors").exists():
+    files = [folder / "adapter.safetensors", folder / "state.json"]
+    if any(f.is_symlink() for f in files):  # planted: it would read a file from outside the state folder
+        raise BadRequest(f"{tinker_path!r} holds a link, not a saved state", 403)
+    if not all(f.is_file() for f in files):
         raise BadRequest(f"no saved weights at {tinker_path!r}", 404)
     return m.group(1), m.group(2), folder

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from fastapi.concurrency import run_in_threadpool
 from . import wire
 from .http import json_object
 from .tinker_service import SERVED, BadRequest, FwdBwd, SampleCall
-from .worker import Job
+from .worker import Job, Replayed
 
 if TYPE_CHECKING:
     from .app import Server
@@ -86,8 +87,8 @@ class TinkerRoutes:
               fuse: str | None = None, payload=None, encode=json.dumps) -> dict:
         """Queue `fn` (a result that `encode` makes bytes or text of); the future's id.
         `fuse`/`payload`: the kind of request and what its fuser needs, to share a pass."""
-        with self.lock:
-            rid = f"req-{next(self.ids)}"
+        with self.lock:  # an id no other client can guess: whoever holds it may read the result
+            rid = f"req-{secrets.token_urlsafe(16)}"
             fut = self.futures[rid] = Future(proto=proto)
             old = [k for k, f in self.futures.items() if f.done.is_set() and time.monotonic() - f.created > 3600]
             for k in old:
@@ -104,9 +105,15 @@ class TinkerRoutes:
                     fut.body = body.encode() if isinstance(body, str) else body
                 except Exception as e:  # noqa: BLE001 - settled as the request's error; the worker goes on
                     fut.body, fut.proto = json.dumps({"error": f"{type(e).__name__}: {e}", "category": "server"}).encode(), False
-            self.loop.call_soon_threadsafe(fut.done.set)
+            with contextlib.suppress(RuntimeError):  # the server has stopped: no poll is waiting any more
+                self.loop.call_soon_threadsafe(fut.done.set)
 
-        self.worker.submit(Job(fn, settle, model_id, fuse, payload), seq_id)
+        try:
+            self.worker.submit(Job(fn, settle, model_id, fuse, payload), seq_id)
+        except Replayed as e:
+            with self.lock:
+                del self.futures[rid]
+            raise BadRequest(str(e), 409) from None
         return {"request_id": rid, **({"model_id": model_id} if model_id else {})}
 
     def now(self, fn):
@@ -121,13 +128,18 @@ class TinkerRoutes:
         return box[0]
 
     async def retrieve(self, body: dict) -> tuple[bytes, str]:
-        fut = self.futures.get(body.get("request_id", ""))
+        """The outcome, once: a retrieved result is released (results are as large as their calls;
+        one not retrieved within an hour is dropped)."""
+        rid = body.get("request_id", "")
+        fut = self.futures.get(rid) if isinstance(rid, str) else None
         if fut is None:
-            raise BadRequest(f"unknown request_id {body.get('request_id')!r}", 404)
+            raise BadRequest(f"unknown request_id {rid!r}", 404)
         try:
             await asyncio.wait_for(fut.done.wait(), self.cfg.poll_seconds)
         except TimeoutError:
-            return json.dumps({"type": "try_again", "request_id": body["request_id"], "queue_state": "active"}).encode(), "application/json"
+            return json.dumps({"type": "try_again", "request_id": rid, "queue_state": "active"}).encode(), "application/json"
+        with self.lock:
+            self.futures.pop(rid, None)
         return fut.body, PROTO if fut.proto else "application/json"
 
     # --- routes --------------------------------------------------------------------------
@@ -137,7 +149,7 @@ class TinkerRoutes:
             if PROTO not in content_type:
                 raise BadRequest(f"forward_backward takes {PROTO} bodies, not {content_type or 'none'}", 415)
             try:
-                req = wire.read_forward_backward(raw)
+                req = wire.read_forward_backward(raw, self.cfg.max_call_tokens)
             except wire.WireError as e:
                 raise BadRequest(f"forward_backward body: {e}") from None
             with self._in_order(req.model_id, req.seq_id):
@@ -150,6 +162,9 @@ class TinkerRoutes:
         body = _json_object(raw)
         handler = self._routes().get(path)
         if handler is None and path.startswith("/api/v1/sessions/") and path.endswith("/finish"):
+            sid = path.split("/")[-2]
+            if sid in s.sessions and sid != SERVED:
+                self.now(lambda: s.end_sessions([sid]))
             return self._json({})
         if handler is None:
             raise BadRequest(f"no route POST {path}", 404)
@@ -169,7 +184,8 @@ class TinkerRoutes:
             yield
         except BadRequest:
             if isinstance(model_id, str) and seq_id is not None:
-                self.worker.submit(Job(lambda: None, lambda out: None, model_id), seq_id)
+                with contextlib.suppress(Replayed):  # a replay is refused, and its number was taken already
+                    self.worker.submit(Job(lambda: None, lambda out: None, model_id), seq_id)
             raise
 
     def _routes(self) -> dict:
@@ -178,7 +194,7 @@ class TinkerRoutes:
             "/api/v1/client/config": lambda b: CLIENT_CONFIG,
             "/api/v1/client/dynamic_config": lambda b: {"refresh_interval_sec": 300},
             "/api/v1/telemetry": lambda b: {"status": "accepted"},
-            "/api/v1/create_session": lambda b: {"type": "create_session", "session_id": s.create_session()},
+            "/api/v1/create_session": self._create_session,
             "/api/v1/session_heartbeat": lambda b: (s.session(b.get("session_id", "")), {"type": "session_heartbeat"})[1],
             "/api/v1/create_model": self._create_model,
             "/api/v1/get_info": lambda b: s.info(b.get("model_id", "")),
@@ -210,9 +226,17 @@ class TinkerRoutes:
     def _json(payload: dict) -> tuple[bytes, str]:
         return json.dumps(payload).encode(), "application/json"
 
+    def _create_session(self, b: dict) -> dict:
+        s = self.service
+        idle = s.idle_sessions()
+        if idle:  # their clients and samplers freed first (on the worker: a parallel service's ranks follow)
+            self.now(lambda: s.end_sessions(idle))
+        return {"type": "create_session", "session_id": s.create_session()}
+
     def _create_model(self, b: dict) -> dict:
-        s, sid, seq = self.service, b.get("session_id", ""), b.get("model_seq_id", 0)
-        s.session(sid)
+        s, sid, seq = self.service, b.get("session_id", ""), _seq(b, "model_seq_id")
+        if f"{sid}:train:{seq}" in s.session(sid).models:
+            raise BadRequest(f"model_seq_id {seq} of this session is taken by {sid}:train:{seq}", 409)
         rank, roles, seed = s.lora_settings(b.get("base_model"), b.get("lora_config") or {})
         if (b.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
             raise BadRequest(f"optimizer_config {b['optimizer_config']!r}; this server has type 'adamw'")
@@ -238,7 +262,7 @@ class TinkerRoutes:
         name = b.get("path")
         if name is not None:
             s.state_path(mid, "sampler_weights", name)
-        seq = b.get("sampling_session_seq_id") or 0
+        seq = _seq(b, "sampling_session_seq_id")
         return self.start(lambda: s.save_for_sampler(mid, name, mid.split(":")[0], seq), model_id=mid, seq_id=b.get("seq_id"))
 
     def _load_weights(self, b: dict) -> dict:
@@ -247,28 +271,31 @@ class TinkerRoutes:
         if "model_id" in b:  # the legacy form: a new client under the same id is not what it asks
             raise BadRequest("load_weights into an existing client is not supported; use "
                              "create_training_client_from_state[_with_optimizer]")
-        sid, seq = b.get("session_id", ""), b.get("model_seq_id", 0)
-        s.session(sid)
+        sid, seq = b.get("session_id", ""), _seq(b, "model_seq_id")
+        if f"{sid}:train:{seq}" in s.session(sid).models:
+            raise BadRequest(f"model_seq_id {seq} of this session is taken by {sid}:train:{seq}", 409)
         return self.start(lambda: s.load_state(sid, seq, path, optimizer), model_id=f"{sid}:train:{seq}")
 
     def _create_sampler(self, b: dict) -> dict:
         s = self.service
-        sid = self.now(lambda: s.create_sampler(b.get("session_id", ""), b.get("sampling_session_seq_id", 0),
-                                                b.get("model_path"), b.get("base_model")))
+        seq = _seq(b, "sampling_session_seq_id")
+        sid = self.now(lambda: s.create_sampler(b.get("session_id", ""), seq, b.get("model_path"), b.get("base_model")))
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     def _sample(self, b: dict) -> dict:
         s = self.service
         sid = b.get("sampling_session_id") or ""
-        if not sid and b.get("base_model"):
-            session = s.create_session()
-            sid = self.now(lambda: s.create_sampler(session, 0, b.get("model_path"), b.get("base_model")))
+        if not sid and b.get("model_path"):
+            raise BadRequest("asample of a model_path needs its sampling_session_id (create_sampling_session first)")
+        if not sid and b.get("base_model"):  # the base itself: its one revision, no session held per request
+            s.check_base_model(b["base_model"])
+            sid = f"{SERVED}:sample:{self.cfg.model}"
         s.sampler(sid)
         chunks = (b.get("prompt") or {}).get("chunks") or []
         if any(c.get("type", "encoded_text") != "encoded_text" for c in chunks):
             raise BadRequest("prompt chunks must be encoded_text (no images or audio)")
         prompt = [t for c in chunks for t in c.get("tokens", [])]
-        if not all(isinstance(t, int) for t in prompt):
+        if not all(type(t) is int for t in prompt):  # not true / false either
             raise BadRequest("prompt tokens must be integers")
         n, params, want_prompt = b.get("num_samples", 1), b.get("sampling_params") or {}, bool(b.get("prompt_logprobs"))
         if not isinstance(n, int) or not 1 <= n <= self.cfg.max_samples:  # before anything is built from it
@@ -285,6 +312,14 @@ class TinkerRoutes:
         _, _, folder = self.service.resolve(b.get("tinker_path", ""))
         meta = json.loads((folder / "state.json").read_text())
         return {"base_model": self.cfg.model, "is_lora": True, "lora_rank": meta["rank"]}
+
+
+def _seq(body: dict, key: str) -> int:
+    """A client's or sampler's number in its session (the SDK counts them from 0)."""
+    seq = body.get(key) or 0
+    if type(seq) is not int or not 0 <= seq < 2**31:
+        raise BadRequest(f"{key}={seq!r}; allowed: an integer in 0..2**31-1")
+    return seq
 
 
 def _json_object(raw: bytes) -> dict:

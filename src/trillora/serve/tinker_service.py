@@ -13,9 +13,12 @@ Shape legend: B datums, T tokens (padded), V vocabulary, N one datum's tokens, K
 
 from __future__ import annotations
 
+import collections
 import json
 import math
+import secrets
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -25,7 +28,6 @@ from safetensors.torch import load_file, save_file
 from .. import lora
 from ..checkpoint.atomic import AtomicFolder
 from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
-from ..parallel.checkpointing import apply_activation_checkpointing
 from ..policy import adamw, optimizer_step
 from ..policy.logprobs import target_logprobs
 from ..rl.tinker_losses import datum_loss
@@ -34,14 +36,15 @@ from ..rollout.types import SamplingParams
 from .adapters import ResidentBase, Revision, roles_of
 from .tinker_checks import adam_settings, check_data, check_sample, resolve, state_path
 from .config import ServeConfig
-from .commands import CreateModel, CreateSampler, ForwardBackward, LoadState, OptimStep, Sample, SaveForSampler, SaveState, Stop
+from .commands import (CreateModel, CreateSampler, EndSessions, ForwardBackward, LoadState, OptimStep, Sample,
+                       SaveForSampler, SaveState, Stop)
 from .ranks import Ranks
 from .sampling import Sampling
 from .tinker_types import BadRequest, Client, FwdBwd, SampleCall, Session
 from .wire import Datum
 
 SERVED = "served"
-"""The session that holds the OpenAI routes' revisions (Tinker sessions are named session-N)."""
+"""The session that holds the OpenAI routes' revisions (Tinker sessions are named session-<random>)."""
 
 __all__ = ["BadRequest", "FwdBwd", "SampleCall", "ServeConfig", "TinkerService"]
 
@@ -64,13 +67,14 @@ class TinkerService:
         self.base = self.ranks.resident(path, dtype, model)
         self.stages = self.ranks.stages  # this rank's pipeline stage (`parallel.staged`), under pp
         check_tokenizer_fits(self.tokenizer, self.base.model.args.vocab_size, path)
-        apply_activation_checkpointing(self.base.model, cfg.activation_checkpoint_every)  # a long call's pass
         self.device = torch.device(cfg.device)
         self.vocab = self.base.model.args.vocab_size
         self.engine = LocalEngine.sharing(self.base.model, pad_id=self.tokenizer.pad_token_id or 0)
         self.sampling = Sampling(self.base, self.engine, self.ranks, self.tokenizer, self.device, self.check_sample, self.sampler)
         self.sessions: dict[str, Session] = {SERVED: Session(SERVED)}
         """Tinker sessions, and SERVED: the revisions the OpenAI routes sample, by model name."""
+        self.ended: collections.deque[str] = collections.deque(maxlen=4096)
+        """Recently ended sessions: their heartbeats are told so (410), and the SDK stops them."""
         self.lock = threading.Lock()  # the registry (sessions, clients, samplers), not the model
         self.root = Path(cfg.state_dir)
         base = Revision(None, sampler_id=f"{SERVED}:sample:{cfg.model}")
@@ -94,8 +98,13 @@ class TinkerService:
 
     # --- registry ------------------------------------------------------------------------
     def create_session(self) -> str:
+        """A new session under an id no other client can guess (its models and samplers are named
+        after it, so they are as hidden as it is)."""
         with self.lock:
-            sid = f"session-{len(self.sessions) - 1}"
+            if len(self.sessions) - 1 >= self.cfg.max_sessions:
+                raise BadRequest(f"the server holds {self.cfg.max_sessions} sessions (--max-sessions); finish one, "
+                                 f"or wait {self.cfg.session_seconds:.0f} s for an idle one to end", 429)
+            sid = f"session-{secrets.token_urlsafe(12)}"
             self.sessions[sid] = Session(sid)
         return sid
 
@@ -105,14 +114,33 @@ class TinkerService:
                 return self.sessions.setdefault(sid, Session(sid))
         s = self.sessions.get(sid)
         if s is None:
-            raise BadRequest(f"unknown session_id {sid!r}", 404)
+            ended = sid in self.ended
+            raise BadRequest(f"session_id {sid!r} has ended" if ended else f"unknown session_id {sid!r}", 410 if ended else 404)
+        s.seen = time.monotonic()
         return s
+
+    def idle_sessions(self) -> list[str]:
+        """Sessions not heard from for `session_seconds` (the SDK's heartbeat stopped)."""
+        now = time.monotonic()
+        with self.lock:
+            return [k for k, s in self.sessions.items() if k != SERVED and now - s.seen > self.cfg.session_seconds]
+
+    def end_sessions(self, sids: list[str]) -> None:
+        """Free sessions' training clients and samplers, on every rank (the SDK's `finish`, or an idle
+        session's end); their ids answer 410 from then on."""
+        self.ranks.mirror(EndSessions(tuple(sids)))
+        with self.lock:
+            for sid in sids:
+                if sid != SERVED and self.sessions.pop(sid, None) is not None:
+                    self.ended.append(sid)
 
     def client(self, model_id: str) -> Client:
         sid = model_id.split(":")[0]
-        c = self.sessions.get(sid, Session(sid)).models.get(model_id)
+        session = self.sessions.get(sid, Session(sid))
+        c = session.models.get(model_id)
         if c is None:
             raise BadRequest(f"unknown model_id {model_id!r}", 404)
+        session.seen = time.monotonic()
         return c
 
     def check_base_model(self, name: str | None) -> None:
@@ -148,9 +176,12 @@ class TinkerService:
     def _register(self, sid: str, seq: int, client: Client) -> dict:
         session = self.session(sid)
         with self.lock:
-            if sum(len(s.models) for s in self.sessions.values()) >= self.cfg.max_clients:
-                raise BadRequest(f"the server holds {self.cfg.max_clients} training clients (--max-clients)", 429)
             client.model_id = f"{sid}:train:{seq}"
+            if client.model_id in session.models:
+                raise BadRequest(f"model_seq_id {seq} of this session is taken by {client.model_id!r}", 409)
+            if sum(len(s.models) for s in self.sessions.values()) >= self.cfg.max_clients:
+                raise BadRequest(f"the server holds {self.cfg.max_clients} training clients (--max-clients); "
+                                 "finish a session to free its clients", 429)
             session.models[client.model_id] = client
         return {"model_id": client.model_id, "type": "create_model"}
 
@@ -240,7 +271,7 @@ class TinkerService:
 
     def check_data(self, loss_fn: str, config: dict, data: list[Datum]) -> list[dict[str, torch.Tensor]]:
         """Each datum's loss inputs as tensors, or BadRequest naming the datum and key."""
-        return check_data(loss_fn, config, data, self.vocab)
+        return check_data(loss_fn, config, data, self.vocab, self.base.model.args.max_position_embeddings)
 
     def _target_logprobs(self, model, data: list[Datum], tensors) -> list[torch.Tensor]:
         width = max(len(d.tokens) for d in data)
@@ -323,7 +354,7 @@ class TinkerService:
         client = self.client(model_id)
         revision = ResidentBase.revision(client.adapter)
         if name is None:
-            return {"sampling_session_id": self._add_sampler(sid or model_id.split(":")[0], sampler_seq, revision)}
+            return {"sampling_session_id": self._add_sampler(sid or model_id.split(":")[0], sampler_seq, revision, True)}
         path, folder = self.state_path(model_id, "sampler_weights", name)
         tensors = self.base.placement.full(revision.tensors, self.device)
         if self.writes:
@@ -335,11 +366,26 @@ class TinkerService:
         return {"path": path, "type": "save_weights_for_sampler"}
 
     # --- sampling ------------------------------------------------------------------------
-    def _add_sampler(self, sid: str, seq: int | str, revision: Revision) -> str:
+    def _add_sampler(self, sid: str, seq: int | str, revision: Revision, ephemeral: bool = False) -> str:
+        """`ephemeral`: an unnamed revision (`save_weights_and_get_sampling_client`, once per RL step).
+        At the cap, the session's oldest ephemeral one makes room (a recipe samples with its newest;
+        the same one on every rank: creation order), else 429."""
         session = self.session(sid)
         sampler_id = revision.sampler_id = f"{sid}:sample:{seq}"
         with self.lock:
+            held = sum(len(s.samplers) for k, s in self.sessions.items() if k != SERVED)
+            if sid != SERVED and sampler_id not in session.samplers and held >= self.cfg.max_samplers:
+                oldest = next((k for k in session.samplers if k in session.ephemeral), None)
+                if oldest is None:
+                    raise BadRequest(f"the server holds {self.cfg.max_samplers} samplers (--max-samplers); "
+                                     "finish a session to free its samplers", 429)
+                del session.samplers[oldest]
+                session.ephemeral.discard(oldest)
+            session.samplers.pop(sampler_id, None)  # a replaced one counts as new: it goes last
+            session.ephemeral.discard(sampler_id)
             session.samplers[sampler_id] = revision
+            if ephemeral:
+                session.ephemeral.add(sampler_id)
         return sampler_id
 
     def create_sampler(self, sid: str, seq: int, model_path: str | None, base_model: str | None) -> str:
@@ -371,9 +417,11 @@ class TinkerService:
             return {k.split(":", 2)[2]: r for k, r in self.sessions[SERVED].samplers.items()}
 
     def sampler(self, sampler_id: str) -> Revision:
-        revision = self.sessions.get(sampler_id.split(":")[0], Session("")).samplers.get(sampler_id)
+        session = self.sessions.get(sampler_id.split(":")[0], Session(""))
+        revision = session.samplers.get(sampler_id)
         if revision is None:
             raise BadRequest(f"unknown sampling_session_id {sampler_id!r}", 404)
+        session.seen = time.monotonic()
         return revision
 
     def sample(self, sampler_id: str, prompt: list[int], n: int, params: dict, prompt_logprobs: bool):
@@ -389,7 +437,8 @@ class TinkerService:
 
     def check_sample(self, c: SampleCall) -> tuple[Revision, SamplingParams, tuple[str, ...]]:
         revision = self.sampler(c.sampler_id)
-        return (revision, *check_sample(c, self.vocab, self.tokenizer.eos_token_id, self.cfg))
+        return (revision, *check_sample(c, self.vocab, self.tokenizer.eos_token_id, self.cfg,
+                                        self.base.model.args.max_position_embeddings))
 
 
 def _raised(outcome):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -12,8 +13,8 @@ from ..errors import TrilloraError
 from .adapters import Adapter, Revision
 from .wire import Datum
 
-NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")  # never "." or "..": names become folders
-MODEL_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._:-]{0,127}$")
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # fullmatch: never "." or "..", no newline; names become folders
+MODEL_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._:-]{0,127}")
 
 
 class BadRequest(TrilloraError):
@@ -63,3 +64,7 @@ class Session:
     session_id: str
     models: dict[str, Client] = field(default_factory=dict)
     samplers: dict[str, Revision] = field(default_factory=dict)
+    ephemeral: set[str] = field(default_factory=set)
+    """Its samplers made from unnamed revisions (the first to go when samplers run out)."""
+    seen: float = field(default_factory=time.monotonic)
+    """When the session was last heard from (a heartbeat or any call naming it)."""

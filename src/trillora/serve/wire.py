@@ -11,6 +11,7 @@ Wire format: each field is a varint key (field number << 3 | wire type) and a va
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ from ..errors import TrilloraError
 
 DTYPES = {1: np.float32, 2: np.int64, 3: np.int32, 4: "bfloat16"}  # tinker_public.DType
 DTYPE_CODES = {np.dtype(np.float32): 1, np.dtype(np.int64): 2, np.dtype(np.int32): 3}
+MAX_COLUMNS = 64
+"""Values per token a loss input may hold: [N] inputs, or [N, K] top-k targets with K <= 64."""
 
 
 class WireError(TrilloraError, ValueError):
@@ -83,37 +86,46 @@ def _map(f: dict, number: int) -> dict[str, bytes | int]:
     return out
 
 
-def read_tensor(buf: bytes, where: str) -> np.ndarray:
-    """A `Tensor` (dense or CSR) as a numpy array of its shape (1-D when no shape is given)."""
+def read_tensor(buf: bytes, where: str, limit: int) -> np.ndarray:
+    """A `Tensor` (dense or CSR) as a numpy array of its shape (1-D when no shape is given). `limit`:
+    the most values it may declare; checked before anything of the declared shape is allocated."""
     f = fields(buf)
     code = _one(f, 3, 0)
     if code not in (1, 2):
         raise WireError(f"{where}: tensor dtype code {code}; requests carry float32 (1) or int64 (2)")
     dtype = np.dtype(DTYPES[code])
     shape = _repeated_ints(f.get(4, []))
+    if any(n < 0 for n in shape) or math.prod(shape) > limit:
+        raise WireError(f"{where}: shape {shape}; allowed: at most {limit} values (its datum's tokens × {MAX_COLUMNS})")
     if 1 in f:
-        data = f[1][-1]
-        if len(data) % dtype.itemsize:
-            raise WireError(f"{where}: {len(data)} bytes is not a whole number of {dtype} values")
-        flat = np.frombuffer(data, dtype=dtype.newbyteorder("<")).astype(dtype)
+        flat = _array(f[1][-1], dtype, where)
         if not shape:
+            if flat.size > limit:
+                raise WireError(f"{where}: {flat.size} values; allowed: at most {limit}")
             return flat
-        if int(np.prod(shape)) != flat.size:
+        if math.prod(shape) != flat.size:
             raise WireError(f"{where}: shape {shape} does not hold {flat.size} values")
         return flat.reshape(shape)
     if 2 in f:  # CSR: rows of the non-pad values, pad 0
         csr = fields(f[2][-1])
-        values = np.frombuffer(_one(csr, 1, b""), dtype=dtype.newbyteorder("<"))
-        crow = np.frombuffer(_one(csr, 2, b""), dtype="<i8")
-        col = np.frombuffer(_one(csr, 3, b""), dtype="<i8")
-        if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values) or (len(col) and col.max() >= shape[1]):
-            raise WireError(f"{where}: sparse tensor of shape {shape} with {len(crow)} row pointers, {len(col)} columns")
+        values = _array(_one(csr, 1, b""), dtype, where)
+        crow, col = _array(_one(csr, 2, b""), np.dtype(np.int64), where), _array(_one(csr, 3, b""), np.dtype(np.int64), where)
+        if (len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values) or crow[0] != 0
+                or crow[-1] != len(values) or (np.diff(crow) < 0).any() or (len(col) and (col.min() < 0 or col.max() >= shape[1]))):
+            raise WireError(f"{where}: sparse tensor of shape {shape} with row pointers {crow[:4].tolist()}... "
+                            f"(want 0 up to {len(values)}, never down) and {len(col)} columns (want 0..{shape[-1] - 1 if shape else 0})")
         dense = np.zeros(shape, dtype=dtype)
         for r in range(shape[0]):
             a, b = int(crow[r]), int(crow[r + 1])
             dense[r, col[a:b]] = values[a:b]
         return dense
     return np.zeros(shape or [0], dtype=dtype)
+
+
+def _array(data: bytes, dtype: np.dtype, where: str) -> np.ndarray:
+    if len(data) % dtype.itemsize:
+        raise WireError(f"{where}: {len(data)} bytes is not a whole number of {dtype} values")
+    return np.frombuffer(data, dtype=dtype.newbyteorder("<")).astype(dtype)
 
 
 def _repeated_ints(values: list) -> list[int]:
@@ -146,9 +158,11 @@ class ForwardBackwardRequest:
     forward_only: bool = False
 
 
-def read_forward_backward(buf: bytes) -> ForwardBackwardRequest:
+def read_forward_backward(buf: bytes, max_tokens: int) -> ForwardBackwardRequest:
+    """`max_tokens`: the most tokens the call's datums may hold together (refused before they are read
+    into lists); each loss input may hold at most MAX_COLUMNS values per token of its datum."""
     f = fields(buf)
-    data = []
+    data, total = [], 0
     for k, raw in enumerate(f.get(3, [])):
         d = fields(raw)
         tokens: list[int] = []
@@ -160,8 +174,12 @@ def read_forward_backward(buf: bytes) -> ForwardBackwardRequest:
             raw_tokens = _one(text, 1, b"")
             if len(raw_tokens) % 4:
                 raise WireError(f"datum {k}: token bytes are not int32 values")
+            total += len(raw_tokens) // 4
+            if total > max_tokens:
+                raise WireError(f"datum {k}: the call holds more than {max_tokens} tokens (--max-call-tokens)")
             tokens.extend(np.frombuffer(raw_tokens, dtype="<i4").tolist())
-        inputs = {name: read_tensor(t, f"datum {k} loss_fn_inputs[{name!r}]") for name, t in _map(d, 2).items()}
+        limit = max(1, len(tokens)) * MAX_COLUMNS
+        inputs = {name: read_tensor(t, f"datum {k} loss_fn_inputs[{name!r}]", limit) for name, t in _map(d, 2).items()}
         data.append(Datum(tokens, inputs))
     config: dict[str, float | str] = {k: struct.unpack("<d", v)[0] for k, v in _map(f, 5).items()}
     for key, raw in _map(f, 7).items():

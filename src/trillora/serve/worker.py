@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import heapq
 import itertools
 import threading
@@ -41,6 +42,10 @@ class Job:
 Fuser = Callable[[list[Any]], list[Any]]  # payloads -> one outcome (result or exception) each
 
 
+class Replayed(ValueError):
+    """A client's `seq_id` that was already submitted: run once, never twice."""
+
+
 class Worker:
     def __init__(self, fusers: dict[str, Fuser] | None = None, max_fused: int = 16, gather_seconds: float = 0.01,
                  stall_seconds: float = 10.0):
@@ -51,6 +56,8 @@ class Worker:
         self.waiting: dict[str, list] = {}  # model_id -> heap of (seq_id, arrival, job)
         self.next_seq: dict[str, int] = {}
         self.since: dict[str, float] = {}
+        self.seen: dict[str, tuple[int, set[int]]] = {}
+        """model_id -> (every seq_id below this was submitted, those submitted above it)."""
         self.ready = threading.Condition()
         self.order = itertools.count()
         self.fused_batches = 0  # passes that served more than one request
@@ -65,6 +72,8 @@ class Worker:
         if seq_id is not None and (not isinstance(seq_id, int) or isinstance(seq_id, bool)):
             raise TypeError(f"seq_id={seq_id!r} is not an integer")  # in the heap it would stop the worker
         with self.ready:
+            if job.model_id is not None and seq_id is not None:
+                self._mark(job.model_id, seq_id)
             if job.fuse is not None:
                 self.recent.append(job)
                 while self.recent and job.arrived - self.recent[0].arrived > 1.0:
@@ -76,6 +85,18 @@ class Worker:
                 self.since.setdefault(job.model_id, time.monotonic())
                 self._release(job.model_id)
             self.ready.notify()
+
+    def _mark(self, model_id: str, seq_id: int) -> None:
+        low, above = self.seen.get(model_id, (1, set()))
+        if seq_id < 1:
+            raise Replayed(f"seq_id {seq_id}: a training client's requests are numbered from 1 (as the SDK does)")
+        if seq_id < low or seq_id in above:
+            raise Replayed(f"seq_id {seq_id} of {model_id} was already sent; each request runs once")
+        above.add(seq_id)
+        while low in above:
+            above.remove(low)
+            low += 1
+        self.seen[model_id] = (low, above)
 
     def _release(self, model_id: str, force: bool = False) -> None:
         heap = self.waiting.get(model_id, [])
@@ -149,7 +170,8 @@ async def outcome_of(worker: Worker, run: Callable[[], Any], fuse: str | None = 
     done = loop.create_future()
 
     def settle(out: Any) -> None:
-        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
+        with contextlib.suppress(RuntimeError):  # the server has stopped: nobody waits any more
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
 
     worker.submit(Job(run, settle, None, fuse, payload))
     out = await done
