@@ -56,3 +56,35 @@ def test_over_length_prompts_fail_or_are_skipped_by_the_trainer(dirty, tmp_path)
                                          "rollout.group_size=2", "task.eval_problems=4"]))
     assert len(trainer.task.skipped) == 5 and "prompt of 304 tokens" in trainer.task.skipped[-1]
     assert trainer.run()["dataset_rows_skipped"] == 5
+
+
+HOSTILE = [(b'{"prompt": "caf\xe9 1+1="}', r"not UTF-8 \(byte 15"), (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+           (b'{"prompt": "1+1=", "n": ' + b"9" * 5000 + b"}", "Exceeds the limit")]
+
+
+@pytest.mark.parametrize("bad,message", HOSTILE, ids=["invalid-utf8", "deep", "huge-int"])
+def test_hostile_rows_fail_naming_file_and_line_or_are_skipped(tmp_path, bad, message):
+    good = json.dumps({"prompt": "1+1=", "answer": "2"}).encode()
+    path = tmp_path / "hostile.jsonl"
+    path.write_bytes(b"\n".join([good] * 3 + [bad] + [good] * 2) + b"\n")
+    with pytest.raises(DatasetError, match=f"^{path}:4: .*{message}"):
+        JsonlTask(path=str(path), reward_fn=REWARD)
+    task = JsonlTask(path=str(path), reward_fn=REWARD, bad_rows="skip")
+    assert len(task._rows) == 5 and len(task.skipped) == 1 and task.skipped[0].startswith(f"{path}:4: ")
+
+
+def test_hostile_parquet_and_toml_name_the_file(tmp_path):
+    from trillora.config import ConfigError
+
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1" + b"\x00" * 64 + b"PAR1")
+    with pytest.raises(DatasetError, match=f"^{broken}: cannot read it as parquet"):
+        JsonlTask(path=str(broken), reward_fn=REWARD)
+    for name, raw, message in [("latin1.toml", b'name = "x"\nsteps = 3\n# caf\xe9\n', r"latin1.toml:3: not UTF-8"),
+                               ("deep.toml", b"a = " + b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+                               ("huge.toml", b"steps = " + b"9" * 5000, "huge.toml: Exceeds the limit")]:
+        (tmp_path / name).write_bytes(raw)
+        with pytest.raises(ConfigError, match=message):
+            load_config(tmp_path / name)
+    with pytest.raises(ConfigError, match="override 'steps': ValueError"):
+        load_config(None, ["steps=" + "9" * 5000])

@@ -210,6 +210,7 @@ def test_the_jail_as_a_normal_user(tmp_path, server):
     try:
         folder.chmod(0o755)
         shutil.copy(LAUNCHER, folder / "sandbox_init.py")
+        shutil.copy(jail_spec("", folder, FAST, "", [], [])["seccomp_module"], folder / "pyseccomp.py")
         (folder / "root").mkdir()
         os.chown(folder / "root", 65534, 65534)
         secret = tmp_path / "secret.txt"
@@ -224,6 +225,7 @@ except OSError as e:
 """
         python = os.path.realpath("/usr/bin/python3")
         spec = jail_spec(code, folder / "root", FAST, python, ["/usr"], ["/usr/lib/python3/dist-packages"])
+        spec["seccomp_module"] = str(folder / "pyseccomp.py")
         read_end, write_end = os.pipe()
         spec["report_fd"] = write_end
         out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I", "-S",
@@ -232,10 +234,100 @@ except OSError as e:
         os.close(write_end)
         with os.fdopen(read_end) as f:
             reports = [json.loads(line) for line in f.read().splitlines()]
-        if reports and "error" in reports[0] and "user" in reports[0]["error"]:
-            pytest.skip(f"unprivileged user namespaces refused here: {reports[0]['error']}")
+        refused = [r["error"] for r in reports if "error" in r and "user" in r["error"]]
+        if refused:
+            pytest.skip(f"unprivileged user namespaces refused here: {refused[0]}")
         assert reports and "status" in reports[-1], (reports, out.stderr)
         assert "connected" not in out.stdout and "uid 65534" in out.stdout and "refused FileNotFoundError" in out.stdout
         assert int(out.stdout.split()[1]) <= 2
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+KEYRING = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+NR = {"x86_64": 250, "aarch64": 219}[os.uname().machine]
+print('session', libc.syscall(NR, 0, -3, 0), errno.errorcode.get(ctypes.get_errno()))  # KEYCTL_GET_KEYRING_ID, @s
+found = libc.syscall(NR, 10, -3, b"user", b"trillora-test", 0)  # KEYCTL_SEARCH in @s
+print('search', found, errno.errorcode.get(ctypes.get_errno()))
+buf = ctypes.create_string_buffer(64)
+print('read', libc.syscall(NR, 11, KEY, buf, 64), errno.errorcode.get(ctypes.get_errno()), buf.value)  # KEYCTL_READ, by id
+print('proc', 'trillora-test' in open('/proc/keys').read())
+"""
+
+
+def test_the_host_keyring_is_out_of_reach():
+    """A parent that holds a session keyring with a secret (systemd, PAM, ssh, `keyctl session`): the
+    jail neither finds nor reads it. This test process joins a new session keyring and puts the
+    secret there first."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    nr = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+    if nr is None or libc.syscall(nr, 1, None) < 0:  # KEYCTL_JOIN_SESSION_KEYRING: a keyring for this test
+        pytest.skip("no kernel keyrings here")
+    key = libc.syscall(248 if nr == 250 else 217, b"user", b"trillora-test", b"HOST-SECRET-1234", 16, -3)  # add_key to @s
+    assert key > 0, os.strerror(ctypes.get_errno())
+    buf = ctypes.create_string_buffer(64)
+    assert libc.syscall(nr, 11, key, buf, 64) == 16 and buf.value == b"HOST-SECRET-1234"  # the host reads it
+    r = run_python(KEYRING.replace("KEY", str(key)), limits=FAST)
+    assert r.ok, r.stderr
+    assert "HOST-SECRET" not in r.stdout and "proc False" in r.stdout, r.stdout
+    assert r.stdout.count("EPERM") == 3, r.stdout  # the filter refuses every keyctl
+
+
+ESCAPES = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+def tried(name, ret):
+    print(name, 'allowed' if ret >= 0 else errno.errorcode.get(ctypes.get_errno()))
+tried('unshare-user', libc.unshare(0x10000000))
+tried('unshare-mount', libc.unshare(0x00020000))
+tried('mount-tmpfs', libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, b"size=1g"))
+params = ctypes.create_string_buffer(120)
+tried('io_uring_setup', libc.syscall({"x86_64": 425, "aarch64": 425}[os.uname().machine], 4, params))
+tried('ptrace', libc.ptrace(16, os.getppid(), 0, 0))  # PTRACE_ATTACH
+pid = os.fork()  # plain processes still work
+if pid == 0:
+    os._exit(7)
+print('fork', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+import threading
+t = threading.Thread(target=lambda: None); t.start(); t.join(); print('thread ok')
+"""
+
+
+def test_namespaces_mounts_io_uring_and_ptrace_are_refused():
+    """A nested user namespace let a program mount a tmpfs of any size past /tmp's bound; io_uring
+    bypasses the file-size checks of write(). The filter refuses them, fork and threads still work."""
+    r = run_python(ESCAPES, limits=FAST)
+    assert r.ok, r.stderr
+    got = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert got == {"unshare-user": "EPERM", "unshare-mount": "EPERM", "mount-tmpfs": "EPERM", "io_uring_setup": "EPERM",
+                   "ptrace": "EPERM", "fork": "7", "thread": "ok"}, got
+
+
+MEMORY = """
+import os, time
+kids = []
+for _ in range(3):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            block = bytearray(300 << 20)  # zero-filled: every page touched
+            time.sleep(1.0)
+            os._exit(0)
+        except MemoryError:
+            os._exit(3)
+    kids.append(pid)
+codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in kids]
+print('held', sum(c == 0 for c in codes), codes)
+"""
+
+
+def test_memory_is_bounded_per_jail_not_per_process():
+    """Three children of 300 MiB each under a 512 MiB jail: at most one holds its block (before,
+    RLIMIT_AS alone let each process have the whole budget)."""
+    r = run_python(MEMORY, limits=Limits(cpu_seconds=5, wall_seconds=20.0, memory_bytes=512 << 20))
+    assert r.ok, (r.stdout, r.stderr)
+    assert int(r.stdout.split()[1]) <= 1, r.stdout

@@ -90,7 +90,27 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    except (RecursionError, ValueError) as e:  # nested too deeply, or an integer past the digit limit
+        raise ConfigError(f"override {key.strip()!r}: {type(e).__name__}: {str(e)[:200]}") from None
     return key.strip().split("."), value
+
+
+def _read_toml(path: Path) -> dict:
+    """The file's tables, or a ConfigError naming the file, the line where it can, and the cause."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 (byte {raw[e.start:e.start + 1]!r}); TOML files are UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: tables or arrays nested too deeply") from None
+    except ValueError as e:  # an integer past Python's digit limit
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
@@ -99,10 +119,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"config file {path} does not exist")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: {e}") from None
+        data = _read_toml(path)
     for item in overrides:
         keys, value = parse_override(item)
         node = data

@@ -28,21 +28,38 @@ def iter_rows(path: Path, split: str = "train") -> Iterator[tuple[str, object]]:
         return
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield f"{path}:{lineno}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"{path}:{lineno}", RowError(f"invalid JSON ({e.msg})")
+        with open(path, "rb") as f:  # decoded per line: one bad line is that row's error, not the file's
+            for lineno, raw in enumerate(f, 1):
+                yield from _json_row(f"{path}:{lineno}", raw)
         return
     if suffix not in SUFFIXES:
         raise RowError(f"{path}: unknown data file type {suffix!r}; allowed: {', '.join(SUFFIXES)}, or a folder "
                        f"written by datasets' save_to_disk")
     datasets = _datasets()
-    table = (datasets.Dataset.from_parquet(str(path)) if suffix == ".parquet" else datasets.Dataset.from_file(str(path)))
+    try:
+        table = (datasets.Dataset.from_parquet(str(path)) if suffix == ".parquet" else datasets.Dataset.from_file(str(path)))
+    except Exception as e:  # noqa: BLE001 - pyarrow's and datasets' many errors, named with the file
+        raise RowError(f"{path}: cannot read it as {suffix[1:]} ({type(e).__name__}: {str(e)[:300]})") from None
     yield from _from_datasets(path, table)
+
+
+def _json_row(where: str, raw: bytes) -> Iterator[tuple[str, object]]:
+    """A line's row, or the RowError it is: not UTF-8, not JSON, nested too deeply, a number too long."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        yield where, RowError(f"not UTF-8 (byte {e.start} of the line: {raw[e.start:e.start + 1]!r})")
+        return
+    if not line.strip():
+        return
+    try:
+        yield where, json.loads(line)
+    except json.JSONDecodeError as e:
+        yield where, RowError(f"invalid JSON ({e.msg}, column {e.colno})")
+    except RecursionError:
+        yield where, RowError("JSON nested too deeply")
+    except ValueError as e:  # an integer past Python's digit limit
+        yield where, RowError(f"invalid JSON ({e})")
 
 
 def _datasets():

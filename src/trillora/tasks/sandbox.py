@@ -10,6 +10,10 @@ mount, PID, network, IPC and UTS namespaces (and a user namespace when not root)
   runs); nothing of the host (home, project, other processes) is reachable;
 - an unprivileged uid with no capabilities and `no_new_privs`, so it cannot `setns` back into the
   host's namespaces, mount, or gain root through a setuid file;
+- a session keyring of its own (the host's keys stay out of reach) and a seccomp filter that
+  refuses keyrings, new namespaces, mounts, ptrace, io_uring, bpf and kernel modules outright;
+- memory bounded for the whole jail: a memory and a pids cgroup of its own where one can be made
+  (as root), else processes × address space kept within `memory_bytes`;
 - `RLIMIT_CPU` (SIGXCPU), `RLIMIT_AS` (MemoryError), `RLIMIT_FSIZE` (output capped at
   `output_bytes`: stdout and stderr are files, not pipes), `RLIMIT_NPROC` (no fork bomb),
   `RLIMIT_NOFILE`, no core files;
@@ -22,6 +26,7 @@ unconfined.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -29,6 +34,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +76,17 @@ class Result:
         return "SIGKILL" if self.timed_out else None
 
 
+def _remove_folder(folder: str) -> None:
+    for _ in range(50):
+        try:
+            os.rmdir(folder)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # its last processes are still being reaped
+            time.sleep(0.02)
+
+
 def python_install() -> tuple[str, list[str], list[str]]:
     """The base interpreter (not a virtual environment's), the folders it needs and the folders of
     installed packages the program must not see."""
@@ -86,7 +103,9 @@ def python_install() -> tuple[str, list[str], list[str]]:
 def jail_spec(code: str, root: Path, limits: Limits, python: str, dirs: list[str], masked: list[str]) -> dict:
     """What `sandbox_init` reads: the program, the empty folder its root is built in, the interpreter
     and the limits."""
+    seccomp = importlib.util.find_spec("pyseccomp")
     return {"root": str(root), "code": code, "python": python, "python_dirs": dirs, "masked": masked,
+            "seccomp_module": seccomp.origin if seccomp is not None else "",
             "cpu_seconds": limits.cpu_seconds, "memory_bytes": limits.memory_bytes, "wall_seconds": limits.wall_seconds,
             "output_bytes": limits.output_bytes, "processes": limits.processes, "folder_bytes": limits.folder_bytes}
 
@@ -117,13 +136,16 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
                 if proc.returncode is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-            reports = [json.loads(line) for line in report.read().decode().splitlines() if line.strip()]
+                reports = [json.loads(line) for line in report.read().decode().splitlines() if line.strip()]
+                for folder in (f for r in reports for f in r.get("cgroups", [])):  # the launcher's, if it was killed:
+                    _remove_folder(folder)  # removed once the jail's last process is gone
         cut = limits.output_bytes
         out = (root / "stdout").read_bytes()[:cut].decode(errors="replace")
         err = (root / "stderr").read_bytes()[-cut:].decode(errors="replace")
     if stuck:
         return Result(returncode=-signal.SIGKILL, stdout=out, stderr=err, timed_out=True)
     errors = [r["error"] for r in reports if "error" in r]
+    reports = [r for r in reports if "status" in r]
     if errors or not reports:
         why = errors[0] if errors else f"the launcher ended with {proc.returncode} and no report: {err[-500:]}"
         raise SandboxUnavailable(f"cannot run the code sandbox: {why}; it needs mount, PID and network namespaces "

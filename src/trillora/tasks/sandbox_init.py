@@ -7,8 +7,15 @@ so nothing of the trainer (threads, locks, CUDA) is alive between fork and the s
          │ Python install (site-packages masked), a fresh /proc, /dev with null/zero/random only,
          │ small tmpfs /tmp and /box (the program's folder); pivot_root; the host tree detached.
          └─ program: drops to an unprivileged uid (root: setresuid to a uid no account uses; not
-            root: a nested user namespace where it is not root), no_new_privs, rlimits (CPU,
-            memory, file size, processes, open files), then execs `python -I -S main.py` in /box.
+            root: a nested user namespace where it is not root), joins a new empty session
+            keyring, no_new_privs, a seccomp filter (libseccomp through `pyseccomp`: no keyrings,
+            namespaces, mounts, ptrace, io_uring, bpf, modules), rlimits (CPU, memory, file
+            size, processes, open files), then execs `python -I -S main.py` in /box.
+
+Memory is bounded per jail, not per process: as root the launcher puts itself (and so the whole
+jail) in a memory and a pids cgroup of its own under its current ones (v1 or v2, where the kernel
+lets it make one), removed when the jail ends. Where none can be made, the per-process limit is
+cut so that processes × RLIMIT_AS stays within the budget.
 
 The init waits for the program, enforcing the wall clock, and exits when the program does: the
 kernel then kills everything left in the PID namespace (a `setsid()` grandchild included), and
@@ -17,12 +24,14 @@ the init itself dies with the launcher (`PR_SET_PDEATHSIG`). It reports one JSON
 """
 
 import ctypes
+import errno
 import json
 import os
 import platform
 import resource
 import signal
 import sys
+import time
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x02000000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -32,6 +41,13 @@ MNT_DETACH, PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 2, 1, 24, 3
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 UID_BASE = 2_000_000_000
 DEVICES = ("null", "zero", "random", "urandom")
+KEYCTL_JOIN_SESSION_KEYRING = 1
+DENIED = ("keyctl", "add_key", "request_key", "io_uring_setup", "io_uring_enter", "io_uring_register", "ptrace",
+          "process_vm_readv", "process_vm_writev", "mount", "umount2", "fsopen", "fsmount", "move_mount", "open_tree",
+          "unshare", "setns", "pivot_root", "chroot", "bpf", "perf_event_open", "userfaultfd", "open_by_handle_at",
+          "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "swapon", "swapoff")
+NAMESPACES = (CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET)
+MIN_PROCESS_BYTES = 64 << 20  # an interpreter's own address space, roughly
 
 libc = ctypes.CDLL(None, use_errno=True)
 _REPORT = [-1]  # the report pipe's fd, from the spec
@@ -122,7 +138,85 @@ def build_root(spec: dict, as_root: bool) -> None:
     _mount(None, "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def drop_privileges(spec: dict, as_root: bool) -> None:
+def load_seccomp(path: str):
+    """The `pyseccomp` binding, loaded from its file: this launcher runs without site-packages."""
+    import importlib.util
+
+    module_spec = importlib.util.spec_from_file_location("pyseccomp", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def own_keyring(seccomp) -> None:
+    """A new, empty session keyring: the host's (systemd, PAM, ssh, `keyctl session`) is left behind."""
+    nr = seccomp.resolve_syscall(seccomp.system_arch(), "keyctl")
+    if libc.syscall(nr, KEYCTL_JOIN_SESSION_KEYRING, None) < 0 and ctypes.get_errno() != errno.ENOSYS:
+        raise JailError(f"join a session keyring of its own: {os.strerror(ctypes.get_errno())}")
+
+
+def deny_syscalls(seccomp) -> None:
+    """EPERM for what a program needs none of and an escape needs: keyrings, namespaces (unshare,
+    setns, and clone with a namespace flag), mounts, ptrace, io_uring, bpf, kernel modules.
+    clone3 hides its flags behind a pointer, so it gets ENOSYS and libc falls back to clone."""
+    f = seccomp.SyscallFilter(seccomp.ALLOW)
+    arch = seccomp.system_arch()
+    for name in DENIED:
+        if seccomp.resolve_syscall(arch, name) >= 0:  # names this kernel's architecture has
+            f.add_rule(seccomp.ERRNO(errno.EPERM), name)
+    for flag in NAMESPACES:
+        f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    f.load()
+
+
+def jail_cgroups(pid: int, memory_bytes: int, processes: int) -> list[str]:
+    """Folders of a memory and a pids cgroup made for this jail under this process's own (cgroup v1
+    controllers, or v2), this process moved in; [] where the kernel does not let it make them."""
+    made = []
+    try:
+        lines = [line.split(":", 2) for line in open("/proc/self/cgroup").read().splitlines()]
+        v1 = {c: path for _, names, path in lines for c in names.split(",") if c in ("memory", "pids")}
+        if set(v1) == {"memory", "pids"}:
+            wanted = [(f"/sys/fs/cgroup/{c}{v1[c]}", c) for c in ("memory", "pids")]
+        else:
+            v2 = next(path for h, names, path in lines if h == "0" and names == "")
+            wanted = [(f"/sys/fs/cgroup{v2}", "v2")]
+        for base, kind in wanted:
+            folder = f"{base.rstrip('/')}/trillora-jail-{pid}"
+            os.mkdir(folder)
+            made.append(folder)
+            for name, value in {"memory": [("memory.limit_in_bytes", memory_bytes), ("memory.memsw.limit_in_bytes?", memory_bytes)],
+                                "pids": [("pids.max", processes)],
+                                "v2": [("memory.max", memory_bytes), ("memory.swap.max?", 0), ("pids.max", processes)]}[kind]:
+                name, optional = name.rstrip("?"), name.endswith("?")  # swap accounting may be off
+                if not (optional and not os.path.exists(f"{folder}/{name}")):
+                    _write(f"{folder}/{name}", str(value))
+            _write(f"{folder}/cgroup.procs", str(os.getpid()))
+    except (OSError, StopIteration):
+        remove_cgroups(made)
+        return []
+    return made
+
+
+def remove_cgroups(folders: list[str]) -> None:
+    """Leave them (back to the parent's) and remove them, once the jail's processes are gone."""
+    for folder in folders:
+        try:
+            _write(f"{os.path.dirname(folder)}/cgroup.procs", str(os.getpid()))
+        except OSError:
+            pass
+        for _ in range(50):
+            try:
+                os.rmdir(folder)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.02)
+
+
+def drop_privileges(spec: dict, as_root: bool, seccomp) -> None:
     uid = spec["uid"]
     if as_root:
         for cap in range(64):  # and none to regain from the bounding set (last_cap < 64)
@@ -135,15 +229,17 @@ def drop_privileges(spec: dict, as_root: bool) -> None:
         _write("/proc/self/setgroups", "deny")
         _write("/proc/self/uid_map", f"{uid} 0 1")
         _write("/proc/self/gid_map", f"{uid} 0 1")
+    own_keyring(seccomp)
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    for limit, value in ((resource.RLIMIT_CPU, spec["cpu_seconds"]), (resource.RLIMIT_AS, spec["memory_bytes"]),
+    deny_syscalls(seccomp)
+    for limit, value in ((resource.RLIMIT_CPU, spec["cpu_seconds"]), (resource.RLIMIT_AS, spec["process_bytes"]),
                          (resource.RLIMIT_FSIZE, spec["output_bytes"]), (resource.RLIMIT_CORE, 0),
                          (resource.RLIMIT_NPROC, spec["processes"]), (resource.RLIMIT_NOFILE, 64)):
         hard = value + 1 if limit == resource.RLIMIT_CPU else value  # soft CPU limit: SIGXCPU, not SIGKILL
         resource.setrlimit(limit, (value, hard))
 
 
-def init(spec: dict, as_root: bool) -> None:
+def init(spec: dict, as_root: bool, seccomp) -> None:
     """PID 1 of the jail: build it, run the program, wait (wall clock), report, exit."""
     _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "parent-death signal")
     try:
@@ -154,7 +250,7 @@ def init(spec: dict, as_root: bool) -> None:
     program = os.fork()
     if program == 0:
         try:
-            drop_privileges(spec, as_root)
+            drop_privileges(spec, as_root, seccomp)
             os.chdir("/box")
             os.execve(spec["python"], [spec["python"], "-I", "-S", "main.py"], {"PATH": "/usr/bin:/bin"})
         except (OSError, JailError) as e:
@@ -184,10 +280,22 @@ def main() -> None:
     os.set_inheritable(_REPORT[0], False)  # the program never holds the report pipe
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     as_root = os.geteuid() == 0
+    try:  # loaded while the host's files are in view (libseccomp with it)
+        seccomp = load_seccomp(spec["seccomp_module"])
+    except (OSError, ImportError) as e:
+        _report(error=f"the seccomp binding (pyseccomp, libseccomp): {e}")
+        sys.exit(125)
     # root: a uid no account uses, its own per launcher (RLIMIT_NPROC counts processes per uid);
     # otherwise the uid the program has inside its own user namespace
     spec["uid"] = UID_BASE + os.getpid() if as_root else 65534
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
+    # the jail's PID 1 counts against its pids cgroup too
+    cgroups = jail_cgroups(os.getpid(), spec["memory_bytes"], spec["processes"] + 1) if as_root else []
+    spec["process_bytes"] = spec["memory_bytes"]
+    if not cgroups:  # processes × address space within the budget
+        spec["process_bytes"] = max(spec["memory_bytes"] // spec["processes"], MIN_PROCESS_BYTES)
+        spec["processes"] = max(1, min(spec["processes"], spec["memory_bytes"] // spec["process_bytes"]))
+    _report(cgroups=cgroups)
     try:
         if as_root:
             _check(libc.unshare(flags), "unshare(mount, PID, network namespaces)")
@@ -199,11 +307,13 @@ def main() -> None:
             _write("/proc/self/gid_map", f"0 {gid} 1")
     except (OSError, JailError) as e:
         _report(error=str(e))
+        remove_cgroups(cgroups)
         sys.exit(125)
     child = os.fork()
     if child == 0:
-        init(spec, as_root)
+        init(spec, as_root, seccomp)
     _, status = os.waitpid(child, 0)
+    remove_cgroups(cgroups)
     sys.exit(0)
 
 
