@@ -388,3 +388,16 @@ def test_the_pipeline_microbatches_row_is_its_results_file():
     assert (f"{sec['1']:.3f} / {sec['2']:.3f} / {sec['4']:.3f} / {sec['8']:.3f} s for 1 / 2 / 4 / 8 chunks: "
             f"**{sp['2']:.2f}× / {sp['4']:.2f}× / {sp['8']:.2f}×**") in README
     assert f"gradients equal the whole pass's to {r['max_grad_rel_diff_vs_whole']:.1e}" in README
+
+
+def test_the_attack_row_is_its_results_file():
+    r = results("tinker_under_attack.json")
+    h, a, m = r["honest_requests"], r["attacks"], r["rss_mib"]
+    flat = " ".join(README.split())  # a paragraph: its lines wrap anywhere
+    assert (f"{h['ok']} honest requests of {r['clients']} trainers and {r['samplers']} samplers answered, "
+            f"{h['failed']} failed") in flat
+    assert (f"{a['shapes']['refused']} oversized shapes, {a['seq_games']['refused']} seq_id games and "
+            f"{a['keyless']['refused']} keyless 64 MiB bodies refused, {a['slow']['dropped by the server']} slow "
+            f"connections dropped at their header deadline") in flat
+    assert f"server RSS {m['after_warm_up']:.0f} → peak {m['peak']:.0f} MiB (bound: +{r['memory_bound_mib']})" in flat
+    assert h["failed"] == 0 and r["within_bound"] and set(r["healthz"]) == {"200"}

@@ -188,3 +188,23 @@ def test_names_with_a_newline_and_planted_links_are_refused(server, tmp_path):
     status, out = post(server, "/api/v1/weights_info", {"tinker_path": saved})
     assert status == 403 and "link" in out["error"] and "987654321" not in json.dumps(out), out
     finish(server, sid)
+
+
+def test_the_attack_benchmark_keeps_every_honest_request_answered(tmp_path):
+    """`benchmarks/tinker_under_attack.py` at a small size: 2 trainers and 2 samplers of the real SDK
+    beside hostile shapes, seq_id games, slow connections and keyless bodies."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "tinker_under_attack.py"
+    out = tmp_path / "attack.json"
+    run = subprocess.run([sys.executable, str(script), "--clients", "2", "--samplers", "2", "--steps", "2", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["honest_requests"]["failed"] == 0 and r["honest_requests"]["ok"] == 2 * 2 * 2 + 2 * 2, r["honest_requests"]
+    for kind in ("shapes", "seq_games", "keyless"):
+        assert r["attacks"][kind]["refused"] > 0 and r["attacks"][kind]["accepted"] == 0, (kind, r["attacks"][kind])
+    assert r["attacks"]["slow"]["dropped by the server"] > 0  # at the header deadline
+    assert set(r["healthz"]) == {"200"} and r["healthz_at_the_end"] == 200 and r["within_bound"], r

@@ -91,6 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       state_dir=args.state_dir, adapter_root=args.adapter_root, adapter_memory_mib=args.adapter_memory_mib,
                       max_connections=args.max_connections, max_clients=args.max_clients, max_samplers=args.max_samplers,
                       max_sessions=args.max_sessions, max_call_tokens=args.max_call_tokens, device=args.device,
+                      idle_seconds=args.idle_seconds, header_seconds=args.header_seconds, body_seconds=args.body_seconds,
                       precision=args.precision, max_fused=args.max_fused, trust_remote_code=args.trust_remote_code,
                       tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp, sp=args.sp, fsdp=args.fsdp,
                       vocab_parallel=args.vocab_parallel, pp_microbatches=args.pp_microbatches,
@@ -218,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-samplers", type=int, default=256, help="--tinker: sampling sessions held at once")
     p.add_argument("--max-sessions", type=int, default=256, help="--tinker: sessions held at once (one not heard "
                                                                  "from for 5 minutes is ended and freed)")
+    p.add_argument("--idle-seconds", type=float, default=60.0, help="a connection may wait this long before a request")
+    p.add_argument("--header-seconds", type=float, default=10.0, help="from a request's first byte to its headers' end")
+    p.add_argument("--body-seconds", type=float, default=60.0, help="for a request's whole body")
     p.add_argument("--max-call-tokens", type=int, default=65536, help="tokens one call may hold: a forward_backward's "
                                                                       "datums, or n × (prompt + max_tokens) of a sample")
     p.add_argument("--device", default="cpu", help="--tinker: where the base and the adapters live (cpu, cuda)")
