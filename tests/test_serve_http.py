@@ -270,7 +270,9 @@ def test_the_openai_revisions_are_out_of_the_tinker_routes_reach(server):
 @pytest.mark.parametrize("field,value,message", [("top_k", "Infinity", "OverflowError|cannot convert float infinity"),
                                                  ("temperature", "NaN", "temperature=nan"),
                                                  ("temperature", "1e-320", "temperature="),
-                                                 ("seed", str(2**64), "seed must be in 0..2\\*\\*63-1")])
+                                                 ("seed", str(2**64), "seed must be in 0..2\\*\\*63-1"),
+                                                 ("seed", "Infinity", "seed must be an integer"),
+                                                 ("seed", '"x"', "seed must be an integer")])
 def test_sampling_settings_out_of_range_get_400_on_both_faces(server, field, value, message):
     import re
 

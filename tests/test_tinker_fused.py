@@ -46,6 +46,25 @@ def test_worker_fuses_waiting_requests_of_one_kind_and_keeps_each_clients_order(
     assert worker.fused_batches == 2
 
 
+def test_a_client_behind_a_busy_one_waits_only_for_the_passes_before_it():
+    """The scheduling guarantee (`--max-call-tokens` bounds each call): a request runs once the
+    passes holding the requests that arrived before it are done; a pass may carry up to
+    `max_fused` - 1 later requests of its kind along, never more. So a client sending one call
+    behind a client that never stops sending is served after two of its passes here, not after all."""
+    ran: list = []
+    gate, done = threading.Event(), threading.Semaphore(0)
+    worker = Worker({"fb": lambda payloads: (ran.append(tuple(payloads)), list(payloads))[1]}, max_fused=2)
+    worker.submit(Job(gate.wait, lambda out: done.release()))  # holds the worker while the rest queue up
+    arrivals = [("A1", "A", 1, "fb"), ("A2", "A", 2, "fb"), ("B1", "B", 1, None), ("A3", "A", 3, "fb"),
+                ("A4", "A", 4, "fb"), ("A5", "A", 5, "fb"), ("A6", "A", 6, "fb")]
+    for name, model, seq, fuse in arrivals:
+        worker.submit(Job(lambda name=name: ran.append((name,)), lambda out: done.release(), model, fuse, name), seq)
+    gate.set()
+    for _ in range(len(arrivals) + 1):
+        assert done.acquire(timeout=10)
+    assert ran == [("A1", "A2"), ("B1",), ("A3", "A4"), ("A5", "A6")]
+
+
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     return TinkerService(ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path_factory.mktemp("state"))))
