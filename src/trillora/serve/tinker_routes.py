@@ -31,7 +31,8 @@ from fastapi.concurrency import run_in_threadpool
 
 from . import wire
 from .http import json_object
-from .tinker_service import SERVED, BadRequest, FwdBwd, SampleCall
+from .registry import SERVED
+from .tinker_service import BadRequest, FwdBwd, SampleCall
 from .worker import Job, Replayed
 
 if TYPE_CHECKING:

@@ -13,12 +13,8 @@ Shape legend: B datums, T tokens (padded), V vocabulary, N one datum's tokens, K
 
 from __future__ import annotations
 
-import collections
 import json
 import math
-import secrets
-import threading
-import time
 from pathlib import Path
 
 import torch
@@ -39,12 +35,10 @@ from .config import ServeConfig
 from .commands import (CreateModel, CreateSampler, EndSessions, ForwardBackward, LoadState, OptimStep, Sample,
                        SaveForSampler, SaveState, Stop)
 from .ranks import Ranks
+from .registry import SERVED, Registry
 from .sampling import Sampling
-from .tinker_types import BadRequest, Client, FwdBwd, SampleCall, Session
+from .tinker_types import BadRequest, Client, FwdBwd, SampleCall
 from .wire import Datum
-
-SERVED = "served"
-"""The session that holds the OpenAI routes' revisions (Tinker sessions are named session-<random>)."""
 
 __all__ = ["BadRequest", "FwdBwd", "SampleCall", "ServeConfig", "TinkerService"]
 
@@ -70,15 +64,12 @@ class TinkerService:
         self.device = torch.device(cfg.device)
         self.vocab = self.base.model.args.vocab_size
         self.engine = LocalEngine.sharing(self.base.model, pad_id=self.tokenizer.pad_token_id or 0)
-        self.sampling = Sampling(self.base, self.engine, self.ranks, self.tokenizer, self.device, self.check_sample, self.sampler)
-        self.sessions: dict[str, Session] = {SERVED: Session(SERVED)}
-        """Tinker sessions, and SERVED: the revisions the OpenAI routes sample, by model name."""
-        self.ended: collections.deque[str] = collections.deque(maxlen=4096)
-        """Recently ended sessions: their heartbeats are told so (410), and the SDK stops them."""
-        self.lock = threading.Lock()  # the registry (sessions, clients, samplers), not the model
+        self.registry = r = Registry(cfg, follower=self.ranks.rank > 0)
+        # what a route asks of the registry, by the service's own names
+        self.sessions, self.create_session, self.session, self.idle_sessions = r.sessions, r.create_session, r.session, r.idle_sessions
+        self.client, self.sampler, self.served, self.unserve_adapter = r.client, r.sampler, r.served, r.unserve
         self.root = Path(cfg.state_dir)
-        base = Revision(None, sampler_id=f"{SERVED}:sample:{cfg.model}")
-        self.sessions[SERVED].samplers[base.sampler_id] = base
+        self.sampling = Sampling(self.base, self.engine, self.ranks, self.tokenizer, self.device, self.check_sample, self.sampler)
 
     # --- the other ranks --------------------------------------------------------------------
     def follow(self) -> None:
@@ -96,52 +87,12 @@ class TinkerService:
         if self.ranks.world > 1:
             dist.barrier()
 
-    # --- registry ------------------------------------------------------------------------
-    def create_session(self) -> str:
-        """A new session under an id no other client can guess (its models and samplers are named
-        after it, so they are as hidden as it is)."""
-        with self.lock:
-            if len(self.sessions) - 1 >= self.cfg.max_sessions:
-                raise BadRequest(f"the server holds {self.cfg.max_sessions} sessions (--max-sessions); finish one, "
-                                 f"or wait {self.cfg.session_seconds:.0f} s for an idle one to end", 429)
-            sid = f"session-{secrets.token_urlsafe(12)}"
-            self.sessions[sid] = Session(sid)
-        return sid
-
-    def session(self, sid: str) -> Session:
-        if self.ranks.rank > 0:  # sessions are opened on rank 0's HTTP threads; here they exist when used
-            with self.lock:
-                return self.sessions.setdefault(sid, Session(sid))
-        s = self.sessions.get(sid)
-        if s is None:
-            ended = sid in self.ended
-            raise BadRequest(f"session_id {sid!r} has ended" if ended else f"unknown session_id {sid!r}", 410 if ended else 404)
-        s.seen = time.monotonic()
-        return s
-
-    def idle_sessions(self) -> list[str]:
-        """Sessions not heard from for `session_seconds` (the SDK's heartbeat stopped)."""
-        now = time.monotonic()
-        with self.lock:
-            return [k for k, s in self.sessions.items() if k != SERVED and now - s.seen > self.cfg.session_seconds]
-
+    # --- sessions ------------------------------------------------------------------------
     def end_sessions(self, sids: list[str]) -> None:
         """Free sessions' training clients and samplers, on every rank (the SDK's `finish`, or an idle
         session's end); their ids answer 410 from then on."""
         self.ranks.mirror(EndSessions(tuple(sids)))
-        with self.lock:
-            for sid in sids:
-                if sid != SERVED and self.sessions.pop(sid, None) is not None:
-                    self.ended.append(sid)
-
-    def client(self, model_id: str) -> Client:
-        sid = model_id.split(":")[0]
-        session = self.sessions.get(sid, Session(sid))
-        c = session.models.get(model_id)
-        if c is None:
-            raise BadRequest(f"unknown model_id {model_id!r}", 404)
-        session.seen = time.monotonic()
-        return c
+        self.registry.end(sids)
 
     def check_base_model(self, name: str | None) -> None:
         if name is not None and name != self.cfg.model:
@@ -171,19 +122,7 @@ class TinkerService:
         """A new training client (settings checked by `lora_settings`)."""
         self.ranks.mirror(CreateModel(sid, seq, rank, roles, seed))
         expert_rank = max(1, rank // self.base.model.args.top_k) if self.cfg.expert_rank_rule == "divide_by_top_k" else None
-        return self._register(sid, seq, Client("", self.base.new_adapter(rank, roles, seed, expert_rank), rank, roles))
-
-    def _register(self, sid: str, seq: int, client: Client) -> dict:
-        session = self.session(sid)
-        with self.lock:
-            client.model_id = f"{sid}:train:{seq}"
-            if client.model_id in session.models:
-                raise BadRequest(f"model_seq_id {seq} of this session is taken by {client.model_id!r}", 409)
-            if sum(len(s.models) for s in self.sessions.values()) >= self.cfg.max_clients:
-                raise BadRequest(f"the server holds {self.cfg.max_clients} training clients (--max-clients); "
-                                 "finish a session to free its clients", 429)
-            session.models[client.model_id] = client
-        return {"model_id": client.model_id, "type": "create_model"}
+        return self.registry.register(sid, seq, Client("", self.base.new_adapter(rank, roles, seed, expert_rank), rank, roles))
 
     def info(self, model_id: str) -> dict:
         c = self.client(model_id)
@@ -344,7 +283,7 @@ class TinkerService:
             for g, saved in zip(adapter.optimizer.param_groups, meta["param_groups"]):
                 g.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
             adapter.steps = meta["steps"]
-        out = self._register(sid, seq, Client("", adapter, meta["rank"], roles))
+        out = self.registry.register(sid, seq, Client("", adapter, meta["rank"], roles))
         return {"model_id": out["model_id"], "path": tinker_path, "type": "load_weights"}
 
     def save_for_sampler(self, model_id: str, name: str | None, sid: str | None = None, sampler_seq: int = 0) -> dict:
@@ -354,7 +293,7 @@ class TinkerService:
         client = self.client(model_id)
         revision = ResidentBase.revision(client.adapter)
         if name is None:
-            return {"sampling_session_id": self._add_sampler(sid or model_id.split(":")[0], sampler_seq, revision, True)}
+            return {"sampling_session_id": self.registry.add_sampler(sid or model_id.split(":")[0], sampler_seq, revision, True)}
         path, folder = self.state_path(model_id, "sampler_weights", name)
         tensors = self.base.placement.full(revision.tensors, self.device)
         if self.writes:
@@ -366,33 +305,11 @@ class TinkerService:
         return {"path": path, "type": "save_weights_for_sampler"}
 
     # --- sampling ------------------------------------------------------------------------
-    def _add_sampler(self, sid: str, seq: int | str, revision: Revision, ephemeral: bool = False) -> str:
-        """`ephemeral`: an unnamed revision (`save_weights_and_get_sampling_client`, once per RL step).
-        At the cap, the session's oldest ephemeral one makes room (a recipe samples with its newest;
-        the same one on every rank: creation order), else 429."""
-        session = self.session(sid)
-        sampler_id = revision.sampler_id = f"{sid}:sample:{seq}"
-        with self.lock:
-            held = sum(len(s.samplers) for k, s in self.sessions.items() if k != SERVED)
-            if sid != SERVED and sampler_id not in session.samplers and held >= self.cfg.max_samplers:
-                oldest = next((k for k in session.samplers if k in session.ephemeral), None)
-                if oldest is None:
-                    raise BadRequest(f"the server holds {self.cfg.max_samplers} samplers (--max-samplers); "
-                                     "finish a session to free its samplers", 429)
-                del session.samplers[oldest]
-                session.ephemeral.discard(oldest)
-            session.samplers.pop(sampler_id, None)  # a replaced one counts as new: it goes last
-            session.ephemeral.discard(sampler_id)
-            session.samplers[sampler_id] = revision
-            if ephemeral:
-                session.ephemeral.add(sampler_id)
-        return sampler_id
-
     def create_sampler(self, sid: str, seq: int, model_path: str | None, base_model: str | None) -> str:
         self.ranks.mirror(CreateSampler(sid, seq, model_path, base_model))
         if model_path is None:
             self.check_base_model(base_model)
-            return self._add_sampler(sid, seq, Revision(None))
+            return self.registry.add_sampler(sid, seq, Revision(None))
         _, _, folder = self.resolve(model_path)
         meta = json.loads((folder / "state.json").read_text())
         tensors = load_file(str(folder / "adapter.safetensors"))
@@ -400,29 +317,11 @@ class TinkerService:
         tensors = {k: self.base.placement.shard(k, v.to(self.device)) for k, v in self.base.placement.here(tensors).items()}
         config = lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=tuple(meta["roles"]), seed=meta["seed"],
                                  expert_rank=meta.get("expert_rank"))
-        return self._add_sampler(sid, seq, Revision(config, tensors))
+        return self.registry.add_sampler(sid, seq, Revision(config, tensors))
 
     def serve_adapter(self, name: str, revision: Revision) -> None:
         """The OpenAI routes' `load_lora_adapter`: `revision` served as `name` (replacing one of that name)."""
-        self._add_sampler(SERVED, name, revision)
-
-    def unserve_adapter(self, name: str) -> None:
-        with self.lock:
-            if name == self.cfg.model or self.sessions[SERVED].samplers.pop(f"{SERVED}:sample:{name}", None) is None:
-                raise BadRequest(f"no adapter named {name!r}", 404)
-
-    def served(self) -> dict[str, Revision]:
-        """The OpenAI routes' models: the base's name first, then each loaded adapter's."""
-        with self.lock:
-            return {k.split(":", 2)[2]: r for k, r in self.sessions[SERVED].samplers.items()}
-
-    def sampler(self, sampler_id: str) -> Revision:
-        session = self.sessions.get(sampler_id.split(":")[0], Session(""))
-        revision = session.samplers.get(sampler_id)
-        if revision is None:
-            raise BadRequest(f"unknown sampling_session_id {sampler_id!r}", 404)
-        session.seen = time.monotonic()
-        return revision
+        self.registry.add_sampler(SERVED, name, revision)
 
     def sample(self, sampler_id: str, prompt: list[int], n: int, params: dict, prompt_logprobs: bool):
         """n sequences of (tokens, logprobs, stop reason), and the prompt's logprobs when asked."""

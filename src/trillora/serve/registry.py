@@ -1,0 +1,126 @@
+"""Who holds what on a service: Tinker sessions, their training clients and samplers, and the
+OpenAI routes' served revisions (the SERVED session), with the caps that keep them bounded.
+
+Ids are random (`session-<16 characters>`), and a session's models and samplers are named after
+it (`<session>:train:<n>`, `<session>:sample:<n>`), so an id is the right to use it. A session
+not heard from for `session_seconds` is idle; ended sessions free everything they held, and
+their ids answer 410 (the SDK stops its heartbeat on it). The registry changes no model: the
+service mirrors what every rank must do (`serve.commands`) and then records it here.
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+import threading
+import time
+
+from .adapters import Revision
+from .config import ServeConfig
+from .tinker_types import BadRequest, Client, Session
+
+SERVED = "served"
+"""The session that holds the OpenAI routes' revisions, by model name (no Tinker client reaches it)."""
+
+
+class Registry:
+    def __init__(self, cfg: ServeConfig, follower: bool):
+        """`follower`: a rank > 0, where sessions exist once a command names them (rank 0 opened
+        them on its HTTP threads)."""
+        self.cfg, self.follower = cfg, follower
+        self.sessions: dict[str, Session] = {SERVED: Session(SERVED)}
+        self.ended: collections.deque[str] = collections.deque(maxlen=4096)
+        self.lock = threading.Lock()
+        base = Revision(None, sampler_id=f"{SERVED}:sample:{cfg.model}")
+        self.sessions[SERVED].samplers[base.sampler_id] = base
+
+    def create_session(self) -> str:
+        with self.lock:
+            if len(self.sessions) - 1 >= self.cfg.max_sessions:
+                raise BadRequest(f"the server holds {self.cfg.max_sessions} sessions (--max-sessions); finish one, "
+                                 f"or wait {self.cfg.session_seconds:.0f} s for an idle one to end", 429)
+            sid = f"session-{secrets.token_urlsafe(12)}"
+            self.sessions[sid] = Session(sid)
+        return sid
+
+    def session(self, sid: str) -> Session:
+        if self.follower:
+            with self.lock:
+                return self.sessions.setdefault(sid, Session(sid))
+        s = self.sessions.get(sid)
+        if s is None:
+            ended = sid in self.ended
+            raise BadRequest(f"session_id {sid!r} has ended" if ended else f"unknown session_id {sid!r}", 410 if ended else 404)
+        s.seen = time.monotonic()
+        return s
+
+    def idle_sessions(self) -> list[str]:
+        now = time.monotonic()
+        with self.lock:
+            return [k for k, s in self.sessions.items() if k != SERVED and now - s.seen > self.cfg.session_seconds]
+
+    def end(self, sids: list[str]) -> None:
+        with self.lock:
+            for sid in sids:
+                if sid != SERVED and self.sessions.pop(sid, None) is not None:
+                    self.ended.append(sid)
+
+    def client(self, model_id: str) -> Client:
+        session = self.sessions.get(model_id.split(":")[0], Session(""))
+        c = session.models.get(model_id)
+        if c is None:
+            raise BadRequest(f"unknown model_id {model_id!r}", 404)
+        session.seen = time.monotonic()
+        return c
+
+    def register(self, sid: str, seq: int, client: Client) -> dict:
+        session = self.session(sid)
+        with self.lock:
+            client.model_id = f"{sid}:train:{seq}"
+            if client.model_id in session.models:
+                raise BadRequest(f"model_seq_id {seq} of this session is taken by {client.model_id!r}", 409)
+            if sum(len(s.models) for s in self.sessions.values()) >= self.cfg.max_clients:
+                raise BadRequest(f"the server holds {self.cfg.max_clients} training clients (--max-clients); "
+                                 "finish a session to free its clients", 429)
+            session.models[client.model_id] = client
+        return {"model_id": client.model_id, "type": "create_model"}
+
+    def add_sampler(self, sid: str, seq: int | str, revision: Revision, ephemeral: bool = False) -> str:
+        """`ephemeral`: an unnamed revision (`save_weights_and_get_sampling_client`, once per RL step).
+        At the cap, the session's oldest ephemeral one makes room (a recipe samples with its newest;
+        the same one on every rank: creation order), else 429."""
+        session = self.session(sid)
+        sampler_id = revision.sampler_id = f"{sid}:sample:{seq}"
+        with self.lock:
+            held = sum(len(s.samplers) for k, s in self.sessions.items() if k != SERVED)
+            if sid != SERVED and sampler_id not in session.samplers and held >= self.cfg.max_samplers:
+                oldest = next((k for k in session.samplers if k in session.ephemeral), None)
+                if oldest is None:
+                    raise BadRequest(f"the server holds {self.cfg.max_samplers} samplers (--max-samplers); "
+                                     "finish a session to free its samplers", 429)
+                del session.samplers[oldest]
+                session.ephemeral.discard(oldest)
+            session.samplers.pop(sampler_id, None)  # a replaced one counts as new: it goes last
+            session.ephemeral.discard(sampler_id)
+            session.samplers[sampler_id] = revision
+            if ephemeral:
+                session.ephemeral.add(sampler_id)
+        return sampler_id
+
+    def sampler(self, sampler_id: str) -> Revision:
+        session = self.sessions.get(sampler_id.split(":")[0], Session(""))
+        revision = session.samplers.get(sampler_id)
+        if revision is None:
+            raise BadRequest(f"unknown sampling_session_id {sampler_id!r}", 404)
+        session.seen = time.monotonic()
+        return revision
+
+    def unserve(self, name: str) -> None:
+        with self.lock:
+            if name == self.cfg.model or self.sessions[SERVED].samplers.pop(f"{SERVED}:sample:{name}", None) is None:
+                raise BadRequest(f"no adapter named {name!r}", 404)
+
+    def served(self) -> dict[str, Revision]:
+        """The OpenAI routes' models: the base's name first, then each loaded adapter's."""
+        with self.lock:
+            return {k.split(":", 2)[2]: r for k, r in self.sessions[SERVED].samplers.items()}
