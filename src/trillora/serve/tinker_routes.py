@@ -30,6 +30,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from . import wire
+from .checkpoints import CheckpointStore
 from .http import json_object
 from .registry import SERVED
 from .tinker_service import BadRequest, FwdBwd, SampleCall
@@ -62,7 +63,16 @@ class TinkerRoutes:
         self.loop: asyncio.AbstractEventLoop | None = None  # the HTTP layer's, where futures are settled
         self.router = APIRouter()
         self.router.add_api_route("/api/v1/healthz", self.health, methods=["GET"])
-        self.router.add_api_route("/api/v1/{rest:path}", self.handle, methods=["GET", "POST"])
+        self.router.add_api_route("/api/v1/{rest:path}", self.handle, methods=["GET", "POST", "PUT", "DELETE"])
+        self.store = CheckpointStore(self.service.root, self.cfg.model)
+        threading.Thread(target=self._sweep, daemon=True, name="checkpoint-ttl").start()
+
+    def _sweep(self, every: float = 30.0) -> None:
+        """Checkpoints past their TTL are deleted in the background (and before every listing)."""
+        while True:
+            time.sleep(every)
+            with contextlib.suppress(OSError):
+                self.store.sweep()
 
     def health(self) -> dict:
         if not self.worker.alive:
@@ -74,6 +84,9 @@ class TinkerRoutes:
         path = request.url.path
         if request.method == "GET":
             return _json_response(await run_in_threadpool(self.get, path))
+        if request.method in ("PUT", "DELETE") or path.endswith("/publish"):  # a checkpoint's lifecycle
+            body = _json_object(await request.body()) if request.method == "PUT" else {}
+            return _json_response(await run_in_threadpool(self.checkpoint, request.method, path, body))
         if request.headers.get("content-encoding", "identity") not in ("identity", ""):
             raise BadRequest("compressed request bodies are not accepted", 415)
         raw = await request.body()
@@ -221,7 +234,35 @@ class TinkerRoutes:
         if path.startswith("/api/v1/sessions/"):
             session = s.session(path.rsplit("/", 1)[1])
             return {"training_run_ids": list(session.models), "sampler_ids": list(session.samplers)}
+        if path in ("/api/v1/sessions", "/api/v1/training_runs", "/api/v1/checkpoints"):
+            raise BadRequest(f"GET {path} would list every client's ids: one API key serves several clients here, and "
+                             "an id is the right to use it; ask for your own run (training_runs/<model_id>) instead", 403)
+        run_id, _, rest = path.removeprefix("/api/v1/training_runs/").partition("/")
+        if path.startswith("/api/v1/training_runs/") and rest in ("", "checkpoints"):
+            if rest == "checkpoints":
+                return {"checkpoints": self.store.checkpoints(run_id), "cursor": None}
+            live = s.registry.sessions.get(run_id.split(":")[0])
+            return self.store.training_run(run_id, live.models.get(run_id) if live else None)
         raise BadRequest(f"no route GET {path}", 404)
+
+    def checkpoint(self, method: str, path: str, body: dict) -> dict:
+        """DELETE a checkpoint, PUT its TTL, POST / DELETE its publication:
+        /api/v1/training_runs/<run>/checkpoints/<weights|sampler_weights>/<name>[/ttl|/publish]."""
+        run_id, _, rest = path.removeprefix("/api/v1/training_runs/").partition("/checkpoints/")
+        parts = rest.split("/")
+        action = parts.pop() if parts[-1] in ("ttl", "publish") else None
+        checkpoint_id = "/".join(parts)
+        if not path.startswith("/api/v1/training_runs/") or len(parts) != 2:
+            raise BadRequest(f"no route {method} {path}", 404)
+        if action == "publish":
+            self.store.publish(run_id, checkpoint_id, method == "POST")
+        elif action == "ttl" and method == "PUT":
+            self.store.set_ttl(run_id, checkpoint_id, body.get("ttl_seconds"))
+        elif action is None and method == "DELETE":
+            self.store.delete(run_id, checkpoint_id)
+        else:
+            raise BadRequest(f"no route {method} {path}", 404)
+        return {}
 
     @staticmethod
     def _json(payload: dict) -> tuple[bytes, str]:
@@ -241,7 +282,14 @@ class TinkerRoutes:
         rank, roles, seed = s.lora_settings(b.get("base_model"), b.get("lora_config") or {})
         if (b.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
             raise BadRequest(f"optimizer_config {b['optimizer_config']!r}; this server has type 'adamw'")
-        return self.start(lambda: s.create_model(sid, seq, rank, roles, seed), model_id=f"{sid}:train:{seq}")
+        metadata = b.get("user_metadata")
+
+        def create() -> dict:
+            out = s.create_model(sid, seq, rank, roles, seed)
+            self.store.record_run(out["model_id"], rank, roles, metadata if isinstance(metadata, dict) else None)
+            return out
+
+        return self.start(create, model_id=f"{sid}:train:{seq}")
 
     def _optim_step(self, b: dict) -> dict:
         s, mid = self.service, b.get("model_id", "")
@@ -255,7 +303,14 @@ class TinkerRoutes:
         s.client(mid)
         name = b.get("path") or f"state-{next(self.ids)}"
         s.state_path(mid, "weights", name)  # refuses a bad name now
-        return self.start(lambda: s.save_state(mid, name), model_id=mid, seq_id=b.get("seq_id"))
+        ttl, metadata = b.get("ttl_seconds"), b.get("user_metadata")
+
+        def save() -> dict:
+            out = s.save_state(mid, name)
+            self.store.annotate(out["path"], ttl, metadata if isinstance(metadata, dict) else None)
+            return out
+
+        return self.start(save, model_id=mid, seq_id=b.get("seq_id"))
 
     def _save_for_sampler(self, b: dict) -> dict:
         s, mid = self.service, b.get("model_id", "")
@@ -275,7 +330,15 @@ class TinkerRoutes:
         sid, seq = b.get("session_id", ""), _seq(b, "model_seq_id")
         if f"{sid}:train:{seq}" in s.session(sid).models:
             raise BadRequest(f"model_seq_id {seq} of this session is taken by {sid}:train:{seq}", 409)
-        return self.start(lambda: s.load_state(sid, seq, path, optimizer), model_id=f"{sid}:train:{seq}")
+        metadata = b.get("user_metadata")
+
+        def load() -> dict:
+            out = s.load_state(sid, seq, path, optimizer)
+            c = s.client(out["model_id"])
+            self.store.record_run(out["model_id"], c.rank, c.roles, metadata if isinstance(metadata, dict) else None)
+            return out
+
+        return self.start(load, model_id=f"{sid}:train:{seq}")
 
     def _create_sampler(self, b: dict) -> dict:
         s = self.service
@@ -312,7 +375,9 @@ class TinkerRoutes:
     def _weights_info(self, b: dict) -> dict:
         _, _, folder = self.service.resolve(b.get("tinker_path", ""))
         meta = json.loads((folder / "state.json").read_text())
-        return {"base_model": self.cfg.model, "is_lora": True, "lora_rank": meta["rank"]}
+        roles = set(meta["roles"])
+        return {"base_model": self.cfg.model, "is_lora": True, "lora_rank": meta["rank"], "train_attn": "attention" in roles,
+                "train_mlp": bool(roles & {"mlp", "shared_experts", "experts"}), "train_unembed": "lm_head" in roles}
 
 
 def _seq(body: dict, key: str) -> int:

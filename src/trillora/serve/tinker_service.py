@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -256,7 +257,7 @@ class TinkerService:
         if a.optimizer is None:
             a.optimizer = adamw(a.params.values())
         meta = {"rank": client.rank, "roles": list(client.roles), "seed": a.config.seed, "expert_rank": a.config.expert_rank,
-                "steps": a.steps,
+                "steps": a.steps, "time": time.time(),
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in a.optimizer.param_groups]}
         tensors = self.base.placement.full(rank_tensors(a.params, a.optimizer), self.device)
         if self.writes:
@@ -299,7 +300,7 @@ class TinkerService:
         if self.writes:
             with AtomicFolder(folder) as tmp:
                 save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(tmp / "adapter.safetensors"))
-                (tmp / "state.json").write_text(json.dumps({"rank": client.rank, "roles": list(client.roles),
+                (tmp / "state.json").write_text(json.dumps({"rank": client.rank, "roles": list(client.roles), "time": time.time(),
                                                             "expert_rank": client.adapter.config.expert_rank,
                                                             "seed": client.adapter.config.seed}))
         return {"path": path, "type": "save_weights_for_sampler"}

@@ -1,0 +1,130 @@
+"""The Tinker service's saved states as a checkpoint store: the local meaning of the hosted
+checkpoint API (training runs, listing, deletion, TTLs, publishing).
+
+A training run is a training client's `model_id`; its states live under `state_dir` as
+`<run>/weights/<name>` and `<run>/sampler_weights/<name>`, each folder an `adapter.safetensors`
+and a `state.json` (written atomically with the tensors: rank, roles, when, expiry, public,
+user metadata), and `<run>/run.json` holds the run's own record (base model, rank, roles, user
+metadata, the run id itself: folder names cannot be read back into ids). A TTL sets an expiry;
+`sweep` deletes what has expired (the server runs it in the background and before each
+listing). A checkpoint id is Tinker's: `weights/<name>` or `sampler_weights/<name>`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from .tinker_checks import resolve, state_path
+from .tinker_types import BadRequest
+
+KINDS = {"weights": "training", "sampler_weights": "sampler"}
+
+
+def _iso(seconds: float | None) -> str | None:
+    return None if seconds is None else datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat()
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Replace `path` whole or not at all."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+class CheckpointStore:
+    def __init__(self, root: Path, base_model: str):
+        self.root, self.base_model = root, base_model
+
+    def run_folder(self, run_id: str) -> Path:
+        _, folder = state_path(self.root, run_id, "weights", "x")
+        return folder.parent.parent
+
+    def record_run(self, run_id: str, rank: int, roles: tuple[str, ...], user_metadata: dict | None) -> None:
+        folder = self.run_folder(run_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json(folder / "run.json", {"training_run_id": run_id, "base_model": self.base_model, "lora_rank": rank,
+                                         "roles": list(roles), "user_metadata": user_metadata or {}, "created": time.time()})
+
+    def _checkpoint(self, run_id: str, checkpoint_id: str) -> tuple[str, Path, dict]:
+        kind, _, name = checkpoint_id.partition("/")
+        if kind not in KINDS:
+            raise BadRequest(f"checkpoint id {checkpoint_id!r}: want weights/<name> or sampler_weights/<name>")
+        _, _, folder = resolve(self.root, f"tinker://{run_id}/{kind}/{name}")
+        return f"tinker://{run_id}/{checkpoint_id}", folder, json.loads((folder / "state.json").read_text())
+
+    def describe(self, tinker_path: str, meta: dict, folder: Path) -> dict:
+        kind = tinker_path.split("/")[3]
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        return {"checkpoint_id": "/".join(tinker_path.split("/")[3:]), "checkpoint_type": KINDS[kind],
+                "time": _iso(meta.get("time", folder.stat().st_mtime)), "tinker_path": tinker_path, "size_bytes": size,
+                "public": bool(meta.get("public")), "user_metadata": meta.get("user_metadata") or None,
+                "expires_at": _iso(meta.get("expires"))}
+
+    def checkpoints(self, run_id: str) -> list[dict]:
+        self.sweep()
+        out, folder = [], self.run_folder(run_id)
+        for kind in KINDS:
+            for state in sorted((folder / kind).glob("*/state.json")) if (folder / kind).is_dir() else []:
+                if not state.is_symlink():
+                    path = f"tinker://{run_id}/{kind}/{state.parent.name}"
+                    out.append(self.describe(path, json.loads(state.read_text()), state.parent))
+        return sorted(out, key=lambda c: c["time"])
+
+    def annotate(self, tinker_path: str, ttl_seconds=None, user_metadata: dict | None = None) -> None:
+        """A fresh save's TTL and user metadata (`save_weights` carries them)."""
+        run_id, _, checkpoint_id = tinker_path[len("tinker://"):].partition("/")
+        if ttl_seconds is not None:
+            self.set_ttl(run_id, checkpoint_id, ttl_seconds)
+        if user_metadata:
+            _, folder, meta = self._checkpoint(run_id, checkpoint_id)
+            meta["user_metadata"] = {str(k): str(v) for k, v in user_metadata.items()}
+            write_json(folder / "state.json", meta)
+
+    def delete(self, run_id: str, checkpoint_id: str) -> None:
+        _, folder, _ = self._checkpoint(run_id, checkpoint_id)
+        shutil.rmtree(folder)
+
+    def set_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds) -> None:
+        if ttl_seconds is not None and (type(ttl_seconds) is not int or ttl_seconds < 0):
+            raise BadRequest(f"ttl_seconds={ttl_seconds!r}; allowed: an integer >= 0, or null for no expiry")
+        _, folder, meta = self._checkpoint(run_id, checkpoint_id)
+        meta["expires"] = None if ttl_seconds is None else time.time() + ttl_seconds
+        write_json(folder / "state.json", meta)
+
+    def publish(self, run_id: str, checkpoint_id: str, public: bool) -> None:
+        _, folder, meta = self._checkpoint(run_id, checkpoint_id)
+        meta["public"] = public
+        write_json(folder / "state.json", meta)
+
+    def sweep(self) -> int:
+        """Delete every checkpoint whose TTL has passed; how many went."""
+        gone, now = 0, time.time()
+        for state in self.root.glob("*/*/*/state.json") if self.root.is_dir() else []:
+            try:
+                expires = json.loads(state.read_text()).get("expires")
+            except (OSError, ValueError):
+                continue
+            if expires is not None and expires <= now and not state.parent.is_symlink():
+                shutil.rmtree(state.parent, ignore_errors=True)
+                gone += 1
+        return gone
+
+    def training_run(self, run_id: str, live=None) -> dict:
+        """The run's record (from the live client `live` when it is held, else from run.json)."""
+        folder = self.run_folder(run_id)
+        record = json.loads((folder / "run.json").read_text()) if (folder / "run.json").is_file() else None
+        if record is None and live is None:
+            raise BadRequest(f"unknown training run {run_id!r}", 404)
+        record = record or {"lora_rank": live.rank, "user_metadata": {}}
+        saved = self.checkpoints(run_id)
+        last = {kind: next((c for c in reversed(saved) if c["checkpoint_type"] == kind), None) for kind in KINDS.values()}
+        return {"training_run_id": run_id, "base_model": self.base_model, "model_owner": "local", "is_lora": True,
+                "corrupted": False, "lora_rank": record["lora_rank"],
+                "last_request_time": _iso(time.time() if live is not None else record.get("created", time.time())),
+                "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
+                "user_metadata": record.get("user_metadata") or None}
