@@ -82,3 +82,13 @@ def test_a_checkpoint_past_its_ttl_is_swept(server, clients):
     state = server.service.resolve(path)[2] / "state.json"
     assert json.loads(state.read_text())["expires"] <= time.time()
     assert server.tinker.store.sweep() == 1 and not state.parent.exists()
+
+
+def test_the_training_clients_tokenizer_loads_without_a_hub(server, clients, monkeypatch):
+    """`get_tokenizer()` loads what `tokenizer_id` names: the server's own model folder (a bare model
+    name sent the SDK to a hub)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    sc, _ = clients
+    tokenizer = sc.create_lora_training_client(base_model=MODEL, rank=2).get_tokenizer()
+    text = "12+30=42"
+    assert tokenizer.encode(text, add_special_tokens=False) == server.service.tokenizer.encode(text, add_special_tokens=False)

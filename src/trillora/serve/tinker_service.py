@@ -54,7 +54,7 @@ class TinkerService:
         from ..models import load_hf_config
 
         self.cfg = cfg
-        path = resolve_model_path(cfg.model)
+        self.path = path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
         self.ranks = Ranks(cfg, model.args if model is not None else load_hf_config(path)[0], alone)
@@ -130,7 +130,7 @@ class TinkerService:
         return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": c.rank,
                 "model_name": self.cfg.model, "optimizer_config": {"type": "adamw"},
                 "model_data": {"arch": self.base.model.args.model_type, "model_name": self.cfg.model,
-                               "tokenizer_id": self.cfg.model}}
+                               "tokenizer_id": str(Path(self.path).resolve())}}  # loads with no hub: client and server share files
 
     # --- forward / backward --------------------------------------------------------------
     def forward_backward(self, model_id: str, loss_fn: str, config: dict, data: list[Datum],
