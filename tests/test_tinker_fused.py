@@ -214,7 +214,7 @@ def test_expert_rank_rule_gives_each_client_rank_over_top_k_expert_adapters(tmp_
             assert (got[k] - want[k]).abs().max() <= 5e-5 * max(1.0, float(want[k].abs().max())), k
     sampler = svc.save_for_sampler(a, None, sid, 3)["sampling_session_id"]
     prompt = data[0].tokens
-    _, scored = svc.sample(sampler, prompt, 1, {"max_tokens": 1}, True)
+    _, scored, _ = svc.sample(sampler, prompt, 1, {"max_tokens": 1}, True)
     forward = svc.forward_backward(a, "cross_entropy", {}, [datum(svc, "123+456=579", 5)],
                                    svc.check_data("cross_entropy", {}, [datum(svc, "123+456=579", 5)]), True)[0][0]
     np.testing.assert_allclose(scored[1:], forward[:len(prompt) - 1], atol=1e-4)

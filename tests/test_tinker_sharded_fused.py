@@ -112,7 +112,7 @@ def worker(rank: int, world: int, flags: dict, root: str) -> None:
             np.testing.assert_allclose(y, x, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(got["norms"], want["norms"], rtol=1e-5)
     assert min(want["norms"]) > 0
-    for (want_seqs, _), (got_seqs, _) in zip(want["samples"], got["samples"], strict=True):
+    for (want_seqs, *_), (got_seqs, *_) in zip(want["samples"], got["samples"], strict=True):
         for (t1, lp1, r1), (t2, lp2, r2) in zip(want_seqs, got_seqs, strict=True):
             assert t1 == t2 and r1 == r2
             np.testing.assert_allclose(lp2, lp1, atol=5e-5)

@@ -40,6 +40,37 @@ class CheckpointStore:
     def __init__(self, root: Path, base_model: str):
         self.root, self.base_model = root, base_model
 
+    # --- the REST routes under /api/v1/training_runs/ ------------------------------------------
+    def get(self, path: str, registry) -> dict:
+        """GET <run> (its record; `registry` holds the live clients) or <run>/checkpoints."""
+        run_id, _, rest = path.removeprefix("/api/v1/training_runs/").partition("/")
+        if rest == "checkpoints":
+            return {"checkpoints": self.checkpoints(run_id), "cursor": None}
+        if rest:
+            raise BadRequest(f"no route GET {path}", 404)
+        live = registry.sessions.get(run_id.split(":")[0])
+        return self.training_run(run_id, live.models.get(run_id) if live else None)
+
+    def change(self, method: str, path: str, body: dict) -> dict:
+        """DELETE a checkpoint, PUT its TTL, POST / DELETE its publication:
+        <run>/checkpoints/<weights|sampler_weights>/<name>[/ttl|/publish]."""
+        run_id, _, rest = path.removeprefix("/api/v1/training_runs/").partition("/checkpoints/")
+        parts = rest.split("/")
+        action = parts.pop() if parts[-1] in ("ttl", "publish") else None
+        checkpoint_id = "/".join(parts)
+        if not path.startswith("/api/v1/training_runs/") or len(parts) != 2:
+            raise BadRequest(f"no route {method} {path}", 404)
+        if action == "publish":
+            self.publish(run_id, checkpoint_id, method == "POST")
+        elif action == "ttl" and method == "PUT":
+            self.set_ttl(run_id, checkpoint_id, body.get("ttl_seconds"))
+        elif action is None and method == "DELETE":
+            self.delete(run_id, checkpoint_id)
+        else:
+            raise BadRequest(f"no route {method} {path}", 404)
+        return {}
+
+    # --- the store ------------------------------------------------------------------------------
     def run_folder(self, run_id: str) -> Path:
         _, folder = state_path(self.root, run_id, "weights", "x")
         return folder.parent.parent

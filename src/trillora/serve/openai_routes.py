@@ -199,7 +199,7 @@ class OpenAIRoutes:
                 raise BadRequest(f"model {name!r} is not loaded", 404) from None
             raise
         choices = []
-        for i, (tokens, logprobs, reason) in enumerate(c for completions, _ in outcomes for c in completions):
+        for i, (tokens, logprobs, reason) in enumerate(c for completions, *_ in outcomes for c in completions):
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             if chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason})
@@ -211,7 +211,7 @@ class OpenAIRoutes:
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": name, "choices": choices,
                 "usage": {"prompt_tokens": sum(len(p) for p in prompts) * n,
-                          "completion_tokens": sum(len(c[0]) for completions, _ in outcomes for c in completions)}}
+                          "completion_tokens": sum(len(c[0]) for completions, *_ in outcomes for c in completions)}}
 
 
 async def _body(request: Request) -> dict:

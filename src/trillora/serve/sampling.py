@@ -9,9 +9,10 @@ same ones and their experts serve the drivers' rows."""
 from __future__ import annotations
 
 import contextlib
-import math
+import secrets
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -19,6 +20,7 @@ from ..models.transformer import OtherStage
 from ..rollout.local import LocalEngine
 from .adapters import ResidentBase, Revision
 from .ranks import Ranks
+from .scoring import score_prompt, topk_sampled
 from .tinker_checks import cut_at_stop
 from .tinker_types import BadRequest, SampleCall
 
@@ -46,7 +48,7 @@ class Sampling:
             except BadRequest as e:
                 outcomes[i] = e
                 continue
-            shared = (sp.seed is None or c.batch is not None) and not c.prompt_logprobs
+            shared = (sp.seed is None or c.batch is not None) and not c.prompt_logprobs and not c.options
             key = (c.n, sp, stops, None if sp.seed is None else c.batch) if shared else ("alone", i)
             groups.setdefault(key, []).append((i, c, revision, sp, stops))
         for group in groups.values():
@@ -68,12 +70,28 @@ class Sampling:
             self.engine.forget()
             out = self.engine.generate([g[1].prompt for g in group], c.n, sp)
             for (i, call, *_), completions in zip(group, out):
-                scored = None
-                if call.prompt_logprobs:  # a group of one
-                    prompt = torch.tensor([call.prompt], device=self.device)
-                    logp = torch.log_softmax(model(prompt).float(), -1)[0]  # [N, V]
-                    scored = [math.nan] + logp[:-1].gather(-1, prompt[0, 1:, None])[:, 0].tolist()
-                outcomes[i] = ([cut_at_stop(x, stops, self.tokenizer) for x in completions], scored)
+                sequences = [cut_at_stop(x, stops, self.tokenizer) for x in completions]
+                extras = self._scores(model, call, sequences, sp) if call.prompt_logprobs or call.options else {}
+                outcomes[i] = (sequences, extras.pop("prompt_logprobs", None), extras)
+
+    def _scores(self, model, call: SampleCall, sequences: list, sp) -> dict:
+        """A call of its own group: what it asked beyond the tokens (`serve.scoring`)."""
+        o = call.options
+        out = {}
+        if call.prompt_logprobs or set(o) - {"topk_sample_logprobs"}:
+            logits = model(torch.tensor([call.prompt], device=self.device))[0]  # [N, V]
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(62))
+            out = score_prompt(logits, call.prompt, o, call.prompt_logprobs, sp.temperature, generator)
+        if k := o.get("topk_sample_logprobs"):
+            out["topk_sample"] = []
+            for tokens, *_ in sequences:
+                if not tokens:
+                    out["topk_sample"].append((np.zeros((0, k), np.int32), np.zeros((0, k), np.float32)))
+                    continue
+                logits = model(torch.tensor([call.prompt + tokens[:-1]], device=self.device))[0]  # [N + L - 1, V]
+                out["topk_sample"].append(topk_sampled(logits, len(call.prompt), tokens, k, sp.temperature))
+        return out
 
     @contextlib.contextmanager
     def _decoding(self):

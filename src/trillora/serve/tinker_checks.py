@@ -91,6 +91,62 @@ def check_sample(c: SampleCall, vocab: int, eos: int | None, cfg: ServeConfig,
     return sp, stop_strings
 
 
+MAX_TOPK = 64
+
+
+def sample_options(b: dict, prompt_len: int, vocab: int) -> dict:
+    """An asample request's scoring options, checked: `topk_prompt_logprobs`, `topk_sample_logprobs`,
+    `prompt_alt_tokens_k` (each 0..64), `prompt_logprobs_last_n` (1..N-1, with prompt logprobs),
+    `target_prompt_logprobs` (ids [N-1, K] as Tinker's TensorData, dense or CSR; -1 asks nothing)."""
+    out: dict = {}
+    for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        k = b.get(key) or 0
+        if type(k) is not int or not 0 <= k <= min(MAX_TOPK, vocab):
+            raise BadRequest(f"{key}={k!r}; allowed: an integer in 0..{min(MAX_TOPK, vocab)}")
+        if k:
+            out[key] = k
+    last_n = b.get("prompt_logprobs_last_n")
+    if last_n is not None:
+        if not b.get("prompt_logprobs"):
+            raise BadRequest("prompt_logprobs_last_n needs prompt_logprobs=true")
+        if type(last_n) is not int or not 1 <= last_n <= prompt_len - 1:
+            raise BadRequest(f"prompt_logprobs_last_n={last_n!r}; allowed: an integer in 1..{prompt_len - 1} (the prompt's length - 1)")
+        out["prompt_logprobs_last_n"] = last_n
+    if b.get("target_prompt_logprobs") is not None:
+        out["target_prompt_logprobs"] = _targets(b["target_prompt_logprobs"], prompt_len, vocab)
+    return out
+
+
+def _targets(t, prompt_len: int, vocab: int) -> np.ndarray:
+    """Tinker's TensorData of token ids, [N-1, K], as a dense int64 array with -1 where nothing is asked."""
+    where = "target_prompt_logprobs"
+    if not isinstance(t, dict) or not isinstance(t.get("data"), list) or not isinstance(t.get("shape"), list):
+        raise BadRequest(f"{where}: a TensorData object with data and shape")
+    shape = t["shape"]
+    if len(shape) != 2 or shape[0] != prompt_len - 1 or type(shape[1]) is not int or not 1 <= shape[1] <= MAX_TOPK:
+        raise BadRequest(f"{where}: shape {shape!r}; want [{prompt_len - 1}, K] with K in 1..{MAX_TOPK} (one row per "
+                         "prompt position after the first)")
+    if not all(type(x) is int for x in t["data"]):
+        raise BadRequest(f"{where}: token ids must be integers")
+    data = np.array(t["data"], dtype=np.int64)
+    crow, col = t.get("sparse_crow_indices"), t.get("sparse_col_indices")
+    if crow is None:
+        if data.size != shape[0] * shape[1]:
+            raise BadRequest(f"{where}: {data.size} values for shape {shape}")
+        dense = data.reshape(shape)
+    else:
+        crow, col = np.array(crow, dtype=np.int64), np.array(col if col is not None else [], dtype=np.int64)
+        if (len(crow) != shape[0] + 1 or len(col) != data.size or crow[0] != 0 or crow[-1] != data.size
+                or (np.diff(crow) < 0).any() or (col.size and (col.min() < 0 or col.max() >= shape[1]))):
+            raise BadRequest(f"{where}: sparse rows and columns do not fit shape {shape}")
+        dense = np.full(shape, -1, dtype=np.int64)
+        for r in range(shape[0]):
+            dense[r, col[crow[r]:crow[r + 1]]] = data[crow[r]:crow[r + 1]]
+    if ((dense < -1) | (dense >= vocab)).any():
+        raise BadRequest(f"{where}: token ids must be -1 (nothing) or in 0..{vocab - 1}")
+    return dense
+
+
 def _stops(stop, vocab: int, eos: int | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
     if stop is None:
         return ((eos,) if eos is not None else ()), ()

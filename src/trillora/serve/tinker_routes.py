@@ -31,6 +31,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from . import wire
 from .checkpoints import CheckpointStore
+from .tinker_checks import sample_options
 from .http import json_object
 from .registry import SERVED
 from .tinker_service import BadRequest, FwdBwd, SampleCall
@@ -86,7 +87,7 @@ class TinkerRoutes:
             return _json_response(await run_in_threadpool(self.get, path))
         if request.method in ("PUT", "DELETE") or path.endswith("/publish"):  # a checkpoint's lifecycle
             body = _json_object(await request.body()) if request.method == "PUT" else {}
-            return _json_response(await run_in_threadpool(self.checkpoint, request.method, path, body))
+            return _json_response(await run_in_threadpool(self.store.change, request.method, path, body))
         if request.headers.get("content-encoding", "identity") not in ("identity", ""):
             raise BadRequest("compressed request bodies are not accepted", 415)
         raw = await request.body()
@@ -237,32 +238,9 @@ class TinkerRoutes:
         if path in ("/api/v1/sessions", "/api/v1/training_runs", "/api/v1/checkpoints"):
             raise BadRequest(f"GET {path} would list every client's ids: one API key serves several clients here, and "
                              "an id is the right to use it; ask for your own run (training_runs/<model_id>) instead", 403)
-        run_id, _, rest = path.removeprefix("/api/v1/training_runs/").partition("/")
-        if path.startswith("/api/v1/training_runs/") and rest in ("", "checkpoints"):
-            if rest == "checkpoints":
-                return {"checkpoints": self.store.checkpoints(run_id), "cursor": None}
-            live = s.registry.sessions.get(run_id.split(":")[0])
-            return self.store.training_run(run_id, live.models.get(run_id) if live else None)
+        if path.startswith("/api/v1/training_runs/"):
+            return self.store.get(path, s.registry)
         raise BadRequest(f"no route GET {path}", 404)
-
-    def checkpoint(self, method: str, path: str, body: dict) -> dict:
-        """DELETE a checkpoint, PUT its TTL, POST / DELETE its publication:
-        /api/v1/training_runs/<run>/checkpoints/<weights|sampler_weights>/<name>[/ttl|/publish]."""
-        run_id, _, rest = path.removeprefix("/api/v1/training_runs/").partition("/checkpoints/")
-        parts = rest.split("/")
-        action = parts.pop() if parts[-1] in ("ttl", "publish") else None
-        checkpoint_id = "/".join(parts)
-        if not path.startswith("/api/v1/training_runs/") or len(parts) != 2:
-            raise BadRequest(f"no route {method} {path}", 404)
-        if action == "publish":
-            self.store.publish(run_id, checkpoint_id, method == "POST")
-        elif action == "ttl" and method == "PUT":
-            self.store.set_ttl(run_id, checkpoint_id, body.get("ttl_seconds"))
-        elif action is None and method == "DELETE":
-            self.store.delete(run_id, checkpoint_id)
-        else:
-            raise BadRequest(f"no route {method} {path}", 404)
-        return {}
 
     @staticmethod
     def _json(payload: dict) -> tuple[bytes, str]:
@@ -365,7 +343,7 @@ class TinkerRoutes:
         if not isinstance(n, int) or not 1 <= n <= self.cfg.max_samples:  # before anything is built from it
             raise BadRequest(f"num_samples={n!r}; allowed: 1..{self.cfg.max_samples}")
 
-        calls = [SampleCall(sid, prompt, n, params, want_prompt)]
+        calls = [SampleCall(sid, prompt, n, params, want_prompt, options=sample_options(b, len(prompt), s.vocab))]
         s.check_sample(calls[0])  # refused now, not in the future
         out = self.start(lambda: self.server.sample([calls])[0], proto=True, fuse="sample", payload=calls,
                          encode=lambda o: wire.sample_response(*o[0]))

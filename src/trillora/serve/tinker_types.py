@@ -57,6 +57,8 @@ class SampleCall:
     prompt_logprobs: bool = False
     batch: int | None = None
     """The calls of one request (an OpenAI completion's prompts) share one `generate` even when seeded."""
+    options: dict = field(default_factory=dict)
+    """Scores beyond the sampled tokens (`tinker_checks.sample_options`, `serve.scoring`)."""
 
 
 @dataclass

@@ -242,15 +242,39 @@ def forward_backward_output(outputs: dict[str, list[np.ndarray]], metrics: dict[
     return body
 
 
-def sample_response(sequences: list[tuple[list[int], list[float], str]], prompt_logprobs: list[float] | None = None) -> bytes:
+def sample_response(sequences: list[tuple[list[int], list[float], str]], prompt_logprobs: list[float] | None = None,
+                    extras: dict | None = None) -> bytes:
     """`SampleResponse`: (tokens, logprobs, "stop" | "length") per sequence; prompt logprobs with
-    NaN at the positions nothing scored (position 0)."""
+    NaN at the positions nothing scored (position 0); `extras` (`serve.scoring`): "topk_sample" (per
+    sequence), "topk_prompt", "targets", "alt"."""
+    extras = extras or {}
     body = b""
-    for tokens, logprobs, reason in sequences:
+    for i, (tokens, logprobs, reason) in enumerate(sequences):
         seq = put_varint(1, 0 if reason == "stop" else 1)
         seq += put_bytes(2, np.asarray(tokens, dtype="<i4").tobytes())
         seq += put_bytes(3, np.asarray(logprobs, dtype="<f4").tobytes())
+        if "topk_sample" in extras:
+            seq += put_bytes(4, _topk(*extras["topk_sample"][i]))
         body += put_bytes(1, seq)
     if prompt_logprobs is not None:
         body += put_bytes(2, np.asarray(prompt_logprobs, dtype="<f4").tobytes())
+    if "topk_prompt" in extras:
+        body += put_bytes(3, _topk(*extras["topk_prompt"]))
+    if "targets" in extras:
+        body += put_bytes(5, _tensor(extras["targets"]))
+    if "alt" in extras:
+        body += put_bytes(6, put_bytes(1, _tensor(extras["alt"][0])) + put_bytes(2, _tensor(extras["alt"][1])))
     return body
+
+
+def _topk(ids: np.ndarray, logprobs: np.ndarray) -> bytes:
+    """`TopkLogprobs`: dense [length, k] token ids (int32) and logprobs (float32)."""
+    length, k = ids.shape
+    return (put_bytes(1, np.ascontiguousarray(ids, dtype="<i4").tobytes()) +
+            put_bytes(2, np.ascontiguousarray(logprobs, dtype="<f4").tobytes()) + put_varint(3, k) + put_varint(4, length))
+
+
+def _tensor(array: np.ndarray) -> bytes:
+    """A dense `Tensor` (float32 or int64)."""
+    return (put_bytes(1, np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()) +
+            put_varint(3, DTYPE_CODES[np.dtype(array.dtype)]) + put_bytes(4, b"".join(_put_varint(n) for n in array.shape)))
