@@ -27,7 +27,11 @@ MODEL, KEY = "tiny-moe-chat", "tml-test-key"
 
 def wait_healthy(port: int, proc: subprocess.Popen) -> None:
     for _ in range(600):
-        assert proc.poll() is None, proc.stdout.read()
+        if proc.poll() is not None:
+            out = proc.stdout.read()
+            if "Address already in use" in out:  # free_port() reserves nothing: another process took it first
+                raise PortTaken(out)
+            pytest.fail(out)
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
             conn.request("GET", "/api/v1/healthz")
@@ -103,6 +107,23 @@ def more(port: int, state_dir: Path, tokenizer) -> dict:
         sc.close("success").result()
 
 
+class PortTaken(Exception):
+    pass
+
+
+def launch_healthy(state_dir: Path, *extra: str, ranks: int = 2) -> tuple[int, subprocess.Popen]:
+    for attempt in range(3):
+        port = free_port()
+        proc = launch(port, state_dir, *extra, ranks=ranks)
+        try:
+            wait_healthy(port, proc)
+            return port, proc
+        except PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def launch(port: int, state_dir: Path, *extra: str, ranks: int = 2) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
                              str(free_port()), "-m", "trillora", "serve", MODEL, "--tinker", "--port", str(port),
@@ -144,11 +165,9 @@ LAYOUTS = {"dp": (2, [], "data parallel over 2 ranks"), "ep": (2, ["--ep", "2"],
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_ranks_train_as_one_process(tmp_path, alone, layout):
-    port = free_port()
     ranks, flags, banner = LAYOUTS[layout]
-    proc = launch(port, tmp_path / layout, *flags, ranks=ranks)
+    port, proc = launch_healthy(tmp_path / layout, *flags, ranks=ranks)
     try:
-        wait_healthy(port, proc)
         got = train(port, tmp_path / layout, alone["tokenizer"])
         extra = more(port, tmp_path / layout, alone["tokenizer"])
         if "--pp" in flags:  # the head alone lives on the last stage: the others would hold no adapter
