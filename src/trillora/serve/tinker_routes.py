@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from . import wire
+from . import hosted, wire
 from .checkpoints import CheckpointStore
 from .tinker_checks import sample_options
 from .http import json_object
@@ -83,6 +83,7 @@ class TinkerRoutes:
     async def handle(self, request: Request) -> Response:
         self.loop = asyncio.get_running_loop()
         path = request.url.path
+        hosted.refuse(request.method, path)  # a hosted service's route: a 4xx naming why, never one the SDK retries
         if request.method == "GET":
             return _json_response(await run_in_threadpool(self.get, path))
         if request.method in ("PUT", "DELETE") or path.endswith("/publish"):  # a checkpoint's lifecycle
@@ -235,9 +236,6 @@ class TinkerRoutes:
         if path.startswith("/api/v1/sessions/"):
             session = s.session(path.rsplit("/", 1)[1])
             return {"training_run_ids": list(session.models), "sampler_ids": list(session.samplers)}
-        if path in ("/api/v1/sessions", "/api/v1/training_runs", "/api/v1/checkpoints"):
-            raise BadRequest(f"GET {path} would list every client's ids: one API key serves several clients here, and "
-                             "an id is the right to use it; ask for your own run (training_runs/<model_id>) instead", 403)
         if path.startswith("/api/v1/training_runs/"):
             return self.store.get(path, s.registry)
         raise BadRequest(f"no route GET {path}", 404)
