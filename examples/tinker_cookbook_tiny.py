@@ -5,6 +5,8 @@
     python examples/tinker_cookbook_tiny.py sl log_path=runs/cookbook-sl batch_size=32 max_steps=128 learning_rate=3e-3
     python examples/tinker_cookbook_tiny.py rl log_path=runs/cookbook-rl start_from=runs/cookbook-sl \
         batch_size=16 group_size=8 max_tokens=32 max_steps=80 learning_rate=5e-4 loss_fn=importance_sampling
+    python examples/tinker_cookbook_tiny.py train log_path=runs/cookbook-train batch_size=16 max_steps=4 \
+        learning_rate=3e-3 save_every=2 rolling_save_every=1 ttl_seconds=3600 lora_rank=8
 
 The recipes (`tinker_cookbook.recipes.sl_loop` / `rl_loop`) run as their authors wrote them,
 with their own command line. What this file adds is what a machine without the internet and
@@ -151,9 +153,33 @@ def main(argv: list[str]) -> None:
         from tinker_cookbook.recipes import sl_loop as recipe
         if not any(a.startswith("train_on_what=") for a in args):
             args.append("train_on_what=last_assistant_message")
+    elif which == "train":  # the cookbook's full supervised trainer, with its checkpoint manager
+        return supervised_train(args)
     else:
-        raise SystemExit(f"first argument: sl or rl, not {which!r}")
+        raise SystemExit(f"first argument: sl, rl or train, not {which!r}")
     chz.nested_entrypoint(recipe.main, argv=args)
+
+
+def supervised_train(args: list[str]) -> None:
+    """`tinker_cookbook.supervised.train` on the supervised loop's conversations, written as a JSONL
+    file for its own `FromConversationFileBuilder`; `batch_size=N` goes to the builder."""
+    import asyncio
+
+    from tinker_cookbook.supervised import train
+
+    log = Path(next(a.split("=", 1)[1] for a in args if a.startswith("log_path=")))
+    log.mkdir(parents=True, exist_ok=True)
+    rows = datasets.load_dataset("HuggingFaceH4/no_robots")["train"]
+    (log / "conversations.jsonl").write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
+    batch = next((a.split("=", 1)[1] for a in args if a.startswith("batch_size=")), "16")
+    common = "dataset_builder.common_config."
+    args = [a for a in args if not a.startswith("batch_size=")] + [
+        "recipe_name=tiny-addition", f"renderer_name={RENDERER}",
+        "dataset_builder=tinker_cookbook.supervised.data:FromConversationFileBuilder",
+        f"dataset_builder.file_path={log / 'conversations.jsonl'}", f"{common}model_name_for_tokenizer={MODEL}",
+        f"{common}renderer_name={RENDERER}", f"{common}max_length=512", f"{common}batch_size={batch}",
+        f"{common}train_on_what=last_assistant_message"]
+    asyncio.run(train.main(chz.entrypoint(train.Config, argv=args)))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,27 @@ def test_cookbook_supervised_then_rl_loop_run_unchanged(server, tmp_path):
     assert rows(rl / "checkpoints.jsonl")[-1]["name"] == "final"
 
 
+def test_rolling_checkpoints_are_deleted_and_periodic_ones_expire(server, tmp_path):
+    """The cookbook's full supervised trainer (`supervised/train.py`) with a rolling checkpoint every
+    step (each save deletes the one before: a DELETE the server used to answer with a page the SDK
+    retried for minutes) and periodic ones with a TTL: what is left is the periodic ones (with their
+    expiry) and the final one (with none)."""
+    sl = tmp_path / "sl"
+    recipe(server, "train", f"log_path={sl}", "batch_size=16", "max_steps=4", "learning_rate=3e-3", "save_every=2",
+           "rolling_save_every=1", "ttl_seconds=3600", "lora_rank=8")  # the README's command
+    saved = rows(sl / "checkpoints.jsonl")
+    run = saved[-1]["state_path"].split("/")[2]
+    store = server.tinker.store
+    left = {c["tinker_path"]: c for c in store.checkpoints(run)}
+    assert saved[-1]["state_path"] in left and left[saved[-1]["state_path"]]["expires_at"] is None  # final: kept
+    periodic = [r for r in saved if r["name"] != "final" and r.get("sampler_path")]
+    assert periodic and all(left[r["state_path"]]["expires_at"] is not None for r in periodic)  # with their TTL
+    weights = sorted(p for p in left if "/weights/" in p)
+    rolling = [r["state_path"] for r in saved if not r.get("sampler_path")]
+    assert len(rolling) == 2 and not set(rolling) & set(left)  # steps 1 and 3: each deleted by the save after it
+    assert set(weights) == {r["state_path"] for r in periodic} | {saved[-1]["state_path"]}
+
+
 def test_the_registered_renderer_writes_what_the_chat_template_writes():
     sys.path.insert(0, str(EXAMPLE.parent))
     import tinker_cookbook_tiny as example

@@ -294,8 +294,15 @@ class TinkerRoutes:
         name = b.get("path")
         if name is not None:
             s.state_path(mid, "sampler_weights", name)
-        seq = _seq(b, "sampling_session_seq_id")
-        return self.start(lambda: s.save_for_sampler(mid, name, mid.split(":")[0], seq), model_id=mid, seq_id=b.get("seq_id"))
+        seq, ttl, metadata = _seq(b, "sampling_session_seq_id"), b.get("ttl_seconds"), b.get("user_metadata")
+
+        def save() -> dict:
+            out = s.save_for_sampler(mid, name, mid.split(":")[0], seq)
+            if "path" in out:  # a named revision is a checkpoint: its TTL and metadata apply
+                self.store.annotate(out["path"], ttl, metadata if isinstance(metadata, dict) else None)
+            return out
+
+        return self.start(save, model_id=mid, seq_id=b.get("seq_id"))
 
     def _load_weights(self, b: dict) -> dict:
         s, path, optimizer = self.service, b.get("path", ""), bool(b.get("optimizer", False))
