@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.trillora-installed
 VLLM_STAMP := $(VENV)/.trillora-vllm
 
-.PHONY: setup setup-vllm demo test tiny-moe clean
+.PHONY: setup setup-vllm demo test test-fast tiny-moe clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ demo: setup
 tiny-moe: setup
 	$(BIN)/python -m trillora.tiny build
 	$(BIN)/python -m trillora.tiny build-chat
+
+# The fast tier, for iteration: everything but the tests marked slow (multi-rank, servers in
+# subprocesses, whole training runs), on the base environment; under 3 minutes on 2 cores.
+test-fast: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q -m "not slow" --durations=10
 
 test: $(VLLM_STAMP)
 	$(BIN)/ruff check src tests benchmarks

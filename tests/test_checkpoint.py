@@ -140,6 +140,7 @@ def test_bf16_load_keeps_router_bias_fp32(tmp_path):
     assert all(m.gate.e_score_correction_bias.dtype == torch.float32 for m in model.moe_layers())
 
 
+@pytest.mark.slow
 def test_generate_cli_runs_on_tiny(tiny):
     import subprocess
     import sys

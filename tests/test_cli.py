@@ -19,6 +19,7 @@ def trillora(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("recipe", [None, "examples/arithmetic.toml", "examples/countdown.toml", "examples/jsonl.toml",
                                     "examples/guessing.toml"])
+@pytest.mark.slow
 def test_train_recipes_smoke(tmp_path, recipe):
     args = ([recipe] if recipe else []) + [*SMALL, f"out_dir={tmp_path}", "name=smoke"]
     out = trillora("train", *args)
@@ -27,6 +28,7 @@ def test_train_recipes_smoke(tmp_path, recipe):
     assert summary["steps"] == 2 and 0.0 <= summary["eval_after"] <= 1.0
 
 
+@pytest.mark.slow
 def test_eval_generate_plot_with_a_trained_adapter(tmp_path):
     assert trillora("train", *SMALL, f"out_dir={tmp_path}", "name=a").returncode == 0
     run = tmp_path / "a"

@@ -135,6 +135,7 @@ def test_a_flops_budget_ends_the_run_at_the_step_that_spends_it(tmp_path):
         load_config(None, ["flops_budget=-1"])
 
 
+@pytest.mark.slow
 def test_build_family_pretrains_each_width_for_its_token_budget(tmp_path):
     """`python -m trillora.tiny build-family`: the shipped recipe at two widths, each trained for
     tokens-per-param × its parameters (to within one step's rows), loadable, with its report."""

@@ -98,6 +98,7 @@ def test_sizes_bf16_and_fp8():
     assert 0.50 < c.bytes_fp8() / c.bytes_bf16() < 0.52
 
 
+@pytest.mark.slow
 def test_info_cli_on_bare_config(tmp_path):
     from trillora.models.params import shipped_config
 

@@ -161,6 +161,7 @@ def test_the_ledger_asks_about_an_early_fact_that_truncation_loses():
         dataset(tok, 1, 1, 1, 0, facts=30)
 
 
+@pytest.mark.slow
 def test_train_runs_the_ledger_under_a_memory_budget(tmp_path):
     """`trillora train` on the ledger with truncation: the run logs the memory's rewrites."""
     import json
@@ -325,6 +326,7 @@ def test_refills_are_trained_as_actions_of_the_episode(tiny_engine):
     assert s.mask == [0] * len(refills[0].observation) + [1] * len(refills[0].action)  # the prompt is not trained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["diffusion", "summary", "retrieval"])
 def test_train_runs_the_policy_memories_on_the_ledger(tmp_path, policy):
     import json
@@ -429,6 +431,7 @@ def test_a_recall_turn_is_answered_by_the_memory_not_the_env(tiny_engine):
     assert any(after[k:k + len(call) + len(answer)] == call + answer for k in range(len(after)))  # the policy sees it
 
 
+@pytest.mark.slow
 def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint(tmp_path):
     """A supervised transcript is token for token what the env shows a policy that answers "ok" and
     then the value; `python -m trillora.tiny build-memory` writes a loadable checkpoint and its report."""
@@ -470,6 +473,7 @@ def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint
     assert load_model(tmp_path / "m").args.vocab_size == 100
 
 
+@pytest.mark.slow
 def test_the_memory_budget_benchmark_runs_every_policy(tmp_path):
     """`benchmarks/memory_budget.py` at a small size: every policy at one budget, Memory Diffusion
     again after one RL step at that budget, the whole-context reference, tokens processed (the

@@ -155,6 +155,7 @@ def ep_worker(rank: int, world: int, folder: str) -> None:
             assert (grad - want).abs().max() < TOL * max(1.0, float(want.abs().max())), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_rows_of_several_adapters_under_expert_parallelism_equal_each_alone(family, tmp_path):
     from gloo_ranks import run_ranks

@@ -28,6 +28,8 @@ from trillora.policy.logprobs import token_logprobs
 from trillora.parallel import ParallelDims, ParallelError, build_meshes, parallelize
 from trillora.parallel.data_parallel import expert_parameter_names
 
+pytestmark = pytest.mark.slow  # spawned multi-rank layouts
+
 # gpt-oss with a 4-token window, so the T = 10 rows (and cp's chunks) cross it
 FAMILIES = {"qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE, "gpt_oss": dict(GPT_OSS, sliding_window=4)}
 TARGETS = ("attention", "mlp", "shared_experts", "experts", "router")

@@ -82,6 +82,7 @@ def test_valid_layouts_respect_the_engine_rules():
     assert {lay.cp for lay in layouts} <= {1, 2, 4, 8, 16}
 
 
+@pytest.mark.slow
 def test_kimi_k2_lora_fits_64_h800_and_full_parameter_needs_five_times_more():
     """The seed's headline on paper: Kimi K2, LoRA rank 128 on attention, dense MLP, shared and routed
     experts, GRPO with 512 rollouts of 16k tokens per step, fits 64 H800 (80 GiB, 10% kept free);
@@ -98,6 +99,7 @@ def test_kimi_k2_lora_fits_64_h800_and_full_parameter_needs_five_times_more():
     assert (r.tp, r.pp, r.replicas) == (8, 4, 2)
 
 
+@pytest.mark.slow
 def test_plan_cli(tmp_path):
     cmd = [sys.executable, "-m", "trillora", "plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu", "h100",
            "--seq-len", "8192", "--rollouts", "64", "--lora-rank", "32"]
@@ -158,6 +160,7 @@ def worker(rank, world, family, layouts, results):
         results.put((rank, json.dumps(layout), measure(family, ParallelDims(**layout))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_predictions_match_measurement_on_two_ranks(family):
     """Per layout: parameter bytes per rank as predicted (to FSDP's padding), the bytes FSDP gathers
@@ -190,6 +193,7 @@ def test_predictions_match_measurement_on_two_ranks(family):
             assert max(m["all_reduce"] for m in got) == e.comm["dp all-reduce"]
 
 
+@pytest.mark.slow
 def test_parallel_auto_picks_a_layout_the_trainer_runs(tmp_path):
     """`parallel = "auto"` under torchrun: the planner's layout for 2 ranks, recorded in the summary,
     and the run's adapter equals the single-process run's (as for any layout)."""

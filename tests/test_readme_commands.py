@@ -9,6 +9,8 @@ checkpoint inside the package; `make tiny-moe` runs it)."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import shlex
 import shutil
@@ -17,6 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+pytestmark = pytest.mark.slow  # the README's commands, training included
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIPPED = {"python -m trillora.tiny build"}

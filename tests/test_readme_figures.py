@@ -5,6 +5,8 @@ the new one; a figure with no file behind it has no place in the README."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import statistics
 import subprocess
@@ -68,6 +70,7 @@ def gib(b: float) -> str:
     return f"{b / 2**30:.2f}"
 
 
+@pytest.mark.slow
 def test_the_planner_figures_are_their_results_files(tmp_path):
     acc = results("planner_accuracy.json")
     assert all(r["error"] > 0 for r in acc["results"])  # "above the measurement"

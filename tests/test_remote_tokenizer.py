@@ -55,6 +55,7 @@ def test_train_config_takes_the_option(tmp_path):
     assert load_config(None, []).model.trust_remote_code is False
 
 
+@pytest.mark.slow
 def test_the_commands_take_the_option(tmp_path):
     """A checkpoint folder whose tokenizer is code: `generate` refuses it until told, and both
     server loads it with the option."""

@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 
 from trillora.checkpoint import train_state
 
+pytestmark = pytest.mark.slow  # killed and resumed training runs, torchrun
+
 FAST = ["rollout.prompts_per_step=8", "rollout.group_size=4", "task.eval_problems=16", "task.eval_samples=1",
         'task.retention=""', "deterministic=true"]
 

@@ -58,6 +58,7 @@ def test_on_reward_error_is_validated():
         GuardedReward(Scripted(boom), on_error="skip")
 
 
+@pytest.mark.slow
 def test_train_stops_with_the_users_traceback_or_counts_failures(tmp_path):
     (tmp_path / "flaky_reward.py").write_text(textwrap.dedent('''
         def score(completion, row):

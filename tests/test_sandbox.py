@@ -57,6 +57,7 @@ def test_an_output_flood_is_cut_by_the_file_size_limit():
     assert not r.ok and len(r.stdout) <= FAST.output_bytes and "File too large" in r.stderr
 
 
+@pytest.mark.slow
 def test_code_task_scores_programs_in_the_sandbox():
     task = make_task("code", tests=3)
     problem = task.problems("train", 1, seed=3)[0]
@@ -72,6 +73,7 @@ def test_code_task_scores_programs_in_the_sandbox():
         passes_tests("print(1)", {"prompt": "p", "tests": "none"})
 
 
+@pytest.mark.slow
 def test_train_runs_the_code_task(tmp_path):
     out = subprocess.run([sys.executable, "-m", "trillora", "train", f"out_dir={tmp_path}", "name=code", "task.name=code",
                           "task.options={tests = 2}", 'task.retention=""', "steps=1", "eval_every=1",

@@ -166,6 +166,7 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
     raise RuntimeError(f"no {field}")
 
 
+@pytest.mark.slow
 def test_a_body_without_the_key_is_not_read():
     """A 1 GiB body announced without the key: 401 at once and the connection closed, so the
     client cannot push more than the sockets' buffers; the server's memory does not grow."""

@@ -4,6 +4,8 @@ bad one is refused, and the server's memory stays flat. Bounded in requests and 
 
 from __future__ import annotations
 
+import pytest
+
 import http.client
 import json
 import threading
@@ -11,6 +13,8 @@ import time
 
 from engine_helpers import free_port, wait_for_health
 from test_serve_openai import KEY
+
+pytestmark = pytest.mark.slow  # thousands of requests
 
 CLIENTS, ROUNDS = 64, 24  # 1,536 completions and 128 refused requests, then 256 more of each kind
 

@@ -264,6 +264,7 @@ def test_asynchronous_rl_through_the_server_corrects_against_the_sampling_revisi
     trainer.engine.close()
 
 
+@pytest.mark.slow
 def test_requests_for_different_adapters_share_a_pass_and_answer_as_alone(tmp_path):
     """Greedy completions for two adapters and the base, sent at once, share passes (each row its own
     adapter) and equal the same requests sent one by one; the benchmark script runs (small)."""

@@ -6,6 +6,8 @@ left-padded prompts on every stage, fp32 and on a bf16 base. Families: DeepSeek-
 
 from __future__ import annotations
 
+import pytest
+
 import copy
 
 import torch
@@ -113,10 +115,12 @@ def worker(rank: int, world: int) -> None:
         check_family(family, rank)
 
 
+@pytest.mark.slow
 def test_three_stages_compute_what_the_whole_model_computes():
     run_ranks(worker, RANKS)
 
 
+@pytest.mark.slow
 def test_the_pipeline_microbatches_benchmark_runs(tmp_path):
     """`benchmarks/pipeline_microbatches.py` (the README row's command, smaller): chunked passes
     through two stages, their gradients checked against the whole pass's before timing."""

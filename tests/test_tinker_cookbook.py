@@ -19,6 +19,8 @@ if os.environ.get("TRILLORA_REQUIRE_BENCH") != "1":
 
 from engine_helpers import tinker_server  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the cookbook's recipes
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tinker_cookbook_tiny.py"
 KEY = "tml-cookbook"
 

@@ -22,6 +22,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from engine_helpers import free_port, tinker_server  # noqa: E402
 
+pytestmark = pytest.mark.slow  # torchrun services
+
 MODEL, KEY = "tiny-moe-chat", "tml-test-key"
 
 

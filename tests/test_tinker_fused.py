@@ -166,6 +166,7 @@ def test_adapter_gemms_keep_the_adapters_precision_on_cpu():
     assert compute_dtype(x.float(), torch.zeros(2, 8, 8)) == torch.float32
 
 
+@pytest.mark.slow
 def test_the_fused_adapters_benchmark_runs_on_expert_parallel_ranks(tmp_path):
     """`benchmarks/fused_adapters.py --ep 2` (the README row's command, smaller): fused passes on two
     expert-parallel ranks, checked against one pass per adapter before timing."""

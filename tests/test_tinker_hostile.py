@@ -190,6 +190,7 @@ def test_names_with_a_newline_and_planted_links_are_refused(server, tmp_path):
     finish(server, sid)
 
 
+@pytest.mark.slow
 def test_the_attack_benchmark_keeps_every_honest_request_answered(tmp_path):
     """`benchmarks/tinker_under_attack.py` at a small size: 2 trainers and 2 samplers of the real SDK
     beside hostile shapes, seq_id games, slow connections and keyless bodies."""

@@ -242,6 +242,7 @@ def test_named_sampler_weights_base_sampler_and_prompt_logprobs(server, service_
         service_client.create_sampling_client(model_path=f"tinker://{tc.model_id}/sampler_weights/missing").result()
 
 
+@pytest.mark.slow
 def test_the_cli_serves_it(tmp_path):
     """`trillora serve tiny-moe-chat --tinker` as written in the README: health, key checked, loopback only."""
     import subprocess

@@ -20,6 +20,8 @@ from trillora.models.transformer import DecoderLayer
 from trillora.serve.tinker_service import FwdBwd, SampleCall, ServeConfig, TinkerService
 from trillora.serve.wire import Datum
 
+pytestmark = pytest.mark.slow  # spawned multi-rank services
+
 MODEL = "tiny-moe-chat"
 EVERY_ROLE = ("attention", "mlp", "shared_experts", "experts", "lm_head")
 

@@ -4,6 +4,8 @@ and gradients against log_softmax over the whole logits (2 gloo ranks for the sp
 
 from __future__ import annotations
 
+import pytest
+
 import math
 
 import torch
@@ -77,10 +79,12 @@ def worker(rank: int, world: int) -> None:
     torch.testing.assert_close(part.grad, want_grad.chunk(2, -1)[rank])
 
 
+@pytest.mark.slow
 def test_split_over_positions_or_vocabulary_equals_whole_logits():
     run_ranks(worker, 2)
 
 
+@pytest.mark.slow
 def test_the_long_datum_benchmark_runs(tmp_path):
     """`benchmarks/service_long_datum.py` (the README row's command, smaller): one datum's
     forward_backward on the service whole, under --cp 2 and with a vocabulary-parallel head; the

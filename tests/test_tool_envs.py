@@ -65,6 +65,7 @@ def test_python_tool_runs_programs_in_the_sandbox(tok):
     assert question and answer  # puzzles have integer answers
 
 
+@pytest.mark.slow
 def test_python_tool_contains_hostile_programs():
     python = make_python_tool(Limits(cpu_seconds=1, wall_seconds=2.0))
     net = python("import socket\ns = socket.create_connection(('1.1.1.1', 53), timeout=1)\nprint('connected')")

@@ -43,6 +43,7 @@ def test_tensorboard_and_offline_wandb_get_every_step(tmp_path, monkeypatch):
     assert not os.environ.get("WANDB_API_KEY")
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
     """Resume writes under the same W&B run id (W&B joins the two offline folders into one run),
     from the step after the checkpoint; a fresh run gets a new id."""

@@ -14,6 +14,8 @@ from trillora.config import load_config
 from trillora.checkpoint import resolve_model_path
 from trillora.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # whole training runs
+
 SMALL = ["rollout.prompts_per_step=8", "rollout.group_size=4", "task.eval_problems=64", "task.eval_samples=1"]
 
 

@@ -28,6 +28,8 @@ from trillora.rollout.vllm_sync import merged_tensors
 from trillora.checkpoint import resolve_model_path
 from trillora.tiny import write_random_checkpoint
 
+pytestmark = pytest.mark.slow  # vLLM servers
+
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [30, 31]]
 SAMPLED = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, stop_token_ids=(2,))
 TOL = 1e-4  # fp32 vLLM vs fp32 trainer, same weights (observed 1e-6 .. 4e-6)

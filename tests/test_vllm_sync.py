@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from trillora import lora
@@ -9,6 +11,8 @@ from trillora.checkpoint import hf_state_dict, load_model
 from trillora.rollout.vllm import choose_sync
 from trillora.rollout.vllm_sync import _group, merged_tensors
 from trillora.checkpoint import resolve_model_path
+
+pytestmark = pytest.mark.slow  # vLLM engines
 
 
 def adapted(**cfg):

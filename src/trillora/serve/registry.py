@@ -65,13 +65,17 @@ class Registry:
                 if sid != SERVED and self.sessions.pop(sid, None) is not None:
                     self.ended.append(sid)
 
-    def client(self, model_id: str) -> Client:
-        session = self.sessions.get(model_id.split(":")[0], Session(""))
-        c = session.models.get(model_id)
-        if c is None:
-            raise BadRequest(f"unknown model_id {model_id!r}", 404)
+    def _find(self, key: str, table: str, what: str):
+        """A session's client or sampler by its id (which names the session); the session was heard from."""
+        session = self.sessions.get(key.split(":")[0], Session(""))
+        found = getattr(session, table).get(key)
+        if found is None:
+            raise BadRequest(f"unknown {what} {key!r}", 404)
         session.seen = time.monotonic()
-        return c
+        return found
+
+    def client(self, model_id: str) -> Client:
+        return self._find(model_id, "models", "model_id")
 
     def register(self, sid: str, seq: int, client: Client) -> dict:
         session = self.session(sid)
@@ -108,12 +112,7 @@ class Registry:
         return sampler_id
 
     def sampler(self, sampler_id: str) -> Revision:
-        session = self.sessions.get(sampler_id.split(":")[0], Session(""))
-        revision = session.samplers.get(sampler_id)
-        if revision is None:
-            raise BadRequest(f"unknown sampling_session_id {sampler_id!r}", 404)
-        session.seen = time.monotonic()
-        return revision
+        return self._find(sampler_id, "samplers", "sampling_session_id")
 
     def unserve(self, name: str) -> None:
         with self.lock:
