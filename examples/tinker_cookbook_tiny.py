@@ -7,6 +7,8 @@
         batch_size=16 group_size=8 max_tokens=32 max_steps=80 learning_rate=5e-4 loss_fn=importance_sampling
     python examples/tinker_cookbook_tiny.py train log_path=runs/cookbook-train batch_size=16 max_steps=4 \
         learning_rate=3e-3 save_every=2 rolling_save_every=1 ttl_seconds=3600 lora_rank=8
+    python examples/tinker_cookbook_tiny.py rl-train log_path=runs/cookbook-rl-train max_steps=2 async=1 \
+        async_config.loss_fn=ppo eval_every=0 save_every=0
 
 The recipes (`tinker_cookbook.recipes.sl_loop` / `rl_loop`) run as their authors wrote them,
 with their own command line. What this file adds is what a machine without the internet and
@@ -87,8 +89,10 @@ def register() -> None:
 
     def local(path, *args, **kwargs):
         if path == "openai/gsm8k":
-            rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a, b in _pairs(seed=1, n=4096)]
-            return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
+            split = {name: datasets.Dataset.from_list([{"question": f"{a}+{b}=", "answer": f"#### {a + b}"}
+                                                       for a, b in _pairs(seed=seed, n=n)])
+                     for name, seed, n in (("train", 1, 4096), ("test", 4, 256))}
+            return split[kwargs["split"]] if "split" in kwargs else datasets.DatasetDict(split)
         if path == "HuggingFaceH4/no_robots":
             rng = random.Random(3)
             rows = [{"messages": [*_worked_example(rng), {"role": "user", "content": f"{a}+{b}={SUFFIX}"},
@@ -155,8 +159,10 @@ def main(argv: list[str]) -> None:
             args.append("train_on_what=last_assistant_message")
     elif which == "train":  # the cookbook's full supervised trainer, with its checkpoint manager
         return supervised_train(args)
+    elif which == "rl-train":  # the cookbook's full RL trainer
+        return rl_train(args)
     else:
-        raise SystemExit(f"first argument: sl, rl or train, not {which!r}")
+        raise SystemExit(f"first argument: sl, rl, train or rl-train, not {which!r}")
     chz.nested_entrypoint(recipe.main, argv=args)
 
 
@@ -182,5 +188,25 @@ def supervised_train(args: list[str]) -> None:
     asyncio.run(train.main(chz.entrypoint(train.Config, argv=args)))
 
 
+def rl_train(args: list[str]) -> None:
+    """`tinker_cookbook.rl.train`, the cookbook's full RL trainer, on its GSM8K env (the addition rows
+    above), with its default loss; `batch_size=N group_size=G` go to the env's builder, `async=K`
+    lets sampling run up to K steps ahead of training (0 or unset: on-policy)."""
+    import asyncio
+
+    from tinker_cookbook.rl import train
+
+    options = {"learning_rate": "1e-4", "max_tokens": "24", **dict(a.split("=", 1) for a in args)}
+    batch, group, ahead = options.pop("batch_size", "4"), options.pop("group_size", "4"), int(options.pop("async", 0))
+    builder = "dataset_builder."
+    argv = [f"{k}={v}" for k, v in options.items()] + [
+        "recipe_name=tiny-addition-rl", f"renderer_name={RENDERER}",
+        "dataset_builder=tinker_cookbook.recipes.math_rl.math_env:Gsm8kDatasetBuilder", f"{builder}batch_size={batch}",
+        f"{builder}group_size={group}", f"{builder}model_name_for_tokenizer={MODEL}", f"{builder}renderer_name={RENDERER}"]
+    if ahead:
+        argv += [f"async_config.max_steps_off_policy={ahead}", f"async_config.groups_per_batch={batch}"]
+    asyncio.run(train.main(chz.entrypoint(train.Config, argv=argv)))
+
 if __name__ == "__main__":
     main(sys.argv[1:])
+

@@ -78,6 +78,17 @@ def test_rolling_checkpoints_are_deleted_and_periodic_ones_expire(server, tmp_pa
     assert set(weights) == {r["state_path"] for r in periodic} | {saved[-1]["state_path"]}
 
 
+def test_the_full_rl_trainer_runs_async_with_one_documented_argument(server, tmp_path):
+    """The cookbook's `rl/train.py` in async mode (sampling one step ahead). Its async default loss,
+    `stable_reinforce`, is refused with a 400 naming the alternative (its objective is unpublished);
+    `async_config.loss_fn=ppo` is the one argument it takes (the README's command)."""
+    log = tmp_path / "rl"
+    recipe(server, "rl-train", f"log_path={log}", "max_steps=2", "async=1", "async_config.loss_fn=ppo",
+           "eval_every=0", "save_every=0")
+    metrics = [m for m in rows(log / "metrics.jsonl") if "async/staleness_max" in m]
+    assert [m["step"] for m in metrics] == [0, 1] and all(m["async/staleness_max"] <= 1 for m in metrics)
+
+
 def test_the_registered_renderer_writes_what_the_chat_template_writes():
     sys.path.insert(0, str(EXAMPLE.parent))
     import tinker_cookbook_tiny as example

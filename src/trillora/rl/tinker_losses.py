@@ -58,7 +58,8 @@ def check_loss(name: str, input_keys: set[str], config: dict | None) -> None:
     """Refuse an unknown loss, a missing input or an unknown config key before any compute."""
     if name == "stable_reinforce":
         raise LossInputError("loss_fn 'stable_reinforce' is not served: its objective is not published; "
-                             f"choose one of {', '.join(TINKER_LOSSES)} (the cookbook's rl_loop takes loss_fn=gspo)")
+                             f"choose one of {', '.join(TINKER_LOSSES)} (the cookbook's rl_loop takes loss_fn=gspo, rl/train.py's "
+                             "async mode async_config.loss_fn=ppo)")
     if name not in TINKER_LOSSES:
         raise LossInputError(f"unknown loss_fn {name!r}; choose one of {', '.join(TINKER_LOSSES)}")
     missing = [k for k in REQUIRED_INPUTS[name] if k not in input_keys]
