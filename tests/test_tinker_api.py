@@ -35,7 +35,7 @@ def clients(server):
 def test_runs_and_checkpoints_have_a_local_lifecycle(server, clients):
     sc, rest = clients
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4, train_unembed=False,
-                                        user_metadata={"renderer_name": "role_colon"})
+                                        user_metadata={"renderer_name": "role_colon"}).result()
     a = tc.save_state("a").result().path
     b = tc.save_state("b", ttl_seconds=3600).result().path
     s = tc.save_weights_for_sampler("s").result().path
@@ -79,7 +79,7 @@ def test_listing_every_clients_ids_is_refused_with_the_reason(clients):
 
 def test_a_checkpoint_past_its_ttl_is_swept(server, clients):
     sc, rest = clients
-    tc = sc.create_lora_training_client(base_model=MODEL, rank=2)
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=2).result()
     path = tc.save_state("brief", ttl_seconds=0).result().path
     state = server.service.resolve(path)[2] / "state.json"
     assert json.loads(state.read_text())["expires"] <= time.time()
@@ -91,7 +91,7 @@ def test_the_training_clients_tokenizer_loads_without_a_hub(server, clients, mon
     name sent the SDK to a hub)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     sc, _ = clients
-    tokenizer = sc.create_lora_training_client(base_model=MODEL, rank=2).get_tokenizer()
+    tokenizer = sc.create_lora_training_client(base_model=MODEL, rank=2).result().get_tokenizer()
     text = "12+30=42"
     assert tokenizer.encode(text, add_special_tokens=False) == server.service.tokenizer.encode(text, add_special_tokens=False)
 
@@ -112,7 +112,7 @@ def test_sampling_scores_equal_the_full_softmax_of_transformers(server, clients)
         want = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)  # [N, V]
     targets = np.full((n - 1, 3), -1, dtype=np.int64)
     targets[:, 0], targets[2:, 1] = prompt[1:], 7
-    sampler = sc.create_sampling_client(base_model=MODEL)
+    sampler = sc.create_sampling_client(base_model=MODEL).result()
     res = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=2,
                          sampling_params=types.SamplingParams(max_tokens=4, temperature=0.7, seed=5),
                          include_prompt_logprobs=True, topk_prompt_logprobs=5, topk_sample_logprobs=3,
