@@ -107,3 +107,16 @@ def test_tokens_past_the_call_bound_are_refused_before_they_are_read():
     with pytest.raises(wire.WireError, match="more than 100 tokens"):
         wire.read_forward_backward(request(list(range(60))) + request(list(range(60))), 100)
     assert len(wire.read_forward_backward(request(list(range(60))) + request(list(range(40))), 100).data) == 2
+
+
+def test_target_ids_as_json_csr_share_the_protobuf_checks():
+    """`target_prompt_logprobs` arrives as JSON TensorData; its CSR form goes through the same
+    `dense_from_csr` as a protobuf tensor: listed cells filled, the rest -1, bad pointers refused."""
+    from trillora.serve.tinker_checks import sample_options
+    from trillora.serve.tinker_types import BadRequest
+
+    good = {"data": [5, 7], "dtype": "int64", "shape": [3, 2], "sparse_crow_indices": [0, 1, 1, 2], "sparse_col_indices": [1, 0]}
+    got = sample_options({"target_prompt_logprobs": good}, 4, 100)["target_prompt_logprobs"]
+    np.testing.assert_array_equal(got, [[-1, 5], [-1, -1], [7, -1]])
+    with pytest.raises(BadRequest, match="never down"):
+        sample_options({"target_prompt_logprobs": {**good, "sparse_crow_indices": [0, 2, 1, 2]}}, 4, 100)

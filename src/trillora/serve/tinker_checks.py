@@ -15,7 +15,7 @@ from ..rl.tinker_losses import LossInputError, check_loss
 from ..rollout.types import SamplingParams
 from .config import ServeConfig
 from .tinker_types import MODEL_ID, NAME, BadRequest, SampleCall
-from .wire import Datum
+from .wire import Datum, WireError, dense_from_csr
 
 
 def check_data(loss_fn: str, config: dict, data: list[Datum], vocab: int, positions: int) -> list[dict[str, torch.Tensor]]:
@@ -135,13 +135,11 @@ def _targets(t, prompt_len: int, vocab: int) -> np.ndarray:
             raise BadRequest(f"{where}: {data.size} values for shape {shape}")
         dense = data.reshape(shape)
     else:
-        crow, col = np.array(crow, dtype=np.int64), np.array(col if col is not None else [], dtype=np.int64)
-        if (len(crow) != shape[0] + 1 or len(col) != data.size or crow[0] != 0 or crow[-1] != data.size
-                or (np.diff(crow) < 0).any() or (col.size and (col.min() < 0 or col.max() >= shape[1]))):
-            raise BadRequest(f"{where}: sparse rows and columns do not fit shape {shape}")
-        dense = np.full(shape, -1, dtype=np.int64)
-        for r in range(shape[0]):
-            dense[r, col[crow[r]:crow[r + 1]]] = data[crow[r]:crow[r + 1]]
+        try:
+            dense = dense_from_csr(shape, data, np.array(crow, dtype=np.int64),
+                                   np.array(col if col is not None else [], dtype=np.int64), -1, where)
+        except WireError as e:
+            raise BadRequest(str(e)) from None
     if ((dense < -1) | (dense >= vocab)).any():
         raise BadRequest(f"{where}: token ids must be -1 (nothing) or in 0..{vocab - 1}")
     return dense

@@ -258,11 +258,11 @@ class TinkerRoutes:
         rank, roles, seed = s.lora_settings(b.get("base_model"), b.get("lora_config") or {})
         if (b.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
             raise BadRequest(f"optimizer_config {b['optimizer_config']!r}; this server has type 'adamw'")
-        metadata = b.get("user_metadata")
+        metadata = _metadata(b)
 
         def create() -> dict:
             out = s.create_model(sid, seq, rank, roles, seed)
-            self.store.record_run(out["model_id"], rank, roles, metadata if isinstance(metadata, dict) else None)
+            self.store.record_run(out["model_id"], rank, roles, metadata)
             return out
 
         return self.start(create, model_id=f"{sid}:train:{seq}")
@@ -279,11 +279,11 @@ class TinkerRoutes:
         s.client(mid)
         name = b.get("path") or f"state-{next(self.ids)}"
         s.state_path(mid, "weights", name)  # refuses a bad name now
-        ttl, metadata = b.get("ttl_seconds"), b.get("user_metadata")
+        ttl, metadata = b.get("ttl_seconds"), _metadata(b)
 
         def save() -> dict:
             out = s.save_state(mid, name)
-            self.store.annotate(out["path"], ttl, metadata if isinstance(metadata, dict) else None)
+            self.store.annotate(out["path"], ttl, metadata)
             return out
 
         return self.start(save, model_id=mid, seq_id=b.get("seq_id"))
@@ -294,12 +294,12 @@ class TinkerRoutes:
         name = b.get("path")
         if name is not None:
             s.state_path(mid, "sampler_weights", name)
-        seq, ttl, metadata = _seq(b, "sampling_session_seq_id"), b.get("ttl_seconds"), b.get("user_metadata")
+        seq, ttl, metadata = _seq(b, "sampling_session_seq_id"), b.get("ttl_seconds"), _metadata(b)
 
         def save() -> dict:
             out = s.save_for_sampler(mid, name, mid.split(":")[0], seq)
             if "path" in out:  # a named revision is a checkpoint: its TTL and metadata apply
-                self.store.annotate(out["path"], ttl, metadata if isinstance(metadata, dict) else None)
+                self.store.annotate(out["path"], ttl, metadata)
             return out
 
         return self.start(save, model_id=mid, seq_id=b.get("seq_id"))
@@ -313,12 +313,12 @@ class TinkerRoutes:
         sid, seq = b.get("session_id", ""), _seq(b, "model_seq_id")
         if f"{sid}:train:{seq}" in s.session(sid).models:
             raise BadRequest(f"model_seq_id {seq} of this session is taken by {sid}:train:{seq}", 409)
-        metadata = b.get("user_metadata")
+        metadata = _metadata(b)
 
         def load() -> dict:
             out = s.load_state(sid, seq, path, optimizer)
             c = s.client(out["model_id"])
-            self.store.record_run(out["model_id"], c.rank, c.roles, metadata if isinstance(metadata, dict) else None)
+            self.store.record_run(out["model_id"], c.rank, c.roles, metadata)
             return out
 
         return self.start(load, model_id=f"{sid}:train:{seq}")
@@ -369,6 +369,12 @@ def _seq(body: dict, key: str) -> int:
     if type(seq) is not int or not 0 <= seq < 2**31:
         raise BadRequest(f"{key}={seq!r}; allowed: an integer in 0..2**31-1")
     return seq
+
+
+def _metadata(body: dict) -> dict | None:
+    """A request's `user_metadata`, kept with its run or checkpoint (anything but an object is ignored)."""
+    metadata = body.get("user_metadata")
+    return metadata if isinstance(metadata, dict) else None
 
 
 def _json_object(raw: bytes) -> dict:

@@ -110,16 +110,21 @@ def read_tensor(buf: bytes, where: str, limit: int) -> np.ndarray:
         csr = fields(f[2][-1])
         values = _array(_one(csr, 1, b""), dtype, where)
         crow, col = _array(_one(csr, 2, b""), np.dtype(np.int64), where), _array(_one(csr, 3, b""), np.dtype(np.int64), where)
-        if (len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values) or crow[0] != 0
-                or crow[-1] != len(values) or (np.diff(crow) < 0).any() or (len(col) and (col.min() < 0 or col.max() >= shape[1]))):
-            raise WireError(f"{where}: sparse tensor of shape {shape} with row pointers {crow[:4].tolist()}... "
-                            f"(want 0 up to {len(values)}, never down) and {len(col)} columns (want 0..{shape[-1] - 1 if shape else 0})")
-        dense = np.zeros(shape, dtype=dtype)
-        for r in range(shape[0]):
-            a, b = int(crow[r]), int(crow[r + 1])
-            dense[r, col[a:b]] = values[a:b]
-        return dense
+        return dense_from_csr(shape, values, crow, col, 0, where)
     return np.zeros(shape or [0], dtype=dtype)
+
+
+def dense_from_csr(shape: list[int], values: np.ndarray, crow: np.ndarray, col: np.ndarray, fill, where: str) -> np.ndarray:
+    """A CSR tensor (row pointers `crow`, columns `col`) as a dense [R, C] array, `fill` where nothing
+    is listed; pointers that go down or past the values and columns out of range are refused."""
+    if (len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values) or crow[0] != 0
+            or crow[-1] != len(values) or (np.diff(crow) < 0).any() or (len(col) and (col.min() < 0 or col.max() >= shape[1]))):
+        raise WireError(f"{where}: sparse tensor of shape {shape} with row pointers {crow[:4].tolist()}... "
+                        f"(want 0 up to {len(values)}, never down) and {len(col)} columns (want 0..{shape[-1] - 1 if shape else 0})")
+    dense = np.full(shape, fill, dtype=values.dtype)
+    for r in range(shape[0]):
+        dense[r, col[crow[r]:crow[r + 1]]] = values[crow[r]:crow[r + 1]]
+    return dense
 
 
 def _array(data: bytes, dtype: np.dtype, where: str) -> np.ndarray:
