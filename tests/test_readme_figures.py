@@ -404,3 +404,15 @@ def test_the_attack_row_is_its_results_file():
             f"connections dropped at their header deadline") in flat
     assert f"server RSS {m['after_warm_up']:.0f} → peak {m['peak']:.0f} MiB (bound: +{r['memory_bound_mib']})" in flat
     assert h["failed"] == 0 and r["within_bound"] and set(r["healthz"]) == {"200"}
+
+
+def test_the_cookbook_checkpoint_figures_are_their_results_file():
+    r = results("cookbook_checkpoints.json")
+    s, d = r["arms"]["rolling + periodic"], r["arms"]["rolling + periodic, submit_ahead=1"]
+    flat = " ".join(README.split())
+    assert (f"{r['steps']} steps of {r['batch']} rows), the largest step took {s['largest_over_median']:.2f}× the median "
+            f"step ({s['largest_s']:.2f} s against {s['median_s']:.2f} s), the steps together took "
+            f"{r['checkpointing_cost']:.2f}× their time without checkpoints, and {s['rolling_left']} of "
+            f"{s['rolling_saved']} rolling checkpoints were left") in flat
+    assert f"the saving step takes {d['largest_over_median']:.2f}× the median" in flat
+    assert s["largest_over_median"] <= 2.0 and s["rolling_left"] == 0  # the bar: no step over 2× the median

@@ -121,3 +121,20 @@ def test_the_committed_cookbook_curve_rises_as_the_readme_says():
     readme = (root / "README.md").read_text()
     assert f"from {r['rl']['first_mean']:.3f} over the first 10 steps to {r['rl']['last_mean']:.3f}" in readme
     assert r["settings"]["rl_lr"] == 5e-4 and "max_steps=80 learning_rate=5e-4 " in readme
+
+
+def test_the_checkpoint_benchmark_runs_small(tmp_path):
+    """`benchmarks/cookbook_checkpoints.py` at 2 steps: every arm's steps timed from the cookbook's own
+    spans, the rolling checkpoints gone from the store (the committed run's figures are in the README)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cookbook_checkpoints.py"
+    out = tmp_path / "ckpt.json"
+    run = subprocess.run([sys.executable, str(script), "--steps", "2", "--save-every", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["arms"]) == {"no checkpoints", "rolling + periodic", "rolling + periodic, submit_ahead=1"}
+    for arm in report["arms"].values():
+        assert len(arm["step_seconds"]) == 2 and arm["largest_s"] >= arm["median_s"] > 0
+    saving = report["arms"]["rolling + periodic"]
+    assert saving["rolling_left"] == 0 and saving["with_expiry"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
