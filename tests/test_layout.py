@@ -1,5 +1,5 @@
 """The package layout pinned: imports run one way (models ← lora ← parallel ← policy ← trainer, serve;
-rl and tasks stand alone), no source file grows past ~400 lines, and the CLI needs to know one error class."""
+rl and tasks stand alone; traces sit between tasks and the faces that record and learn), no source file grows past ~400 lines, and the CLI needs to know one error class."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "trillora"
 MAX_LINES = 400
 
 EVERYTHING = {"errors", "rl", "tasks", "models", "checkpoint", "lora", "parallel", "rollout", "config", "plots", "trainer",
-              "tiny", "serve", "cli", "memory", "policy"}
+              "tiny", "serve", "cli", "memory", "policy", "traces"}
 ALLOWED = {
     "errors": set(),
     "rl": {"errors"},
@@ -25,7 +25,8 @@ ALLOWED = {
     "plots": {"errors"},
     "policy": {"errors", "models", "lora", "parallel", "rl"},
     "trainer": EVERYTHING - {"cli", "tiny", "serve"},
-    "serve": {"errors", "models", "checkpoint", "lora", "parallel", "rl", "rollout", "policy"},
+    "traces": {"errors", "tasks"},
+    "serve": {"errors", "models", "checkpoint", "lora", "parallel", "rl", "rollout", "policy", "tasks", "traces"},
     "tiny": EVERYTHING - {"cli", "serve"},
     "cli": EVERYTHING,
     "__init__": {"checkpoint", "models"},

@@ -104,7 +104,8 @@ def test_a_negative_or_bad_content_length_is_refused_not_read_to_eof(server, len
 def test_chat_completions_with_a_real_chat_template(tmp_path):
     """tiny-moe-chat's template through /v1/chat/completions: the rendered prompt's ids, not a
     BatchEncoding (what apply_chat_template(tokenize=True) returns in transformers 5); the greedy
-    reply equals a separate fp32 engine's on the same ids."""
+    reply equals a separate fp32 engine's on the same ids, and ends at the template's end-of-turn
+    token (`<|im_end|>`), not at the tokenizer's end of text."""
     from trillora.rollout import LocalEngine
     from trillora.serve.config import ServeConfig
 
@@ -112,12 +113,15 @@ def test_chat_completions_with_a_real_chat_template(tmp_path):
     server = next(gen)
     url, tok = f"http://127.0.0.1:{server.cfg.port}", server.service.tokenizer
     messages = [{"role": "user", "content": "12+34="}]
-    status, out = post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0}, key=None)
+    status, out = post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0}, key=None)
     want = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
     assert status == 200 and out["usage"]["prompt_tokens"] == len(want)
     engine = LocalEngine(load_model(resolve_model_path("tiny-moe-chat")), precision="fp32")
-    greedy = engine.generate([want], 1, SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(tok.eos_token_id,)))[0][0]
-    assert out["choices"][0]["message"]["content"] == tok.decode(greedy.token_ids, skip_special_tokens=True)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    greedy = engine.generate([want], 1, SamplingParams(max_new_tokens=12, temperature=0.0,
+                                                       stop_token_ids=(tok.eos_token_id, end)))[0][0]
+    assert greedy.token_ids[-1] == end and out["choices"][0]["finish_reason"] == "stop"
+    assert out["choices"][0]["message"]["content"] == tok.decode(greedy.token_ids[:-1], skip_special_tokens=True)
     status, out = post(url, "/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": 5}]},
                        key=None)
     assert status == 400 and "messages do not fit the chat template" in out["error"]["message"]

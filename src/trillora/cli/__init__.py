@@ -1,4 +1,4 @@
-"""`trillora` command line: `train`, `eval`, `generate`, `serve`, `info`, `plan`, `plot`.
+"""`trillora` command line: `train`, `eval`, `generate`, `serve`, `traces`, `info`, `plan`, `plot`.
 
 Each subcommand is a thin function over the library. Errors that are the user's to fix
 (`trillora.errors.TrilloraError`: a bad path, key or value) print one line, not a traceback.
@@ -95,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       precision=args.precision, max_fused=args.max_fused, trust_remote_code=args.trust_remote_code,
                       tp=args.tp, ep=args.ep, pp=args.pp, cp=args.cp, sp=args.sp, fsdp=args.fsdp,
                       vocab_parallel=args.vocab_parallel, pp_microbatches=args.pp_microbatches,
-                      expert_rank_rule=args.expert_rank_rule, activation_checkpoint_every=args.activation_checkpoint_every)
+                      expert_rank_rule=args.expert_rank_rule, activation_checkpoint_every=args.activation_checkpoint_every,
+                      record=args.record)
     if launched():
         return _serve_parallel(cfg)
     if _sharded(cfg):
@@ -165,7 +166,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from ..lora.config import EXPERT_RANK_RULES
-    from . import info, plan
+    from . import info, plan, traces
 
     parser = argparse.ArgumentParser(prog="trillora", description="RL on Mixture-of-Experts models through LoRA")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -212,7 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="Hugging Face checkpoint folder, or tiny-moe")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require the key on every route but /health: 'Authorization: Bearer KEY' or 'X-API-Key: KEY'")
+    p.add_argument("--api-key", action="append", default=None, help="require the key on every route but /health: "
+                   "'Authorization: Bearer KEY' or 'X-API-Key: KEY'; repeat for several keys (each key's traces are its own)")
+    p.add_argument("--record", default=None, metavar="STORE", help="record every OpenAI completion (token ids, logprobs, "
+                   "revision, trace id) in this trace store: a SQLite file or a postgresql:// URL; /v1/feedback scores traces")
     p.add_argument("--tinker", action="store_true", help="serve the Tinker REST API: LoRA training clients on one base")
     p.add_argument("--state-dir", default="tinker-state", help="--tinker: where saved states and sampler weights go")
     p.add_argument("--max-clients", type=int, default=16, help="--tinker: training clients held at once")
@@ -255,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true",
                        help="run the tokenizer's own Python code (Kimi K2's tiktoken tokenizer); off by default")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("traces", help="list, export (JSONL, Parquet) or delete what serve --record recorded")
+    traces.add_arguments(p)
+    p.set_defaults(func=traces.cmd_traces)
 
     p = sub.add_parser("plot", help="write the PNG plots of a run folder")
     p.add_argument("run_dir")

@@ -18,8 +18,12 @@ class ServeConfig:
     """Serve the Tinker routes (training clients) beside the OpenAI ones, on the same port and base."""
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
-    """Required on every route but the health checks: `Authorization: Bearer KEY` or `X-API-Key: KEY`."""
+    api_key: str | list[str] | None = None
+    """Required on every route but the health checks: `Authorization: Bearer KEY` or `X-API-Key: KEY`.
+    Several keys: any of them is let in, and each key's recorded traffic is its own (`--record`)."""
+    record: str | None = None
+    """Record every OpenAI completion (token ids, logprobs, revision) in this trace store: a SQLite
+    file, or a `postgresql://` URL (`traces.store`). None: nothing is recorded."""
     state_dir: str = "tinker-state"
     """Saved states and sampler weights live here, as tinker://<model_id>/<kind>/<name>."""
     adapter_root: str | None = None
@@ -116,6 +120,9 @@ class ServeConfig:
                     "max_samplers", "max_sessions"):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1")
+        keys = [self.api_key] if isinstance(self.api_key, str) else self.api_key
+        if keys is not None and (not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys)):
+            raise BadRequest("api_key: a non-empty string, or a list of them")
         mib = self.adapter_memory_mib
         if mib is not None and (not isinstance(mib, (int, float)) or not 0 <= mib < float("inf")):
             raise BadRequest(f"adapter_memory_mib={mib!r}; allowed: a finite number of MiB >= 0 (or unset)")
@@ -124,6 +131,7 @@ class ServeConfig:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: a number of seconds > 0")
 
     def limits(self) -> Limits:
-        return Limits(api_key=self.api_key, max_body_bytes=self.max_body_bytes or 1 << 20,
+        keys = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
+        return Limits(api_keys=tuple(keys), max_body_bytes=self.max_body_bytes or 1 << 20,
                       max_tinker_body_bytes=self.max_body_bytes or 64 << 20, max_connections=self.max_connections,
                       idle_seconds=self.idle_seconds, header_seconds=self.header_seconds, body_seconds=self.body_seconds)

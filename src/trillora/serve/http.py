@@ -18,6 +18,7 @@ the server:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import socket
@@ -40,7 +41,8 @@ OPEN_PATHS = frozenset({"/health", "/api/v1/healthz"})
 
 @dataclass(frozen=True)
 class Limits:
-    api_key: str | None
+    api_keys: tuple[str, ...]
+    """Any of them opens every route (none: no key needed); each key's traffic is its own (`owner_of`)."""
     max_body_bytes: int
     """The OpenAI routes' bodies."""
     max_tinker_body_bytes: int
@@ -49,6 +51,18 @@ class Limits:
     idle_seconds: float = 60.0
     header_seconds: float = 10.0
     body_seconds: float = 60.0
+
+
+def key_of(headers: dict[bytes, bytes]) -> bytes:
+    """The API key a request carries (`Authorization: Bearer KEY` or `X-API-Key: KEY`), or b""."""
+    bearer = headers.get(b"authorization", b"")
+    return bearer[7:] if bearer[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+
+
+def owner_of(scope: dict) -> str:
+    """Whose traffic a request is: a digest of its key (the key itself is never stored), "" without one."""
+    key = key_of(dict(scope["headers"]))
+    return hashlib.sha256(key).hexdigest()[:16] if key else ""
 
 
 def error_body(path: str, status: int, message: str) -> bytes:
@@ -87,14 +101,13 @@ class Guard:
 
     def __init__(self, app, limits: Limits):
         self.app, self.limits = app, limits
-        self.key = limits.api_key.encode() if limits.api_key is not None else None
+        self.keys = [k.encode() for k in limits.api_keys]
 
     def _authorised(self, headers: dict[bytes, bytes]) -> bool:
-        if self.key is None:
+        if not self.keys:
             return True
-        bearer = headers.get(b"authorization", b"")
-        given = bearer[7:] if bearer[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
-        return hmac.compare_digest(given, self.key)
+        given = key_of(headers)
+        return sum(hmac.compare_digest(given, k) for k in self.keys) > 0  # every key compared: no early exit
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":

@@ -3,7 +3,10 @@
 The subset of vLLM's server that RL clients use: `/v1/completions` with token-id prompts, n
 samples and per-token logprobs (tokens as `token_id:N`, as vLLM's `return_tokens_as_token_ids`),
 `/v1/chat/completions`, `/v1/models`, the dynamic LoRA routes `/v1/load_lora_adapter` and
-`/v1/unload_lora_adapter`, and `/health`.
+`/v1/unload_lora_adapter`, and `/health`. With `--record STORE`, every completion is written to the
+trace store (`trillora.traces`) before its response goes out, under a trace id the client names
+(`X-Trace-Id`, or `metadata.trace_id`) or the server makes and returns; `/v1/feedback` scores a
+trace. `return_token_ids` (vLLM's) returns the served ids, so a client never re-tokenizes text.
 
 A loaded adapter is a revision in the base's adapter slots (its tensors only, never a copy of the
 base), so how many fit is a matter of memory (`adapter_memory_mib`, reported in /v1/models). A
@@ -13,19 +16,25 @@ adapters that wait together are sampled in one pass, each row with its own adapt
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
 import re
+import secrets
 import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
+from ..errors import ConfigError
 from ..lora import AdapterError
 from ..rollout.types import SamplingParams
-from .http import json_object
+from ..tasks.renderer import ChatRenderer
+from ..traces import Call, Feedback, Recorder, TraceError, UnknownTrace
+from .http import json_object, owner_of
 from .tinker_service import BadRequest, SampleCall
 from .worker import outcome_of
 
@@ -33,6 +42,7 @@ if TYPE_CHECKING:
     from .app import Server
 
 NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
+TRACE_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "trillora_adapter.json")
 
 
@@ -46,8 +56,14 @@ class OpenAIRoutes:
         self.adapter_limit = (_available_bytes(self.service.device) // 2 if self.cfg.adapter_memory_mib is None
                               else int(self.cfg.adapter_memory_mib * (1 << 20)))
         self.requests = itertools.count()
+        self.recorder = Recorder(self.cfg.record) if self.cfg.record else None
+        try:
+            self.renderer = ChatRenderer(self.tokenizer)
+        except ConfigError:  # no chat template: /v1/chat/completions answers 400
+            self.renderer = None
         r = self.router = APIRouter()
-        r.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
+        r.add_api_route("/health", self.health, methods=["GET"])
+        r.add_api_route("/v1/feedback", self.feedback, methods=["POST"])
         r.add_api_route("/v1/models", self.models, methods=["GET"])
         r.add_api_route("/v1/completions", self.completions, methods=["POST"])
         r.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
@@ -132,16 +148,23 @@ class OpenAIRoutes:
                 raise BadRequest("each prompt must be a non-empty string or list of valid token ids")
         return out
 
-    def _chat_prompt(self, messages) -> list[list[int]]:
+    def _chat_prompt(self, messages, tools=None) -> list[list[int]]:
+        """The conversation rendered as the envs render it (`tasks.renderer.ChatRenderer`)."""
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list")
-        if not getattr(self.tokenizer, "chat_template", None):
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise BadRequest("tools must be a list of objects ({'type': 'function', 'function': {...}})")
+        if self.renderer is None:
             raise BadRequest("this model's tokenizer has no chat template")
-        try:  # text, then ids: tokenize=True gives a BatchEncoding in transformers 5
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if tools:
+            try:
+                self.renderer.tool_format  # noqa: B018 - raises when the template has no tool calls
+            except ConfigError as e:
+                raise BadRequest(f"tools: {e}") from None
+        try:
+            return [self.renderer.prompt(messages, tools)]
         except Exception as e:  # a malformed message: the template's own error  # noqa: BLE001
             raise BadRequest(f"messages do not fit the chat template: {e}") from None
-        return [self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
     def _params(self, body: dict) -> tuple[dict, int]:
         """The sampling settings as the service takes them (Tinker's names), checked with OpenAI's."""
@@ -169,16 +192,21 @@ class OpenAIRoutes:
             raise BadRequest(str(e)) from None
         return params, n
 
-    async def completions(self, request: Request) -> dict:
+    async def completions(self, request: Request, response: Response) -> dict:
         body = await _body(request)
-        return await self._complete(body, self._prompts(body.get("prompt")), chat=False)
+        return await self._complete(request, response, body, self._prompts(body.get("prompt")), chat=False)
 
-    async def chat_completions(self, request: Request) -> dict:
+    async def chat_completions(self, request: Request, response: Response) -> dict:
         body = await _body(request)
-        return await self._complete(body, self._chat_prompt(body.get("messages")), chat=True)
+        return await self._complete(request, response, body, self._chat_prompt(body.get("messages"), body.get("tools")),
+                                    chat=True)
 
-    async def _complete(self, body: dict, prompts: list[list[int]], chat: bool) -> dict:
+    async def _complete(self, request: Request, response: Response, body: dict, prompts: list[list[int]],
+                        chat: bool) -> dict:
         params, n = self._params(body)
+        if chat:  # a turn ends at the template's end-of-turn token (and, for Harmony, at a call)
+            params["stop"] = sorted({*params["stop"], *self.renderer.stop_tokens})
+        trace_id, user_id = self._trace_of(request, body)
         for p in prompts:
             if len(p) + params["max_tokens"] > self.max_len:
                 raise BadRequest(f"a prompt of {len(p)} tokens plus max_tokens={params['max_tokens']} "
@@ -190,28 +218,93 @@ class OpenAIRoutes:
         name, served = body.get("model") or self.cfg.model, self.service.served()
         if name not in served:
             raise BadRequest(f"model {name!r} is not loaded; loaded: {', '.join(served)}", 404)
+        revision = served[name]
         batch = next(self.requests)
-        calls = [SampleCall(served[name].sampler_id, p, n, params, batch=batch) for p in prompts]
+        calls = [SampleCall(revision.sampler_id, p, n, params, batch=batch) for p in prompts]
         try:
             outcomes = await outcome_of(self.server.worker, lambda: self.server.sample([calls])[0], fuse="sample", payload=calls)
         except BadRequest as e:
             if e.status == 404:  # unloaded while the request waited
                 raise BadRequest(f"model {name!r} is not loaded", 404) from None
             raise
-        choices = []
-        for i, (tokens, logprobs, reason) in enumerate(c for completions, *_ in outcomes for c in completions):
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        served_calls = [(p, c) for p, (completions, *_) in zip(prompts, outcomes, strict=True) for c in completions]
+        choices, records, ids = [], [], body.get("return_token_ids") is True
+        for i, (prompt, (tokens, logprobs, reason)) in enumerate(served_calls):
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            tool_calls = []
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason})
-                continue
-            choice = {"index": i, "text": text, "finish_reason": reason, "token_ids": tokens}
-            if body.get("logprobs") is not None:
-                choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logprobs}
+                turn = self.renderer.parse(tokens, with_tools=bool(body.get("tools")))
+                tool_calls = [{"id": f"call_{secrets.token_hex(8)}", "type": "function",
+                               "function": {"name": t.name, "arguments": json.dumps(t.arguments)}}
+                              for t in turn.parsed.tool_calls]
+                message = {"role": "assistant", "content": turn.parsed.content or (None if tool_calls else "")}
+                if tool_calls:
+                    message["tool_calls"] = tool_calls
+                choice = {"index": i, "message": message, "finish_reason": "tool_calls" if tool_calls else reason}
+                if body.get("logprobs") is True:
+                    choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": lp}
+                                                      for t, lp in zip(tokens, logprobs, strict=True)]}
+                if ids:
+                    choice["token_ids"] = tokens
+            else:
+                choice = {"index": i, "text": text, "finish_reason": reason, "token_ids": tokens}
+                if body.get("logprobs") is not None:
+                    choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logprobs}
             choices.append(choice)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": name, "choices": choices,
-                "usage": {"prompt_tokens": sum(len(p) for p in prompts) * n,
-                          "completion_tokens": sum(len(c[0]) for completions, *_ in outcomes for c in completions)}}
+            records.append(Call(rid, i, trace_id, owner_of(request.scope), name, revision.sampler_id or name,
+                                "chat" if chat else "completion", list(prompt), list(tokens), list(logprobs),
+                                {**params, "n": n}, reason, tool_calls, user_id))
+        out = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+               "created": int(time.time()), "model": name, "choices": choices,
+               "usage": {"prompt_tokens": sum(len(p) for p in prompts) * n,
+                         "completion_tokens": sum(len(c[0]) for _, c in served_calls)}}
+        if ids:
+            out["prompt_token_ids"] = prompts[0] if chat else prompts
+        if self.recorder is not None:
+            await self.recorder.record(records)  # committed before the response goes out (or counted as failed)
+            out["trace_id"] = trace_id
+            response.headers["X-Trace-Id"] = trace_id
+        return out
+
+    def _trace_of(self, request: Request, body: dict) -> tuple[str, str]:
+        """The trace a request belongs to (`X-Trace-Id`, else `metadata.trace_id`, else a new one) and its user."""
+        metadata = body.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise BadRequest("metadata must be an object of strings")
+        given = request.headers.get("x-trace-id") or metadata.get("trace_id")
+        if given is not None and (not isinstance(given, str) or not TRACE_ID.fullmatch(given)):
+            raise BadRequest("a trace id (X-Trace-Id or metadata.trace_id) is 1-128 letters, digits, '.', '_', ':' or '-'")
+        user = body.get("user", metadata.get("user_id", ""))
+        if not isinstance(user, str) or len(user) > 256:
+            raise BadRequest("user must be a string of at most 256 characters")
+        return given or f"trace-{secrets.token_urlsafe(12)}", user
+
+    # --- recording ------------------------------------------------------------------------
+    async def health(self) -> dict:
+        return {"status": "ok"} if self.recorder is None else {"status": "ok", "recording": self.recorder.health()}
+
+    async def feedback(self, request: Request) -> dict:
+        """`{"trace_id" or "response_id", "reward", "label"?, "comment"?}` on one of this key's traces."""
+        if self.recorder is None:
+            raise BadRequest("feedback needs recording: start the server with --record STORE", 400)
+        body = await _body(request)
+        trace_id, response_id, reward = body.get("trace_id", ""), body.get("response_id", ""), body.get("reward")
+        if not (isinstance(trace_id, str) and isinstance(response_id, str)) or bool(trace_id) == bool(response_id):
+            raise BadRequest("feedback names one string field: trace_id or response_id")
+        label, comment = body.get("label", ""), body.get("comment", "")
+        if not isinstance(label, str) or len(label) > 256 or not isinstance(comment, str) or len(comment) > 4096:
+            raise BadRequest("label (at most 256 characters) and comment (at most 4096) must be strings")
+        fb = Feedback(trace_id, owner_of(request.scope), reward, response_id, label, comment)
+        try:
+            await asyncio.to_thread(self.recorder.store.add_feedback, fb)
+        except UnknownTrace as e:
+            raise BadRequest(str(e), 404) from None
+        except TraceError as e:
+            raise BadRequest(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - the store is down: nothing was written, the client may retry
+            raise BadRequest(f"the trace store cannot take feedback now ({type(e).__name__}); retry later", 503) from None
+        return {"status": "ok", "trace_id": fb.trace_id}
 
 
 async def _body(request: Request) -> dict:

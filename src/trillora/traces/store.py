@@ -1,0 +1,219 @@
+"""The trace store: every served call and every piece of feedback, in SQLite or PostgreSQL.
+
+One schema and one set of queries for both. SQLite is the embedded default: WAL with
+`synchronous=FULL`, so a call whose commit returned is on disk before its response is sent, and
+survives a kill -9 of the server (and a power cut). PostgreSQL, named by a `postgresql://` URL, is
+the same store shared by several servers on several machines (each commit is durable when it
+returns, PostgreSQL's default).
+
+A call row is one choice of one served request: the exact prompt and completion token ids and the
+completion's per-token logprobs as the engine sampled them, the revision that served it, the
+sampling settings, the parsed tool calls. Token lists are stored as JSON text: portable between
+the two databases and readable with any SQL client. `owner` is a digest of the API key whose
+traffic it was: feedback and reads are answered only for the owner's own traces.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..errors import TrilloraError
+
+
+class TraceError(TrilloraError):
+    """A store that cannot be opened, or a request it cannot take (what is wrong is named)."""
+
+
+class UnknownTrace(TraceError):
+    """A trace or response this key's traffic does not hold (another key's is not told apart)."""
+
+
+@dataclass
+class Call:
+    """One choice of one served request."""
+
+    response_id: str
+    choice: int
+    trace_id: str
+    owner: str
+    model: str
+    revision: str
+    kind: str  # "chat" or "completion"
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    params: dict = field(default_factory=dict)
+    finish_reason: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+    user_id: str = ""
+    created: float = field(default_factory=time.time)
+
+
+@dataclass
+class Feedback:
+    trace_id: str
+    owner: str
+    reward: float
+    response_id: str = ""
+    label: str = ""
+    comment: str = ""
+    created: float = field(default_factory=time.time)
+
+
+_LISTS = ("prompt_ids", "completion_ids", "logprobs", "params", "tool_calls")
+_CALL_COLUMNS = ("response_id", "choice", "trace_id", "owner", "model", "revision", "kind", *_LISTS, "finish_reason",
+                 "user_id", "created")
+_FEEDBACK_COLUMNS = ("trace_id", "owner", "reward", "response_id", "label", "comment", "created")
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS calls (response_id TEXT NOT NULL, choice INTEGER NOT NULL, trace_id TEXT NOT NULL, "
+    "owner TEXT NOT NULL, model TEXT NOT NULL, revision TEXT NOT NULL, kind TEXT NOT NULL, prompt_ids TEXT NOT NULL, "
+    "completion_ids TEXT NOT NULL, logprobs TEXT NOT NULL, params TEXT NOT NULL, tool_calls TEXT NOT NULL, "
+    "finish_reason TEXT NOT NULL, user_id TEXT NOT NULL, created DOUBLE PRECISION NOT NULL, "
+    "PRIMARY KEY (response_id, choice))",
+    "CREATE INDEX IF NOT EXISTS calls_trace ON calls (owner, trace_id, created)",
+    "CREATE TABLE IF NOT EXISTS feedback (trace_id TEXT NOT NULL, owner TEXT NOT NULL, reward DOUBLE PRECISION NOT NULL, "
+    "response_id TEXT NOT NULL, label TEXT NOT NULL, comment TEXT NOT NULL, created DOUBLE PRECISION NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS feedback_trace ON feedback (owner, trace_id)",
+)
+
+
+class TraceStore:
+    def __init__(self, where: str, busy_seconds: float = 1.0):
+        """`where`: a SQLite file path, or a `postgresql://` URL. `busy_seconds`: how long a write
+        waits for a lock held elsewhere before it fails (a failed write is the caller's to count)."""
+        self.where, self.lock, self.busy_seconds = where, threading.Lock(), busy_seconds
+        self.postgres = where.startswith(("postgresql://", "postgres://"))
+        try:
+            self.db = self._connect()
+            for statement in _SCHEMA:
+                self.db.execute(statement)
+            self.db.commit()
+        except Exception as e:  # noqa: BLE001 - sqlite3, psycopg and OS errors alike name the store
+            raise TraceError(f"trace store {self.shown}: cannot open: {type(e).__name__}: {e}") from None
+
+    def _connect(self):
+        if self.postgres:
+            import psycopg
+
+            return psycopg.connect(self.where, connect_timeout=10, options=f"-c lock_timeout={int(self.busy_seconds * 1000)}")
+        Path(self.where).parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.where, timeout=self.busy_seconds, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        return db
+
+    def _cursor(self):
+        """A cursor on a live connection: a PostgreSQL connection lost with its server is made again."""
+        if self.postgres and (self.db.closed or self.db.broken):
+            self.db = self._connect()
+        return self.db.cursor()
+
+    @property
+    def shown(self) -> str:
+        """The store's name without a password."""
+        password = urlsplit(self.where).password if self.postgres else None
+        return self.where.replace(f":{password}@", ":***@") if password else self.where
+
+    def _sql(self, text: str) -> str:
+        return text.replace("?", "%s") if self.postgres else text
+
+    def _write(self, text: str, rows: list[tuple]) -> None:
+        with self.lock:
+            try:
+                cur = self._cursor()
+                cur.executemany(self._sql(text), rows)
+                self.db.commit()
+            except Exception:
+                if not (self.postgres and self.db.closed):
+                    self.db.rollback()
+                raise
+
+    def _read(self, text: str, args: tuple = ()) -> list[tuple]:
+        with self.lock:
+            try:
+                cur = self._cursor()
+                cur.execute(self._sql(text), args)
+                rows = cur.fetchall()
+                self.db.commit()  # ends PostgreSQL's read transaction, so later reads see new rows
+                return rows
+            except Exception:
+                if not (self.postgres and self.db.closed):
+                    self.db.rollback()
+                raise
+
+    # --- writes -------------------------------------------------------------------------------
+    def record(self, calls: list[Call]) -> None:
+        """One request's choices, in one transaction: durable when this returns."""
+        rows = []
+        for c in calls:
+            d = asdict(c)
+            rows.append(tuple(json.dumps(d[k]) if k in _LISTS else d[k] for k in _CALL_COLUMNS))
+        self._write(f"INSERT INTO calls ({', '.join(_CALL_COLUMNS)}) VALUES ({', '.join('?' * len(_CALL_COLUMNS))})", rows)
+
+    def add_feedback(self, fb: Feedback) -> None:
+        """Feedback on one of the owner's traces; TraceError naming what is wrong otherwise."""
+        if not isinstance(fb.reward, (int, float)) or isinstance(fb.reward, bool) or not math.isfinite(fb.reward):
+            raise TraceError(f"reward must be a finite number, not {fb.reward!r}")
+        where, args = ("response_id = ?", (fb.owner, fb.response_id)) if fb.response_id else ("trace_id = ?", (fb.owner, fb.trace_id))
+        found = self._read(f"SELECT trace_id FROM calls WHERE owner = ? AND {where} LIMIT 1", args)
+        if not found:
+            what = f"response {fb.response_id!r}" if fb.response_id else f"trace {fb.trace_id!r}"
+            raise UnknownTrace(f"no {what} in this key's recorded traffic")
+        fb.trace_id = found[0][0]
+        d = asdict(fb)
+        self._write(f"INSERT INTO feedback ({', '.join(_FEEDBACK_COLUMNS)}) VALUES ({', '.join('?' * len(_FEEDBACK_COLUMNS))})",
+                    [tuple(d[k] for k in _FEEDBACK_COLUMNS)])
+
+    def delete(self, older_than: float | None = None, user_id: str | None = None, trace_id: str | None = None) -> int:
+        """Traces whose last call is older than `older_than` seconds, or whose calls came from
+        `user_id`, or the one trace: their calls and feedback. Returns how many traces went."""
+        if older_than is None and user_id is None and trace_id is None:
+            raise TraceError("delete needs an age, a user id or a trace id (nothing is deleted without one)")
+        ids = {t["trace_id"] for t in self.traces(older_than=older_than, user_id=user_id, trace_id=trace_id)}
+        for table in ("calls", "feedback"):
+            self._write(f"DELETE FROM {table} WHERE trace_id = ?", [(i,) for i in sorted(ids)])
+        return len(ids)
+
+    # --- reads --------------------------------------------------------------------------------
+    def calls(self, trace_id: str, owner: str | None = None) -> list[Call]:
+        """A trace's calls in the order they were served (one owner's only, when given)."""
+        query = f"SELECT {', '.join(_CALL_COLUMNS)} FROM calls WHERE trace_id = ?"
+        args: tuple = (trace_id,)
+        if owner is not None:
+            query, args = query + " AND owner = ?", (trace_id, owner)
+        rows = self._read(query + " ORDER BY created, response_id, choice", args)
+        return [Call(**{k: json.loads(v) if k in _LISTS else v for k, v in zip(_CALL_COLUMNS, r, strict=True)})
+                for r in rows]
+
+    def feedback(self, trace_id: str) -> list[Feedback]:
+        rows = self._read(f"SELECT {', '.join(_FEEDBACK_COLUMNS)} FROM feedback WHERE trace_id = ? ORDER BY created",
+                          (trace_id,))
+        return [Feedback(**dict(zip(_FEEDBACK_COLUMNS, r, strict=True))) for r in rows]
+
+    def traces(self, older_than: float | None = None, user_id: str | None = None, trace_id: str | None = None) -> list[dict]:
+        """One summary per trace: id, user, calls, first and last call time, rewards given and their mean."""
+        query = ("SELECT c.trace_id, MIN(c.user_id), COUNT(*), MIN(c.created), MAX(c.created), "
+                 "(SELECT COUNT(*) FROM feedback f WHERE f.trace_id = c.trace_id), "
+                 "(SELECT AVG(f.reward) FROM feedback f WHERE f.trace_id = c.trace_id) FROM calls c")
+        where, args = [], []
+        if user_id is not None:
+            where, args = where + ["c.user_id = ?"], args + [user_id]
+        if trace_id is not None:
+            where, args = where + ["c.trace_id = ?"], args + [trace_id]
+        query += (" WHERE " + " AND ".join(where) if where else "") + " GROUP BY c.trace_id"
+        if older_than is not None:
+            query, args = query + " HAVING MAX(c.created) < ?", args + [time.time() - older_than]
+        rows = self._read(query + " ORDER BY MIN(c.created)", tuple(args))
+        return [{"trace_id": r[0], "user_id": r[1], "calls": r[2], "first": r[3], "last": r[4], "rewards": r[5],
+                 "mean_reward": r[6]} for r in rows]
+
+    def close(self) -> None:
+        with self.lock:
+            self.db.close()
