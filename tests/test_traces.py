@@ -54,7 +54,7 @@ def store_at(request, tmp_path):
 def call(response: str, trace: str, owner: str = "k1", user: str = "", created: float | None = None, choice: int = 0,
          prompt=(1, 2, 3), completion=(4, 5), logprobs=(-0.5, -0.25)) -> Call:
     return Call(response, choice, trace, owner, "tiny", "r0", "chat", list(prompt), list(completion), list(logprobs),
-                {"temperature": 1.0}, "stop", [], user, created if created is not None else time.time())
+                {"temperature": 1.0}, "stop", [], user, created=created if created is not None else time.time())
 
 
 def test_store_round_trip_feedback_and_delete(store_at):

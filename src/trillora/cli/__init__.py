@@ -11,7 +11,7 @@ import json
 import sys
 import typing
 
-from ..errors import TrilloraError
+from ..errors import ConfigError, TrilloraError
 from ..rollout.types import Precision
 
 
@@ -81,7 +81,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..serve.app import serve
+    from ..serve.app import Server
     from ..serve.config import ServeConfig
     from ..trainer.world import launched
 
@@ -97,13 +97,43 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       vocab_parallel=args.vocab_parallel, pp_microbatches=args.pp_microbatches,
                       expert_rank_rule=args.expert_rank_rule, activation_checkpoint_every=args.activation_checkpoint_every,
                       record=args.record)
+    if args.learn and not args.record:
+        raise ConfigError("--learn trains on recorded traffic: give --record STORE too")
     if launched():
+        if args.learn:
+            raise ConfigError("--learn runs in one process (not under torchrun) for now")
         return _serve_parallel(cfg)
     if _sharded(cfg):
         raise SystemExit(f"trillora serve {_layout(cfg)}: a sharded base needs several ranks; launch "
                          f"with torchrun --nproc-per-node N (N a multiple of {cfg.tp * cfg.pp * cfg.cp * cfg.ep})")
-    serve(cfg)
+    server = Server(cfg)
+    if args.learn:
+        start_learning(server, args.learn)
+    server.run()
     return 0
+
+
+def start_learning(server, config_path: str, poll_seconds: float = 1.0):
+    """`--learn CONFIG`: a learner on the server's base, publishing revisions as its traffic is rewarded."""
+    from pathlib import Path
+
+    from ..config import load_config
+    from ..serve.adapters import SLOT_ROLES
+    from ..serve.revisions import Revisions
+    from ..trainer.learner import Learner
+
+    train = load_config(config_path)
+    if train.lora.patterns or train.lora.exclude or not set(train.lora.targets) <= set(SLOT_ROLES):
+        raise ConfigError(f"{config_path}: [lora] of a learning server adapts whole roles of {list(SLOT_ROLES)} "
+                          f"(no patterns or exclude); got targets={list(train.lora.targets)}")
+    revisions = Revisions(server.service, train.learn.publish_as or server.cfg.model, train.learn.keep)
+    server.app.include_router(revisions.router)
+    service = server.service
+    learner = Learner(service.base, server.openai.recorder.store, train, revisions.publish,
+                      Path(server.cfg.state_dir) / "learner", service.device, service.tokenizer.pad_token_id or 0)
+    revisions.attach(learner, server.worker, poll_seconds)
+    server.revisions = revisions
+    return revisions
 
 
 def _sharded(cfg) -> bool:
@@ -217,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "'Authorization: Bearer KEY' or 'X-API-Key: KEY'; repeat for several keys (each key's traces are its own)")
     p.add_argument("--record", default=None, metavar="STORE", help="record every OpenAI completion (token ids, logprobs, "
                    "revision, trace id) in this trace store: a SQLite file or a postgresql:// URL; /v1/feedback scores traces")
+    p.add_argument("--learn", default=None, metavar="CONFIG", help="with --record: train the served policy on its rewarded "
+                   "traffic (a train TOML: [lora], [optim], [algorithm], [learn]) and serve each new revision as it is made")
     p.add_argument("--tinker", action="store_true", help="serve the Tinker REST API: LoRA training clients on one base")
     p.add_argument("--state-dir", default="tinker-state", help="--tinker: where saved states and sampler weights go")
     p.add_argument("--max-clients", type=int, default=16, help="--tinker: training clients held at once")

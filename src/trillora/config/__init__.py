@@ -6,6 +6,7 @@ from .sections import (
     FFN_TARGETS,
     AlgorithmSection,
     CheckpointSection,
+    LearnSection,
     LoggingSection,
     MemorySection,
     ModelSection,
@@ -18,6 +19,6 @@ from .sections import (
 )
 from .toml import load_config, parse_override, to_toml
 
-__all__ = ["FFN_TARGETS", "AlgorithmSection", "CheckpointSection", "ConfigError", "LoggingSection", "MemorySection", "ModelSection", "OptimSection",
+__all__ = ["FFN_TARGETS", "AlgorithmSection", "CheckpointSection", "ConfigError", "LearnSection", "LoggingSection", "MemorySection", "ModelSection", "OptimSection",
            "ParallelSection", "RolloutSection", "RouterReplayMode", "TaskSection", "TrainConfig", "load_config",
            "parse_override", "to_toml"]

@@ -284,6 +284,34 @@ class MemorySection:
 
 
 @dataclass(kw_only=True, frozen=True)
+class LearnSection:
+    """`trillora serve MODEL --record STORE --learn CONFIG`: the served policy learns from its traffic."""
+
+    every: int = 8
+    """Train a new revision once this many rewarded traces are new to the learner."""
+    max_staleness: int = 4
+    """Traces served by a revision more than this many revisions before the learner's are dropped (counted)."""
+    keep: int = 3
+    """Published revisions kept servable (requests in flight finish on theirs; rollback goes back to one)."""
+    reward: str = ""
+    """`module:function(calls) -> float` scoring a trace that has no feedback ("" = feedback only)."""
+    publish_as: str = ""
+    """The served name whose requests get each new revision ("" = the model's own name)."""
+    baseline_decay: float = 0.9
+    """A trace whose task does not recur in its batch is measured against a running mean reward of its
+    tag (`metadata.task`): mean ← decay · mean + (1 - decay) · reward."""
+
+    def validate(self) -> None:
+        _check_positive("learn.every", self.every)
+        _check_positive("learn.keep", self.keep)
+        _check_positive("learn.max_staleness", self.max_staleness, zero_ok=True)
+        if not 0.0 <= self.baseline_decay < 1.0:
+            raise ConfigError(f"learn.baseline_decay={self.baseline_decay}; allowed: 0 <= decay < 1")
+        if self.reward and ":" not in self.reward:
+            raise ConfigError(f"learn.reward={self.reward!r}: a 'module:function' name, or \"\" for feedback only")
+
+
+@dataclass(kw_only=True, frozen=True)
 class TrainConfig:
     name: str = "default"
     out_dir: str = "runs"
@@ -310,6 +338,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     memory: MemorySection = field(default_factory=MemorySection)
+    learn: LearnSection = field(default_factory=LearnSection)
     resume: bool = False
     """Continue from the newest complete checkpoint of this run (`--resume` on the command line);
     without it a run starts afresh and moves an earlier run's checkpoints to `checkpoints.previous`."""
@@ -321,7 +350,8 @@ class TrainConfig:
         _check_positive("steps", self.steps)
         _check_positive("eval_every", self.eval_every)
         _check_positive("flops_budget", self.flops_budget, zero_ok=True)
-        for section in (self.task, self.rollout, self.algorithm, self.optim, self.parallel, self.checkpoint, self.logging):
+        for section in (self.task, self.rollout, self.algorithm, self.optim, self.parallel, self.checkpoint, self.logging,
+                        self.learn):
             section.validate()
         a, r = self.algorithm, self.rollout
         self.memory.validate(r.max_new_tokens, r.max_model_len)

@@ -37,6 +37,8 @@ class Server:
         self.tinker = TinkerRoutes(self) if cfg.tinker else None
         if self.tinker is not None:
             self.app.include_router(self.tinker.router)
+        self.revisions = None
+        """A learning server's revisions and learner (`serve.revisions`, attached by `--learn`)."""
         self.listener = Listener(self.app, cfg.host, cfg.port, cfg.limits())
         cfg.port = self.listener.port  # port 0 asked for any free one: clients read it here
 
@@ -56,6 +58,8 @@ class Server:
         self.listener.run(ready)
 
     def stop(self) -> None:
+        if self.revisions is not None:
+            self.revisions.stop()
         self.listener.stop()
 
 

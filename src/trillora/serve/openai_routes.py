@@ -206,7 +206,7 @@ class OpenAIRoutes:
         params, n = self._params(body)
         if chat:  # a turn ends at the template's end-of-turn token (and, for Harmony, at a call)
             params["stop"] = sorted({*params["stop"], *self.renderer.stop_tokens})
-        trace_id, user_id = self._trace_of(request, body)
+        trace_id, user_id, tag = self._trace_of(request, body)
         for p in prompts:
             if len(p) + params["max_tokens"] > self.max_len:
                 raise BadRequest(f"a prompt of {len(p)} tokens plus max_tokens={params['max_tokens']} "
@@ -254,7 +254,7 @@ class OpenAIRoutes:
             choices.append(choice)
             records.append(Call(rid, i, trace_id, owner_of(request.scope), name, revision.sampler_id or name,
                                 "chat" if chat else "completion", list(prompt), list(tokens), list(logprobs),
-                                {**params, "n": n}, reason, tool_calls, user_id))
+                                {**params, "n": n}, reason, tool_calls, user_id, tag))
         out = {"id": rid, "object": "chat.completion" if chat else "text_completion",
                "created": int(time.time()), "model": name, "choices": choices,
                "usage": {"prompt_tokens": sum(len(p) for p in prompts) * n,
@@ -267,8 +267,9 @@ class OpenAIRoutes:
             response.headers["X-Trace-Id"] = trace_id
         return out
 
-    def _trace_of(self, request: Request, body: dict) -> tuple[str, str]:
-        """The trace a request belongs to (`X-Trace-Id`, else `metadata.trace_id`, else a new one) and its user."""
+    def _trace_of(self, request: Request, body: dict) -> tuple[str, str, str]:
+        """The trace a request belongs to (`X-Trace-Id`, else `metadata.trace_id`, else a new one), its
+        user (`user`, else `metadata.user_id`) and its task tag (`metadata.task`)."""
         metadata = body.get("metadata") or {}
         if not isinstance(metadata, dict):
             raise BadRequest("metadata must be an object of strings")
@@ -278,7 +279,10 @@ class OpenAIRoutes:
         user = body.get("user", metadata.get("user_id", ""))
         if not isinstance(user, str) or len(user) > 256:
             raise BadRequest("user must be a string of at most 256 characters")
-        return given or f"trace-{secrets.token_urlsafe(12)}", user
+        tag = metadata.get("task", "")
+        if not isinstance(tag, str) or len(tag) > 128:
+            raise BadRequest("metadata.task must be a string of at most 128 characters")
+        return given or f"trace-{secrets.token_urlsafe(12)}", user, tag
 
     # --- recording ------------------------------------------------------------------------
     async def health(self) -> dict:

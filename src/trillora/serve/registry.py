@@ -33,6 +33,8 @@ class Registry:
         self.lock = threading.Lock()
         base = Revision(None, sampler_id=f"{SERVED}:sample:{cfg.model}")
         self.sessions[SERVED].samplers[base.sampler_id] = base
+        self.aliases: dict[str, str] = {}
+        """Served names that stand for another (a learner's `name` → its current `name@k`)."""
 
     def create_session(self) -> str:
         with self.lock:
@@ -120,6 +122,9 @@ class Registry:
                 raise BadRequest(f"no adapter named {name!r}", 404)
 
     def served(self) -> dict[str, Revision]:
-        """The OpenAI routes' models: the base's name first, then each loaded adapter's."""
+        """The OpenAI routes' models: the base's name first, then each loaded adapter's; an alias
+        maps to its target's revision (a request takes that revision's id when it arrives)."""
         with self.lock:
-            return {k.split(":", 2)[2]: r for k, r in self.sessions[SERVED].samplers.items()}
+            out = {k.split(":", 2)[2]: r for k, r in self.sessions[SERVED].samplers.items()}
+            out.update({a: out[t] for a, t in self.aliases.items() if t in out})
+            return out

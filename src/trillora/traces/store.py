@@ -53,7 +53,15 @@ class Call:
     finish_reason: str = ""
     tool_calls: list[dict] = field(default_factory=list)
     user_id: str = ""
+    tag: str = ""
+    """What kind of task the call served (`metadata.task`): learning keeps a baseline per tag."""
     created: float = field(default_factory=time.time)
+
+    @property
+    def revision_number(self) -> int:
+        """k of a learner's revision `name@k`; 0 for the base or a loaded adapter."""
+        head, _, k = self.revision.rpartition("@")
+        return int(k) if head and k.isdigit() else 0
 
 
 @dataclass
@@ -69,18 +77,19 @@ class Feedback:
 
 _LISTS = ("prompt_ids", "completion_ids", "logprobs", "params", "tool_calls")
 _CALL_COLUMNS = ("response_id", "choice", "trace_id", "owner", "model", "revision", "kind", *_LISTS, "finish_reason",
-                 "user_id", "created")
+                 "user_id", "tag", "created")
 _FEEDBACK_COLUMNS = ("trace_id", "owner", "reward", "response_id", "label", "comment", "created")
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS calls (response_id TEXT NOT NULL, choice INTEGER NOT NULL, trace_id TEXT NOT NULL, "
     "owner TEXT NOT NULL, model TEXT NOT NULL, revision TEXT NOT NULL, kind TEXT NOT NULL, prompt_ids TEXT NOT NULL, "
     "completion_ids TEXT NOT NULL, logprobs TEXT NOT NULL, params TEXT NOT NULL, tool_calls TEXT NOT NULL, "
-    "finish_reason TEXT NOT NULL, user_id TEXT NOT NULL, created DOUBLE PRECISION NOT NULL, "
+    "finish_reason TEXT NOT NULL, user_id TEXT NOT NULL, tag TEXT NOT NULL, created DOUBLE PRECISION NOT NULL, "
     "PRIMARY KEY (response_id, choice))",
     "CREATE INDEX IF NOT EXISTS calls_trace ON calls (owner, trace_id, created)",
     "CREATE TABLE IF NOT EXISTS feedback (trace_id TEXT NOT NULL, owner TEXT NOT NULL, reward DOUBLE PRECISION NOT NULL, "
     "response_id TEXT NOT NULL, label TEXT NOT NULL, comment TEXT NOT NULL, created DOUBLE PRECISION NOT NULL)",
     "CREATE INDEX IF NOT EXISTS feedback_trace ON feedback (owner, trace_id)",
+    "CREATE TABLE IF NOT EXISTS trained (trace_id TEXT PRIMARY KEY, revision INTEGER NOT NULL, created DOUBLE PRECISION NOT NULL)",
 )
 
 
@@ -177,7 +186,7 @@ class TraceStore:
         if older_than is None and user_id is None and trace_id is None:
             raise TraceError("delete needs an age, a user id or a trace id (nothing is deleted without one)")
         ids = {t["trace_id"] for t in self.traces(older_than=older_than, user_id=user_id, trace_id=trace_id)}
-        for table in ("calls", "feedback"):
+        for table in ("calls", "feedback", "trained"):
             self._write(f"DELETE FROM {table} WHERE trace_id = ?", [(i,) for i in sorted(ids)])
         return len(ids)
 
@@ -213,6 +222,17 @@ class TraceStore:
         rows = self._read(query + " ORDER BY MIN(c.created)", tuple(args))
         return [{"trace_id": r[0], "user_id": r[1], "calls": r[2], "first": r[3], "last": r[4], "rewards": r[5],
                  "mean_reward": r[6]} for r in rows]
+
+    def mark_trained(self, trace_ids: list[str], revision: int) -> None:
+        """The learner's record that these traces went into `revision` (never trained on twice)."""
+        self._write("INSERT INTO trained (trace_id, revision, created) VALUES (?, ?, ?)",
+                    [(t, revision, time.time()) for t in trace_ids])
+
+    def untrained(self, rewarded_only: bool) -> list[dict]:
+        """Summaries (as `traces`) of the traces no revision has trained on, oldest first; only
+        those with feedback when `rewarded_only`."""
+        done = {r[0] for r in self._read("SELECT trace_id FROM trained")}
+        return [t for t in self.traces() if t["trace_id"] not in done and (t["rewards"] or not rewarded_only)]
 
     def close(self) -> None:
         with self.lock:

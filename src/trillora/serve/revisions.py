@@ -1,0 +1,103 @@
+"""A learning server's revisions: each published revision k is served as `name@k`, and `name`
+follows the newest one (or the one a rollback chose).
+
+A request takes its revision's id when it arrives (`Registry.served`), so a request in flight
+finishes on the revision it started with while new ones get the new revision. The last `keep`
+revisions stay servable; `POST /v1/revisions/rollback` points `name` back at one of them.
+`GET /v1/revisions` lists them with their training rows, and the learner's progress.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import torch
+from fastapi import APIRouter, Request
+
+from .adapters import Revision
+from .http import json_object
+from .registry import SERVED
+from .tinker_types import BadRequest
+from .worker import Job, outcome_of
+
+
+class Revisions:
+    def __init__(self, service, name: str, keep: int):
+        self.service, self.name, self.keep = service, name, keep
+        self.current: int | None = None
+        """The revision `name` serves (None: the model itself, before any was published)."""
+        self.published: dict[int, float] = {}  # revision -> when
+        self.learner, self.worker, self.stopped, self.thread = None, None, threading.Event(), None
+        self.rounds = self.failures = 0
+        self.last_error = ""
+        self.lock = threading.Lock()
+        r = self.router = APIRouter()
+        r.add_api_route("/v1/revisions", self.listing, methods=["GET"])
+        r.add_api_route("/v1/revisions/rollback", self.rollback, methods=["POST"])
+
+    def publish(self, k: int, tensors: dict[str, torch.Tensor], config) -> None:
+        """Serve revision k as `name@k`, point `name` at it, and let revisions older than `keep` go."""
+        registry = self.service.registry
+        with self.lock:
+            registry.add_sampler(SERVED, f"{self.name}@{k}", Revision(config, tensors))
+            self.published[k] = time.time()
+            registry.aliases[self.name] = f"{self.name}@{k}"
+            self.current = k
+            for old in [r for r in self.published if r <= k - self.keep]:
+                del self.published[old]
+                registry.unserve(f"{self.name}@{old}")
+
+    async def listing(self) -> dict:
+        history = {row["revision"]: row for row in (self.learner.history if self.learner is not None else [])}
+        return {"model": self.name, "current": self.current, "rounds": self.rounds, "failures": self.failures,
+                "last_error": self.last_error,
+                "revisions": [{"id": f"{self.name}@{k}", "revision": k, "published": t, "training": history.get(k, {})}
+                              for k, t in sorted(self.published.items())]}
+
+    async def rollback(self, request: Request) -> dict:
+        """`{"revision": k}` (default: the one before the current) becomes what `name` serves."""
+        body = json_object(await request.body())
+        with self.lock:
+            kept = sorted(self.published)
+            default = max((k for k in kept if self.current is not None and k < self.current), default=None)
+            k = body.get("revision", default)
+            if isinstance(k, bool) or not isinstance(k, int) or k not in self.published:
+                raise BadRequest(f"revision {k!r} is not kept; kept: {kept} (learn.keep={self.keep})", 404 if kept else 400)
+        if self.learner is not None:  # the learner goes on from the revision rolled back to
+            await outcome_of(self.worker, lambda: self.learner.restore(k))
+        with self.lock:
+            self.service.registry.aliases[self.name] = f"{self.name}@{k}"
+            self.current = k
+        return {"model": self.name, "current": k}
+
+    def attach(self, learner, worker, poll_seconds: float = 1.0) -> threading.Thread:
+        """Run `learner` rounds on `worker` whenever it is due, from a thread of their own."""
+        self.learner, self.worker, self.stopped = learner, worker, threading.Event()
+
+        def loop() -> None:
+            while not self.stopped.wait(poll_seconds):
+                try:
+                    if not learner.due():
+                        continue
+                    done, box = threading.Event(), {}
+                    worker.submit(Job(run=learner.step, settle=lambda out: (box.update(out=out), done.set())))
+                    done.wait()
+                    if isinstance(box["out"], Exception):
+                        raise box["out"]
+                    self.rounds += box["out"] is not None
+                except Exception as e:  # noqa: BLE001 - a failed round is counted and shown; serving goes on
+                    self.failures += 1
+                    self.last_error = f"{type(e).__name__}: {e}"
+                    print(f"trillora serve: a learning round failed ({self.last_error})", file=sys.stderr, flush=True)
+
+        self.thread = threading.Thread(target=loop, name="learner", daemon=True)
+        self.thread.start()
+        return self.thread
+
+    def stop(self) -> None:
+        """No new round; the one running (if any) finishes first."""
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join()

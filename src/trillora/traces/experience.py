@@ -1,0 +1,117 @@
+"""Recorded traffic as a training batch: rewarded traces → sequences, advantages, what was left out.
+
+A trace's reward is the mean of its feedback rewards, or, for a trace nobody scored, the learn
+config's reward function over its calls (`module:function(calls) -> float`). Advantages need a
+baseline that fits logged traffic, where nothing guarantees a GRPO group:
+
+- traces of one batch whose first prompt is the same (the same task asked again) form a group,
+  and each gets its reward minus the group's mean (GRPO's baseline, without the std division);
+- a trace whose task does not recur in the batch gets its reward minus the running mean reward of
+  its tag (`metadata.task`, "" when the client names none), which then moves toward its reward:
+  mean ← decay · mean + (1 - decay) · reward. The first trace of a tag sets the mean (advantage 0).
+
+A trace served by a revision more than `max_staleness` revisions before the learner's current one
+is dropped and counted; so is one sampled at another temperature than the learner's logprobs use
+(its recorded logprobs would not be comparable), and one whose reward is not a finite number.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from ..tasks.trajectory import Sample
+from .store import Call, TraceStore
+from .trajectory import samples_of
+
+
+@dataclass
+class Experience:
+    samples: list[Sample]
+    advantages: list[float]  # one per sample: its trace's
+    rewards: list[float]  # one per sample: its trace's
+    trace_ids: list[str]  # the traces trained on (each once)
+    dropped: dict[str, int] = field(default_factory=dict)  # traces left out, by reason
+    revisions: list[int] = field(default_factory=list)  # per sample: the revision that served its trace's first call
+    left_out: list[str] = field(default_factory=list)  # traces dropped for good (stale, temperature, reward)
+
+
+def reward_function(name: str) -> Callable[[list[Call]], float] | None:
+    """`module:function`, imported; None for ""."""
+    if not name:
+        return None
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"learn.reward={name!r}: {type(e).__name__}: {e}") from None
+
+
+class Baselines:
+    """The running mean reward per task tag (state kept between batches)."""
+
+    def __init__(self, decay: float):
+        self.decay, self.means = decay, {}
+
+    def advantage(self, tag: str, reward: float) -> float:
+        mean = self.means.get(tag, reward)
+        self.means[tag] = self.decay * mean + (1.0 - self.decay) * reward
+        return reward - mean
+
+
+def advantages(rewards: list[float], tasks: list[tuple], tags: list[str], baselines: Baselines) -> list[float]:
+    """Per trace: group-relative where its task recurs in the batch, else against its tag's running mean."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tasks):
+        groups.setdefault(t, []).append(i)
+    out = [0.0] * len(rewards)
+    for members in groups.values():
+        if len(members) > 1:
+            mean = sum(rewards[i] for i in members) / len(members)
+            for i in members:
+                out[i] = rewards[i] - mean
+        else:
+            (i,) = members
+            out[i] = baselines.advantage(tags[i], rewards[i])
+    return out
+
+
+def collect(store: TraceStore, current: int, learn, temperature: float, baselines: Baselines,
+            score: Callable[[list[Call]], float] | None) -> Experience:
+    """The untrained traces with a reward, as training sequences with advantages."""
+    rewards, tasks, tags, picked, samples_per, served_by, left_out = [], [], [], [], [], [], []
+    dropped = {"stale": 0, "other_temperature": 0, "bad_reward": 0}
+    for t in store.untrained(rewarded_only=score is None):
+        calls = store.calls(t["trace_id"])
+        if not calls:
+            continue
+        if current - min(c.revision_number for c in calls) > learn.max_staleness:
+            dropped["stale"] += 1
+            left_out.append(t["trace_id"])
+            continue
+        if any(c.params.get("temperature") != temperature for c in calls):
+            dropped["other_temperature"] += 1
+            left_out.append(t["trace_id"])
+            continue
+        reward = t["mean_reward"] if t["rewards"] else score(calls)
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            dropped["bad_reward"] += 1
+            left_out.append(t["trace_id"])
+            continue
+        picked.append(t["trace_id"])
+        rewards.append(float(reward))
+        tasks.append(tuple(calls[0].prompt_ids))
+        tags.append(calls[0].tag)
+        samples_per.append(samples_of(calls))
+        served_by.append(calls[0].revision_number)
+    adv = advantages(rewards, tasks, tags, baselines)
+    out = Experience([], [], [], picked, {k: v for k, v in dropped.items() if v}, left_out=left_out)
+    for samples, a, r, k in zip(samples_per, adv, rewards, served_by, strict=True):
+        out.samples += samples
+        out.advantages += [a] * len(samples)
+        out.rewards += [r] * len(samples)
+        out.revisions += [k] * len(samples)
+    return out

@@ -1,0 +1,125 @@
+"""The online learner of `trillora serve MODEL --record STORE --learn CONFIG`: the served policy
+trained on its own rewarded traffic, in its own adapter slot of the resident base.
+
+Each round (`step`, run on the server's one compute thread, between served requests):
+
+    experience = traces.collect(store)     untrained rewarded traces → sequences + advantages
+    batch      = the sequences, with the logprobs recorded at serving as the rollout logprobs
+    metrics    = PolicyUpdate(batch)       the trainer's own update: proximal pass, truncated
+                                           importance weights of the learner vs the recorded
+                                           behaviour (algorithm.mismatch), clip, KL, AdamW
+    publish(revision k + 1)                new requests get it; requests in flight finish on theirs
+
+The update is `trillora train`'s (`trainer.update.PolicyUpdate`) on a world of one, so the
+off-policy gap of traffic served by an older revision is corrected by the same importance
+weights, masks and metrics (`is_ratio_*`) as the gap between an engine and the trainer. Every
+published revision is written (adapter and AdamW state, atomically) under the state folder, and
+a restarted server's learner resumes from the newest one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..checkpoint.atomic import AtomicFolder
+from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
+from ..parallel import ParallelDims, parallelize
+from ..policy import adamw
+from ..traces.experience import Baselines, collect, reward_function
+from .batch import batch_from_samples
+from .update import PolicyUpdate
+from .world import World
+
+
+class Learner:
+    def __init__(self, base, store, cfg, publish: Callable[[int, dict[str, torch.Tensor], object], None],
+                 folder: str | Path, device: torch.device, pad_id: int = 0):
+        """`base`: the service's resident base (`use`, `new_adapter`); `store`: the trace store;
+        `cfg`: a TrainConfig (its lora, optim, algorithm, rollout.temperature and learn sections);
+        `publish(k, tensors, config)`: serve revision k."""
+        self.base, self.store, self.cfg, self.publish = base, store, cfg, publish
+        self.folder, self.device, self.pad_id = Path(folder), device, pad_id
+        lc, o = cfg.lora, cfg.optim
+        self.adapter = base.new_adapter(lc.rank, tuple(lc.targets), cfg.seed, lc.expert_rank)
+        params = list(self.adapter.params.values())
+        self.adapter.optimizer = adamw(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        world = World(0, 1, parallelize(base.model, ParallelDims(activation_checkpoint_every=0)), device)
+        self.update = PolicyUpdate(base.model, self.adapter.optimizer, world, cfg)
+        self.baselines = Baselines(cfg.learn.baseline_decay)
+        self.score = reward_function(cfg.learn.reward)
+        self.revision = 0
+        """The newest published revision (0: none yet, the base or loaded adapter serves)."""
+        self.history: list[dict] = []
+        self._resume()
+
+    # --- persistence --------------------------------------------------------------------------
+    def _resume(self) -> None:
+        """The newest revision written by an earlier server, back in the slot and published."""
+        saved = sorted(self.folder.glob("revision-*"), key=lambda p: int(p.name.split("-")[1])) if self.folder.exists() else []
+        if not saved:
+            return
+        last = saved[-1]
+        meta = json.loads((last / "learner.json").read_text())
+        restore_rank_tensors(load_file(str(last / "adapter.safetensors")), self.adapter.params, self.adapter.optimizer, last)
+        self.revision, self.history = meta["revision"], meta["history"]
+        self.baselines.means = meta["baselines"]
+        self.publish(self.revision, {k: t.clone() for k, t in self.adapter.tensors().items()}, self.adapter.config)
+
+    def _save(self) -> None:
+        with AtomicFolder(self.folder / f"revision-{self.revision}") as tmp:
+            save_file(rank_tensors(self.adapter.params, self.adapter.optimizer), str(tmp / "adapter.safetensors"))
+            (tmp / "learner.json").write_text(json.dumps({"revision": self.revision, "history": self.history,
+                                                          "baselines": self.baselines.means}))
+
+    def _prune(self) -> None:
+        """Once the new revision is served: the last `keep` stay on disk, as they stay servable."""
+        for old in self.folder.glob("revision-*"):
+            if int(old.name.split("-")[1]) <= self.revision - self.cfg.learn.keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def restore(self, k: int) -> None:
+        """Go on from revision k (a rollback): its adapter and AdamW state back in the slot."""
+        folder = self.folder / f"revision-{k}"
+        restore_rank_tensors(load_file(str(folder / "adapter.safetensors")), self.adapter.params, self.adapter.optimizer,
+                             folder)
+
+    # --- a round ------------------------------------------------------------------------------
+    def due(self) -> bool:
+        """Enough new rewarded traces for a round (cheap: no model work)."""
+        return len(self.store.untrained(rewarded_only=self.score is None)) >= self.cfg.learn.every
+
+    def step(self) -> dict | None:
+        """One round on the compute thread: train on the new traces, publish the next revision.
+        None when there was nothing to train on (every new trace was left out, and counted)."""
+        start = time.perf_counter()
+        exp = collect(self.store, self.revision, self.cfg.learn, self.cfg.rollout.temperature, self.baselines, self.score)
+        if exp.left_out:
+            self.store.mark_trained(exp.left_out, -1)
+        if not exp.samples:
+            return None
+        batch = batch_from_samples(exp.samples, self.pad_id, self.device)
+        batch = dataclasses.replace(batch, advantages=torch.tensor(exp.advantages, device=self.device))
+        with self.base.use(self.adapter):
+            metrics = self.update(batch)
+        if self.update.diverged() or metrics.get("skipped_update"):
+            return {"revision": self.revision, "skipped": True, **metrics}  # a NaN never reaches a served revision
+        self.revision += 1
+        lag = [self.revision - 1 - k for k in exp.revisions]
+        row = {"revision": self.revision, "traces": len(exp.trace_ids), "sequences": len(exp.samples),
+               "reward_mean": sum(exp.rewards) / len(exp.rewards), "served_by_max_lag": max(lag),
+               **{f"dropped_{k}": v for k, v in exp.dropped.items()}, **metrics,
+               "seconds": time.perf_counter() - start, "time": time.time()}
+        self.history.append(row)
+        self._save()  # on disk before it is served: a restart resumes from what was published
+        self.store.mark_trained(exp.trace_ids, self.revision)
+        self.publish(self.revision, {k: t.clone() for k, t in self.adapter.tensors().items()}, self.adapter.config)
+        self._prune()
+        return row

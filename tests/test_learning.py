@@ -1,0 +1,189 @@
+"""`serve --record --learn`: the served policy trains on its rewarded traffic in its own adapter slot
+and publishes revisions while it serves. The learner (`trainer/learner.py`) is checked on hand-built
+traces (importance ratios computed by hand, stale and deleted traces), then through HTTP with the
+`openai` SDK as an app sends it (revisions swapped in while every request is answered, rollback,
+restart)."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from engine_helpers import running_server
+from trillora.cli import start_learning
+from trillora.config import load_config
+from trillora.policy.logprobs import token_logprobs
+from trillora.serve.config import ServeConfig
+from trillora.serve.tinker_service import TinkerService
+from trillora.traces import Call, Feedback, TraceStore
+from trillora.trainer.learner import Learner
+
+LEARN = """seed = 0
+[lora]
+rank = 4
+targets = ["attention", "mlp", "experts"]
+[optim]
+lr = 0.002
+[rollout]
+temperature = 1.0
+[algorithm]
+mismatch = "token_tis"
+mismatch_cap = {cap}
+[learn]
+every = {every}
+max_staleness = 2
+keep = 2
+"""
+
+
+def learn_config(tmp_path, every: int = 2, cap: float = 2.0):
+    path = tmp_path / "learn.toml"
+    path.write_text(LEARN.format(every=every, cap=cap))
+    return path
+
+
+@pytest.fixture(scope="module")
+def service():
+    return TinkerService(ServeConfig(model="tiny-moe-chat"))
+
+
+def served_logprobs(service, tokens: list[int]) -> list[float]:
+    """The base's logprobs of tokens[1:] (what a fresh adapter, B = 0, also gives)."""
+    with torch.no_grad():
+        return token_logprobs(service.base.model, torch.tensor([tokens]))[0][0].tolist()
+
+
+def record(store, service, trace: str, revision: str, shift: float, reward: float | None, prompt_len: int = 6):
+    tokens = [1, 100, 34, 32, 18, 31, 99, 62, 21, 14, 33, 98]
+    lp = served_logprobs(service, tokens)
+    prompt, completion = tokens[:prompt_len], tokens[prompt_len:]
+    behaviour = [x - shift for x in lp[prompt_len - 1:]]  # the behaviour policy gave each token e^-shift of ours
+    store.record([Call(f"r-{trace}", 0, trace, "k", "tiny-moe-chat", revision, "chat", prompt, completion, behaviour,
+                       {"temperature": 1.0})])
+    if reward is not None:
+        store.add_feedback(Feedback(trace, "k", reward))
+
+
+def test_traces_from_an_older_revision_carry_their_importance_ratios(service, tmp_path):
+    """Hand-built traces whose recorded logprobs sit 0.2 below the learner's at every token: the
+    round's ratio is e^0.2 = 1.2214 on every token; with mismatch_cap 1.1, every token is capped
+    (is_limited_frac 1, weights 1.1). A trace served 3 revisions back (max_staleness 2) is dropped
+    and counted, a deleted one is never trained on, and nothing is trained twice."""
+    store = TraceStore(str(tmp_path / "t.db"))
+    published = []
+    learner = Learner(service.base, store, load_config(learn_config(tmp_path, cap=1.1)),
+                      lambda k, tensors, config: published.append(k), tmp_path / "learner", service.device)
+    learner.revision = 3  # as if three revisions were out already
+    record(store, service, "a", "tiny-moe-chat@3", 0.2, 1.0)
+    record(store, service, "b", "tiny-moe-chat@2", 0.2, 0.0)
+    record(store, service, "stale", "tiny-moe-chat@0", 0.2, 1.0)
+    record(store, service, "gone", "tiny-moe-chat@3", 0.2, 1.0)
+    store.delete(trace_id="gone")
+    assert learner.due()
+    row = learner.step()
+    assert row["is_ratio_mean"] == pytest.approx(math.exp(0.2), abs=1e-4)
+    assert row["is_ratio_min"] == pytest.approx(math.exp(0.2), abs=1e-4) and row["is_ratio_max"] == pytest.approx(math.exp(0.2), abs=1e-4)
+    assert row["is_limited_frac"] == 1.0 and row["is_weight_mean"] == pytest.approx(1.1)
+    assert row["dropped_stale"] == 1 and row["traces"] == 2 and row["served_by_max_lag"] == 1
+    assert row["revision"] == 4 and published == [4] and row["grad_norm"] > 0
+    trained = {r[0]: r[1] for r in store._read("SELECT trace_id, revision FROM trained")}
+    assert trained == {"a": 4, "b": 4, "stale": -1}  # "gone" was deleted before any round saw it
+    assert not learner.due() and learner.step() is None  # nothing is trained twice
+    # a restarted learner resumes from the revision it published, adapter and AdamW state included
+    again = Learner(service.base, store, load_config(learn_config(tmp_path, cap=1.1)),
+                    lambda k, tensors, config: published.append(k), tmp_path / "learner", service.device)
+    assert again.revision == 4 and published == [4, 4]
+    for k, p in learner.adapter.params.items():
+        assert torch.equal(p, again.adapter.params[k]), k
+    state = learner.adapter.optimizer.state[learner.adapter.params[next(iter(learner.adapter.params))]]
+    assert torch.equal(state["exp_avg"], again.adapter.optimizer.state[again.adapter.params[next(iter(again.adapter.params))]]["exp_avg"])
+
+
+def test_group_and_running_baselines():
+    from trillora.traces.experience import Baselines, advantages
+
+    b = Baselines(decay=0.5)
+    # traces 0 and 1 ask the same task: group-relative; 2 and 3 are alone: their tag's running mean
+    out = advantages([1.0, 0.0, 1.0, 0.0], [(1,), (1,), (2,), (3,)], ["x", "x", "t", "t"], b)
+    # tag t: the first trace sets the mean (1.0, advantage 0), the second gets 0.0 - 1.0, the mean moves to
+    # 0.5 · 1.0 + 0.5 · 0.0 = 0.5
+    assert out == [0.5, -0.5, 0.0, -1.0] and b.means == {"t": 0.5}
+
+
+def post(url: str, path: str, body: dict, key: str = "k1") -> tuple[int, dict]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get(url: str, path: str) -> dict:
+    req = urllib.request.Request(url + path, headers={"Authorization": "Bearer k1"})
+    return json.loads(urllib.request.urlopen(req, timeout=60).read())
+
+
+@pytest.mark.slow
+def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tmp_path):
+    """4 app threads send chat turns and thumbs up / down through HTTP while the learner trains every
+    2 rewarded traces: revisions are published and requests move onto them (the recorded revision
+    says which served each), every request is answered, a rollback points the name back, and a
+    restarted server resumes from the newest revision on disk."""
+    cfg = ServeConfig(model="tiny-moe-chat", port=0, api_key="k1", record=str(tmp_path / "t.db"),
+                      state_dir=str(tmp_path / "state"))
+    gen = running_server(cfg)
+    server = next(gen)
+    revisions = start_learning(server, str(learn_config(tmp_path)), poll_seconds=0.05)
+    url = f"http://127.0.0.1:{cfg.port}"
+    statuses, stop = [], threading.Event()
+
+    def app(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            status, out = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": f"{i}+{n}="}],
+                                                             "max_tokens": 6, "metadata": {"task": "add"}})
+            statuses.append(status)
+            if status == 200:
+                right = out["choices"][0]["message"]["content"].strip() == str(i + n)
+                statuses.append(post(url, "/v1/feedback", {"trace_id": out["trace_id"], "reward": float(right)})[0])
+            n += 1
+
+    threads = [threading.Thread(target=app, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    deadline = time.monotonic() + 300
+    while (revisions.current or 0) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stop.set()
+    [t.join(120) for t in threads]
+    revisions.stop()  # no round after this one: the listing stays what it says
+    listing = get(url, "/v1/revisions")
+    assert listing["current"] >= 3 and listing["failures"] == 0, listing
+    assert [r["revision"] for r in listing["revisions"]] == [listing["current"] - 1, listing["current"]]  # keep = 2
+    assert set(statuses) == {200} and len(statuses) > 24
+    served_by = {c.revision for t in TraceStore(cfg.record).traces() for c in TraceStore(cfg.record).calls(t["trace_id"])}
+    assert "served:sample:tiny-moe-chat" in served_by and any("@" in r for r in served_by)  # base first, then revisions
+    row = listing["revisions"][-1]["training"]
+    assert row["traces"] >= 2 and "is_ratio_mean" in row and "loss" in row
+
+    status, out = post(url, "/v1/revisions/rollback", {})
+    assert status == 200 and out["current"] == listing["current"] - 1
+    status, out = post(url, "/v1/completions", {"prompt": "1+1=", "max_tokens": 2, "metadata": {"trace_id": "after"}})
+    calls = TraceStore(cfg.record).calls("after")
+    assert calls[0].revision.endswith(f"@{listing['current'] - 1}")
+    status, out = post(url, "/v1/revisions/rollback", {"revision": 0})
+    assert status == 404 and "is not kept" in out["error"]["message"]
+    next(gen, None)
+
+    gen = running_server(ServeConfig(model="tiny-moe-chat", port=0, api_key="k1", record=cfg.record, state_dir=cfg.state_dir))
+    server = next(gen)
+    again = start_learning(server, str(learn_config(tmp_path)), poll_seconds=60)
+    assert again.current == listing["current"]  # resumed from the newest revision on disk
+    next(gen, None)
