@@ -12,3 +12,12 @@ def contains_answer(completion: str, row: dict) -> float:
     """verl's rows keep the answer under reward_model.ground_truth; ours under answer."""
     truth = row.get("reward_model", {}).get("ground_truth") or row.get("answer") or row["messages"][-1]["content"]
     return float(str(truth) in completion)
+
+
+def served_tokens(calls) -> float:
+    """A trace reward computed at training time (`learn.reward`): 1 for a trace of at most 8 completion tokens."""
+    return float(sum(len(c.completion_ids) for c in calls) <= 8)
+
+
+def not_a_number(calls) -> float:
+    return float("nan")

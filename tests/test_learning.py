@@ -105,6 +105,46 @@ def test_traces_from_an_older_revision_carry_their_importance_ratios(service, tm
     assert torch.equal(state["exp_avg"], again.adapter.optimizer.state[again.adapter.params[next(iter(again.adapter.params))]]["exp_avg"])
 
 
+def test_unscored_traces_take_the_reward_function_and_a_bad_one_is_left_out(service, tmp_path):
+    """`learn.reward = "module:function"` scores traces nobody gave feedback at training time; a
+    function returning NaN leaves its traces out (counted) instead of reaching the update."""
+    store = TraceStore(str(tmp_path / "t.db"))
+    for name in ("served_tokens", "not_a_number"):
+        path = tmp_path / f"{name}.toml"
+        path.write_text(LEARN.format(every=1, cap=2.0) + f'reward = "reward_fns:{name}"\n')
+        record(store, service, f"t-{name}", "tiny-moe-chat", 0.0, None)
+        learner = Learner(service.base, store, load_config(path), lambda *a: None, tmp_path / name, service.device)
+        row = learner.step()
+        if name == "served_tokens":
+            assert row["traces"] == 1 and row["reward_mean"] == 1.0  # 6 completion tokens
+        else:
+            assert row is None
+            assert {r[0]: r[1] for r in store._read("SELECT trace_id, revision FROM trained")}["t-not_a_number"] == -1
+
+
+def test_the_gate_keeps_a_worse_revision_out(service, tmp_path):
+    """`learn.gate`: each revision plays the held-out episodes of `[task]` (the calculator env) before
+    it is served; the first sets the bar, one scoring below it by more than the tolerance is not
+    published, and the learner goes back to the revision that was."""
+    path = tmp_path / "gate.toml"
+    path.write_text(LEARN.format(every=1, cap=2.0) + "gate = true\ngate_tolerance = 0.0\n"
+                    '[task]\nname = "env"\noptions = { env = "trillora.tasks.calculator:dataset", digits = [4, 3] }\n'
+                    "eval_problems = 4\nmax_turns = 3\n")
+    store, published = TraceStore(str(tmp_path / "t.db")), []
+    learner = Learner(service.base, store, load_config(path), lambda k, tensors, config: published.append(k),
+                      tmp_path / "learner", service.device, service.tokenizer)
+    record(store, service, "one", "tiny-moe-chat", 0.0, 1.0)
+    row = learner.step()
+    assert published == [1] and 0.0 <= row["gate_score"] <= 1.0 and learner.best == row["gate_score"]
+    first = {k: p.detach().clone() for k, p in learner.adapter.params.items()}
+    learner.gate = lambda: learner.best - 0.5  # the next revision does worse on the held-out episodes
+    record(store, service, "two", "tiny-moe-chat@1", 0.0, 1.0)
+    row = learner.step()
+    assert row["gated"] and row["revision"] == 1 and published == [1] and learner.revision == 1
+    for k, p in learner.adapter.params.items():
+        assert torch.equal(p, first[k]), k  # back at the published revision
+
+
 def test_group_and_running_baselines():
     from trillora.traces.experience import Baselines, advantages
 
@@ -187,3 +227,69 @@ def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tm
     again = start_learning(server, str(learn_config(tmp_path)), poll_seconds=60)
     assert again.current == listing["current"]  # resumed from the newest revision on disk
     next(gen, None)
+
+
+@pytest.mark.slow
+def test_the_product_demo_runs_small(tmp_path):
+    """`examples/product/run.py` at a small size: the app (the `openai` SDK only) for simulated users,
+    the server learning from their feedback; every request answered, every call recorded, revisions
+    published, the results file and its plot written (the committed 10-minute run is in the README)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "product" / "run.py"
+    out = tmp_path / "product.json"
+    run = subprocess.run([sys.executable, str(script), "--minutes", "0.4", "--idle-seconds", "3", "--eval-users", "8",
+                          "--eval-every", "12", "--clients", "4", "--out", str(out)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["requests_failed"] == 0 and report["record_failures"] == 0 and report["learning_failures"] == 0
+    assert report["revisions_published"] >= 1 and len(report["evaluations"]) >= 2
+    assert report["latency_s"]["learner idle"]["requests"] > 0 and report["latency_s"]["learner on"]["requests"] > 0
+    assert all(0 <= r["served_by_max_lag"] <= 4 for r in report["revisions"])
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_readme_learning_command_runs_as_written(tmp_path):
+    """The README's `serve --record --learn` line in a fresh folder (on a free port, appended): it
+    serves, records and lists its revisions (none yet: examples/product/learn.toml trains every 32
+    rewarded conversations). The demo line is run small by `test_the_product_demo_runs_small`."""
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engine_helpers import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    block = readme.split("### The product loop: `serve --record --learn`\n", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+    lines = [shlex.split(line.split("  #")[0]) for line in block.splitlines() if line.strip()]
+    assert lines[0][:2] == ["trillora", "serve"] and lines[1] == ["python", "examples/product/run.py"]
+    shutil.copytree(root / "examples", tmp_path / "examples")
+    serve, port = lines[0], free_port()
+    key = serve[serve.index("--api-key") + 1]
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "trillora"), *serve[1:], "--port", str(port)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.1)
+        assert post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "12+30="}], "max_tokens": 4},
+                    key=key)[0] == 200
+        req = urllib.request.Request(url + "/v1/revisions", headers={"Authorization": f"Bearer {key}"})
+        listing = json.loads(urllib.request.urlopen(req, timeout=30).read())
+        assert listing["model"] == "tiny-moe-chat" and listing["current"] is None and listing["failures"] == 0
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert (tmp_path / "runs" / "traces.db").exists()

@@ -416,3 +416,19 @@ def test_the_cookbook_checkpoint_figures_are_their_results_file():
             f"{s['rolling_saved']} rolling checkpoints were left") in flat
     assert f"the saving step takes {d['largest_over_median']:.2f}× the median" in flat
     assert s["largest_over_median"] <= 2.0 and s["rolling_left"] == 0  # the bar: no step over 2× the median
+
+
+def test_the_product_loop_figures_are_their_results_file():
+    r = results("product_loop.json")
+    lat = r["latency_s"]
+    flat = " ".join(README.split())
+    assert (f"{r['eval_users']} held-out users succeeded {100 * r['success_start']:.1f}% of the time before any feedback "
+            f"and {100 * r['success_end']:.1f}% at the end (**{r['gain_points']:+.1f} points**)") in flat
+    assert (f"the server published {r['revisions_published']} revisions while {r['clients']} app clients were answered "
+            f"with {r['requests_failed']} failed requests and {r['record_failures']} unrecorded calls") in flat
+    assert (f"{lat['learner idle']['p50']:.3f} / {lat['learner idle']['p99']:.3f} s with the learner idle "
+            f"({lat['learner idle']['requests']} calls), {lat['learner on']['p50']:.3f} / {lat['learner on']['p99']:.3f} s "
+            f"while it trains ({lat['learner on']['requests']} calls)") in flat
+    assert f"goes from {100 * r['success_start']:.1f}% to {100 * r['success_end']:.1f}% success for held-out users" in flat
+    # the bar: +25 points within 10 minutes on 2 cores, every request answered
+    assert r["gain_points"] >= 25 and r["minutes"] <= 10 and r["requests_failed"] == 0 and r["record_failures"] == 0

@@ -130,7 +130,7 @@ def start_learning(server, config_path: str, poll_seconds: float = 1.0):
     server.app.include_router(revisions.router)
     service = server.service
     learner = Learner(service.base, server.openai.recorder.store, train, revisions.publish,
-                      Path(server.cfg.state_dir) / "learner", service.device, service.tokenizer.pad_token_id or 0)
+                      Path(server.cfg.state_dir) / "learner", service.device, service.tokenizer)
     revisions.attach(learner, server.worker, poll_seconds)
     server.revisions = revisions
     return revisions

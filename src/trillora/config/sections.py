@@ -300,9 +300,15 @@ class LearnSection:
     baseline_decay: float = 0.9
     """A trace whose task does not recur in its batch is measured against a running mean reward of its
     tag (`metadata.task`): mean ← decay · mean + (1 - decay) · reward."""
+    gate: bool = False
+    """Check each new revision on the held-out episodes of `[task]` (an env, `task.name = "env"`,
+    `task.eval_problems` of them) before it is served; one that scores below the best served so
+    far by more than `gate_tolerance` is not published, and the learner goes back to the last one."""
+    gate_tolerance: float = 0.05
 
     def validate(self) -> None:
         _check_positive("learn.every", self.every)
+        _check_positive("learn.gate_tolerance", self.gate_tolerance, zero_ok=True)
         _check_positive("learn.keep", self.keep)
         _check_positive("learn.max_staleness", self.max_staleness, zero_ok=True)
         if not 0.0 <= self.baseline_decay < 1.0:

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.atomic import AtomicFolder
+from ..errors import ConfigError
 from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
 from ..parallel import ParallelDims, parallelize
 from ..policy import adamw
@@ -41,12 +42,13 @@ from .world import World
 
 class Learner:
     def __init__(self, base, store, cfg, publish: Callable[[int, dict[str, torch.Tensor], object], None],
-                 folder: str | Path, device: torch.device, pad_id: int = 0):
+                 folder: str | Path, device: torch.device, tokenizer=None):
         """`base`: the service's resident base (`use`, `new_adapter`); `store`: the trace store;
-        `cfg`: a TrainConfig (its lora, optim, algorithm, rollout.temperature and learn sections);
-        `publish(k, tensors, config)`: serve revision k."""
+        `cfg`: a TrainConfig (its lora, optim, algorithm, rollout, learn and, for the gate, task
+        sections); `publish(k, tensors, config)`: serve revision k."""
         self.base, self.store, self.cfg, self.publish = base, store, cfg, publish
-        self.folder, self.device, self.pad_id = Path(folder), device, pad_id
+        self.folder, self.device, self.tokenizer = Path(folder), device, tokenizer
+        self.pad_id = (tokenizer.pad_token_id or 0) if tokenizer is not None else 0
         lc, o = cfg.lora, cfg.optim
         self.adapter = base.new_adapter(lc.rank, tuple(lc.targets), cfg.seed, lc.expert_rank)
         params = list(self.adapter.params.values())
@@ -58,7 +60,37 @@ class Learner:
         self.revision = 0
         """The newest published revision (0: none yet, the base or loaded adapter serves)."""
         self.history: list[dict] = []
+        self.best: float | None = None
+        """The best gate score of a published revision."""
+        self.gate = self._gate() if cfg.learn.gate else None
         self._resume()
+
+    def _gate(self) -> Callable[[], float]:
+        """The held-out check of `[task]`'s env: its eval episodes sampled with the adapter in the slots."""
+        from ..rollout import LocalEngine, SamplingParams
+        from ..tasks.env_dataset import load_env_dataset
+        from ..tasks.prompts import stop_tokens
+        from .episodes import EpisodeLimits
+        from .evaluate import evaluate_envs
+
+        t, r = self.cfg.task, self.cfg.rollout
+        if t.name != "env" or self.tokenizer is None:
+            raise ConfigError("learn.gate checks each revision on held-out episodes: it needs task.name = \"env\" "
+                              "and task.options.env naming the env dataset")
+        envs = load_env_dataset(t.options, tokenizer=self.tokenizer, batch_size=1, group_size=1,
+                                eval_size=t.eval_problems, seed=self.cfg.seed)
+        engine = LocalEngine.sharing(self.base.model, self.pad_id)
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                stop_token_ids=stop_tokens(self.tokenizer, chat=False), seed=4242)
+        limits = EpisodeLimits(max_turns=t.max_turns, max_model_len=self.base.model.args.max_position_embeddings,
+                               env_timeout=t.reward_timeout)
+
+        def check() -> float:
+            with self.base.use(self.adapter), torch.no_grad():
+                engine.forget()
+                return evaluate_envs(engine, list(envs.eval_batch()), params, limits)
+
+        return check
 
     # --- persistence --------------------------------------------------------------------------
     def _resume(self) -> None:
@@ -70,14 +102,14 @@ class Learner:
         meta = json.loads((last / "learner.json").read_text())
         restore_rank_tensors(load_file(str(last / "adapter.safetensors")), self.adapter.params, self.adapter.optimizer, last)
         self.revision, self.history = meta["revision"], meta["history"]
-        self.baselines.means = meta["baselines"]
+        self.baselines.means, self.best = meta["baselines"], meta.get("best")
         self.publish(self.revision, {k: t.clone() for k, t in self.adapter.tensors().items()}, self.adapter.config)
 
     def _save(self) -> None:
         with AtomicFolder(self.folder / f"revision-{self.revision}") as tmp:
             save_file(rank_tensors(self.adapter.params, self.adapter.optimizer), str(tmp / "adapter.safetensors"))
             (tmp / "learner.json").write_text(json.dumps({"revision": self.revision, "history": self.history,
-                                                          "baselines": self.baselines.means}))
+                                                          "baselines": self.baselines.means, "best": self.best}))
 
     def _prune(self) -> None:
         """Once the new revision is served: the last `keep` stay on disk, as they stay servable."""
@@ -111,12 +143,20 @@ class Learner:
             metrics = self.update(batch)
         if self.update.diverged() or metrics.get("skipped_update"):
             return {"revision": self.revision, "skipped": True, **metrics}  # a NaN never reaches a served revision
-        self.revision += 1
-        lag = [self.revision - 1 - k for k in exp.revisions]
-        row = {"revision": self.revision, "traces": len(exp.trace_ids), "sequences": len(exp.samples),
+        lag = [self.revision - k for k in exp.revisions]
+        row = {"revision": self.revision + 1, "traces": len(exp.trace_ids), "sequences": len(exp.samples),
                "reward_mean": sum(exp.rewards) / len(exp.rewards), "served_by_max_lag": max(lag),
-               **{f"dropped_{k}": v for k, v in exp.dropped.items()}, **metrics,
-               "seconds": time.perf_counter() - start, "time": time.time()}
+               **{f"dropped_{k}": v for k, v in exp.dropped.items()}, **metrics}
+        if self.gate is not None:
+            row["gate_score"] = score = self.gate()
+            if self.best is not None and score < self.best - self.cfg.learn.gate_tolerance:
+                self.store.mark_trained(exp.trace_ids, -1)  # consumed: a revision that failed its check is not retried
+                if self.revision:
+                    self.restore(self.revision)
+                return {**row, "revision": self.revision, "gated": True, "seconds": time.perf_counter() - start}
+            self.best = score if self.best is None else max(self.best, score)
+        self.revision += 1
+        row.update(seconds=time.perf_counter() - start, time=time.time())
         self.history.append(row)
         self._save()  # on disk before it is served: a restart resumes from what was published
         self.store.mark_trained(exp.trace_ids, self.revision)
