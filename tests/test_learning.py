@@ -145,6 +145,24 @@ def test_the_gate_keeps_a_worse_revision_out(service, tmp_path):
         assert torch.equal(p, first[k]), k  # back at the published revision
 
 
+def test_a_round_is_due_by_count_or_by_time(service, tmp_path):
+    path = tmp_path / "due.toml"
+    path.write_text(LEARN.format(every=3, cap=2.0) + "minutes = 0.5\n")
+    store = TraceStore(str(tmp_path / "t.db"))
+    learner = Learner(service.base, store, load_config(path), lambda *a: None, tmp_path / "l", service.device)
+    assert not learner.due()  # nothing new
+    record(store, service, "one", "tiny-moe-chat", 0.0, 1.0)
+    assert not learner.due()  # one of three, and not half a minute yet
+    learner.last_round -= 31
+    assert learner.due()  # half a minute with one new rewarded trace
+    learner.last_round += 31
+    record(store, service, "two", "tiny-moe-chat", 0.0, 1.0)
+    record(store, service, "three", "tiny-moe-chat", 0.0, None)  # no feedback: not counted (feedback only)
+    assert not learner.due()
+    store.add_feedback(Feedback("three", "k", 0.0))
+    assert learner.due()
+
+
 def test_group_and_running_baselines():
     from trillora.traces.experience import Baselines, advantages
 

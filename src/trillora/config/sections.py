@@ -289,6 +289,8 @@ class LearnSection:
 
     every: int = 8
     """Train a new revision once this many rewarded traces are new to the learner."""
+    minutes: float = 0.0
+    """Or once this many minutes have passed since the last round with at least one (0: by count only)."""
     max_staleness: int = 4
     """Traces served by a revision more than this many revisions before the learner's are dropped (counted)."""
     keep: int = 3
@@ -308,6 +310,7 @@ class LearnSection:
 
     def validate(self) -> None:
         _check_positive("learn.every", self.every)
+        _check_positive("learn.minutes", self.minutes, zero_ok=True)
         _check_positive("learn.gate_tolerance", self.gate_tolerance, zero_ok=True)
         _check_positive("learn.keep", self.keep)
         _check_positive("learn.max_staleness", self.max_staleness, zero_ok=True)

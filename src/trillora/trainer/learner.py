@@ -63,6 +63,7 @@ class Learner:
         self.best: float | None = None
         """The best gate score of a published revision."""
         self.gate = self._gate() if cfg.learn.gate else None
+        self.last_round = time.monotonic()
         self._resume()
 
     def _gate(self) -> Callable[[], float]:
@@ -125,13 +126,16 @@ class Learner:
 
     # --- a round ------------------------------------------------------------------------------
     def due(self) -> bool:
-        """Enough new rewarded traces for a round (cheap: no model work)."""
-        return len(self.store.untrained(rewarded_only=self.score is None)) >= self.cfg.learn.every
+        """Enough new rewarded traces for a round, or `learn.minutes` since the last with at least one
+        (cheap: no model work)."""
+        new, learn = len(self.store.untrained(rewarded_only=self.score is None)), self.cfg.learn
+        waited = learn.minutes > 0 and time.monotonic() - self.last_round >= 60 * learn.minutes
+        return new >= learn.every or (new > 0 and waited)
 
     def step(self) -> dict | None:
         """One round on the compute thread: train on the new traces, publish the next revision.
         None when there was nothing to train on (every new trace was left out, and counted)."""
-        start = time.perf_counter()
+        start, self.last_round = time.perf_counter(), time.monotonic()
         exp = collect(self.store, self.revision, self.cfg.learn, self.cfg.rollout.temperature, self.baselines, self.score)
         if exp.left_out:
             self.store.mark_trained(exp.left_out, -1)
