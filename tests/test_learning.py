@@ -195,7 +195,7 @@ def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tm
     2 rewarded traces: revisions are published and requests move onto them (the recorded revision
     says which served each), every request is answered, a rollback points the name back, and a
     restarted server resumes from the newest revision on disk."""
-    cfg = ServeConfig(model="tiny-moe-chat", port=0, api_key="k1", record=str(tmp_path / "t.db"),
+    cfg = ServeConfig(model="tiny-moe-chat", port=0, api_key=["k1", "k2"], record=str(tmp_path / "t.db"),
                       state_dir=str(tmp_path / "state"))
     gen = running_server(cfg)
     server = next(gen)
@@ -231,6 +231,8 @@ def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tm
     row = listing["revisions"][-1]["training"]
     assert row["traces"] >= 2 and "is_ratio_mean" in row and "loss" in row
 
+    status, out = post(url, "/v1/revisions/rollback", {}, key="k2")  # an app's key, not the operator's
+    assert status == 403 and "needs the operator's key" in out["error"]["message"]
     status, out = post(url, "/v1/revisions/rollback", {})
     assert status == 200 and out["current"] == listing["current"] - 1
     status, out = post(url, "/v1/completions", {"prompt": "1+1=", "max_tokens": 2, "metadata": {"trace_id": "after"}})
@@ -240,7 +242,8 @@ def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tm
     assert status == 404 and "is not kept" in out["error"]["message"]
     next(gen, None)
 
-    gen = running_server(ServeConfig(model="tiny-moe-chat", port=0, api_key="k1", record=cfg.record, state_dir=cfg.state_dir))
+    gen = running_server(ServeConfig(model="tiny-moe-chat", port=0, api_key=["k1", "k2"], record=cfg.record,
+                                     state_dir=cfg.state_dir))
     server = next(gen)
     again = start_learning(server, str(learn_config(tmp_path)), poll_seconds=60)
     assert again.current == listing["current"]  # resumed from the newest revision on disk

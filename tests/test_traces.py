@@ -179,6 +179,10 @@ def test_feedback_errors_name_the_culprit_and_a_failing_store_never_blocks_servi
     for body, key, code, message in cases:
         status, out = post(url, "/v1/feedback", body, key=key)
         assert (status, message in out["error"]["message"]) == (code, True), (body, out)
+    status, out = post(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "x"}, key="k2")
+    assert status == 403 and "needs the operator's key (the first --api-key)" in out["error"]["message"]
+    status, out = post(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "x"}, key="k1")
+    assert status == 403 and "adapter loading is disabled" in out["error"]["message"]  # past the operator check
     status, out = post(url, "/v1/completions", {"prompt": "1+1=", "max_tokens": 2, "metadata": {"trace_id": "a b"}})
     assert status == 400 and "a trace id (X-Trace-Id or metadata.trace_id)" in out["error"]["message"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from ..lora.config import EXPERT_RANK_RULES
@@ -20,7 +21,8 @@ class ServeConfig:
     port: int = 8000
     api_key: str | list[str] | None = None
     """Required on every route but the health checks: `Authorization: Bearer KEY` or `X-API-Key: KEY`.
-    Several keys: any of them is let in, and each key's recorded traffic is its own (`--record`)."""
+    Several keys: any of them is let in, and each key's recorded traffic is its own (`--record`);
+    the first is the operator's, the only one that may load and unload adapters or roll back."""
     record: str | None = None
     """Record every OpenAI completion (token ids, logprobs, revision) in this trace store: a SQLite
     file, or a `postgresql://` URL (`traces.store`). None: nothing is recorded."""
@@ -129,6 +131,12 @@ class ServeConfig:
         for key in ("idle_seconds", "header_seconds", "body_seconds", "poll_seconds", "session_seconds"):
             if not getattr(self, key) > 0:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: a number of seconds > 0")
+
+    def operator(self) -> str | None:
+        """The digest (`http.owner_of`) of the operator's key when several keys are given, else None."""
+        if not isinstance(self.api_key, list) or len(self.api_key) < 2:
+            return None
+        return hashlib.sha256(self.api_key[0].encode()).hexdigest()[:16]
 
     def limits(self) -> Limits:
         keys = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])

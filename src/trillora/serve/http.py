@@ -65,6 +65,12 @@ def owner_of(scope: dict) -> str:
     return hashlib.sha256(key).hexdigest()[:16] if key else ""
 
 
+def check_operator(scope: dict, operator: str | None, what: str) -> None:
+    """403 unless the request carries the operator's key (`ServeConfig.operator`; None: any key may)."""
+    if operator is not None and owner_of(scope) != operator:
+        raise BadRequest(f"{what} needs the operator's key (the first --api-key)", 403)
+
+
 def error_body(path: str, status: int, message: str) -> bytes:
     if len(message) > MAX_MESSAGE:  # messages quote what was sent: a long field must not come back many times over
         message = message[:MAX_MESSAGE] + f"... ({len(message)} characters)"

@@ -34,7 +34,7 @@ from ..lora import AdapterError
 from ..rollout.types import SamplingParams
 from ..tasks.renderer import ChatRenderer
 from ..traces import Call, Feedback, Recorder, TraceError, UnknownTrace
-from .http import json_object, owner_of
+from .http import check_operator, json_object, owner_of
 from .tinker_service import BadRequest, SampleCall
 from .worker import outcome_of
 
@@ -88,6 +88,7 @@ class OpenAIRoutes:
         return path
 
     async def load_adapter(self, request: Request) -> dict:
+        check_operator(request.scope, self.cfg.operator(), "load_lora_adapter")
         body = await _body(request)
         name, given = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not NAME.fullmatch(name) or not isinstance(given, str):
@@ -111,6 +112,7 @@ class OpenAIRoutes:
         self.service.serve_adapter(name, revision)
 
     async def unload_adapter(self, request: Request) -> dict:
+        check_operator(request.scope, self.cfg.operator(), "unload_lora_adapter")
         name = (await _body(request)).get("lora_name")
         if not isinstance(name, str):
             raise BadRequest("unload_lora_adapter needs a string field lora_name")

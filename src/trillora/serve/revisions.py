@@ -17,7 +17,7 @@ import torch
 from fastapi import APIRouter, Request
 
 from .adapters import Revision
-from .http import json_object
+from .http import check_operator, json_object
 from .registry import SERVED
 from .tinker_types import BadRequest
 from .worker import Job, outcome_of
@@ -58,6 +58,7 @@ class Revisions:
 
     async def rollback(self, request: Request) -> dict:
         """`{"revision": k}` (default: the one before the current) becomes what `name` serves."""
+        check_operator(request.scope, self.service.cfg.operator(), "a rollback")
         body = json_object(await request.body())
         with self.lock:
             kept = sorted(self.published)
