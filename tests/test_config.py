@@ -1,95 +1,106 @@
-"""config.json normalisation: every spelling we know reads the same; bad configs name the culprit."""
+"""The run config: TOML + key=value overrides, validation that names the key, round trip."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-import transformers
 
-from trillora.models.params import shipped_config
-from trillora.models import ConfigError, from_hf_config, load_hf_config
+from trillora.config import ConfigError, TrainConfig, load_config, to_toml
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3", "qwen3-235b-a22b"])
-def test_released_and_transformers_written_configs_agree(name):
-    released = shipped_config(name)  # rope_theta/rope_scaling, num_experts / n_routed_experts
-    cls = transformers.AutoConfig.for_model(released["model_type"]).__class__
-    written = cls(**{k: v for k, v in released.items() if k != "quantization_config"}).to_dict()
-    assert "rope_parameters" in written  # transformers 5 rewrote the rope keys
-    a, b = from_hf_config(released), from_hf_config(written)
-    assert a == b
+def test_defaults_and_overrides(tmp_path):
+    cfg = load_config(None, ["rollout.temperature=0.8", "lora.rank=16", 'lora.targets=["attention", "experts"]', "name=x"])
+    assert cfg.rollout.temperature == 0.8 and cfg.lora.rank == 16 and cfg.lora.targets == ("attention", "experts")
+    assert load_config() == TrainConfig()
+    f = tmp_path / "run.toml"
+    f.write_text('steps = 3\n[task]\nname = "countdown"\noptions = {}\n[algorithm]\nmismatch = "seq_tis"\n')
+    cfg = load_config(f, ["steps=4"])
+    assert (cfg.steps, cfg.task.name, cfg.algorithm.mismatch) == (4, "countdown", "seq_tis")
 
 
-def test_qwen3_num_local_experts_spelling():
-    cfg = shipped_config("qwen3-30b-a3b")
-    alt = dict(cfg)
-    alt["num_local_experts"] = alt.pop("num_experts")
-    assert from_hf_config(alt) == from_hf_config(cfg)
-    assert from_hf_config(cfg).num_experts == 128 and len(from_hf_config(cfg).moe_layers) == 48
-
-
-def test_kimi_k2_reads_as_deepseek_v3():
-    args = from_hf_config(shipped_config("kimi-k2"))
-    assert args.family == "deepseek_v3" and args.model_type == "kimi_k2"
-    assert (args.num_experts, args.top_k, args.n_group, args.topk_group) == (384, 8, 1, 1)
-    assert args.moe_layers == tuple(range(1, 61)) and args.routed_scaling_factor == 2.827
-    assert args.rope.kind == "yarn" and args.rope.factor == 32.0 and args.rope.original_max_position == 4096
-    only_arch = {k: v for k, v in shipped_config("kimi-k2").items() if k != "model_type"}
-    assert from_hf_config(only_arch).family == "deepseek_v3"
-
-
-def test_mlp_only_layers_and_sparse_step():
-    cfg = dict(shipped_config("qwen3-30b-a3b"), num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
-    assert from_hf_config(cfg).moe_layers == (1, 5)
-    dense = dict(shipped_config("qwen3-30b-a3b"), model_type="qwen3", architectures=["Qwen3ForCausalLM"])
-    dense.pop("num_experts")
-    assert not from_hf_config(dense).is_moe
-
-
-def test_gpt_oss_windows_and_their_errors():
-    cfg = shipped_config("gpt-oss-20b")
-    args = from_hf_config(cfg)
-    assert args.layer_windows[:4] == (128, 0, 128, 0) and args.router == "topk_softmax" and args.rope.kind == "yarn"
-    assert (args.rope.theta, args.rope.factor, args.rope.truncate) == (150000.0, 32.0, False)
-    bare = {k: v for k, v in cfg.items() if k not in ("layer_types", "rope_scaling", "rope_theta")}
-    assert from_hf_config(bare) == args  # transformers' defaults for a config that names none of these
-    with pytest.raises(ConfigError, match=r"layer_types\[1\] = 'chunked_attention'; allowed: 'sliding_attention', 'full_attention'"):
-        from_hf_config(dict(cfg, layer_types=["sliding_attention", "chunked_attention"] + cfg["layer_types"][2:]))
-    with pytest.raises(ConfigError, match="layer_types has 2 entries for num_hidden_layers=24"):
-        from_hf_config(dict(cfg, layer_types=["sliding_attention", "full_attention"]))
-
-
-def test_unsupported_model_type_lists_supported(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    with pytest.raises(ConfigError, match=r"config\.json: model_type 'llama' is not supported; supported model types: deepseek_v3, glm4_moe, gpt_oss, kimi_k2, qwen3, qwen3_moe"):
-        load_hf_config(tmp_path)
-
-
-def test_missing_key_names_file_and_key(tmp_path):
-    cfg = shipped_config("deepseek-v3")
-    del cfg["kv_lora_rank"]
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=rf"{tmp_path}/config.json: missing required key 'kv_lora_rank'"):
-        load_hf_config(tmp_path)
-
-
-def test_invalid_json_names_line(tmp_path):
-    (tmp_path / "config.json").write_text('{\n  "model_type": "qwen3_moe",\n  "hidden_size": ,\n}')
-    with pytest.raises(ConfigError, match="invalid JSON at line 3"):
-        load_hf_config(tmp_path)
+def test_round_trip_through_toml(tmp_path):
+    cfg = load_config(None, ["lora.expert_rank=4", "algorithm.mismatch_band=[0.25, 4.0]", "optim.lr=1e-3"])
+    f = tmp_path / "resolved.toml"
+    f.write_text(to_toml(cfg))
+    assert load_config(f) == cfg
 
 
 @pytest.mark.parametrize(
-    "change, message",
+    "overrides, message",
     [
-        ({"num_experts_per_tok": 9, "n_routed_experts": 8, "n_group": 1, "topk_group": 1}, "num_experts_per_tok=9 must be in 1..8"),
-        ({"n_group": 7}, "n_routed_experts=256 is not divisible by n_group=7"),
-        ({"topk_group": 9}, "topk_group=9 must be in 1..n_group=8"),
-        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported; allowed: 'silu'"),
-        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope type 'dynamic' is not supported"),
+        (["rollout.temprature=1"], "unknown config key 'rollout.temprature'; did you mean 'rollout.temperature'?"),
+        (["stepz=3"], "unknown config key 'stepz'; did you mean 'steps'?"),
+        (["lora.rank=x"], "lora.rank: expected int, got str 'x'"),
+        (["steps=1.5"], "steps: expected int, got float 1.5"),
+        (["algorithm.mismatch=tis"], "algorithm.mismatch='tis' is invalid; allowed: none, token_tis"),
+        (["task.name=chess"], "task.name='chess' is invalid; allowed: arithmetic, countdown, reversal, jsonl"),
+        (["lora.rank=0"], "lora.rank=0 is invalid; allowed: a positive integer"),
+        (["rollout.temperature=0"], "rollout.temperature=0.0 is invalid; RL samples need > 0"),
+        (["algorithm.mismatch_band=[2.0, 3.0]"], "need 0 < low < 1 < high"),
+        (["rollout=3"], "rollout: expected a table"),
+        (["steps"], "must look like key=value"),
     ],
 )
-def test_impossible_values_are_named(change, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        from_hf_config(dict(shipped_config("deepseek-v3"), **change))
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        load_config(None, overrides)
+
+
+def test_bad_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    f = tmp_path / "bad.toml"
+    f.write_text("steps = \n")
+    with pytest.raises(ConfigError, match=r"bad.toml: .*line 1"):
+        load_config(f)
+
+
+def test_example_configs_load_and_build_their_tasks():
+    from pathlib import Path
+
+    from trillora.tasks import make_task
+
+    root = Path(__file__).resolve().parents[1]
+    examples = sorted((root / "examples").glob("*.toml"))
+    assert len(examples) >= 3
+    for path in examples:
+        cfg = load_config(path)
+        options = dict(cfg.task.options)
+        if "path" in options:
+            options["path"] = str(root / options["path"])
+        if cfg.task.name == "env":  # user envs: the dataset loads and gives a step's groups of envs
+            from trillora.checkpoint import SHIPPED_MODELS, load_tokenizer
+            from trillora.tasks.base import load_callable
+            from trillora.tasks.env_dataset import load_env_dataset
+
+            if cfg.model.path not in SHIPPED_MODELS and not Path(cfg.model.path).exists():  # a real model's path
+                load_callable(options["env"], "env dataset")
+                continue
+
+            r = cfg.rollout
+            envs = load_env_dataset(options, tokenizer=load_tokenizer(cfg.model.path), batch_size=r.prompts_per_step,
+                                    group_size=r.group_size, eval_size=cfg.task.eval_problems, seed=cfg.seed)
+            groups = envs.get_batch(0)
+            assert len(groups) == r.prompts_per_step and len(groups[0].make_envs()) == r.group_size, path.name
+            continue
+        task = make_task(cfg.task.name, **options)
+        problem = task.problems("train", 1, seed=0)[0]
+        assert task.reward(problem, problem.answer) == 1.0, path.name
+
+
+def test_fixed_length_and_finite_values():
+    with pytest.raises(ConfigError, match=r"algorithm.mismatch_band: expected a list of 2 values, got 0"):
+        load_config(None, ["algorithm.mismatch_band=[]"])
+    with pytest.raises(ConfigError, match="rollout.temperature: expected a finite number, got nan"):
+        load_config(None, ["rollout.temperature=nan"])
+
+
+def test_the_context_defaults_to_the_models_positions_and_more_is_refused():
+    from trillora.config import load_config
+    from trillora.errors import ConfigError
+    from trillora.trainer.loop import fit_context
+
+    cfg = load_config(None, [])
+    assert cfg.rollout.max_model_len == 0 and fit_context(cfg, 512).rollout.max_model_len == 512
+    assert fit_context(load_config(None, ["rollout.max_model_len=300"]), 512).rollout.max_model_len == 300
+    with pytest.raises(ConfigError, match=r"rollout.max_model_len=1024 is over the model's 512 positions .*tiny-moe"):
+        fit_context(load_config(None, ["rollout.max_model_len=1024"]), 512)

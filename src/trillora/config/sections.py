@@ -170,14 +170,13 @@ class AlgorithmSection:
 @dataclass(kw_only=True, frozen=True)
 class OptimSection:
     lr: float = 1e-3
-    """The default job keeps its other skill at 1e-3 (held-out reversal within 0.3 points on seeds 0-2,
-    +28 to +32 points of addition); at 2e-3 it gained a little more and lost up to 5.4 points of
-    reversal (`benchmarks/default_job.py`)."""
+    """Why 1e-3 for the default job (and what 2e-3 costs): `benchmarks/default_job.py` and the README."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
     eps: float = 1e-8
     """AdamW's denominator floor. Adam divides by sqrt(v), so for a gradient near 0 a tiny eps turns
-    rounding (e.g. a different summation order across ranks) into a sizeable step; 1e-6 damps that."""
+    rounding (e.g. a different summation order across ranks) into a sizeable step; a larger one
+    (the parallel tests use 1e-6) damps that, at the cost of smaller steps for small gradients."""
     grad_clip: float = 1.0
     warmup_steps: int = 5
     max_nonfinite_in_a_row: int = 5
