@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +37,30 @@ def wait_for_health(proc: subprocess.Popen, url: str, timeout: float) -> str | N
             time.sleep(0.5)
     proc.kill()
     return f"did not answer /health within {timeout:.0f} s"
+
+
+def post_json(url: str, path: str, body: dict | None, key: str | None = None, raw: bytes | None = None) -> tuple[int, dict]:
+    """(status, JSON body) of a POST, errors included (a 4xx is an answer here, not an exception)."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url + path, data=raw if raw is not None else json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def serve_process(argv: list[str], cwd=None, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """`trillora serve ...` (argv after `trillora`) in its own process on a free loopback port
+    (appended: the last --port wins), once it answers /health: (process, base url)."""
+    port = free_port()
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "trillora"), *argv, "--port", str(port)],
+                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    failed = wait_for_health(proc, url, timeout)
+    assert failed is None, failed
+    return proc, url
 
 
 def trainer_logprobs(model, completions, temperature: float = 1.0):

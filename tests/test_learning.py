@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import torch
 
-from engine_helpers import running_server
+from engine_helpers import post_json, running_server, serve_process
 from trillora.cli import start_learning
 from trillora.config import load_config
 from trillora.policy.logprobs import token_logprobs
@@ -175,13 +175,7 @@ def test_group_and_running_baselines():
 
 
 def post(url: str, path: str, body: dict, key: str = "k1") -> tuple[int, dict]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(url, path, body, key)
 
 
 def get(url: str, path: str) -> dict:
@@ -280,11 +274,7 @@ def test_the_readme_learning_command_runs_as_written(tmp_path):
     rewarded conversations). The demo line is run small by `test_the_product_demo_runs_small`."""
     import shlex
     import shutil
-    import subprocess
-    import sys
     from pathlib import Path
-
-    from engine_helpers import free_port
 
     root = Path(__file__).resolve().parents[1]
     readme = (root / "README.md").read_text()
@@ -292,19 +282,10 @@ def test_the_readme_learning_command_runs_as_written(tmp_path):
     lines = [shlex.split(line.split("  #")[0]) for line in block.splitlines() if line.strip()]
     assert lines[0][:2] == ["trillora", "serve"] and lines[1] == ["python", "examples/product/run.py"]
     shutil.copytree(root / "examples", tmp_path / "examples")
-    serve, port = lines[0], free_port()
+    serve = lines[0]
     key = serve[serve.index("--api-key") + 1]
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "trillora"), *serve[1:], "--port", str(port)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_process(serve[1:], cwd=tmp_path)
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stdout.read()
-                time.sleep(0.1)
         assert post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "12+30="}], "max_tokens": 4},
                     key=key)[0] == 200
         req = urllib.request.Request(url + "/v1/revisions", headers={"Authorization": f"Bearer {key}"})

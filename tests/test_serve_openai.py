@@ -18,7 +18,7 @@ from trillora import lora
 from trillora.checkpoint import load_model
 from trillora.tasks.prompts import encode_prompt
 from trillora.rollout import EngineError, OpenAIEngine, SamplingParams
-from engine_helpers import free_port, running_server, trainer_logprobs, wait_for_health
+from engine_helpers import free_port, post_json, running_server, trainer_logprobs, wait_for_health
 from trillora.checkpoint import resolve_model_path
 
 KEY = "test-key"
@@ -49,13 +49,7 @@ def server(tmp_path_factory):
 
 
 def post(url, path, body, key=KEY, raw=None):
-    req = urllib.request.Request(url + path, data=raw if raw is not None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(url, path, body, key, raw)
 
 
 def test_completions_and_refusals(server):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import sqlite3
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_helpers import free_port, running_server
+from engine_helpers import post_json, running_server, serve_process
 from pg_server import postgres_server
 from trillora import lora
 from trillora.checkpoint import load_model, resolve_model_path
@@ -148,13 +147,7 @@ def test_a_recorded_session_trains_on_the_ids_it_was_served(tmp_path):
 
 
 def post(url: str, path: str, body: dict, key: str | None = "k1") -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(url, path, body, key)
 
 
 def test_feedback_errors_name_the_culprit_and_a_failing_store_never_blocks_serving(tmp_path):
@@ -245,21 +238,9 @@ every = 4
 
 
 def start_server(store_at: str, state: Path, learn: Path) -> tuple[subprocess.Popen, str]:
-    """`trillora serve --record --learn` in its own process, answering on a free port."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "trillora", "serve", "tiny-moe-chat", "--port", str(port),
-                             "--api-key", "k1", "--record", store_at, "--learn", str(learn), "--state-dir", str(state)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            return proc, url
-        except OSError:
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.1)
-    raise AssertionError("the server did not start")
+    """`trillora serve --record --learn` in its own process."""
+    return serve_process(["serve", "tiny-moe-chat", "--api-key", "k1", "--record", store_at, "--learn", str(learn),
+                          "--state-dir", str(state)])
 
 
 def current_revision(url: str) -> int:
@@ -332,20 +313,11 @@ def test_the_readme_recording_commands_run_as_written(tmp_path):
     block = readme.split("### Recording served traffic: `serve --record`\n", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
     commands = [shlex.split(line.split("  #")[0]) for line in block.splitlines() if line.strip()]
     assert [c[:2] for c in commands] == [["trillora", "serve"]] + [["trillora", "traces"]] * 3
-    trillora, port = str(Path(sys.executable).parent / "trillora"), free_port()
+    trillora = str(Path(sys.executable).parent / "trillora")
     serve = commands[0]
     key = serve[serve.index("--api-key") + 1]
-    proc = subprocess.Popen([trillora, *serve[1:], "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_process(serve[1:], cwd=tmp_path)
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stdout.read()
-                time.sleep(0.1)
         for user in ("alice", "bob"):
             status, out = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "12+30="}],
                                                              "max_tokens": 8, "user": user}, key=key)
