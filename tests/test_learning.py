@@ -6,6 +6,7 @@ restart)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -94,6 +95,9 @@ def test_traces_from_an_older_revision_carry_their_importance_ratios(service, tm
     assert row["revision"] == 4 and published == [4] and row["grad_norm"] > 0
     trained = {r[0]: r[1] for r in store._read("SELECT trace_id, revision FROM trained")}
     assert trained == {"a": 4, "b": 4, "stale": -1}  # "gone" was deleted before any round saw it
+    record(store, service, "long", "tiny-moe-chat@4", 0.0, 1.0)  # 12 tokens, over a round's budget of 10
+    learner.cfg = dataclasses.replace(learner.cfg, learn=dataclasses.replace(learner.cfg.learn, max_tokens=10))
+    assert learner.step() is None and {r[0]: r[1] for r in store._read("SELECT trace_id, revision FROM trained")}["long"] == -1
     assert not learner.due() and learner.step() is None  # nothing is trained twice
     # a restarted learner resumes from the revision it published, adapter and AdamW state included
     again = Learner(service.base, store, load_config(learn_config(tmp_path, cap=1.1)),
@@ -120,6 +124,19 @@ def test_unscored_traces_take_the_reward_function_and_a_bad_one_is_left_out(serv
         else:
             assert row is None
             assert {r[0]: r[1] for r in store._read("SELECT trace_id, revision FROM trained")}["t-not_a_number"] == -1
+
+
+def test_a_round_whose_update_is_not_finite_consumes_its_traces(service, tmp_path):
+    """A batch whose loss or gradient is not finite is not published and not retried every second:
+    its traces are marked left out, and the adapter stays at the last published revision."""
+    store = TraceStore(str(tmp_path / "t.db"))
+    learner = Learner(service.base, store, load_config(learn_config(tmp_path, every=1)), lambda *a: None,
+                      tmp_path / "learner", service.device)
+    record(store, service, "poison", "tiny-moe-chat", 0.0, 1.0)
+    learner.update = lambda batch: {"skipped_update": 1.0, "grad_norm": float("nan")}
+    row = learner.step()
+    assert row["skipped"] and row["revision"] == 0 and not learner.due()
+    assert {r[0]: r[1] for r in store._read("SELECT trace_id, revision FROM trained")} == {"poison": -1}
 
 
 def test_the_gate_keeps_a_worse_revision_out(service, tmp_path):

@@ -25,7 +25,7 @@ from trillora import lora
 from trillora.checkpoint import load_model, resolve_model_path
 from trillora.policy.logprobs import token_logprobs
 from trillora.serve.config import ServeConfig
-from trillora.traces import Call, Feedback, TraceError, TraceStore, UnknownTrace
+from trillora.traces import Call, Feedback, TooMuchFeedback, TraceError, TraceStore, UnknownTrace
 from trillora.traces.trajectory import samples_of
 
 
@@ -74,19 +74,29 @@ def test_store_round_trip_feedback_and_delete(store_at):
         store.add_feedback(Feedback("a", "k2", 1.0))  # another key: told apart from nothing
     with pytest.raises(UnknownTrace, match="no response 'zz'"):
         store.add_feedback(Feedback("", "k1", 1.0, response_id="zz"))
-    for bad in (float("nan"), float("inf"), True, "1"):
-        with pytest.raises(TraceError, match="reward must be a finite number"):
+    for bad in (float("nan"), float("inf"), True, "1", 1e308, 10**30):  # bounded: one huge reward overflows a round
+        with pytest.raises(TraceError, match=r"reward must be a finite number in \[-1e\+06, 1e\+06\]"):
             store.add_feedback(Feedback("a", "k1", bad))
-    summary = {t["trace_id"]: t for t in store.traces()}
-    assert summary["a"]["calls"] == 3 and summary["a"]["rewards"] == 2 and summary["a"]["mean_reward"] == 0.5
-    assert summary["b"]["rewards"] == 0 and summary["b"]["mean_reward"] is None
+    store.record([call("r9", "a", owner="k2")])  # another key naming the same trace id holds another trace
+    store.add_feedback(Feedback("a", "k2", -1.0))
+    assert [f.reward for f in store.feedback("a", owner="k2")] == [-1.0] and len(store.calls("a", owner="k1")) == 3
+    for _ in range(29):
+        store.add_feedback(Feedback("b", "k2", 1.0))
+    with pytest.raises(TooMuchFeedback, match="trace 'b' already holds 32 rewards"):
+        for _ in range(4):
+            store.add_feedback(Feedback("b", "k2", 1.0))
+    summary = {(t["owner"], t["trace_id"]): t for t in store.traces()}
+    a = summary["k1", "a"]
+    assert a["calls"] == 3 and a["rewards"] == 2 and a["mean_reward"] == 0.5  # k2's -1 is k2's trace's
+    assert summary["k2", "a"]["mean_reward"] == -1.0 and summary["k2", "b"]["rewards"] == 32
     assert [t["trace_id"] for t in store.traces(older_than=86400)] == ["a"]
 
     with pytest.raises(TraceError, match="needs an age, a user id or a trace id"):
         store.delete()
     assert store.delete(older_than=86400) == 1
-    assert store.calls("a") == [] and store.feedback("a") == [] and len(store.calls("b")) == 1
-    assert store.delete(user_id="bob") == 1 and store.traces() == []
+    assert store.calls("a", owner="k1") == [] and store.feedback("a", owner="k1") == [] and len(store.calls("b")) == 1
+    assert len(store.calls("a", owner="k2")) == 1  # the other key's trace of that name stays
+    assert store.delete(user_id="bob") == 1 and store.delete(trace_id="a") == 1 and store.traces() == []
     store.close()
 
 
@@ -163,11 +173,13 @@ def test_feedback_errors_name_the_culprit_and_a_failing_store_never_blocks_servi
     cases = [
         ({"trace_id": "t-1", "reward": 1.0}, "k2", 404, "no trace 't-1' in this key's recorded traffic"),
         ({"trace_id": "nope", "reward": 1.0}, "k1", 404, "no trace 'nope'"),
-        ({"trace_id": "t-1", "reward": math.nan}, "k1", 400, "reward must be a finite number, not nan"),
-        ({"trace_id": "t-1", "reward": "good"}, "k1", 400, "reward must be a finite number, not 'good'"),
+        ({"trace_id": "t-1", "reward": math.nan}, "k1", 400, "reward must be a finite number in [-1e+06, 1e+06], not nan"),
+        ({"trace_id": "t-1", "reward": "good"}, "k1", 400, "not 'good'"),
+        ({"trace_id": "t-1", "reward": 10**30}, "k1", 400, "reward must be a finite number in [-1e+06, 1e+06]"),
+        ({"trace_id": "t-1", "reward": 1.0, "comment": "\ud800"}, "k1", 400, "comment is not valid Unicode"),
         ({"trace_id": "t-1", "response_id": made["id"], "reward": 1.0}, "k1", 400, "one string field: trace_id or response_id"),
         ({"reward": 1.0}, "k1", 400, "one string field: trace_id or response_id"),
-        ({"trace_id": "t-1", "reward": 1.0, "label": 7}, "k1", 400, "label (at most 256 characters)"),
+        ({"trace_id": "t-1", "reward": 1.0, "label": 7}, "k1", 400, "label must be a string of at most 256 characters"),
     ]
     for body, key, code, message in cases:
         status, out = post(url, "/v1/feedback", body, key=key)
@@ -184,7 +196,12 @@ def test_feedback_errors_name_the_culprit_and_a_failing_store_never_blocks_servi
     status, out = post(url, "/v1/completions", {"prompt": "2+2=", "max_tokens": 2, "metadata": {"trace_id": "t-2"}})
     assert status == 200 and out["choices"][0]["token_ids"]  # served all the same
     health = json.loads(urllib.request.urlopen(url + "/health").read())["recording"]
-    assert health["failed"] == 1 and "locked" in health["last_error"] and health["recorded"] == 2
+    assert health == {"recorded": 2, "failed": 1}  # open to load balancers: counts only
+    req = urllib.request.Request(url + "/v1/recording", headers={"Authorization": "Bearer k1"})
+    details = json.loads(urllib.request.urlopen(req).read())
+    assert "locked" in details["last_error"] and details["store"] == str(store)
+    status, out = post(url, "/v1/completions", {"prompt": "2+2=", "max_tokens": 2, "user": "\ud800"})
+    assert status == 400 and "user (or metadata.user_id) is not valid Unicode" in out["error"]["message"]
     held.rollback()
     held.close()
     assert post(url, "/v1/completions", {"prompt": "2+2=", "max_tokens": 2, "metadata": {"trace_id": "t-2"}})[0] == 200

@@ -42,11 +42,11 @@ def trace_rows(store, selected: list[dict]) -> list[dict]:
     """One row per trace: its summary, its calls in order (token ids, logprobs, revision), its feedback."""
     rows = []
     for t in selected:
-        calls = [asdict(c) for c in store.calls(t["trace_id"])]
+        calls = [asdict(c) for c in store.calls(t["trace_id"], owner=t["owner"])]
         for c in calls:
             c.pop("owner")  # a key's digest: who may score it, not part of the data
-        feedback = [{k: v for k, v in asdict(f).items() if k != "owner"} for f in store.feedback(t["trace_id"])]
-        rows.append({**t, "records": calls, "feedback": feedback})
+        feedback = [{k: v for k, v in asdict(f).items() if k != "owner"} for f in store.feedback(t["trace_id"], t["owner"])]
+        rows.append({**{k: v for k, v in t.items() if k != "owner"}, "records": calls, "feedback": feedback})
     return rows
 
 
@@ -67,7 +67,7 @@ def cmd_traces(args: argparse.Namespace) -> int:
     if args.action == "list":
         for t in selected:
             if args.json:
-                print(json.dumps(t))
+                print(json.dumps({k: v for k, v in t.items() if k != "owner"}))
             else:
                 reward = "-" if t["mean_reward"] is None else f"{t['mean_reward']:.3f}"
                 print(f"{t['trace_id']}  user={t['user_id'] or '-'}  calls={t['calls']}  rewards={t['rewards']}  "

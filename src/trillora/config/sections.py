@@ -292,6 +292,9 @@ class LearnSection:
     """Or once this many minutes have passed since the last round with at least one (0: by count only)."""
     max_staleness: int = 4
     """Traces served by a revision more than this many revisions before the learner's are dropped (counted)."""
+    max_tokens: int = 16384
+    """Tokens one round trains on (it runs between served requests: its size bounds how long they wait);
+    a trace longer than this is left out (counted)."""
     keep: int = 3
     """Published revisions kept servable (requests in flight finish on theirs; rollback goes back to one)."""
     reward: str = ""
@@ -312,6 +315,7 @@ class LearnSection:
         _check_positive("learn.minutes", self.minutes, zero_ok=True)
         _check_positive("learn.gate_tolerance", self.gate_tolerance, zero_ok=True)
         _check_positive("learn.keep", self.keep)
+        _check_positive("learn.max_tokens", self.max_tokens)
         _check_positive("learn.max_staleness", self.max_staleness, zero_ok=True)
         if not 0.0 <= self.baseline_decay < 1.0:
             raise ConfigError(f"learn.baseline_decay={self.baseline_decay}; allowed: 0 <= decay < 1")

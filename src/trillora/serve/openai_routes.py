@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from ..lora import AdapterError
 from ..rollout.types import SamplingParams
 from ..tasks.renderer import ChatRenderer
-from ..traces import Call, Feedback, Recorder, TraceError, UnknownTrace
+from ..traces import Call, Feedback, Recorder, TooMuchFeedback, TraceError, UnknownTrace
 from .http import check_operator, json_object, owner_of
 from .tinker_service import BadRequest, SampleCall
 from .worker import outcome_of
@@ -63,6 +63,7 @@ class OpenAIRoutes:
             self.renderer = None
         r = self.router = APIRouter()
         r.add_api_route("/health", self.health, methods=["GET"])
+        r.add_api_route("/v1/recording", self.recording, methods=["GET"])
         r.add_api_route("/v1/feedback", self.feedback, methods=["POST"])
         r.add_api_route("/v1/models", self.models, methods=["GET"])
         r.add_api_route("/v1/completions", self.completions, methods=["POST"])
@@ -171,14 +172,15 @@ class OpenAIRoutes:
     def _params(self, body: dict) -> tuple[dict, int]:
         """The sampling settings as the service takes them (Tinker's names), checked with OpenAI's."""
         n, max_tokens, seed = body.get("n", 1), body.get("max_tokens", 16), body.get("seed")
-        if not isinstance(n, int) or not 1 <= n <= self.cfg.max_samples:
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.cfg.max_samples:
             raise BadRequest(f"n must be an integer in 1..{self.cfg.max_samples}")
-        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.cfg.max_tokens_limit:
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= self.cfg.max_tokens_limit:
             raise BadRequest(f"max_tokens must be an integer in 1..{self.cfg.max_tokens_limit}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise BadRequest(f"seed must be an integer, not {type(seed).__name__}")
         stop = body.get("stop_token_ids") or []
-        if not isinstance(stop, list) or not all(isinstance(t, int) and 0 <= t < len(self.tokenizer) for t in stop):
+        if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(self.tokenizer)
+                                                 for t in stop):
             raise BadRequest(f"stop_token_ids must be a list of token ids in 0..{len(self.tokenizer) - 1}")
         if self.tokenizer.eos_token_id is not None and not body.get("ignore_eos", False):
             stop = stop + [self.tokenizer.eos_token_id]
@@ -272,23 +274,27 @@ class OpenAIRoutes:
     def _trace_of(self, request: Request, body: dict) -> tuple[str, str, str]:
         """The trace a request belongs to (`X-Trace-Id`, else `metadata.trace_id`, else a new one), its
         user (`user`, else `metadata.user_id`) and its task tag (`metadata.task`)."""
-        metadata = body.get("metadata") or {}
+        metadata = body.get("metadata", {})
         if not isinstance(metadata, dict):
             raise BadRequest("metadata must be an object of strings")
         given = request.headers.get("x-trace-id") or metadata.get("trace_id")
         if given is not None and (not isinstance(given, str) or not TRACE_ID.fullmatch(given)):
             raise BadRequest("a trace id (X-Trace-Id or metadata.trace_id) is 1-128 letters, digits, '.', '_', ':' or '-'")
-        user = body.get("user", metadata.get("user_id", ""))
-        if not isinstance(user, str) or len(user) > 256:
-            raise BadRequest("user must be a string of at most 256 characters")
-        tag = metadata.get("task", "")
-        if not isinstance(tag, str) or len(tag) > 128:
-            raise BadRequest("metadata.task must be a string of at most 128 characters")
+        user = _text(body.get("user", metadata.get("user_id", "")), "user (or metadata.user_id)", 256)
+        tag = _text(metadata.get("task", ""), "metadata.task", 128)
         return given or f"trace-{secrets.token_urlsafe(12)}", user, tag
 
     # --- recording ------------------------------------------------------------------------
     async def health(self) -> dict:
-        return {"status": "ok"} if self.recorder is None else {"status": "ok", "recording": self.recorder.health()}
+        """Open to load balancers: counts only (the store and its last error: `GET /v1/recording`)."""
+        if self.recorder is None:
+            return {"status": "ok"}
+        return {"status": "ok", "recording": {k: v for k, v in self.recorder.health().items() if k in ("recorded", "failed")}}
+
+    async def recording(self) -> dict:
+        if self.recorder is None:
+            raise BadRequest("recording is off: start the server with --record STORE")
+        return self.recorder.health()
 
     async def feedback(self, request: Request) -> dict:
         """`{"trace_id" or "response_id", "reward", "label"?, "comment"?}` on one of this key's traces."""
@@ -298,19 +304,30 @@ class OpenAIRoutes:
         trace_id, response_id, reward = body.get("trace_id", ""), body.get("response_id", ""), body.get("reward")
         if not (isinstance(trace_id, str) and isinstance(response_id, str)) or bool(trace_id) == bool(response_id):
             raise BadRequest("feedback names one string field: trace_id or response_id")
-        label, comment = body.get("label", ""), body.get("comment", "")
-        if not isinstance(label, str) or len(label) > 256 or not isinstance(comment, str) or len(comment) > 4096:
-            raise BadRequest("label (at most 256 characters) and comment (at most 4096) must be strings")
+        label, comment = _text(body.get("label", ""), "label", 256), _text(body.get("comment", ""), "comment", 4096)
         fb = Feedback(trace_id, owner_of(request.scope), reward, response_id, label, comment)
         try:
             await asyncio.to_thread(self.recorder.store.add_feedback, fb)
         except UnknownTrace as e:
             raise BadRequest(str(e), 404) from None
+        except TooMuchFeedback as e:
+            raise BadRequest(str(e), 429) from None
         except TraceError as e:
             raise BadRequest(str(e)) from None
         except Exception as e:  # noqa: BLE001 - the store is down: nothing was written, the client may retry
             raise BadRequest(f"the trace store cannot take feedback now ({type(e).__name__}); retry later", 503) from None
         return {"status": "ok", "trace_id": fb.trace_id}
+
+
+def _text(value, name: str, limit: int) -> str:
+    """A string field that can be stored: at most `limit` characters, valid UTF-8 (no lone surrogate)."""
+    if not isinstance(value, str) or len(value) > limit:
+        raise BadRequest(f"{name} must be a string of at most {limit} characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"{name} is not valid Unicode (a lone surrogate)") from None
+    return value
 
 
 async def _body(request: Request) -> dict:

@@ -30,7 +30,7 @@ class Revisions:
         """The revision `name` serves (None: the model itself, before any was published)."""
         self.published: dict[int, float] = {}  # revision -> when
         self.learner, self.worker, self.stopped, self.thread = None, None, threading.Event(), None
-        self.rounds = self.failures = 0
+        self.rounds = self.failures = self.skipped = 0
         self.last_error = ""
         self.lock = threading.Lock()
         r = self.router = APIRouter()
@@ -52,7 +52,7 @@ class Revisions:
     async def listing(self) -> dict:
         history = {row["revision"]: row for row in (self.learner.history if self.learner is not None else [])}
         return {"model": self.name, "current": self.current, "rounds": self.rounds, "failures": self.failures,
-                "last_error": self.last_error,
+                "skipped": self.skipped, "last_error": self.last_error,
                 "revisions": [{"id": f"{self.name}@{k}", "revision": k, "published": t, "training": history.get(k, {})}
                               for k, t in sorted(self.published.items())]}
 
@@ -87,7 +87,12 @@ class Revisions:
                     done.wait()
                     if isinstance(box["out"], Exception):
                         raise box["out"]
-                    self.rounds += box["out"] is not None
+                    out = box["out"]
+                    if out is not None and (out.get("skipped") or out.get("gated")):
+                        self.skipped += 1
+                        self.last_error = "a round's update was not finite" if out.get("skipped") else "a revision failed its gate"
+                    elif out is not None:
+                        self.rounds += 1
                 except Exception as e:  # noqa: BLE001 - a failed round is counted and shown; serving goes on
                     self.failures += 1
                     self.last_error = f"{type(e).__name__}: {e}"

@@ -12,7 +12,10 @@ baseline that fits logged traffic, where nothing guarantees a GRPO group:
 
 A trace served by a revision more than `max_staleness` revisions before the learner's current one
 is dropped and counted; so is one sampled at another temperature than the learner's logprobs use
-(its recorded logprobs would not be comparable), and one whose reward is not a finite number.
+(its recorded logprobs would not be comparable), one whose reward is not a finite number within
+the store's bound, and one longer than a round's token budget (`learn.max_tokens`: a round runs
+between served requests, so its size is how long they may wait). A round takes traces, oldest
+first, until that budget is spent; the rest wait for the next.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from ..tasks.trajectory import Sample
-from .store import Call, TraceStore
+from .store import MAX_REWARD, Call, TraceStore
 from .trajectory import samples_of
 
 
@@ -33,10 +36,10 @@ class Experience:
     samples: list[Sample]
     advantages: list[float]  # one per sample: its trace's
     rewards: list[float]  # one per sample: its trace's
-    trace_ids: list[str]  # the traces trained on (each once)
+    trace_ids: list[tuple[str, str]]  # the traces trained on, (owner, trace id), each once
     dropped: dict[str, int] = field(default_factory=dict)  # traces left out, by reason
     revisions: list[int] = field(default_factory=list)  # per sample: the revision that served its trace's first call
-    left_out: list[str] = field(default_factory=list)  # traces dropped for good (stale, temperature, reward)
+    left_out: list[tuple[str, str]] = field(default_factory=list)  # dropped for good (stale, temperature, reward, size)
 
 
 def reward_function(name: str) -> Callable[[list[Call]], float] | None:
@@ -83,25 +86,35 @@ def collect(store: TraceStore, current: int, learn, temperature: float, baseline
             score: Callable[[list[Call]], float] | None) -> Experience:
     """The untrained traces with a reward, as training sequences with advantages."""
     rewards, tasks, tags, picked, samples_per, served_by, left_out = [], [], [], [], [], [], []
-    dropped = {"stale": 0, "other_temperature": 0, "bad_reward": 0}
+    dropped = {"stale": 0, "other_temperature": 0, "bad_reward": 0, "too_long": 0}
+    tokens = 0
     for t in store.untrained(rewarded_only=score is None):
-        calls = store.calls(t["trace_id"])
-        if not calls:
+        key = (t["owner"], t["trace_id"])
+        calls = store.calls(t["trace_id"], owner=t["owner"])
+        size = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
+        if size > learn.max_tokens:  # alone over a round's budget: it would stall serving for its whole round
+            dropped["too_long"] += 1
+            left_out.append(key)
             continue
+        if tokens + size > learn.max_tokens:
+            break  # the rest waits for the next round
+        tokens += size
         if current - min(c.revision_number for c in calls) > learn.max_staleness:
             dropped["stale"] += 1
-            left_out.append(t["trace_id"])
+            left_out.append(key)
             continue
         if any(c.params.get("temperature") != temperature for c in calls):
             dropped["other_temperature"] += 1
-            left_out.append(t["trace_id"])
+            left_out.append(key)
             continue
         reward = t["mean_reward"] if t["rewards"] else score(calls)
+        if isinstance(reward, (int, float)) and not isinstance(reward, bool) and abs(reward) > MAX_REWARD:
+            reward = float("nan")  # a reward function's value, bounded as feedback is
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
             dropped["bad_reward"] += 1
-            left_out.append(t["trace_id"])
+            left_out.append(key)
             continue
-        picked.append(t["trace_id"])
+        picked.append(key)
         rewards.append(float(reward))
         tasks.append(tuple(calls[0].prompt_ids))
         tags.append(calls[0].tag)

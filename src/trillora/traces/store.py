@@ -31,6 +31,16 @@ class TraceError(TrilloraError):
     """A store that cannot be opened, or a request it cannot take (what is wrong is named)."""
 
 
+MAX_REWARD = 1e6
+"""Rewards are bounded: one huge reward would make every advantage of its round overflow."""
+MAX_FEEDBACK = 32
+"""Feedback rows one trace may hold (they are averaged; more only fills the disk)."""
+
+
+class TooMuchFeedback(TraceError):
+    """A trace that already holds MAX_FEEDBACK rewards."""
+
+
 class UnknownTrace(TraceError):
     """A trace or response this key's traffic does not hold (another key's is not told apart)."""
 
@@ -89,7 +99,8 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS feedback (trace_id TEXT NOT NULL, owner TEXT NOT NULL, reward DOUBLE PRECISION NOT NULL, "
     "response_id TEXT NOT NULL, label TEXT NOT NULL, comment TEXT NOT NULL, created DOUBLE PRECISION NOT NULL)",
     "CREATE INDEX IF NOT EXISTS feedback_trace ON feedback (owner, trace_id)",
-    "CREATE TABLE IF NOT EXISTS trained (trace_id TEXT PRIMARY KEY, revision INTEGER NOT NULL, created DOUBLE PRECISION NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS trained (owner TEXT NOT NULL, trace_id TEXT NOT NULL, revision INTEGER NOT NULL, "
+    "created DOUBLE PRECISION NOT NULL, PRIMARY KEY (owner, trace_id))",
 )
 
 
@@ -168,14 +179,19 @@ class TraceStore:
 
     def add_feedback(self, fb: Feedback) -> None:
         """Feedback on one of the owner's traces; TraceError naming what is wrong otherwise."""
-        if not isinstance(fb.reward, (int, float)) or isinstance(fb.reward, bool) or not math.isfinite(fb.reward):
-            raise TraceError(f"reward must be a finite number, not {fb.reward!r}")
+        r = fb.reward
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r) or abs(r) > MAX_REWARD:
+            shown = repr(r) if len(repr(r)) < 40 else repr(r)[:40] + "..."
+            raise TraceError(f"reward must be a finite number in [-{MAX_REWARD:g}, {MAX_REWARD:g}], not {shown}")
         where, args = ("response_id = ?", (fb.owner, fb.response_id)) if fb.response_id else ("trace_id = ?", (fb.owner, fb.trace_id))
         found = self._read(f"SELECT trace_id FROM calls WHERE owner = ? AND {where} LIMIT 1", args)
         if not found:
             what = f"response {fb.response_id!r}" if fb.response_id else f"trace {fb.trace_id!r}"
             raise UnknownTrace(f"no {what} in this key's recorded traffic")
         fb.trace_id = found[0][0]
+        held = self._read("SELECT COUNT(*) FROM feedback WHERE owner = ? AND trace_id = ?", (fb.owner, fb.trace_id))[0][0]
+        if held >= MAX_FEEDBACK:
+            raise TooMuchFeedback(f"trace {fb.trace_id!r} already holds {MAX_FEEDBACK} rewards (they are averaged)")
         d = asdict(fb)
         self._write(f"INSERT INTO feedback ({', '.join(_FEEDBACK_COLUMNS)}) VALUES ({', '.join('?' * len(_FEEDBACK_COLUMNS))})",
                     [tuple(d[k] for k in _FEEDBACK_COLUMNS)])
@@ -185,10 +201,11 @@ class TraceStore:
         `user_id`, or the one trace: their calls and feedback. Returns how many traces went."""
         if older_than is None and user_id is None and trace_id is None:
             raise TraceError("delete needs an age, a user id or a trace id (nothing is deleted without one)")
-        ids = {t["trace_id"] for t in self.traces(older_than=older_than, user_id=user_id, trace_id=trace_id)}
+        keys = sorted({(t["owner"], t["trace_id"]) for t in self.traces(older_than=older_than, user_id=user_id,
+                                                                        trace_id=trace_id)})
         for table in ("calls", "feedback", "trained"):
-            self._write(f"DELETE FROM {table} WHERE trace_id = ?", [(i,) for i in sorted(ids)])
-        return len(ids)
+            self._write(f"DELETE FROM {table} WHERE owner = ? AND trace_id = ?", keys)
+        return len(keys)
 
     # --- reads --------------------------------------------------------------------------------
     def calls(self, trace_id: str, owner: str | None = None) -> list[Call]:
@@ -201,38 +218,46 @@ class TraceStore:
         return [Call(**{k: json.loads(v) if k in _LISTS else v for k, v in zip(_CALL_COLUMNS, r, strict=True)})
                 for r in rows]
 
-    def feedback(self, trace_id: str) -> list[Feedback]:
-        rows = self._read(f"SELECT {', '.join(_FEEDBACK_COLUMNS)} FROM feedback WHERE trace_id = ? ORDER BY created",
-                          (trace_id,))
+    def feedback(self, trace_id: str, owner: str | None = None) -> list[Feedback]:
+        query, args = f"SELECT {', '.join(_FEEDBACK_COLUMNS)} FROM feedback WHERE trace_id = ?", (trace_id,)
+        if owner is not None:
+            query, args = query + " AND owner = ?", (trace_id, owner)
+        rows = self._read(query + " ORDER BY created", args)
         return [Feedback(**dict(zip(_FEEDBACK_COLUMNS, r, strict=True))) for r in rows]
 
-    def traces(self, older_than: float | None = None, user_id: str | None = None, trace_id: str | None = None) -> list[dict]:
-        """One summary per trace: id, user, calls, first and last call time, rewards given and their mean."""
-        query = ("SELECT c.trace_id, MIN(c.user_id), COUNT(*), MIN(c.created), MAX(c.created), "
-                 "(SELECT COUNT(*) FROM feedback f WHERE f.trace_id = c.trace_id), "
-                 "(SELECT AVG(f.reward) FROM feedback f WHERE f.trace_id = c.trace_id) FROM calls c")
+    def traces(self, older_than: float | None = None, user_id: str | None = None, trace_id: str | None = None,
+               untrained: bool = False) -> list[dict]:
+        """One summary per trace (a key's trace id: two keys naming the same id hold two traces):
+        owner, id, user, calls, first and last call time, rewards given and their mean; with
+        `untrained`, only those no revision has trained on."""
+        same = "f.owner = c.owner AND f.trace_id = c.trace_id"
+        query = ("SELECT c.owner, c.trace_id, MIN(c.user_id), COUNT(*), MIN(c.created), MAX(c.created), "
+                 f"(SELECT COUNT(*) FROM feedback f WHERE {same}), (SELECT AVG(f.reward) FROM feedback f WHERE {same}) "
+                 "FROM calls c")
         where, args = [], []
         if user_id is not None:
             where, args = where + ["c.user_id = ?"], args + [user_id]
         if trace_id is not None:
             where, args = where + ["c.trace_id = ?"], args + [trace_id]
-        query += (" WHERE " + " AND ".join(where) if where else "") + " GROUP BY c.trace_id"
+        if untrained:
+            where.append("NOT EXISTS (SELECT 1 FROM trained t WHERE t.owner = c.owner AND t.trace_id = c.trace_id)")
+        query += (" WHERE " + " AND ".join(where) if where else "") + " GROUP BY c.owner, c.trace_id"
         if older_than is not None:
             query, args = query + " HAVING MAX(c.created) < ?", args + [time.time() - older_than]
         rows = self._read(query + " ORDER BY MIN(c.created)", tuple(args))
-        return [{"trace_id": r[0], "user_id": r[1], "calls": r[2], "first": r[3], "last": r[4], "rewards": r[5],
-                 "mean_reward": r[6]} for r in rows]
+        return [{"owner": r[0], "trace_id": r[1], "user_id": r[2], "calls": r[3], "first": r[4], "last": r[5],
+                 "rewards": r[6], "mean_reward": r[7]} for r in rows]
 
-    def mark_trained(self, trace_ids: list[str], revision: int) -> None:
-        """The learner's record that these traces went into `revision` (never trained on twice)."""
-        self._write("INSERT INTO trained (trace_id, revision, created) VALUES (?, ?, ?)",
-                    [(t, revision, time.time()) for t in trace_ids])
+    def mark_trained(self, keys: list[tuple[str, str]], revision: int) -> None:
+        """The learner's record that these traces ((owner, trace id)) went into `revision` (-1: left
+        out for good); none is trained on twice."""
+        self._write("INSERT INTO trained (owner, trace_id, revision, created) VALUES (?, ?, ?, ?)",
+                    [(o, t, revision, time.time()) for o, t in keys])
 
     def untrained(self, rewarded_only: bool) -> list[dict]:
         """Summaries (as `traces`) of the traces no revision has trained on, oldest first; only
         those with feedback when `rewarded_only`."""
-        done = {r[0] for r in self._read("SELECT trace_id FROM trained")}
-        return [t for t in self.traces() if t["trace_id"] not in done and (t["rewards"] or not rewarded_only)]
+        return [t for t in self.traces(untrained=True) if t["rewards"] or not rewarded_only]
 
     def close(self) -> None:
         with self.lock:

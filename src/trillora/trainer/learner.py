@@ -145,8 +145,11 @@ class Learner:
         batch = dataclasses.replace(batch, advantages=torch.tensor(exp.advantages, device=self.device))
         with self.base.use(self.adapter):
             metrics = self.update(batch)
-        if self.update.diverged() or metrics.get("skipped_update"):
-            return {"revision": self.revision, "skipped": True, **metrics}  # a NaN never reaches a served revision
+        if metrics.get("skipped_update"):  # a non-finite loss or gradient: a NaN never reaches a served revision
+            self.store.mark_trained(exp.trace_ids, -1)  # consumed: the same batch would fail again
+            if self.revision:
+                self.restore(self.revision)
+            return {"revision": self.revision, "skipped": True, "traces": len(exp.trace_ids), **metrics}
         lag = [self.revision - k for k in exp.revisions]
         row = {"revision": self.revision + 1, "traces": len(exp.trace_ids), "sequences": len(exp.samples),
                "reward_mean": sum(exp.rewards) / len(exp.rewards), "served_by_max_lag": max(lag),
