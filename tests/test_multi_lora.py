@@ -12,7 +12,7 @@ from hf_models import CONFIGS, hf_model, save_fused, tokens
 from trillora.lora.multi import RowAdapters
 from trillora.rollout.local import LocalEngine
 from trillora.rollout.types import SamplingParams
-from trillora.serve.adapters import ResidentBase
+from trillora.policy.adapters import ResidentBase
 
 TOL = 1e-5
 
@@ -103,7 +103,7 @@ def ep_worker(rank: int, world: int, folder: str) -> None:
     import torch.distributed as dist
 
     from trillora.parallel.expert_parallel import apply_expert_parallel
-    from trillora.serve.shards import ExpertShard
+    from trillora.policy.shards import ExpertShard
 
     ref = ResidentBase(trillora.load_model(folder))
     g = torch.Generator().manual_seed(3)

@@ -242,8 +242,8 @@ def test_service_plan_counts_what_an_expert_parallel_service_holds():
     from trillora.models.moe import GroupedExperts
     from trillora.parallel.expert_parallel import shard_experts
     from trillora.parallel.planner import REVISION_BYTES, plan_service
-    from trillora.serve.adapters import ResidentBase, roles_of
-    from trillora.serve.shards import ExpertShard
+    from trillora.policy.adapters import ResidentBase, roles_of
+    from trillora.policy.shards import ExpertShard
 
     model = load_model(resolve_model_path("tiny-moe-chat"))
     base = ResidentBase(model)
@@ -307,7 +307,7 @@ def test_service_plan_counts_what_a_pipeline_stage_holds():
     are what the last of two stages (`load_model(layers=...)`, as the service loads it) holds."""
     from trillora.checkpoint import load_model, resolve_model_path
     from trillora.parallel.planner import REVISION_BYTES, plan_service
-    from trillora.serve.adapters import ResidentBase, roles_of
+    from trillora.policy.adapters import ResidentBase, roles_of
 
     model = load_model(resolve_model_path("tiny-moe-chat"), layers=range(2, 4))  # norm and head beside two layers
     base = ResidentBase(model)

@@ -118,7 +118,7 @@ def start_learning(server, config_path: str, poll_seconds: float = 1.0):
     from pathlib import Path
 
     from ..config import load_config
-    from ..serve.adapters import SLOT_ROLES
+    from ..policy.adapters import SLOT_ROLES
     from ..serve.revisions import Revisions
     from ..trainer.learner import Learner
 

@@ -1,6 +1,6 @@
 """Several adapters in one pass through one base: each batch row with its own adapter.
 
-A service holding one base for many clients (`serve.adapters`) would otherwise run one pass
+A service holding one base for many clients (`policy.adapters`) would otherwise run one pass
 per client. Here rows of K adapters share the pass: the base matmuls see every row at once and
 each LoRA update runs as a grouped GEMM over the rows grouped per adapter (S-LoRA / Punica's
 idea), and, in routed-expert layers, per (expert, adapter): the rows are already sorted by

@@ -29,9 +29,9 @@ from ..parallel.dims import ParallelDims, ParallelError, build_meshes
 from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import split_layers
 from ..parallel.staged import StagedModel
-from .adapters import ResidentBase
+from ..policy.adapters import ResidentBase
 from .config import ServeConfig
-from .shards import ExpertShard, TensorShard
+from ..policy.shards import ExpertShard, TensorShard
 
 
 class Ranks:

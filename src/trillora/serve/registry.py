@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 
-from .adapters import Revision
+from ..policy.adapters import Revision
 from .config import ServeConfig
 from .tinker_types import BadRequest, Client, Session
 

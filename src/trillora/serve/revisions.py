@@ -16,7 +16,7 @@ import time
 import torch
 from fastapi import APIRouter, Request
 
-from .adapters import Revision
+from ..policy.adapters import Revision
 from .http import check_operator, json_object
 from .registry import SERVED
 from .tinker_types import BadRequest

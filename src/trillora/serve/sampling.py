@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..models.transformer import OtherStage
 from ..rollout.local import LocalEngine
-from .adapters import ResidentBase, Revision
+from ..policy.adapters import ResidentBase, Revision
 from .ranks import Ranks
 from .scoring import score_prompt, topk_sampled
 from .tinker_checks import cut_at_stop

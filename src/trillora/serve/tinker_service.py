@@ -30,7 +30,7 @@ from ..policy.logprobs import target_logprobs
 from ..rl.tinker_losses import datum_loss
 from ..rollout.local import LocalEngine
 from ..rollout.types import SamplingParams
-from .adapters import ResidentBase, Revision, roles_of
+from ..policy.adapters import ResidentBase, Revision, roles_of
 from .tinker_checks import adam_settings, check_data, check_sample, resolve, state_path
 from .config import ServeConfig
 from .commands import (CreateModel, CreateSampler, EndSessions, ForwardBackward, LoadState, OptimStep, Sample,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import TrilloraError
-from .adapters import Adapter, Revision
+from ..policy.adapters import Adapter, Revision
 from .wire import Datum
 
 NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # fullmatch: never "." or "..", no newline; names become folders

@@ -1,8 +1,9 @@
 """Several LoRA adapters on one resident copy of a base model.
 
-The base is loaded once, with adapter slots on every module a Tinker client may train
-(attention, dense MLP, shared and routed experts, the unembedding). Each training client owns
-an `Adapter`: its own parameters (any rank, any subset of those roles) and its own optimizer.
+The base is loaded once, with adapter slots on every module an adapter may train (attention,
+dense MLP, shared and routed experts, the unembedding). Each trainer of the base (a Tinker
+client, a learning server's learner) owns an `Adapter`: its own parameters (any rank, any subset
+of those roles) and its own optimizer.
 Before a request runs, `ResidentBase.use` registers that adapter's parameters in the slots
 and switches the slots it does not train off; the base weights are never copied or touched.
 A `Revision` is a frozen copy of an adapter's tensors (what a sampler samples from).
@@ -12,7 +13,7 @@ belong to different clients (`lora.multi`); under expert parallelism each routed
 travels with it (`parallel.expert_parallel`), under tensor parallelism the stacks hold this
 rank's parts of the adapters and the layer's output is placed as the layer places its own.
 
-On a sharded base (`serve.shards.Placement`: experts over ep, layers over tp, stages over pp) a new
+On a sharded base (`policy.shards.Placement`: experts over ep, layers over tp, stages over pp) a new
 adapter draws its whole tensors and keeps this rank's part, so it equals the one-process adapter.
 Each slot draws from its own stream (the client's seed and the slot's name), on the CPU: a pipeline
 stage, which holds only some slots, draws what one process draws, and so does a GPU.
