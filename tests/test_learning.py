@@ -9,9 +9,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shlex
+import shutil
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,10 +271,6 @@ def test_the_product_demo_runs_small(tmp_path):
     """`examples/product/run.py` at a small size: the app (the `openai` SDK only) for simulated users,
     the server learning from their feedback; every request answered, every call recorded, revisions
     published, the results file and its plot written (the committed 10-minute run is in the README)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = Path(__file__).resolve().parents[1] / "examples" / "product" / "run.py"
     out = tmp_path / "product.json"
     run = subprocess.run([sys.executable, str(script), "--minutes", "0.4", "--idle-seconds", "3", "--eval-users", "8",
@@ -288,16 +289,14 @@ def test_the_product_demo_runs_small(tmp_path):
 def test_the_readme_learning_command_runs_as_written(tmp_path):
     """The README's `serve --record --learn` line in a fresh folder (on a free port, appended): it
     serves, records and lists its revisions (none yet: examples/product/learn.toml trains every 32
-    rewarded conversations). The demo line is run small by `test_the_product_demo_runs_small`."""
-    import shlex
-    import shutil
-    from pathlib import Path
-
+    rewarded conversations); then the offline `trillora train task.name=traces` line on what it
+    recorded. The demo line is run small by `test_the_product_demo_runs_small`."""
     root = Path(__file__).resolve().parents[1]
     readme = (root / "README.md").read_text()
     block = readme.split("### The product loop: `serve --record --learn`\n", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
     lines = [shlex.split(line.split("  #")[0]) for line in block.splitlines() if line.strip()]
     assert lines[0][:2] == ["trillora", "serve"] and lines[1] == ["python", "examples/product/run.py"]
+    assert lines[2][:2] == ["trillora", "train"]
     shutil.copytree(root / "examples", tmp_path / "examples")
     serve = lines[0]
     key = serve[serve.index("--api-key") + 1]
@@ -312,3 +311,45 @@ def test_the_readme_learning_command_runs_as_written(tmp_path):
         proc.terminate()
         proc.wait(30)
     assert (tmp_path / "runs" / "traces.db").exists()
+    out = subprocess.run([str(Path(sys.executable).parent / "trillora"), *lines[2][1:]], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout)["rounds"] == 0  # the one conversation above has no feedback: nothing to learn yet
+    assert (tmp_path / "runs" / "from-traces" / "adapter" / "adapter_config.json").exists()
+
+
+def test_trillora_train_learns_from_a_store_offline(service, tmp_path):
+    """`trillora train task.name="traces"`: the learner's rounds over a store, offline. The rounds are
+    logged (importance ratio 1 in the first, where the learner is still the base that served the
+    traces; not in the second, one revision later), traces of another vocabulary are left out, the
+    store remembers what was trained, and the exported PEFT adapter holds exactly the learner's tensors."""
+    from safetensors.torch import load_file
+
+    from trillora import lora
+    from trillora.checkpoint import load_model, resolve_model_path
+    from trillora.trainer import train
+
+    db = tmp_path / "t.db"
+    store = TraceStore(str(db))
+    for i, reward in enumerate([1.0, 0.0, 1.0, 0.0, 1.0]):
+        record(store, service, f"t{i}", "tiny-moe-chat", 0.0, reward, prompt_len=4 + i)
+    overrides = ["task.name=\"traces\"", f"task.options={{store = \"{db}\"}}", "steps=5", f"out_dir=\"{tmp_path}\"",
+                 "name=\"offline\"", "lora.rank=4", "lora.targets=[\"mlp\", \"experts\"]", "learn.max_tokens=36"]
+    wrong = train(load_config(None, [*overrides, "name=\"wrong\""]))  # the default model (tiny-moe): another vocabulary
+    wrong_rows = [json.loads(line) for line in (tmp_path / "wrong" / "metrics.jsonl").read_text().splitlines()]
+    assert wrong["rounds"] == 0 and wrong_rows == []
+    assert {r[1] for r in store._read("SELECT trace_id, revision FROM trained")} == {-1}  # left out, counted as such
+    store._write("DELETE FROM trained", [()])
+    overrides.append("model.path=\"tiny-moe-chat\"")
+    summary = train(load_config(None, overrides))
+    rows = [json.loads(line) for line in (tmp_path / "offline" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["rounds"] == len(rows) == 2 and summary["traces"] == 5  # 12 tokens a trace, 36 a round
+    assert [r["traces"] for r in rows] == [3, 2] and rows[0]["is_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert rows[1]["served_by_max_lag"] == 1 and rows[1]["is_ratio_mean"] != pytest.approx(1.0, abs=1e-5)  # off-policy now
+    assert store.untrained(rewarded_only=True) == []
+    saved = load_file(str(tmp_path / "offline" / "revisions" / "revision-2" / "adapter.safetensors"))
+    model = load_model(resolve_model_path("tiny-moe-chat"))
+    lora.load_adapter(model, tmp_path / "offline" / "adapter")
+    for name, p in lora.lora_parameters(model):
+        torch.testing.assert_close(p, saved[f"param.{name}"], rtol=0, atol=0, msg=name)
+    assert train(load_config(None, overrides))["rounds"] == 0  # nothing new since

@@ -48,6 +48,8 @@ class ModelSection:
 @dataclass(kw_only=True, frozen=True)
 class TaskSection:
     name: str = "arithmetic"
+    """A built-in task, "env" (user envs: `options.env`), or "traces" (what `serve --record` recorded:
+    `options.store`; trained as `serve --learn` would, offline: `trainer.offline`)."""
     options: dict = field(default_factory=lambda: {"digits": 3})
     """Keyword arguments of the task (e.g. digits, ops; path and reward_fn for jsonl)."""
     retention: str = "reversal"
@@ -65,7 +67,7 @@ class TaskSection:
     def validate(self) -> None:
         from ..tasks import TASKS
 
-        _check_choice("task.name", self.name, (*TASKS, "env"))
+        _check_choice("task.name", self.name, (*TASKS, "env", "traces"))
         _check_positive("task.max_turns", self.max_turns)
         _check_positive("task.reward_timeout", self.reward_timeout, zero_ok=True)
         if self.retention:

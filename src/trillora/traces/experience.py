@@ -83,10 +83,11 @@ def advantages(rewards: list[float], tasks: list[tuple], tags: list[str], baseli
 
 
 def collect(store: TraceStore, current: int, learn, temperature: float, baselines: Baselines,
-            score: Callable[[list[Call]], float] | None) -> Experience:
-    """The untrained traces with a reward, as training sequences with advantages."""
+            score: Callable[[list[Call]], float] | None, vocab_size: int) -> Experience:
+    """The untrained traces with a reward, as training sequences with advantages (a trace holding
+    a token id past `vocab_size` was served by another model: left out and counted)."""
     rewards, tasks, tags, picked, samples_per, served_by, left_out = [], [], [], [], [], [], []
-    dropped = {"stale": 0, "other_temperature": 0, "bad_reward": 0, "too_long": 0}
+    dropped = {"stale": 0, "other_temperature": 0, "bad_reward": 0, "too_long": 0, "other_vocabulary": 0}
     tokens = 0
     for t in store.untrained(rewarded_only=score is None):
         key = (t["owner"], t["trace_id"])
@@ -99,6 +100,10 @@ def collect(store: TraceStore, current: int, learn, temperature: float, baseline
         if tokens + size > learn.max_tokens:
             break  # the rest waits for the next round
         tokens += size
+        if any(t >= vocab_size or t < 0 for c in calls for t in c.prompt_ids + c.completion_ids):
+            dropped["other_vocabulary"] += 1
+            left_out.append(key)
+            continue
         if current - min(c.revision_number for c in calls) > learn.max_staleness:
             dropped["stale"] += 1
             left_out.append(key)

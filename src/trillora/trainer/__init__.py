@@ -10,6 +10,8 @@
     engine.py         the rollout engine of the `rollout` section
     evaluate.py       held-out scores through the engine
     checkpoints.py    saving and resuming a run; signals.py: SIGTERM / Ctrl-C stop cleanly
+    learner.py        rounds of the update over rewarded recorded traffic (`serve --learn`)
+    offline.py        the same rounds offline (`task.name = "traces"`)
 """
 
 from .loop import Trainer, train

@@ -136,7 +136,8 @@ class Learner:
         """One round on the compute thread: train on the new traces, publish the next revision.
         None when there was nothing to train on (every new trace was left out, and counted)."""
         start, self.last_round = time.perf_counter(), time.monotonic()
-        exp = collect(self.store, self.revision, self.cfg.learn, self.cfg.rollout.temperature, self.baselines, self.score)
+        exp = collect(self.store, self.revision, self.cfg.learn, self.cfg.rollout.temperature, self.baselines, self.score,
+                      self.base.model.args.vocab_size)
         if exp.left_out:
             self.store.mark_trained(exp.left_out, -1)
         if not exp.samples:

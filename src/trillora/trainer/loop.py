@@ -314,5 +314,11 @@ class Trainer:
 
 
 def train(cfg: TrainConfig) -> dict:
+    if cfg.task.name == "traces":  # recorded traffic, not rollouts: the learner's rounds, offline
+        if launched():
+            raise ConfigError('task.name="traces" trains in one process (not under torchrun) for now')
+        from .offline import train_on_traces
+
+        return train_on_traces(cfg)
     return Trainer(cfg).run()
 
