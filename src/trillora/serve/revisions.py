@@ -74,7 +74,8 @@ class Revisions:
         return {"model": self.name, "current": k}
 
     def attach(self, learner, worker, poll_seconds: float = 1.0) -> threading.Thread:
-        """Run `learner` rounds on `worker` whenever it is due, from a thread of their own."""
+        """Run `learner` rounds whenever one is due, from a thread of their own: the traces are read
+        there, the update runs on `worker` between served requests."""
         self.learner, self.worker, self.stopped = learner, worker, threading.Event()
 
         def loop() -> None:
@@ -82,8 +83,11 @@ class Revisions:
                 try:
                     if not learner.due():
                         continue
+                    exp = learner.prepare()  # the store's work here; only the model's on the compute thread
+                    if exp is None:
+                        continue
                     done, box = threading.Event(), {}
-                    worker.submit(Job(run=learner.step, settle=lambda out: (box.update(out=out), done.set())))
+                    worker.submit(Job(run=lambda: learner.train(exp), settle=lambda out: (box.update(out=out), done.set())))
                     done.wait()
                     if isinstance(box["out"], Exception):
                         raise box["out"]

@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
 from ..parallel import ParallelDims, parallelize
 from ..policy import adamw
-from ..traces.experience import Baselines, collect, reward_function
+from ..traces.experience import Baselines, Experience, collect, reward_function
 from .batch import batch_from_samples
 from .update import PolicyUpdate
 from .world import World
@@ -133,15 +133,25 @@ class Learner:
         return new >= learn.every or (new > 0 and waited)
 
     def step(self) -> dict | None:
-        """One round on the compute thread: train on the new traces, publish the next revision.
-        None when there was nothing to train on (every new trace was left out, and counted)."""
-        start, self.last_round = time.perf_counter(), time.monotonic()
+        """One round: `train(prepare())`. None when there was nothing to train on."""
+        exp = self.prepare()
+        return self.train(exp) if exp is not None else None
+
+    def prepare(self) -> Experience | None:
+        """The round's experience, read from the store (no model work: a server runs this off its
+        compute thread, so reading the store never holds a served request). None when every new
+        trace was left out (and counted)."""
+        self.last_round = time.monotonic()
         exp = collect(self.store, self.revision, self.cfg.learn, self.cfg.rollout.temperature, self.baselines, self.score,
                       self.base.model.args.vocab_size)
         if exp.left_out:
             self.store.mark_trained(exp.left_out, -1)
-        if not exp.samples:
-            return None
+        return exp if exp.samples else None
+
+    def train(self, exp: Experience) -> dict:
+        """The round's model work, on the compute thread: the update, the gate, the next revision
+        written and published."""
+        start = time.perf_counter()
         batch = batch_from_samples(exp.samples, self.pad_id, self.device)
         batch = dataclasses.replace(batch, advantages=torch.tensor(exp.advantages, device=self.device))
         with self.base.use(self.adapter):
