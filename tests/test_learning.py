@@ -158,6 +158,7 @@ def test_the_gate_keeps_a_worse_revision_out(service, tmp_path):
     record(store, service, "one", "tiny-moe-chat", 0.0, 1.0)
     row = learner.step()
     assert published == [1] and 0.0 <= row["gate_score"] <= 1.0 and learner.best == row["gate_score"]
+    assert learner.history[-1]["gate_score"] == row["gate_score"]  # what /v1/models shows for NAME@1
     first = {k: p.detach().clone() for k, p in learner.adapter.params.items()}
     learner.gate = lambda: learner.best - 0.5  # the next revision does worse on the held-out episodes
     record(store, service, "two", "tiny-moe-chat@1", 0.0, 1.0)
@@ -247,6 +248,11 @@ def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tm
     row = listing["revisions"][-1]["training"]
     assert row["traces"] >= 2 and "is_ratio_mean" in row and "loss" in row
 
+    models = {m["id"]: m for m in get(url, "/v1/models")["data"]}
+    current = listing["current"]
+    assert models["tiny-moe-chat"]["serves"] == f"tiny-moe-chat@{current}"
+    assert models[f"tiny-moe-chat@{current}"]["revision"] == current and models[f"tiny-moe-chat@{current}"]["current"]
+    assert not models[f"tiny-moe-chat@{current - 1}"]["current"]
     status, out = post(url, "/v1/revisions/rollback", {}, key="k2")  # an app's key, not the operator's
     assert status == 403 and "needs the operator's key" in out["error"]["message"]
     status, out = post(url, "/v1/revisions/rollback", {})
@@ -353,3 +359,21 @@ def test_trillora_train_learns_from_a_store_offline(service, tmp_path):
     for name, p in lora.lora_parameters(model):
         torch.testing.assert_close(p, saved[f"param.{name}"], rtol=0, atol=0, msg=name)
     assert train(load_config(None, overrides))["rounds"] == 0  # nothing new since
+
+
+def test_models_list_revisions_with_their_gate_scores(tmp_path):
+    from types import SimpleNamespace
+
+    from trillora.serve.revisions import Revisions
+
+    service = TinkerService(ServeConfig(model="tiny-moe-chat"))
+    revisions = Revisions(service, "tiny-moe-chat", keep=2)
+    revisions.learner = SimpleNamespace(history=[{"revision": 1, "gate_score": 0.5}, {"revision": 2, "gate_score": 0.75},
+                                                 {"revision": 3, "gate_score": 0.8}])
+    for k in (1, 2, 3):
+        revisions.publish(k, {}, None)
+    assert set(service.served()) == {"tiny-moe-chat", "tiny-moe-chat@2", "tiny-moe-chat@3"}  # keep = 2
+    assert revisions.models() == {"tiny-moe-chat@2": {"revision": 2, "current": False, "gate_score": 0.75},
+                                  "tiny-moe-chat@3": {"revision": 3, "current": True, "gate_score": 0.8},
+                                  "tiny-moe-chat": {"serves": "tiny-moe-chat@3"}}
+    assert service.served()["tiny-moe-chat"] is service.served()["tiny-moe-chat@3"]  # the alias takes the revision

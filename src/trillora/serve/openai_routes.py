@@ -121,11 +121,14 @@ class OpenAIRoutes:
         return {"status": "ok", "lora_name": name}
 
     async def models(self) -> dict:
+        """Every served name; a learning server's revisions (`NAME@k`) carry their revision number,
+        gate score (when gated) and whether `NAME` serves them now."""
         served = self.service.served()
         held = {n: r.bytes() for n, r in served.items()}
+        revisions = self.server.revisions.models() if self.server.revisions is not None else {}
         return {"object": "list",
                 "data": [{"id": n, "object": "model", "owned_by": "trillora", "parent": None if n == self.cfg.model else self.cfg.model,
-                          "max_model_len": self.max_len, "adapter_bytes": held[n]} for n in served],
+                          "max_model_len": self.max_len, "adapter_bytes": held[n], **revisions.get(n, {})} for n in served],
                 "adapter_memory": {"base_bytes": self.base_bytes, "held_bytes": sum(held.values()),
                                    "limit_bytes": self.adapter_limit}}
 

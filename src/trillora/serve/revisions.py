@@ -56,6 +56,18 @@ class Revisions:
                 "revisions": [{"id": f"{self.name}@{k}", "revision": k, "published": t, "training": history.get(k, {})}
                               for k, t in sorted(self.published.items())]}
 
+    def models(self) -> dict[str, dict]:
+        """What `/v1/models` adds to each kept revision's entry (and to `NAME`'s: the one it serves)."""
+        history = {row["revision"]: row for row in (self.learner.history if self.learner is not None else [])}
+        out = {}
+        for k in sorted(self.published):
+            row = history.get(k, {})
+            out[f"{self.name}@{k}"] = {"revision": k, "current": k == self.current,
+                                      **({"gate_score": row["gate_score"]} if "gate_score" in row else {})}
+        if self.current is not None:
+            out[self.name] = {"serves": f"{self.name}@{self.current}"}
+        return out
+
     async def rollback(self, request: Request) -> dict:
         """`{"revision": k}` (default: the one before the current) becomes what `name` serves."""
         check_operator(request.scope, self.service.cfg.operator(), "a rollback")
