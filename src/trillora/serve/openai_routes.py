@@ -238,9 +238,8 @@ class OpenAIRoutes:
         served_calls = [(p, c) for p, (completions, *_) in zip(prompts, outcomes, strict=True) for c in completions]
         choices, records, ids = [], [], body.get("return_token_ids") is True
         for i, (prompt, (tokens, logprobs, reason)) in enumerate(served_calls):
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             tool_calls = []
-            if chat:
+            if chat:  # the renderer decodes and parses the turn; a completion is its decoded text
                 turn = self.renderer.parse(tokens, with_tools=bool(body.get("tools")))
                 tool_calls = [{"id": f"call_{secrets.token_hex(8)}", "type": "function",
                                "function": {"name": t.name, "arguments": json.dumps(t.arguments)}}
@@ -255,6 +254,7 @@ class OpenAIRoutes:
                 if ids:
                     choice["token_ids"] = tokens
             else:
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                 choice = {"index": i, "text": text, "finish_reason": reason, "token_ids": tokens}
                 if body.get("logprobs") is not None:
                     choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logprobs}
