@@ -285,7 +285,7 @@ def test_layout_errors_name_the_failing_product():
         ParallelDims(tp=3).check_model(args)
 
 
-TRAIN_ARGS = ["steps=2", "eval_every=2", "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.precision=\"fp32\"",
+TRAIN_ARGS = ["steps=2", "eval_every=2", "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.precision=\"policy\"",
               "lora.targets=[\"attention\", \"experts\"]", "task.eval_problems=16", "task.eval_samples=1",
               "task.retention=\"\"", "optim.lr=0.01", "optim.eps=1e-6", "algorithm.minibatches=2",
               "algorithm.kl_coef=0.01"]
@@ -326,9 +326,11 @@ def test_torchrun_train_matches_single_process(tmp_path, single_run, layout):
     summary = json.loads((run / "summary.json").read_text())
     expected = {k.split(".")[1]: json.loads(v) for k, v in (o.split("=") for o in layout)}
     assert {k: summary["parallel"][k] for k in expected} == expected
+    # rank 0 exported from a skeleton (base on the meta device), not a copy of the model: the same counts
+    assert summary["adapter"] == json.loads((single_run / "summary.json").read_text())["adapter"]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     one = [json.loads(line) for line in (single_run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["sync_bytes"] > 0 for r in rows[1:])
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["sync_bytes"] == 0 for r in rows[1:])  # no copy to sync
     for r, o in zip(rows[1:], one[1:]):  # the loss's metrics reach rank 0 from the last stage, averaged alike
         for k in ("loss", "kl_ref", "entropy", "clip_frac", "grad_norm"):
             assert r[k] == pytest.approx(o[k], rel=1e-3, abs=1e-6), k
@@ -369,6 +371,21 @@ def test_in_process_vllm_is_refused_under_torchrun(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets; refused before any process group starts
     with pytest.raises(ConfigError, match="under torchrun serve vLLM and use rollout.engine='openai'"):
         Trainer(load_config(None, ["rollout.engine=\"vllm\"", f"out_dir={tmp_path}"]))
+
+
+def test_a_merged_engine_is_refused_under_torchrun_and_policy_samples_with_the_model(tmp_path, monkeypatch):
+    """Under torchrun the local engine is the sharded policy itself (no whole copy on rank 0), so a
+    merged precision is refused by name; in one process `policy` samples with the model itself."""
+    from trillora.config import ConfigError, load_config
+    from trillora.trainer import Trainer
+
+    common = [f"out_dir={tmp_path}", "rollout.prompts_per_step=4", "rollout.group_size=2", "task.eval_problems=4"]
+    trainer = Trainer(load_config(None, [*common, 'rollout.precision="policy"']))
+    assert trainer.engine.model is trainer.model and trainer.full is trainer.model
+    assert trainer.engine.sync(trainer.model)["sync_bytes"] == 0  # nothing to copy
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="rollout.precision='fp32' merges the adapter into a whole copy of the base"):
+        Trainer(load_config(None, [*common, 'rollout.precision="fp32"']))
 
 
 def test_micro_batches_accumulate_to_the_same_update(tmp_path):

@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter-root", default=None, help="folder adapters may be loaded from (load_lora_adapter)")
     p.add_argument("--adapter-memory-mib", type=float, default=None,
                    help="memory the loaded adapters may hold together (default: half of what is free once the base is loaded)")
-    p.add_argument("--precision", default="fp32", choices=[c for c in typing.get_args(Precision) if c != "auto"])
+    p.add_argument("--precision", default="fp32", choices=[c for c in typing.get_args(Precision) if c not in ("auto", "policy")])
     p.add_argument("--max-connections", type=int, default=512, help="connections open at once; the next is answered 503")
     p.add_argument("--trust-remote-code", action="store_true",
                        help="run the tokenizer's own Python code (Kimi K2's tiktoken tokenizer); off by default")

@@ -91,8 +91,10 @@ class RolloutSection:
     sync_dir: str = ""
     """Where adapters are written for the servers to load; defaults to <run dir>/sync."""
     precision: Precision = "auto"
-    """local engine weights: auto (bf16 on GPU, bf16-rounded fp32 on CPU), fp32, bf16_weights, bf16.
-    vllm: auto (bf16 on GPU, fp32 on CPU), fp32, bf16."""
+    """local engine weights: a merged copy of the policy, `auto` (bf16 on GPU, bf16-rounded fp32 on
+    CPU), fp32, bf16_weights or bf16; or `policy`, the policy itself with its adapters unmerged (no
+    copy; what `auto` means under torchrun, where every rank decodes its shard). vllm: auto (bf16 on
+    GPU, fp32 on CPU), fp32, bf16."""
     max_model_len: int = 0
     """The longest prompt + completion (every engine; vllm plans its KV cache for it). 0: the
     model's own positions (`max_position_embeddings`); more than those is refused."""
@@ -112,8 +114,8 @@ class RolloutSection:
             raise ConfigError("rollout.engine='openai' needs rollout.urls (e.g. [\"http://127.0.0.1:8000\"])")
         if self.engine == "local" and self.sync not in ("auto", "merged"):
             raise ConfigError(f"rollout.sync={self.sync!r} with rollout.engine='local': the local engine syncs merged weights")
-        if self.engine == "vllm" and self.precision == "bf16_weights":
-            raise ConfigError("rollout.precision='bf16_weights' is for the local engine; vllm takes auto, fp32 or bf16")
+        if self.engine == "vllm" and self.precision in ("bf16_weights", "policy"):
+            raise ConfigError(f"rollout.precision={self.precision!r} is for the local engine; vllm takes auto, fp32 or bf16")
         for key in ("prompts_per_step", "group_size", "max_new_tokens"):
             _check_positive(f"rollout.{key}", getattr(self, key))
         _check_positive("rollout.max_model_len", self.max_model_len, zero_ok=True)

@@ -2,6 +2,7 @@
 adapter-off reference, and adapters in PEFT / vLLM layouts."""
 
 from .apply import (
+    adapter_skeleton,
     adapter_stats,
     apply_lora,
     disable_adapter,
@@ -22,6 +23,7 @@ __all__ = [
     "LoraConfig",
     "LoraConfigError",
     "adapter_config",
+    "adapter_skeleton",
     "adapter_stats",
     "adapter_tensors",
     "apply_lora",

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..models.moe import ROUTERS, GroupedExperts
+from ..models.registry import build_model
 from ..models.transformer import CausalLM
 from .config import LoraConfig
 from .layers import LoraMixin, add_adapter, merge_module
@@ -71,6 +72,19 @@ def apply_lora(model: CausalLM, cfg: LoraConfig) -> dict[str, str]:
     model.lora_config = cfg
     model.lora_targets = targets
     return targets
+
+
+def adapter_skeleton(model: CausalLM, device: torch.device) -> CausalLM:
+    """`model`'s structure with only its adapters in memory: the base on the meta device, the adapter
+    tensors real (zeros, to write a gathered adapter into). What exporting a sharded policy's
+    adapter needs, without a copy of its base."""
+    skeleton = build_model(model.args, device="meta", dtype=next(model.parameters()).dtype)
+    apply_lora(skeleton, model.lora_config)
+    for name, p in list(lora_parameters(skeleton)):
+        owner, _, attr = name.rpartition(".")
+        setattr(skeleton.get_submodule(owner), attr,
+                nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=device), requires_grad=False))
+    return skeleton
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoraMixin]]:

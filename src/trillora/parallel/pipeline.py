@@ -35,8 +35,9 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from ..models.attention import causal_mask
-from ..models.transformer import keep_stage
-from .vocab_parallel import head_logprobs
+from ..models.kv_cache import KVCache
+from ..models.transformer import keep_stage, positions_of
+from .vocab_parallel import gather_vocab, head_logprobs
 from .context_parallel import padded_length
 from .dims import ParallelDims, ParallelError
 
@@ -83,10 +84,16 @@ class StageModule(nn.Module):
         self.temperature = 1.0
         self.vocab_group = None  # set when the head is split over the vocabulary (tp)
         self.context = None  # set under context parallelism: the stage sees this rank's tokens only
+        self.decoding: tuple | None = None
+        """(mask, positions, cache, logits_to_keep) while the pipeline decodes (`Pipeline.decode`): the
+        call then returns hidden states or whole logits. Set around the call, not a method of its
+        own, so that FSDP's hooks on this module gather its parameters as for training."""
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """x: token ids [b, T] on the first stage, hidden states [b, T or t, C] after (t: this
         context-parallel rank's tokens); tokens: the ids [b, T]."""
+        if self.decoding is not None:
+            return self._decode(x, tokens, *self.decoding)
         b, t = tokens.shape
         cp = self.context
         if cp is None:
@@ -113,12 +120,32 @@ class StageModule(nn.Module):
         return torch.stack([logp, entropy], dim=-1)  # [b, T-1, 2]
 
 
+    def _decode(self, x: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
+                cache: KVCache | None, logits_to_keep: int) -> torch.Tensor:
+        """Left-padded rows after `cache`'s tokens: hidden states [b, t, C], or on the last stage the
+        logits [b, logits_to_keep or t, V] (a vocabulary-parallel head's slices gathered)."""
+        t = tokens.shape[1]
+        offset = cache.length if cache is not None else 0
+        h = self.model.embed_tokens(x) if self.first else x
+        rope = self.model.rotary_emb(positions, h.dtype)
+        masks: dict[int, torch.Tensor | None] = {}
+        for i, layer in self.model.layers.items():
+            window = layer.self_attn.inner.window
+            if window not in masks:
+                masks[window] = causal_mask(mask, t, offset, tokens.device, window)
+            h = layer(h, rope, masks[window], cache, int(i))
+        if not self.last:
+            return h
+        logits = self.lm_head(self.model.norm(h[:, -logits_to_keep:] if logits_to_keep else h))
+        return gather_vocab(logits, self.vocab_group) if self.vocab_group is not None else logits
+
+
 class Pipeline:
     """This rank's stages of `model` and the schedule that runs them with the other pp ranks."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, group, pp_rank: int, device: torch.device):
         self.dims, self.group, self.device, self.pp_rank = dims, group, device, pp_rank
-        self.hidden_size = model.args.hidden_size
+        self.hidden_size, self.vocab_size = model.args.hidden_size, model.args.vocab_size
         self.hidden_dtype = model.model.embed_tokens.weight.dtype  # what stages send each other
         n = dims.num_stages
         ranges = split_layers(model.args.num_layers, n, dims.pp_stage_layers)
@@ -214,6 +241,37 @@ class Pipeline:
         out = self._from_last(out.contiguous())
         return out[..., 0], out[..., 1]
 
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: KVCache | None = None,
+               logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits [b, logits_to_keep or T, V] on every pp rank for `input_ids` [b, T] after `cache`'s
+        tokens: the stages in order, as `logprobs` runs them, keeping their keys and values."""
+        b, t = input_ids.shape
+        positions = positions_of(input_ids, attention_mask, cache.length if cache is not None else 0)
+        x = input_ids
+        for s in range(self.dims.num_stages):
+            here = self.owner(s)
+            if here != self.pp_rank:
+                continue
+            if s > 0 and self.owner(s - 1) != here:
+                x = torch.empty(b, t, self.hidden_size, dtype=self.hidden_dtype, device=self.device)
+                dist.recv(x, group=self.group, group_src=self.owner(s - 1))
+            stage = self.modules[self.stage_ids.index(s)]
+            stage.decoding = (attention_mask, positions, cache, logits_to_keep)
+            try:
+                x = stage(x, input_ids)
+            finally:
+                stage.decoding = None
+            if s + 1 < self.dims.num_stages and self.owner(s + 1) != here:
+                dist.send(x.contiguous(), group=self.group, group_dst=self.owner(s + 1))
+        if cache is not None:
+            cache.advance(t)
+        logits = x.float() if self.has_last else torch.empty(b, logits_to_keep or t, self.vocab_size, device=self.device)
+        return self._from_last(logits.contiguous())
+
+    def decoder(self, model: nn.Module) -> "StagesDecoder":
+        return StagesDecoder(self, model)
+
     def owner(self, stage: int) -> int:
         return next(r for r in range(self.dims.pp) if stage in stage_indices(r, self.dims))
 
@@ -227,3 +285,18 @@ class Pipeline:
         if self.dims.pp > 1:
             dist.broadcast(t, group=self.group, group_src=self.last_owner)
         return t
+
+
+class StagesDecoder(nn.Module):
+    """This rank's stages called like the whole model for a decoding engine (`rollout.LocalEngine`):
+    `decoder(input_ids, attention_mask, cache, logits_to_keep)` -> logits on every pp rank."""
+
+    def __init__(self, pipeline: Pipeline, model: nn.Module):
+        super().__init__()
+        self.pipeline, self.args = pipeline, model.args
+        self.model = model.model  # the layers' places: an engine sizes its cache by them
+        self.stages = nn.ModuleList(pipeline.modules)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: KVCache | None = None,
+                logits_to_keep: int = 0) -> torch.Tensor:
+        return self.pipeline.decode(input_ids, attention_mask, cache, logits_to_keep)

@@ -69,3 +69,11 @@ def head_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: floa
     if vocab_group is None:
         return logprobs_from_logits(logits, targets, temperature, with_entropy)
     return vocab_parallel_logprobs(scale_by_temperature(logits, temperature), targets, vocab_group, with_entropy)
+
+
+@torch.no_grad()
+def gather_vocab(logits_local: torch.Tensor, group) -> torch.Tensor:
+    """[B, T, V/tp] slices of the head's output -> [B, T, V] on every tp rank (decoding: a few positions)."""
+    parts = [torch.empty_like(logits_local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits_local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)

@@ -30,17 +30,23 @@ class LocalEngine:
     returns_routing = True
 
     def __init__(self, model: CausalLM, precision: str = "auto", device: str | torch.device | None = None, pad_id: int = 0):
+        """`precision="policy"`: sample with `model` itself, its own weights and precision, adapters
+        applied unmerged as they are at each call. No copy of the base: what a resident base serving
+        several adapters needs (it swaps the adapter in before `generate`), and a sharded policy
+        under torchrun (every rank decodes its part, `policy.decoding`)."""
         if precision not in PRECISIONS:
             raise ValueError(f"rollout precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
         device = torch.device(device) if device is not None else next(model.parameters()).device
         if precision == "auto":
             precision = "bf16" if device.type == "cuda" else "bf16_weights"
         self.precision, self.device, self.pad_id = precision, device, pad_id
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        self.model = build_model(model.args, device=device, dtype=dtype)
-        self.model.requires_grad_(False).eval()
-        self.model.reset_buffers()
-        self._copy_all(model)
+        if precision == "policy":
+            self.model = model
+        else:
+            self.model = build_model(model.args, device=device, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+            self.model.requires_grad_(False).eval()
+            self.model.reset_buffers()
+            self._copy_all(model)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
         self._kept: _Kept | None = None
@@ -51,16 +57,7 @@ class LocalEngine:
 
     @classmethod
     def sharing(cls, model: CausalLM, pad_id: int = 0) -> "LocalEngine":
-        """An engine that samples with `model` itself: its own weights and precision, adapters
-        applied unmerged as they are at each call. No copy of the base: what a service keeping one
-        resident base for several adapters needs (it swaps the adapter in before `generate`)."""
-        engine = cls.__new__(cls)
-        engine.precision, engine.device, engine.pad_id = "shared", next(model.parameters()).device, pad_id
-        engine.model = model
-        engine.generator = torch.Generator(device=engine.device)
-        engine.generator.manual_seed(0)
-        engine._kept, engine.reused_tokens, engine.keep_kv = None, 0, True
-        return engine
+        return cls(model, precision="policy", pad_id=pad_id)
 
     def pinned(self) -> None:
         return None  # a sync rewrites these weights in place
@@ -96,7 +93,7 @@ class LocalEngine:
         the model has no adapters (full-parameter training)."""
         start, sent = time.perf_counter(), 0
         self._kept = None  # keys and values of the old weights
-        if self.precision == "shared":
+        if self.precision == "policy":
             return {"sync_bytes": 0.0, "sync_seconds": time.perf_counter() - start}  # it samples with `model` itself
         if not any(True for _ in lora_modules(model)):  # full-parameter training: every weight moved
             return {"sync_bytes": float(self._copy_base(model)), "sync_seconds": time.perf_counter() - start}

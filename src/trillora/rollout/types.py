@@ -14,8 +14,9 @@ EngineName = Literal["local", "vllm", "openai"]
 """`local`: the built-in engine in this process; `vllm`: vLLM's LLM in this process; `openai`:
 OpenAI-compatible servers (vLLM, SGLang, `trillora serve`)."""
 SyncMode = Literal["auto", "adapter", "merged"]
-Precision = Literal["auto", "fp32", "bf16_weights", "bf16"]
-"""Rollout weights: bf16 on GPU / bf16-rounded fp32 on CPU (`auto`), fp32, bf16-rounded fp32, bf16."""
+Precision = Literal["auto", "fp32", "bf16_weights", "bf16", "policy"]
+"""Rollout weights: bf16 on GPU / bf16-rounded fp32 on CPU (`auto`), fp32, bf16-rounded fp32, bf16 (a
+merged copy of the policy each), or the policy itself (`policy`: no copy, adapters unmerged)."""
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.transformer import OtherStage
+from ..parallel.vocab_parallel import gather_vocab
 from ..rollout.local import LocalEngine
 from ..policy.adapters import ResidentBase, Revision
 from .ranks import Ranks
@@ -106,7 +107,7 @@ class Sampling:
             if self.stages is not None:
                 stack.enter_context(self.stages.sharing_logits())
             if self.ranks.dims.vocab_parallel and not isinstance(model.lm_head, OtherStage):
-                hook = model.lm_head.register_forward_hook(lambda m, args, out: _gather_vocab(out, self.ranks.tp_group))
+                hook = model.lm_head.register_forward_hook(lambda m, args, out: gather_vocab(out, self.ranks.tp_group))
                 stack.callback(hook.remove)
             yield
 
@@ -143,10 +144,3 @@ class Sampling:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-
-@torch.no_grad()
-def _gather_vocab(logits_local: torch.Tensor, group) -> torch.Tensor:
-    """[B, T, V/tp] slices of the head's output -> [B, T, V] on every tp rank (decoding: a few positions)."""
-    parts = [torch.empty_like(logits_local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, logits_local.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)

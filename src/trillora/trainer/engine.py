@@ -15,6 +15,10 @@ def check_engine(cfg) -> None:
     if launched() and cfg.rollout.engine == "vllm":
         raise ConfigError("rollout.engine='vllm' runs vLLM inside this process, which torchrun already made a "
                           "distributed rank; under torchrun serve vLLM and use rollout.engine='openai'")
+    if launched() and cfg.rollout.engine == "local" and cfg.rollout.precision not in ("auto", "policy"):
+        raise ConfigError(f"rollout.precision={cfg.rollout.precision!r} merges the adapter into a whole copy of the base "
+                          "on rank 0; under torchrun the local engine samples with the sharded policy itself: use "
+                          "rollout.precision='policy' (what 'auto' means there), or serve vLLM and use rollout.engine='openai'")
     if launched() and cfg.rollout.asynchronous:
         raise ConfigError("rollout.asynchronous needs one process (not torchrun)")
 
@@ -34,4 +38,4 @@ def make_engine(cfg, model: nn.Module, device, pad_id: int, routing: bool) -> Ro
         dtype = {"auto": None, "fp32": "float32", "bf16": "bfloat16"}[r.precision]
         return VLLMEngine(resolve_model_path(cfg.model.path), model, sync=r.sync, sync_dir=sync_dir, dtype=dtype,
                           max_model_len=r.max_model_len, seed=cfg.seed, return_routing=routing)
-    return LocalEngine(model, precision=r.precision, device=device, pad_id=pad_id)
+    return LocalEngine(model, precision="policy" if launched() else r.precision, device=device, pad_id=pad_id)

@@ -6,6 +6,9 @@
                engine.sync(world.unsharded(model))            every rank joins the adapter gather
                log, evaluate (rank 0); checkpoint (all ranks)
 
+Under torchrun the local engine is the sharded policy itself: while rank 0 samples or evaluates,
+the other ranks decode their parts with it (`on_rank0`, `policy.decoding`).
+
 The math lives in `trillora.rl`; the parts of a step in the modules named after them.
 Shape legend: P prompts per step, G group size, B = P·G rows.
 """
@@ -13,7 +16,6 @@ Shape legend: P prompts per step, G group size, B = P·G rows.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import json
 import os
@@ -30,6 +32,7 @@ from ..checkpoint.hf import EXPERT_LAYOUTS
 from ..config import TrainConfig, to_toml
 from ..errors import ConfigError, TrainingDiverged
 from ..policy import adamw
+from ..policy.decoding import LockstepEngine
 from ..tasks import make_task
 from ..tasks.env_dataset import load_env_dataset
 from ..tasks.guard import GuardedReward
@@ -78,11 +81,12 @@ class Trainer:
             lora.apply_lora(self.model, cfg.lora)
         self.flops = ModelFlops.of(self.model)  # counted unsharded, before any parallel plan applies
         self.flops_total = 0.0  # the run's so far, on every rank (all of them decide alike when the budget is spent)
-        # `full`: the unsharded model the engine and the export read (the model itself in one process)
-        self.full = copy.deepcopy(self.model) if launched() else self.model
         self.world = World.start(self.model, cfg, self.device)
-        if not self.world.main:
-            self.full = None
+        # `full`: the unsharded adapter the export and an external engine read: the model itself in one
+        # process; under torchrun rank 0's skeleton of it, the base on the meta device (no copy)
+        self.full = self.model if not launched() else lora.adapter_skeleton(self.model, self.device) \
+            if self.world.main and cfg.finetune == "lora" else None
+        self.world.unsharded(self.model, self.full)  # the initial adapter in the skeleton
         o = cfg.optim
         params = [p for _, p in lora.trained_parameters(self.model)]
         self.opt = adamw(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -102,7 +106,14 @@ class Trainer:
         self.retention_problems = self.retention.problems("eval", t.eval_problems, seed=cfg.seed) if self.retention else []
         routing = cfg.algorithm.router_replay != "off" or cfg.algorithm.routing_metrics
         pad = self.tokenizer.pad_token_id or 0
-        self.engine = make_engine(cfg, self.full, self.device, pad, routing) if self.world.main else None
+        if launched() and cfg.rollout.engine == "local":  # every rank decodes its shard
+            if routing and self.world.dims.pp > 1:
+                raise ConfigError("algorithm.router_replay / routing_metrics with parallel.pp > 1 and the local engine: "
+                                  "each pipeline rank sees its own layers' routing; serve vLLM and use "
+                                  "rollout.engine='openai', or pp=1")
+            self.engine = LockstepEngine(self.model, self.world.par, self.world.rank, self.device, pad)
+        else:
+            self.engine = make_engine(cfg, self.full, self.device, pad, routing) if self.world.main else None
         self.sampler = Sampler(cfg, self.engine, self.tokenizer, self.task, self.reward, self.device, routing, self.envs,
                                self.flops)
 
@@ -124,8 +135,22 @@ class Trainer:
 
     def sync_engine(self) -> dict[str, float]:
         """Bring the engine up to date (every rank joins the adapter gather; rank 0 syncs)."""
+        if isinstance(self.engine, LockstepEngine):  # it samples with the trained weights themselves
+            return self.engine.sync()
         full = self.world.unsharded(self.model, self.full)
         return self.engine.sync(full) if self.world.main else {}
+
+    def on_rank0(self, work):
+        """`work()` on rank 0 (sampling, evaluating: its result), while the other ranks decode their
+        shards of the policy for its engine calls (None there)."""
+        if not isinstance(self.engine, LockstepEngine):
+            return work() if self.world.main else None
+        if not self.world.main:
+            return self.engine.follow()
+        try:
+            return work()
+        finally:
+            self.engine.release()
 
     def _set_lr(self, step: int) -> float:
         o = self.cfg.optim
@@ -155,7 +180,7 @@ class Trainer:
         lr = self._set_lr(step)
         failures = self.reward_failures
         with record_function("trillora.rollout"):
-            rollout = self.world.share(self.sampler.sample(step) if self.world.main else None)
+            rollout = self.world.share(self.on_rank0(lambda: self.sampler.sample(step)))
         t1 = time.perf_counter()
         with record_function("trillora.update"):
             a = self.cfg.algorithm
@@ -196,8 +221,8 @@ class Trainer:
             self.flops_total = resumed.state.get("flops_total", 0.0)
             if main:
                 metrics_file.write_text(checkpoints.metrics_of(resumed))
-        elif main:
-            before, retention = self._evaluate_all()
+        elif (evaluated := self.on_rank0(self._evaluate_all)) is not None:
+            before, retention = evaluated
             state = {"eval_before": before, "retention_before": retention, "accuracy": before, "retention_after": retention}
             initial = {"step": 0, "eval_accuracy": before, **({"retention_accuracy": retention} if self.retention else {})}
             metrics_file.write_text(json.dumps(initial) + "\n")  # the start of the accuracy curves
@@ -214,8 +239,9 @@ class Trainer:
                 row = self.step(step)
                 spent = cfg.flops_budget > 0 and self.flops_total >= cfg.flops_budget  # the last step of the run
                 state["steps_done"] = step + 1
+                evaluated = self.on_rank0(self._evaluate_all_timed) if self._evaluating(step, spent) else None
                 if main:
-                    self._log(row, step, state, metrics_file, bar, job, last=spent)
+                    self._log(row, step, state, metrics_file, bar, job, evaluated)
                 stopping, diverged = stop.now(), self.update.diverged()
                 if checkpoints.due(step + 1, stopping or diverged or spent):
                     checkpoints.save(step + 1, state, metrics_file if main else None)
@@ -223,6 +249,7 @@ class Trainer:
                     world.close()
                     raise self._diverged(step + 1)
                 if stopping:
+                    self.world.unsharded(self.model, self.full)  # every rank joins the adapter gather
                     if main:  # the adapter so far is usable (eval, generate, serve) without unpacking a checkpoint
                         self._export_adapter()
                         self.console.print(f"stopped at step {step + 1} of {cfg.steps}: weights so far in "
@@ -231,21 +258,29 @@ class Trainer:
                     return {"stopped_at": step + 1} if main else {}
                 if spent:
                     break
+        self.world.unsharded(self.model, self.full)
         summary = self._finish(state, start) if main else {}
         if close_engine and self.engine is not None:
             self.engine.close()
         world.close()
         return summary
 
-    def _log(self, row: dict, step: int, state: dict, metrics_file, bar, job, last: bool = False) -> None:
-        """Rank 0: evaluate when due (and at the `last` step), append the step's row, move the progress bar."""
-        if (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps or last:
-            t3 = time.perf_counter()
-            state["accuracy"], retention = self._evaluate_all()
+    def _evaluating(self, step: int, last: bool) -> bool:
+        """Evaluation is due after `step` (and at the `last` step of a spent FLOP budget)."""
+        return (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps or last
+
+    def _evaluate_all_timed(self):
+        t3 = time.perf_counter()
+        return *self._evaluate_all(), time.perf_counter() - t3
+
+    def _log(self, row: dict, step: int, state: dict, metrics_file, bar, job, evaluated) -> None:
+        """Rank 0: the evaluation's results if one ran, the step's row appended, the progress bar moved."""
+        if evaluated is not None:
+            state["accuracy"], retention, seconds = evaluated
             row["eval_accuracy"] = state["accuracy"]
             if self.retention:
                 state["retention_after"] = row["retention_accuracy"] = retention
-            row["eval_seconds"] = time.perf_counter() - t3
+            row["eval_seconds"] = seconds
             row["step_seconds"] += row["eval_seconds"]
         with open(metrics_file, "a") as log:
             log.write(json.dumps(row) + "\n")

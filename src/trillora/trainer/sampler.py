@@ -189,8 +189,8 @@ def memory_factory(m, engine, tokenizer):
         else:
             model = getattr(engine, "model", None)
             if m.importance != "recency" and model is None:
-                raise ConfigError(f"memory.importance={m.importance!r} scores chunks with the policy in this process: use "
-                                  "rollout.engine='local', or memory.importance='recency'")
+                raise ConfigError(f"memory.importance={m.importance!r} scores chunks with the policy whole in this process: "
+                                  "use rollout.engine='local' in one process, or memory.importance='recency'")
             importance = {"policy": lambda: policy_scores(model, tokenizer.pad_token_id or 0),
                           "attention": lambda: attention_mass(model), "recency": lambda: recency}[m.importance]()
             policy = MemoryDiffusion(engine, tokenizer, seeded, importance, m.allocate, m.keep_recent, m.floor)
