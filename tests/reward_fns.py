@@ -21,3 +21,10 @@ def served_tokens(calls) -> float:
 
 def not_a_number(calls) -> float:
     return float("nan")
+
+
+def even_first_token(calls) -> float:
+    """A reward that depends on what was sampled (the traces gate's replays): 1 when the first call's
+    first completion token id is even."""
+    ids = calls[0].completion_ids
+    return float(bool(ids) and ids[0] % 2 == 0)

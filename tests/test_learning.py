@@ -131,6 +131,61 @@ def test_unscored_traces_take_the_reward_function_and_a_bad_one_is_left_out(serv
             assert {r[0]: r[1] for r in store._read("SELECT trace_id, revision FROM trained")}["t-not_a_number"] == -1
 
 
+def test_the_traces_gate_replays_held_out_traces_that_are_never_trained_on(service, tmp_path):
+    """`learn.gate = "traces"`: the traces whose key hashes into `learn.holdout` are marked held out
+    and never trained on; each revision replays their first prompts (seeded, the adapter in its slot)
+    and `learn.reward` scores the replays. A larger held-out set starts a new bar."""
+    import reward_fns
+
+    from trillora.rollout import LocalEngine, SamplingParams
+    from trillora.tasks.prompts import stop_tokens
+    from trillora.traces.experience import held_out
+    from trillora.traces.store import HELD_OUT
+
+    path = tmp_path / "gate.toml"
+    path.write_text(LEARN.format(every=1, cap=2.0) + 'gate = "traces"\nholdout = 0.5\ngate_traces = 16\n'
+                    'reward = "reward_fns:even_first_token"\n')
+    store = TraceStore(str(tmp_path / "t.db"))
+    learner = Learner(service.base, store, load_config(path), lambda *a: None, tmp_path / "learner", service.device,
+                      service.tokenizer)
+    keys = [f"t{i}" for i in range(10)]
+    for i, t in enumerate(keys):
+        record(store, service, t, "tiny-moe-chat", 0.0, None, prompt_len=2 + i % 8)
+    held = sorted(t for t in keys if held_out(("k", t), 0.5))
+    assert held == ["t3", "t9"]  # the first 8 bytes of sha256("k/t3") / 2^64 = 0.318 < 0.5; t0's: 0.523
+    row = learner.step()
+    marks = dict(store._read("SELECT trace_id, revision FROM trained"))
+    assert sorted(t for t, r in marks.items() if r == HELD_OUT) == held
+    assert {t for t, r in marks.items() if r == 1} == set(keys) - set(held) and row["traces"] == 8
+
+    engine = LocalEngine.sharing(service.base.model, service.tokenizer.pad_token_id or 0)  # the replays, by hand
+    firsts = [store.calls(t, owner="k")[0] for t in held]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=stop_tokens(service.tokenizer, chat=True),
+                            seed=4242)
+    with service.base.use(learner.adapter), torch.no_grad():
+        out = engine.generate([c.prompt_ids for c in firsts], 1, params)
+    scores = [reward_fns.even_first_token([dataclasses.replace(c, completion_ids=o.token_ids)]) for c, (o,) in zip(firsts, out)]
+    assert row["gate_score"] == sum(scores) / len(scores) and learner.best == row["gate_score"]
+    basis = learner.best_basis
+    assert basis.startswith("traces:2:")
+
+    for t in ("t10", "t11", "t12"):  # t11 (0.271) hashes into the held-out share: the set grows, a new bar
+        record(store, service, t, "tiny-moe-chat@1", 0.0, None)
+    row = learner.step()
+    assert row["revision"] == 2 and learner.best_basis.startswith("traces:3:") and learner.best == row["gate_score"]
+    marks = dict(store._read("SELECT trace_id, revision FROM trained"))
+    assert (marks["t10"], marks["t11"], marks["t12"]) == (2, HELD_OUT, 2)
+
+
+def test_a_traces_gate_needs_a_reward_function_and_gates_are_named(tmp_path):
+    from trillora.config import ConfigError
+
+    with pytest.raises(ConfigError, match="learn.gate='traces' scores each replayed trace with learn.reward"):
+        load_config(None, ['learn.gate="traces"'])
+    with pytest.raises(ConfigError, match="learn.gate='always'; allowed: '', 'env', 'traces'"):
+        load_config(None, ['learn.gate="always"'])
+
+
 def test_a_round_whose_update_is_not_finite_consumes_its_traces(service, tmp_path):
     """A batch whose loss or gradient is not finite is not published and not retried every second:
     its traces are marked left out, and the adapter stays at the last published revision."""
@@ -149,7 +204,7 @@ def test_the_gate_keeps_a_worse_revision_out(service, tmp_path):
     it is served; the first sets the bar, one scoring below it by more than the tolerance is not
     published, and the learner goes back to the revision that was."""
     path = tmp_path / "gate.toml"
-    path.write_text(LEARN.format(every=1, cap=2.0) + "gate = true\ngate_tolerance = 0.0\n"
+    path.write_text(LEARN.format(every=1, cap=2.0) + 'gate = "env"\ngate_tolerance = 0.0\n'
                     '[task]\nname = "env"\noptions = { env = "trillora.tasks.calculator:dataset", digits = [4, 3] }\n'
                     "eval_problems = 4\nmax_turns = 3\n")
     store, published = TraceStore(str(tmp_path / "t.db")), []
@@ -160,7 +215,7 @@ def test_the_gate_keeps_a_worse_revision_out(service, tmp_path):
     assert published == [1] and 0.0 <= row["gate_score"] <= 1.0 and learner.best == row["gate_score"]
     assert learner.history[-1]["gate_score"] == row["gate_score"]  # what /v1/models shows for NAME@1
     first = {k: p.detach().clone() for k, p in learner.adapter.params.items()}
-    learner.gate = lambda: learner.best - 0.5  # the next revision does worse on the held-out episodes
+    learner.gate = lambda: (learner.best - 0.5, "env")  # the next revision does worse on the held-out episodes
     record(store, service, "two", "tiny-moe-chat@1", 0.0, 1.0)
     row = learner.step()
     assert row["gated"] and row["revision"] == 1 and published == [1] and learner.revision == 1

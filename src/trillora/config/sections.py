@@ -286,6 +286,9 @@ class MemorySection:
                               f"and at most rollout.max_model_len ({max_model_len or 'the model positions'})")
 
 
+GATES = ("", "env", "traces")
+
+
 @dataclass(kw_only=True, frozen=True)
 class LearnSection:
     """`trillora serve MODEL --record STORE --learn CONFIG`: the served policy learns from its traffic."""
@@ -308,16 +311,31 @@ class LearnSection:
     baseline_decay: float = 0.9
     """A trace whose task does not recur in its batch is measured against a running mean reward of its
     tag (`metadata.task`): mean ← decay · mean + (1 - decay) · reward."""
-    gate: bool = False
-    """Check each new revision on the held-out episodes of `[task]` (an env, `task.name = "env"`,
-    `task.eval_problems` of them) before it is served; one that scores below the best served so
-    far by more than `gate_tolerance` is not published, and the learner goes back to the last one."""
+    gate: str = ""
+    """Check each new revision before it is served ("" = no check): `env`, on the held-out episodes
+    of `[task]` (`task.name = "env"`, `task.eval_problems` of them); `traces`, on recorded traces
+    held out of training (`holdout`), each replayed from its first prompt and scored by `reward`.
+    One scoring below the best served so far by more than `gate_tolerance` is not published, and
+    the learner goes back to the last one."""
     gate_tolerance: float = 0.05
+    holdout: float = 0.1
+    """With `gate = "traces"`: the share of traces (by a hash of their key) never trained on and
+    replayed by the gate instead."""
+    gate_traces: int = 32
+    """With `gate = "traces"`: how many held-out traces the gate replays (the oldest: a fixed set
+    once there are this many)."""
 
     def validate(self) -> None:
         _check_positive("learn.every", self.every)
         _check_positive("learn.minutes", self.minutes, zero_ok=True)
         _check_positive("learn.gate_tolerance", self.gate_tolerance, zero_ok=True)
+        if self.gate not in GATES:
+            raise ConfigError(f"learn.gate={self.gate!r}; allowed: {', '.join(repr(g) for g in GATES)}")
+        if self.gate == "traces" and not self.reward:
+            raise ConfigError("learn.gate='traces' scores each replayed trace with learn.reward: name a 'module:function'")
+        if not 0.0 < self.holdout < 1.0:
+            raise ConfigError(f"learn.holdout={self.holdout}; allowed: 0 < holdout < 1")
+        _check_positive("learn.gate_traces", self.gate_traces)
         _check_positive("learn.keep", self.keep)
         _check_positive("learn.max_tokens", self.max_tokens)
         _check_positive("learn.max_staleness", self.max_staleness, zero_ok=True)

@@ -72,16 +72,16 @@ class LockstepEngine:
 
     # --- rank 0 -------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams):
-        self._command(Generate(prompts, n, params))
-        return self._run(Generate(prompts, n, params))
+        command = from_rank0(Generate(prompts, n, params))
+        return self._run(command)
 
     def forget(self) -> None:
-        self._command(Forget())
+        from_rank0(Forget())
         self.engine.forget()
 
     def release(self) -> None:
         """The end of rank 0's phase of sampling: the other ranks leave `follow()`."""
-        self._command(None)
+        from_rank0(None)
 
     def close(self) -> None:
         self.engine = None
@@ -89,7 +89,7 @@ class LockstepEngine:
     # --- every rank ---------------------------------------------------------------------------
     def follow(self) -> None:
         """The other ranks: serve rank 0's commands until it releases them."""
-        while (command := self._command(None)) is not None:
+        while (command := from_rank0(None)) is not None:
             if isinstance(command, Forget):
                 if self.engine is not None:
                     self.engine.forget()
@@ -103,37 +103,49 @@ class LockstepEngine:
             try:
                 return self.engine.generate(command.prompts, command.n, command.params)
             finally:
-                self._announce(False)
+                self._announce(False)  # the followers leave `follow_forwards`
 
     def _follow_forwards(self) -> None:
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         with self._decoding(), torch.no_grad():
-            while self._announce(None):
-                self.forward(ids)
+            follow_forwards(lambda _: self.forward(ids))
 
-    @contextlib.contextmanager
     def _decoding(self):
-        """Whole rows and whole logits on every driver: cp off, a vocabulary-parallel head gathered."""
-        with contextlib.ExitStack() as stack:
-            if self.par.context is not None:
-                stack.enter_context(self.par.context.off())
-            if self.par.dims.vocab_parallel and self.par.pipeline is None:
-                head = self.forward.lm_head
-                hook = head.register_forward_hook(lambda m, args, out: gather_vocab(out, self.par.meshes.group("tp")))
-                stack.callback(hook.remove)
-            yield
+        head = self.forward.lm_head if self.par.dims.vocab_parallel and self.par.pipeline is None else None
+        return whole_rows(self.par.context, head, self.par.meshes.group("tp"))
 
-    def _command(self, command):
-        box = [command]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def _announce(self, forward: bool | None) -> bool:
-        """Rank 0 says a forward follows (True) or the call ended (False); every rank hears it. The
+    def _announce(self, forward: bool) -> None:
+        """Rank 0 says a forward follows (True) or the call ended (None); every rank hears it. The
         drivers' announcements are rank 0's too: each runs the same forwards."""
-        box = [forward]
-        dist.broadcast_object_list(box, src=0)
-        return bool(box[0])
+        from_rank0(True if forward else None)
+
+
+def from_rank0(obj):
+    """Rank 0's object on every rank (what the others pass is ignored)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def follow_forwards(run) -> None:
+    """A rank that holds no rows of the drivers' call: `run(payload)` once per forward rank 0
+    announces (its payload: what that forward needs, e.g. the adapters it applies), until None."""
+    while (payload := from_rank0(None)) is not None:
+        run(payload)
+
+
+@contextlib.contextmanager
+def whole_rows(context, head: nn.Module | None, vocab_group):
+    """Whole rows and whole logits on every rank that decodes: context parallelism off (each cp rank
+    runs the same tokens) and, with `head` (a vocabulary-parallel head this rank runs), its slices
+    gathered over tp."""
+    with contextlib.ExitStack() as stack:
+        if context is not None:
+            stack.enter_context(context.off())
+        if head is not None:
+            hook = head.register_forward_hook(lambda m, args, out: gather_vocab(out, vocab_group))
+            stack.callback(hook.remove)
+        yield
 
 
 class _Announcing(nn.Module):

@@ -14,12 +14,11 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..models.transformer import OtherStage
-from ..parallel.vocab_parallel import gather_vocab
 from ..rollout.local import LocalEngine
 from ..policy.adapters import ResidentBase, Revision
+from ..policy.decoding import follow_forwards, from_rank0, whole_rows
 from .ranks import Ranks
 from .scoring import score_prompt, topk_sampled
 from .tinker_checks import cut_at_stop
@@ -96,20 +95,17 @@ class Sampling:
 
     @contextlib.contextmanager
     def _decoding(self):
-        """Whole rows and whole logits on every rank that decodes: context parallelism off (every cp
-        rank runs the same tokens), a vocabulary-parallel head's slices gathered over tp, and under
-        pp the last stage's logits shared with every stage."""
+        """Whole rows and whole logits on every rank that decodes (`policy.decoding.whole_rows`), and
+        under pp the last stage's logits shared with every stage."""
         model = self.base.model
-        cp = getattr(model, "context_parallel", None)
-        with contextlib.ExitStack() as stack:
-            if cp is not None:
-                stack.enter_context(cp.off())
-            if self.stages is not None:
-                stack.enter_context(self.stages.sharing_logits())
-            if self.ranks.dims.vocab_parallel and not isinstance(model.lm_head, OtherStage):
-                hook = model.lm_head.register_forward_hook(lambda m, args, out: gather_vocab(out, self.ranks.tp_group))
-                stack.callback(hook.remove)
-            yield
+        vocab_parallel = self.ranks.dims.vocab_parallel and not isinstance(model.lm_head, OtherStage)
+        with whole_rows(getattr(model, "context_parallel", None), model.lm_head if vocab_parallel else None,
+                        self.ranks.tp_group):
+            if self.stages is None:
+                yield
+            else:
+                with self.stages.sharing_logits():
+                    yield
 
     def _sample_or_follow(self, calls: list[SampleCall]) -> list:
         """A sharded base samples on every rank: dp rank 0's tp / cp / pp group drives the same
@@ -124,7 +120,8 @@ class Sampling:
                 hook.remove()
                 self._announce(None)
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        while (named := self._announce(None)) is not None:
+
+        def forward(named) -> None:
             if isinstance(named, list):  # several revisions in the pass: the same ones, numbered alike
                 revisions = [self.lookup(n) for n in named]
                 use = self.base.use_many(revisions, [1] + [0] * (len(revisions) - 1))
@@ -132,6 +129,8 @@ class Sampling:
                 use = self.base.use(self.lookup(named))
             with use as model, torch.no_grad():
                 model(ids)
+
+        follow_forwards(forward)
         return []
 
     def _before_forward(self, module, args) -> None:
@@ -139,8 +138,4 @@ class Sampling:
         self._announce([r.sampler_id for r in in_use] if isinstance(in_use, tuple) else in_use.sampler_id)
 
     def _announce(self, sampler_id: str | list[str] | None) -> str | list[str] | None:
-        """Rank 0's sampler id (or ids), on every rank (what the others pass is ignored)."""
-        box = [sampler_id]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
+        return from_rank0(sampler_id)

@@ -10,6 +10,9 @@ baseline that fits logged traffic, where nothing guarantees a GRPO group:
   its tag (`metadata.task`, "" when the client names none), which then moves toward its reward:
   mean ← decay · mean + (1 - decay) · reward. The first trace of a tag sets the mean (advantage 0).
 
+With `learn.gate = "traces"` a share of the traces (`learn.holdout`, by a hash of their key, so
+the split never changes) is held out: never trained on, and replayed by the gate instead.
+
 A trace served by a revision more than `max_staleness` revisions before the learner's current one
 is dropped and counted; so is one sampled at another temperature than the learner's logprobs use
 (its recorded logprobs would not be comparable), one whose reward is not a finite number within
@@ -20,6 +23,7 @@ first, until that budget is spent; the rest wait for the next.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import math
 from collections.abc import Callable
@@ -40,6 +44,13 @@ class Experience:
     dropped: dict[str, int] = field(default_factory=dict)  # traces left out, by reason
     revisions: list[int] = field(default_factory=list)  # per sample: the revision that served its trace's first call
     left_out: list[tuple[str, str]] = field(default_factory=list)  # dropped for good (stale, temperature, reward, size)
+    held_out: list[tuple[str, str]] = field(default_factory=list)  # kept for the gate (`learn.holdout`)
+
+
+def held_out(key: tuple[str, str], share: float) -> bool:
+    """Whether the trace (owner, trace id) belongs to the held-out share: a hash, so always the same answer."""
+    digest = hashlib.sha256(f"{key[0]}/{key[1]}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < share * 2**64
 
 
 def reward_function(name: str) -> Callable[[list[Call]], float] | None:
@@ -88,9 +99,12 @@ def collect(store: TraceStore, current: int, learn, temperature: float, baseline
     a token id past `vocab_size` was served by another model: left out and counted)."""
     rewards, tasks, tags, picked, samples_per, served_by, left_out = [], [], [], [], [], [], []
     dropped = {"stale": 0, "other_temperature": 0, "bad_reward": 0, "too_long": 0, "other_vocabulary": 0}
-    tokens = 0
+    tokens, held = 0, []
     for t in store.untrained(rewarded_only=score is None):
         key = (t["owner"], t["trace_id"])
+        if learn.gate == "traces" and held_out(key, learn.holdout):
+            held.append(key)
+            continue
         calls = store.calls(t["trace_id"], owner=t["owner"])
         size = sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
         if size > learn.max_tokens:  # alone over a round's budget: it would stall serving for its whole round
@@ -126,7 +140,7 @@ def collect(store: TraceStore, current: int, learn, temperature: float, baseline
         samples_per.append(samples_of(calls))
         served_by.append(calls[0].revision_number)
     adv = advantages(rewards, tasks, tags, baselines)
-    out = Experience([], [], [], picked, {k: v for k, v in dropped.items() if v}, left_out=left_out)
+    out = Experience([], [], [], picked, {k: v for k, v in dropped.items() if v}, left_out=left_out, held_out=held)
     for samples, a, r, k in zip(samples_per, adv, rewards, served_by, strict=True):
         out.samples += samples
         out.advantages += [a] * len(samples)

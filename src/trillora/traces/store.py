@@ -35,6 +35,8 @@ MAX_REWARD = 1e6
 """Rewards are bounded: one huge reward would make every advantage of its round overflow."""
 MAX_FEEDBACK = 32
 """Feedback rows one trace may hold (they are averaged; more only fills the disk)."""
+HELD_OUT = -2
+"""The `trained` revision of a trace kept out of training for the learner's gate (`learn.holdout`)."""
 
 
 class TooMuchFeedback(TraceError):
@@ -101,6 +103,7 @@ _SCHEMA = (
     "CREATE INDEX IF NOT EXISTS feedback_trace ON feedback (owner, trace_id)",
     "CREATE TABLE IF NOT EXISTS trained (owner TEXT NOT NULL, trace_id TEXT NOT NULL, revision INTEGER NOT NULL, "
     "created DOUBLE PRECISION NOT NULL, PRIMARY KEY (owner, trace_id))",
+    "CREATE INDEX IF NOT EXISTS trained_revision ON trained (revision, created)",
 )
 
 
@@ -250,9 +253,15 @@ class TraceStore:
 
     def mark_trained(self, keys: list[tuple[str, str]], revision: int) -> None:
         """The learner's record that these traces ((owner, trace id)) went into `revision` (-1: left
-        out for good); none is trained on twice."""
+        out for good, `HELD_OUT`: kept for a gate); none is trained on twice."""
         self._write("INSERT INTO trained (owner, trace_id, revision, created) VALUES (?, ?, ?, ?)",
                     [(o, t, revision, time.time()) for o, t in keys])
+
+    def held_out(self, limit: int) -> list[tuple[str, str]]:
+        """The oldest `limit` traces marked `HELD_OUT` (a gate replays them), as (owner, trace id)."""
+        rows = self._read("SELECT owner, trace_id FROM trained WHERE revision = ? ORDER BY created, owner, trace_id "
+                          "LIMIT ?", (HELD_OUT, limit))
+        return [(o, t) for o, t in rows]
 
     def untrained(self, rewarded_only: bool) -> list[dict]:
         """Summaries (as `traces`) of the traces no revision has trained on, oldest first; only

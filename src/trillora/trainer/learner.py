@@ -30,11 +30,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.atomic import AtomicFolder
-from ..errors import ConfigError
 from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
 from ..parallel import ParallelDims, parallelize
 from ..policy import adamw
 from ..traces.experience import Baselines, Experience, collect, reward_function
+from ..traces.store import HELD_OUT
+from .gates import make_gate
 from .batch import batch_from_samples
 from .update import PolicyUpdate
 from .world import World
@@ -61,37 +62,11 @@ class Learner:
         """The newest published revision (0: none yet, the base or loaded adapter serves)."""
         self.history: list[dict] = []
         self.best: float | None = None
-        """The best gate score of a published revision."""
-        self.gate = self._gate() if cfg.learn.gate else None
+        """The best gate score of a published revision, on `best_basis` (what the gate measured)."""
+        self.best_basis = ""
+        self.gate = make_gate(self) if cfg.learn.gate else None
         self.last_round = time.monotonic()
         self._resume()
-
-    def _gate(self) -> Callable[[], float]:
-        """The held-out check of `[task]`'s env: its eval episodes sampled with the adapter in the slots."""
-        from ..rollout import LocalEngine, SamplingParams
-        from ..tasks.env_dataset import load_env_dataset
-        from ..tasks.prompts import stop_tokens
-        from .episodes import EpisodeLimits
-        from .evaluate import evaluate_envs
-
-        t, r = self.cfg.task, self.cfg.rollout
-        if t.name != "env" or self.tokenizer is None:
-            raise ConfigError("learn.gate checks each revision on held-out episodes: it needs task.name = \"env\" "
-                              "and task.options.env naming the env dataset")
-        envs = load_env_dataset(t.options, tokenizer=self.tokenizer, batch_size=1, group_size=1,
-                                eval_size=t.eval_problems, seed=self.cfg.seed)
-        engine = LocalEngine.sharing(self.base.model, self.pad_id)
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                stop_token_ids=stop_tokens(self.tokenizer, chat=False), seed=4242)
-        limits = EpisodeLimits(max_turns=t.max_turns, max_model_len=self.base.model.args.max_position_embeddings,
-                               env_timeout=t.reward_timeout)
-
-        def check() -> float:
-            with self.base.use(self.adapter), torch.no_grad():
-                engine.forget()
-                return evaluate_envs(engine, list(envs.eval_batch()), params, limits)
-
-        return check
 
     # --- persistence --------------------------------------------------------------------------
     def _resume(self) -> None:
@@ -103,14 +78,15 @@ class Learner:
         meta = json.loads((last / "learner.json").read_text())
         restore_rank_tensors(load_file(str(last / "adapter.safetensors")), self.adapter.params, self.adapter.optimizer, last)
         self.revision, self.history = meta["revision"], meta["history"]
-        self.baselines.means, self.best = meta["baselines"], meta.get("best")
+        self.baselines.means, self.best, self.best_basis = meta["baselines"], meta.get("best"), meta.get("best_basis", "")
         self.publish(self.revision, {k: t.clone() for k, t in self.adapter.tensors().items()}, self.adapter.config)
 
     def _save(self) -> None:
         with AtomicFolder(self.folder / f"revision-{self.revision}") as tmp:
             save_file(rank_tensors(self.adapter.params, self.adapter.optimizer), str(tmp / "adapter.safetensors"))
             (tmp / "learner.json").write_text(json.dumps({"revision": self.revision, "history": self.history,
-                                                          "baselines": self.baselines.means, "best": self.best}))
+                                                          "baselines": self.baselines.means, "best": self.best,
+                                                          "best_basis": self.best_basis}))
 
     def _prune(self) -> None:
         """Once the new revision is served: the last `keep` stay on disk, as they stay servable."""
@@ -146,6 +122,8 @@ class Learner:
                       self.base.model.args.vocab_size)
         if exp.left_out:
             self.store.mark_trained(exp.left_out, -1)
+        if exp.held_out:
+            self.store.mark_trained(exp.held_out, HELD_OUT)
         return exp if exp.samples else None
 
     def train(self, exp: Experience) -> dict:
@@ -165,8 +143,12 @@ class Learner:
         row = {"revision": self.revision + 1, "traces": len(exp.trace_ids), "sequences": len(exp.samples),
                "reward_mean": sum(exp.rewards) / len(exp.rewards), "served_by_max_lag": max(lag),
                **{f"dropped_{k}": v for k, v in exp.dropped.items()}, **metrics}
-        if self.gate is not None:
-            row["gate_score"] = score = self.gate()
+        checked = self.gate() if self.gate is not None else None  # None: nothing held out to judge by yet
+        if checked is not None:
+            score, basis = checked
+            row["gate_score"] = score
+            if basis != self.best_basis:  # measured on other held-out traces: a new bar
+                self.best, self.best_basis = None, basis
             if self.best is not None and score < self.best - self.cfg.learn.gate_tolerance:
                 self.store.mark_trained(exp.trace_ids, -1)  # consumed: a revision that failed its check is not retried
                 if self.revision:
