@@ -1,8 +1,10 @@
 """A pipeline stage called like the whole model: pipeline parallelism for a service.
 
-`parallel.pipeline` trains: schedules over microbatches, next-token logprobs on the last stage.
-A Tinker service asks other things of the model: logits at any targets ([N] or [N, K]), a loss it
-computes itself, calls of any size one after another, and decoding with a KV cache.
+`parallel.pipeline` trains with torch's schedules (1F1B, interleaved, zero-bubble), whose loss must
+live on the last stage and see next-token logprobs only; it also decodes, stage by stage. A Tinker
+service asks what those schedules cannot give: logits at any targets ([N] or [N, K]) handed to a
+loss the client chose, whose gradient then crosses the stages by hand, and per-row
+adapters (`lora.multi`) that must follow each chunk. Two implementations stay for that reason.
 `StagedModel` is this rank's part of a `CausalLM` under the model's own names
 (`model.layers.3....`, so adapters, plans and saved states see the usual names), and
 `staged(input_ids, attention_mask, position_ids, cache, logits_to_keep)` runs one batch through
