@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.trillora-installed
 VLLM_STAMP := $(VENV)/.trillora-vllm
 
-.PHONY: setup setup-vllm demo test test-fast tiny-moe clean
+.PHONY: setup setup-vllm demo test test-fast docs tiny-moe clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +49,13 @@ test-fast: $(STAMP)
 
 test: $(VLLM_STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
 	TRILLORA_REQUIRE_VLLM=1 TRILLORA_REQUIRE_BENCH=1 $(BIN)/python -m pytest -q --durations=20
 
+# The docs site (MkDocs): README.md is the front page on GitHub, docs/ the site; a broken link fails.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
+	@echo "site: build/site/index.html"
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache build

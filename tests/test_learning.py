@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from docs_pages import bash_block
 from engine_helpers import post_json, running_server, serve_process
 from trillora.cli import start_learning
 from trillora.config import load_config
@@ -353,9 +354,7 @@ def test_the_readme_learning_command_runs_as_written(tmp_path):
     rewarded conversations); then the offline `trillora train task.name=traces` line on what it
     recorded. The demo line is run small by `test_the_product_demo_runs_small`."""
     root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text()
-    block = readme.split("### The product loop: `serve --record --learn`\n", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
-    lines = [shlex.split(line.split("  #")[0]) for line in block.splitlines() if line.strip()]
+    lines = [shlex.split(line) for line in bash_block("The product loop: `serve --record --learn`")]
     assert lines[0][:2] == ["trillora", "serve"] and lines[1] == ["python", "examples/product/run.py"]
     assert lines[2][:2] == ["trillora", "train"]
     shutil.copytree(root / "examples", tmp_path / "examples")

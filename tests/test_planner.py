@@ -342,7 +342,9 @@ def readme_plan(command: str) -> tuple[dict, str]:
 
     from trillora.cli import main
 
-    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    from docs_pages import TEXT
+
+    readme = " ".join(TEXT.split())
     assert command in readme
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

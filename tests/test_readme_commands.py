@@ -1,4 +1,4 @@
-"""The README's "Using it" commands, run as written, in order, in a fresh folder: every `trillora`
+"""The commands of the README and of docs/getting-started.md ("Using it"), run as written, in order, in a fresh folder: every `trillora`
 command through the installed console script. A training command runs until its first RL step is
 logged and is then stopped with SIGTERM, the way a user stops a run (it saves a checkpoint and
 the adapter so far, and exits 0): the full default job is what `make demo` runs. The commands
@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from docs_pages import bash_block
+
 pytestmark = pytest.mark.slow  # the README's commands, training included
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,9 +29,7 @@ SKIPPED = {"python -m trillora.tiny build"}
 
 
 def using_it() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("\n## Using it\n", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
-    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    return bash_block("Using it")
 
 
 def first_step_logged(folder: Path, since: float) -> bool:
@@ -91,11 +91,44 @@ def test_the_vllm_command_runs_as_written(tmp_path):
 
     if os.environ.get("TRILLORA_REQUIRE_BENCH") != "1":
         pytest.importorskip("vllm")
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("\n### vLLM rollouts\n", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
-    commands = [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+    commands = bash_block("vLLM rollouts")
     assert commands == ["make setup-vllm", "trillora train rollout.engine=vllm"]  # the first is this environment's setup
     out = run_training([str(Path(sys.executable).parent / "trillora"), *shlex.split(commands[1])[1:]], tmp_path)
     assert out.returncode == 0 and "stopped at step" in out.stderr, out.stderr[-3000:]
     (row,) = [json.loads(x) for x in (tmp_path / "runs/default/metrics.jsonl").read_text().splitlines()[1:2]]
     assert row["step"] == 1 and "mismatch_kl_k3" in row
+
+
+def test_the_three_ways_in_run_as_written(tmp_path):
+    """The README's "Three ways in": each training command until its first logged step (then
+    stopped, as a user stops a run), the server as written (on a free port, appended: the last
+    --port wins) answering the SDK's health check with its key, and the plan."""
+    import re
+    import urllib.request
+
+    from docs_pages import after
+    from engine_helpers import serve_process
+
+    section = after("Three ways in").split("\n## ", 1)[0]
+    blocks = [[line.split("  #")[0].strip() for line in b.splitlines() if line.strip()]
+              for b in re.findall(r"```bash\n(.*?)\n```", section, re.S)]
+    (train_a, train_b), (serve,), (plan,) = blocks
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    trillora = str(Path(sys.executable).parent / "trillora")
+    for command in (train_a, train_b):
+        out = run_training([trillora, *shlex.split(command)[1:]], tmp_path)
+        assert out.returncode == 0 and "stopped at step" in out.stderr, (command, out.stderr[-3000:])
+    assert (tmp_path / "runs" / "jsonl" / "adapter").is_dir() and (tmp_path / "runs" / "guessing" / "adapter").is_dir()
+    words = shlex.split(serve)
+    proc, url = serve_process(words[1:], cwd=tmp_path)
+    try:
+        key = words[words.index("--api-key") + 1]
+        request = urllib.request.Request(f"{url}/api/v1/create_session", data=b"{}", method="POST",
+                                         headers={"X-API-Key": key, "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as r:  # the Tinker route, with the key as written
+            assert r.status == 200 and "session_id" in json.loads(r.read())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    out = subprocess.run([trillora, *shlex.split(plan)[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "LoRA vs full-parameter: at least" in out.stdout, out.stderr[-3000:]

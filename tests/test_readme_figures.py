@@ -13,8 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from docs_pages import TEXT
+
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+README = TEXT  # README.md and every page of docs/
+README_MD = (ROOT / "README.md").read_text()
 
 
 def results(name: str) -> dict:
@@ -55,6 +58,9 @@ def test_the_default_job_text_is_the_results_files():
     assert (f"gained +{old_gain[0]:.1f} to +{old_gain[1]:.1f} but lost {old_lost[0]:.1f} to {old_lost[1]:.1f} points "
             "of reversal") in flat
     assert max(lost) <= 2.0 and min(gain) >= 25.0  # what the default job must keep (issue: retention)
+    headline = f"+{gain[0]:.1f} to +{gain[1]:.1f} points of held-out addition"
+    assert f"{headline}, at most {lost[1]:.1f} points of retention lost |" in README_MD  # the README's results row
+    assert f"gains {headline} and loses at\nmost {lost[1]:.1f} points of held-out reversal" in README_MD
 
 
 def test_the_agent_env_rows_are_the_results_file():
@@ -181,6 +187,8 @@ def test_the_served_adapters_row_is_its_results_file():
     assert (f"resident memory with {r['adapters']} adapters {r['rss_all_adapters_bytes'] / 2**20:.0f} MiB against "
             f"{r['rss_one_adapter_bytes'] / 2**20:.0f} MiB with one (**{r['rss_ratio']:.3f}×**)") in README
     assert r["adapters"] == 32 and r["clients"] == 8 and r["rss_ratio"] < 1.2
+    assert f"| {r['adapters']} adapters served from one base | resident memory {r['rss_ratio']:.3f}× that of one adapter |" \
+        in README_MD  # the headline row
 
 
 def test_the_time_to_accuracy_row_is_its_results_file():
@@ -429,6 +437,7 @@ def test_the_product_loop_figures_are_their_results_file():
     assert (f"{lat['learner idle']['p50']:.3f} / {lat['learner idle']['p99']:.3f} s with the learner idle "
             f"({lat['learner idle']['requests']} calls), {lat['learner on']['p50']:.3f} / {lat['learner on']['p99']:.3f} s "
             f"while it trains ({lat['learner on']['requests']} calls)") in flat
-    assert f"goes from {100 * r['success_start']:.1f}% to {100 * r['success_end']:.1f}% success for held-out users" in flat
+    assert (f"| held-out success {100 * r['success_start']:.1f}% → {100 * r['success_end']:.1f}% in {r['minutes']:g} "
+            f"minutes on 2 cores, {r['requests_failed']} failed requests |") in README_MD  # the headline row
     # the issue's bar: +25 points within 10 minutes on 2 cores, every request answered
     assert r["gain_points"] >= 25 and r["minutes"] <= 10 and r["requests_failed"] == 0 and r["record_failures"] == 0

@@ -118,7 +118,8 @@ def test_the_committed_cookbook_curve_rises_as_the_readme_says():
     assert r["rl"]["first_mean"] == pytest.approx(sum(r["rl"]["reward"][:w]) / w)
     assert r["rl"]["last_mean"] == pytest.approx(sum(r["rl"]["reward"][-w:]) / w)
     assert r["rl"]["last_mean"] >= r["rl"]["first_mean"] + 0.1
-    readme = (root / "README.md").read_text()
+    from docs_pages import TEXT as readme
+
     assert f"from {r['rl']['first_mean']:.3f} over the first 10 steps to {r['rl']['last_mean']:.3f}" in readme
     assert r["settings"]["rl_lr"] == 5e-4 and "max_steps=80 learning_rate=5e-4 " in readme
 

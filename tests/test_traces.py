@@ -326,9 +326,9 @@ def test_the_readme_recording_commands_run_as_written(tmp_path):
     `trillora traces` command as written."""
     import shlex
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme.split("### Recording served traffic: `serve --record`\n", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
-    commands = [shlex.split(line.split("  #")[0]) for line in block.splitlines() if line.strip()]
+    from docs_pages import bash_block
+
+    commands = [shlex.split(line) for line in bash_block("Recording served traffic: `serve --record`")]
     assert [c[:2] for c in commands] == [["trillora", "serve"]] + [["trillora", "traces"]] * 3
     trillora = str(Path(sys.executable).parent / "trillora")
     serve = commands[0]

@@ -9,6 +9,8 @@ from typing import Literal
 
 from ..errors import ConfigError
 from ..lora.config import LoraConfig
+from .checks import check_positive as _check_positive
+from .learn import LearnSection
 from ..parallel.dims import ParallelDims
 from ..rl.advantages import AdvantageMode
 from ..rl.aggregation import Aggregation
@@ -27,11 +29,6 @@ FFN_TARGETS = ("mlp", "shared_experts", "experts")
 def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is invalid; allowed: {', '.join(allowed)}")
-
-
-def _check_positive(key: str, value: float, zero_ok: bool = False) -> None:
-    if value < 0 or (value == 0 and not zero_ok):
-        raise ConfigError(f"{key}={value!r} is invalid; must be {'>= 0' if zero_ok else '> 0'}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -284,65 +281,6 @@ class MemorySection:
         if not max_new_tokens < self.budget <= (max_model_len or self.budget):
             raise ConfigError(f"memory.budget={self.budget}: it must be over rollout.max_new_tokens ({max_new_tokens}) "
                               f"and at most rollout.max_model_len ({max_model_len or 'the model positions'})")
-
-
-GATES = ("", "env", "traces")
-
-
-@dataclass(kw_only=True, frozen=True)
-class LearnSection:
-    """`trillora serve MODEL --record STORE --learn CONFIG`: the served policy learns from its traffic."""
-
-    every: int = 8
-    """Train a new revision once this many rewarded traces are new to the learner."""
-    minutes: float = 0.0
-    """Or once this many minutes have passed since the last round with at least one (0: by count only)."""
-    max_staleness: int = 4
-    """Traces served by a revision more than this many revisions before the learner's are dropped (counted)."""
-    max_tokens: int = 16384
-    """Tokens one round trains on (it runs between served requests: its size bounds how long they wait);
-    a trace longer than this is left out (counted)."""
-    keep: int = 3
-    """Published revisions kept servable (requests in flight finish on theirs; rollback goes back to one)."""
-    reward: str = ""
-    """`module:function(calls) -> float` scoring a trace that has no feedback ("" = feedback only)."""
-    publish_as: str = ""
-    """The served name whose requests get each new revision ("" = the model's own name)."""
-    baseline_decay: float = 0.9
-    """A trace whose task does not recur in its batch is measured against a running mean reward of its
-    tag (`metadata.task`): mean ← decay · mean + (1 - decay) · reward."""
-    gate: str = ""
-    """Check each new revision before it is served ("" = no check): `env`, on the held-out episodes
-    of `[task]` (`task.name = "env"`, `task.eval_problems` of them); `traces`, on recorded traces
-    held out of training (`holdout`), each replayed from its first prompt and scored by `reward`.
-    One scoring below the best served so far by more than `gate_tolerance` is not published, and
-    the learner goes back to the last one."""
-    gate_tolerance: float = 0.05
-    holdout: float = 0.1
-    """With `gate = "traces"`: the share of traces (by a hash of their key) never trained on and
-    replayed by the gate instead."""
-    gate_traces: int = 32
-    """With `gate = "traces"`: how many held-out traces the gate replays (the oldest: a fixed set
-    once there are this many)."""
-
-    def validate(self) -> None:
-        _check_positive("learn.every", self.every)
-        _check_positive("learn.minutes", self.minutes, zero_ok=True)
-        _check_positive("learn.gate_tolerance", self.gate_tolerance, zero_ok=True)
-        if self.gate not in GATES:
-            raise ConfigError(f"learn.gate={self.gate!r}; allowed: {', '.join(repr(g) for g in GATES)}")
-        if self.gate == "traces" and not self.reward:
-            raise ConfigError("learn.gate='traces' scores each replayed trace with learn.reward: name a 'module:function'")
-        if not 0.0 < self.holdout < 1.0:
-            raise ConfigError(f"learn.holdout={self.holdout}; allowed: 0 < holdout < 1")
-        _check_positive("learn.gate_traces", self.gate_traces)
-        _check_positive("learn.keep", self.keep)
-        _check_positive("learn.max_tokens", self.max_tokens)
-        _check_positive("learn.max_staleness", self.max_staleness, zero_ok=True)
-        if not 0.0 <= self.baseline_decay < 1.0:
-            raise ConfigError(f"learn.baseline_decay={self.baseline_decay}; allowed: 0 <= decay < 1")
-        if self.reward and ":" not in self.reward:
-            raise ConfigError(f"learn.reward={self.reward!r}: a 'module:function' name, or \"\" for feedback only")
 
 
 @dataclass(kw_only=True, frozen=True)
