@@ -53,7 +53,11 @@ def run_trillora(steps: int, warmup: int, overrides: list[str], work: Path) -> d
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     return {"step_seconds": [r["step_seconds"] for r in timed], "tokens": [r["completion_len_mean"] * batch for r in timed],
             "rollout_seconds": statistics.median(r["rollout_seconds"] for r in timed),
-            "update_seconds": statistics.median(r["update_seconds"] for r in timed)}
+            "update_seconds": statistics.median(r["update_seconds"] for r in timed),
+            # what the step spends outside its two measured phases (the engine sync, logging): an unmeasured
+            # cost cannot hide between them while this stays small
+            "unaccounted_fraction": statistics.median(1 - (r["rollout_seconds"] + r["update_seconds"]) / r["step_seconds"]
+                                                      for r in timed)}
 
 
 def run_trl(steps: int, warmup: int, overrides: list[str], work: Path) -> dict:
@@ -108,7 +112,7 @@ def pool(runs: list[dict]) -> dict:
 
 def summarise(r: dict) -> dict:
     med = statistics.median(r["step_seconds"])
-    phases = {k: v for k, v in r.items() if k.endswith("_seconds") and k != "step_seconds"}  # trillora's rollout/update
+    phases = {k: v for k, v in r.items() if (k.endswith("_seconds") and k != "step_seconds") or k == "unaccounted_fraction"}
     return {"median_step_seconds": med, "steps_per_s": 1 / med, "tokens_per_s": sum(r["tokens"]) / sum(r["step_seconds"]),
             **phases}
 
@@ -157,7 +161,25 @@ def main() -> None:
         console.print("profiles: benchmarks/results/grpo_step_profile_trillora.txt, grpo_step_profile_trl.txt")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"steps": a.steps, "warmup": a.warmup, "rounds": a.rounds, "overrides": a.overrides, **results,
-                                 "speedup_steps_per_s": ours["steps_per_s"] / theirs["steps_per_s"]}, indent=2))
+                                 "speedup_steps_per_s": ours["steps_per_s"] / theirs["steps_per_s"],
+                                 "machine": machine(torch, transformers, trl)}, indent=2))
+
+
+def machine(torch, transformers, trl) -> dict:
+    """Where the ratio was measured: it moves with the CPU, its threads and the library versions."""
+    import datetime
+    import os
+    import platform
+
+    cpu = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "trl": trl.__version__, "python": platform.python_version(),
+            "date": datetime.date.today().isoformat(), "load_at_end": load}
 
 
 if __name__ == "__main__":

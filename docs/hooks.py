@@ -1,7 +1,8 @@
 """MkDocs hooks: what the site needs beyond the pages as GitHub shows them.
 
 - The configuration reference (`config.md`) is generated from the config dataclasses at build
-  time (`trillora.config.reference`), so a new key shows up without a hand edit.
+  time (`trillora.config.reference`), so a new key shows up without a hand edit (the copy in
+  the page, for GitHub, is checked by a test).
 - Pages show the figures the benchmarks write as `../benchmarks/results/NAME.png`, which GitHub
   resolves; the site serves those files as `results/NAME.png`, so a figure that does not exist
   is a broken link and fails the strict build."""
@@ -13,7 +14,6 @@ from pathlib import Path
 from mkdocs.structure.files import File
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-MARKER = "<!-- generated: trillora.config.reference -->"
 
 
 def on_files(files, config):
@@ -24,8 +24,6 @@ def on_files(files, config):
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     markdown = markdown.replace("](../benchmarks/results/", "](results/")
-    if MARKER in markdown:
-        from trillora.config.reference import markdown as reference
+    from trillora.config.reference import BEGIN, filled
 
-        markdown = markdown.replace(MARKER, reference())
-    return markdown
+    return filled(markdown) if BEGIN in markdown else markdown

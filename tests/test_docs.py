@@ -145,3 +145,11 @@ def test_a_new_key_shows_up_without_a_hand_edit():
     assert "| `section.added` | int | `3` | A key added to a section: on the page with no edit anywhere else. |" in page
     assert "| `steps` | int | `1` |  |" in page
     assert Path(ROOT / "docs" / "config.md").read_text().count("<!-- generated: trillora.config.reference -->") == 1
+
+
+def test_the_config_page_holds_the_current_reference():
+    """docs/config.md's copy (what GitHub shows) is the reference the code gives now."""
+    from trillora.config.reference import filled
+
+    page = (ROOT / "docs" / "config.md").read_text()
+    assert filled(page) == page, "run: python -m trillora.config.reference --write docs/config.md"

@@ -56,8 +56,8 @@ def learn_config(tmp_path, every: int = 2, cap: float = 2.0):
 
 
 @pytest.fixture(scope="module")
-def service():
-    return TinkerService(ServeConfig(model="tiny-moe-chat"))
+def service(tmp_path_factory):
+    return TinkerService(ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path_factory.mktemp("state"))))
 
 
 def served_logprobs(service, tokens: list[int]) -> list[float]:
@@ -420,7 +420,7 @@ def test_models_list_revisions_with_their_gate_scores(tmp_path):
 
     from trillora.serve.revisions import Revisions
 
-    service = TinkerService(ServeConfig(model="tiny-moe-chat"))
+    service = TinkerService(ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path / "state")))
     revisions = Revisions(service, "tiny-moe-chat", keep=2)
     revisions.learner = SimpleNamespace(history=[{"revision": 1, "gate_score": 0.5}, {"revision": 2, "gate_score": 0.75},
                                                  {"revision": 3, "gate_score": 0.8}])

@@ -103,6 +103,7 @@ def test_the_three_ways_in_run_as_written(tmp_path):
     """The README's "Three ways in": each training command until its first logged step (then
     stopped, as a user stops a run), the server as written (on a free port, appended: the last
     --port wins) answering the SDK's health check with its key, and the plan."""
+    import os
     import re
     import urllib.request
 
@@ -127,8 +128,36 @@ def test_the_three_ways_in_run_as_written(tmp_path):
                                          headers={"X-API-Key": key, "Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=30) as r:  # the Tinker route, with the key as written
             assert r.status == 200 and "session_id" in json.loads(r.read())
+        # docs/tinker.md's SDK snippet, as written, against it
+        snippet = after("The Tinker API: `trillora serve MODEL --tinker`").split("```python\n", 1)[1].split("\n```", 1)[0]
+        (tmp_path / "snippet.py").write_text(snippet)
+        env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0"}
+        out = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     out = subprocess.run([trillora, *shlex.split(plan)[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "LoRA vs full-parameter: at least" in out.stdout, out.stderr[-3000:]
+
+
+def test_your_own_dataset_runs_as_the_docs_write_it(tmp_path):
+    """docs/getting-started.md's reward module and TOML, as written, in a fresh folder with a JSONL
+    file of its rows: `trillora train my_task.toml` (the console script, which must find the
+    module beside the run) trains until its first step is logged."""
+    import re
+
+    from docs_pages import after
+
+    section = after("Your own dataset and reward").split("\n## ", 1)[0]
+    python = re.search(r"```python\n(.*?)\n```", section, re.S).group(1)
+    toml = re.search(r"```toml\n(.*?)\n```", section, re.S).group(1)
+    (tmp_path / "my_reward.py").write_text(python)
+    (tmp_path / "my_task.toml").write_text(toml)
+    (tmp_path / "data").mkdir()
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in zip(range(100, 160), range(300, 360))]
+    (tmp_path / "data" / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = run_training([str(Path(sys.executable).parent / "trillora"), "train", "my_task.toml"], tmp_path)
+    assert out.returncode == 0 and "stopped at step" in out.stderr, out.stderr[-3000:]
+    assert (tmp_path / "runs" / "mine" / "adapter" / "fused" / "adapter_model.safetensors").exists()

@@ -72,3 +72,31 @@ def test_reward_fn_spec_errors(tmp_path):
                       ("reward_fns:NOT_CALLABLE", "is not callable")]:
         with pytest.raises(ValueError, match=msg):
             JsonlTask(path=str(tmp_path / "d.jsonl"), reward_fn=spec)
+
+
+def test_an_unknown_task_option_is_named_with_the_allowed_ones():
+    """A misspelt `task.options` key is a ConfigError naming it and what the task takes, not a
+    TypeError traceback from the task's constructor."""
+    import pytest
+
+    from trillora.errors import ConfigError
+    from trillora.tasks import make_task
+
+    with pytest.raises(ConfigError, match="task.options for task 'jsonl': unknown key 'pathh'; allowed: path, reward_fn, "
+                                         "prompt_key, answer_key, messages_key, split, bad_rows, name"):
+        make_task("jsonl", pathh="data.jsonl")
+    with pytest.raises(ConfigError, match="unknown key 'digitz'; allowed: digits, ops, name"):
+        make_task("arithmetic", digitz=3)
+
+
+def test_a_reward_module_beside_the_run_is_found_as_the_console_script_runs(tmp_path, monkeypatch):
+    """`trillora train` (a console script) does not put the working folder on sys.path, `python -m`
+    does: a `module:function` beside the run is found either way."""
+    import sys
+
+    from trillora.tasks.base import load_callable
+
+    (tmp_path / "my_reward_beside.py").write_text("def score(completion, row):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert load_callable("my_reward_beside:score", "reward function")("x", {}) == 1.0

@@ -41,6 +41,7 @@ class LearnSection:
     One scoring below the best served so far by more than `gate_tolerance` is not published, and
     the learner goes back to the last one."""
     gate_tolerance: float = 0.05
+    """How far below the best gate score so far a revision may score and still be published."""
     holdout: float = 0.1
     """With `gate = "traces"`: the share of traces (by a hash of their key) never trained on and
     replayed by the gate instead."""

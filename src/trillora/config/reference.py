@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import textwrap
 import typing
+from pathlib import Path
 
 from .sections import TrainConfig
 
@@ -66,5 +67,21 @@ def markdown(root: type = TrainConfig) -> str:
     return "\n".join(out) + "\n"
 
 
-if __name__ == "__main__":
-    print(markdown())
+BEGIN, END = "<!-- generated: trillora.config.reference -->", "<!-- end of the generated reference -->"
+
+
+def filled(page: str) -> str:
+    """`page` with the text between its BEGIN and END markers replaced by the current reference."""
+    head, _, rest = page.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    return f"{head}{BEGIN}\n\n{markdown()}\n{END}{tail}"
+
+
+if __name__ == "__main__":  # `--write docs/config.md` refreshes the page's copy; alone, prints the reference
+    import sys
+
+    if sys.argv[1:2] == ["--write"]:
+        path = Path(sys.argv[2])
+        path.write_text(filled(path.read_text()))
+    else:
+        print(markdown())

@@ -52,7 +52,9 @@ class TaskSection:
     retention: str = "reversal"
     """A second task scored before and after to check RL did not erase it; "" for none."""
     eval_problems: int = 512
+    """Held-out problems (or env groups) scored before training, every `eval_every` steps and at the end."""
     eval_samples: int = 2
+    """Samples per held-out problem; the accuracy is their mean reward."""
     max_turns: int = 8
     """With `name = "env"`: turns an episode may take before it is cut (counted, `episodes_max_turns`)."""
     reward_timeout: float = 30.0

@@ -1,5 +1,7 @@
 """Prompt sources and rewards, and the envs every task runs as."""
 
+import inspect
+
 from ..errors import ConfigError
 
 from .arithmetic import ArithmeticTask
@@ -16,6 +18,10 @@ TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "reversal": R
 def make_task(name: str, **options) -> Task:
     if name not in TASKS:
         raise ConfigError(f"task {name!r}; allowed: {', '.join(TASKS)}")
+    allowed = [k for k in inspect.signature(TASKS[name]).parameters if not k.startswith("_") and k != "skipped"]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ConfigError(f"task.options for task {name!r}: unknown key {unknown[0]!r}; allowed: {', '.join(allowed)}")
     return TASKS[name](**options)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
+import sys
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -38,6 +40,8 @@ def load_callable(spec: str, what: str) -> Callable:
     module, _, name = spec.partition(":")
     if not module or not name:
         raise ConfigError(f"{what} {spec!r} must be given as 'module:function'")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # the console script, unlike `python -m`, leaves the
+        sys.path.append(os.getcwd())  # working folder off the path: a module beside the run is found either way
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:

@@ -12,18 +12,29 @@ from .prompts import decode_completion, encode_problem, stop_tokens
 
 
 class TaskEnv(Env):
-    def __init__(self, task: Task, problem: Problem, tokenizer, score: Callable[[Problem, str], float] | None = None):
-        """`score(problem, text)`: the reward (default `task.reward`; the trainer passes its guarded one)."""
+    limits_itself = True
+    """Its calls need no time limit of the episode runner's: the observation is our own encoding,
+    and the reward a guarded one (its own limit and failure policy) when the trainer passes it."""
+
+    def __init__(self, task: Task, problem: Problem, tokenizer, score: Callable[[Problem, str], float] | None = None,
+                 observation: tuple[list[int], list[int]] | None = None):
+        """`score(problem, text)`: the reward (default `task.reward`; the trainer passes its guarded one);
+        `observation`: the problem already encoded (a group's envs share one encoding)."""
         self.task, self.problem, self.tokenizer = task, problem, tokenizer
         self.score = score or task.reward
+        self.observation = observation or observation_of(tokenizer, problem)
 
     def initial_observation(self) -> tuple[list[int], list[int]]:
-        return (encode_problem(self.tokenizer, self.problem),
-                list(stop_tokens(self.tokenizer, chat=self.problem.messages is not None)))
+        return list(self.observation[0]), list(self.observation[1])
 
     def step(self, action: list[int]) -> StepResult:
         reward = self.score(self.problem, decode_completion(self.tokenizer, action))
         return StepResult(reward=float(reward), episode_done=True, next_observation=[], next_stop_condition=[])
+
+
+def observation_of(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
+    """The prompt's ids and what stops its completion."""
+    return encode_problem(tokenizer, problem), list(stop_tokens(tokenizer, chat=problem.messages is not None))
 
 
 class TaskGroupBuilder(EnvGroupBuilder):
@@ -34,7 +45,8 @@ class TaskGroupBuilder(EnvGroupBuilder):
         self.task, self.problem, self.tokenizer, self.group_size, self.score = task, problem, tokenizer, group_size, score
 
     def make_envs(self) -> list[Env]:
-        return [TaskEnv(self.task, self.problem, self.tokenizer, self.score) for _ in range(self.group_size)]
+        observation = observation_of(self.tokenizer, self.problem)  # encoded once for the group
+        return [TaskEnv(self.task, self.problem, self.tokenizer, self.score, observation) for _ in range(self.group_size)]
 
     def logging_tags(self) -> list[str]:
         return [self.task.name]

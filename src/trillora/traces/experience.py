@@ -24,12 +24,11 @@ first, until that budget is spent; the rest wait for the next.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError
+from ..tasks.base import load_callable
 from ..tasks.trajectory import Sample
 from .store import MAX_REWARD, Call, TraceStore
 from .trajectory import samples_of
@@ -55,13 +54,7 @@ def held_out(key: tuple[str, str], share: float) -> bool:
 
 def reward_function(name: str) -> Callable[[list[Call]], float] | None:
     """`module:function`, imported; None for ""."""
-    if not name:
-        return None
-    module, _, attr = name.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"learn.reward={name!r}: {type(e).__name__}: {e}") from None
+    return load_callable(name, "learn.reward") if name else None
 
 
 class Baselines:
