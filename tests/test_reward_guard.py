@@ -83,3 +83,15 @@ def test_train_stops_with_the_users_traceback_or_counts_failures(tmp_path):
     metrics = [json.loads(x) for x in (tmp_path / "zero" / "metrics.jsonl").read_text().splitlines()]
     assert summary["reward_failures"] > 0
     assert sum(r.get("reward_failures", 0) for r in metrics) <= summary["reward_failures"]  # the rest: evaluations
+
+
+def test_only_our_own_rewards_run_without_a_timer():
+    """The built-in tasks' rewards are string arithmetic that cannot hang: no timer per call (256 a
+    step on the default job); a user's reward (a Task that does not say so) keeps its limit."""
+
+    from trillora.tasks import ArithmeticTask, CountdownTask, JsonlTask, ReversalTask
+
+    assert ArithmeticTask.reward_is_ours and CountdownTask.reward_is_ours and ReversalTask.reward_is_ours
+    assert not JsonlTask.reward_is_ours and not Scripted.reward_is_ours
+    with pytest.raises(RewardError, match="no result after 0.2 s"):
+        GuardedReward(Scripted(lambda c: time.sleep(5)), timeout=0.2)(Problem(prompt="1+1=", answer="2"), "2")

@@ -10,6 +10,7 @@ from .base import Problem, Task, first_line
 
 @dataclass
 class ArithmeticTask(Task):
+    reward_is_ours = True
     digits: int = 3
     ops: tuple[str, ...] = ("+",)
     name: str = "arithmetic"

@@ -61,6 +61,9 @@ class Task(ABC):
     eval_fraction: float = 0.1
     chat: bool = False
     """Prompts are chat messages (rendered with the tokenizer's chat template)."""
+    reward_is_ours: bool = False
+    """The reward is trillora's own arithmetic on strings (a built-in task's), which cannot hang: it
+    runs without a timer. User rewards (JSONL, code) keep `task.reward_timeout`."""
 
     @abstractmethod
     def sample(self, rng: random.Random) -> Problem:

@@ -41,6 +41,7 @@ def evaluate(expression: str) -> tuple[int, list[int]] | None:
 
 @dataclass
 class CountdownTask(Task):
+    reward_is_ours = True
     count: int = 3
     max_number: int = 9
     name: str = "countdown"

@@ -76,7 +76,7 @@ class GuardedReward:
 
     def __call__(self, problem: Problem, completion: str) -> float:
         try:
-            with time_limit(self.timeout):
+            with time_limit(0 if getattr(self.task, "reward_is_ours", False) else self.timeout):
                 value = self.task.reward(problem, completion)
             value = float(value)
             if not math.isfinite(value):

@@ -12,6 +12,7 @@ from .base import Problem, Task, first_line
 
 @dataclass
 class ReversalTask(Task):
+    reward_is_ours = True
     min_len: int = 3
     max_len: int = 5
     name: str = "reversal"

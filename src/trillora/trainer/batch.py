@@ -46,18 +46,14 @@ class TokenBatch:
 def batch_from_samples(samples: list[Sample], pad_id: int = 0, device: torch.device | str = "cpu") -> TokenBatch:
     """Training rows of token sequences with loss masks (`trillora.tasks.trajectory`), right-padded."""
     width = max(len(s.tokens) for s in samples)
-    b = len(samples)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    mask = torch.zeros(b, width - 1)
-    lps = torch.zeros(b, width - 1)
     for i, s in enumerate(samples):
         if not len(s.tokens) == len(s.mask) == len(s.logprobs):
             raise ValueError(f"sample {i}: {len(s.tokens)} tokens, {len(s.mask)} mask values, {len(s.logprobs)} logprobs")
-        n = len(s.tokens)
-        ids[i, :n] = torch.tensor(s.tokens, dtype=torch.long)
-        # target position j predicts token j+1: a trained token at k is predicted at k-1
-        mask[i, : n - 1] = torch.tensor(s.mask[1:], dtype=torch.float32)
-        lps[i, : n - 1] = torch.tensor(s.logprobs[1:], dtype=torch.float32)
+    # padded as lists, one tensor per field (a tensor per row costs more than the rows' numbers);
+    # target position j predicts token j+1: a trained token at k is predicted at k-1
+    ids = torch.tensor([list(s.tokens) + [pad_id] * (width - len(s.tokens)) for s in samples], dtype=torch.long)
+    mask = torch.tensor([list(s.mask[1:]) + [0.0] * (width - len(s.tokens)) for s in samples], dtype=torch.float32)
+    lps = torch.tensor([list(s.logprobs[1:]) + [0.0] * (width - len(s.tokens)) for s in samples], dtype=torch.float32)
     return TokenBatch(input_ids=ids.to(device), completion_mask=mask.to(device), rollout_logprobs=lps.to(device),
                       prompt_lengths=torch.tensor([s.prompt_length for s in samples], device=device))
 
