@@ -100,6 +100,13 @@ def test_the_performance_rows_are_their_results_files():
     assert (f"trillora {t['median_step_seconds']:.3f} s/step (rollout {t['rollout_seconds']:.3f} + update "
             f"{t['update_seconds']:.3f}), {t['tokens_per_s']:,.0f} generated tokens/s; TRL {trl['median_step_seconds']:.3f} "
             f"s/step, {trl['tokens_per_s']:,.0f} tokens/s: **{g['speedup_steps_per_s']:.2f}× the steps/s**") in README
+    assert g["machine"]["date"] in README and abs(t["unaccounted_fraction"]) <= 0.10
+    r = results("step_by_commit.json")
+    first, env, now = (r["medians"][c] for c in (r["commits"][0], r["commits"][1], r["commits"][-1]))
+    assert (f"rollout {first['rollout_seconds']:.4f} → {env['rollout_seconds']:.4f} s "
+            f"(**{env['rollout_seconds'] / first['rollout_seconds']:.2f}×**") in README
+    assert (f"→ {now['rollout_seconds']:.4f} s (**{now['rollout_seconds'] / first['rollout_seconds']:.2f}×** the first); "
+            f"step {first['step_seconds']:.4f} → {now['step_seconds']:.4f} s") in README
     one, whole = results("memory_lora_vs_full.json"), results("memory_lora_vs_full_micro8.json")
     assert one["micro_rows"] == 1 and whole["micro_rows"] == 8
     (lo, fu), (lo8, fu8) = one["rows"], whole["rows"]
