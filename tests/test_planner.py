@@ -372,7 +372,7 @@ def test_readme_service_plan_command():
     assert one["memory_gib"]["base weights"] + one["memory_gib"]["activations"] > 72 and not one["fits"]
     assert (f"this gives ep={out['chosen']['ep']} ({eight['max_clients']} clients would fit). The base takes "
             f"{m['base weights']:.1f} GiB of each GPU and one pass of a 4096-token datum per GPU takes "
-            f"{m['activations'] + m['transient']:.1f}. Each client costs {eight['per_client_gib']:.1f} GiB") in readme
+            f"{m['activations'] + m['transient']:.1f} GiB. Each client costs {eight['per_client_gib']:.1f} GiB") in readme
 
 
 def test_readme_service_plan_for_kimi_k2():
