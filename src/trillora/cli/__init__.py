@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learn", default=None, metavar="CONFIG", help="with --record: train the served policy on its rewarded "
                    "traffic (a train TOML: [lora], [optim], [algorithm], [learn]) and serve each new revision as it is made")
     p.add_argument("--tinker", action="store_true", help="serve the Tinker REST API: LoRA training clients on one base")
-    p.add_argument("--state-dir", default="tinker-state", help="--tinker: where saved states and sampler weights go")
+    p.add_argument("--state-dir", default="tinker-state",
+                   help="--tinker: where saved states and sampler weights go (default: tinker-state in the working folder)")
     p.add_argument("--max-clients", type=int, default=16, help="--tinker: training clients held at once")
     p.add_argument("--max-samplers", type=int, default=256, help="--tinker: sampling sessions held at once")
     p.add_argument("--max-sessions", type=int, default=256, help="--tinker: sessions held at once (one not heard "
