@@ -5,7 +5,7 @@
 Each layout runs in its own group of spawned gloo processes on this machine: the same model
 (a GQA Qwen3-MoE and an MLA DeepSeek-V3, 4 layers, LoRA on attention and experts), one row
 of `--seq-len` tokens, forward + backward of the policy-gradient loss. Per rank it reports
-what `trillora.parallel.memory_probe.MemoryProbe` measures: the peak of live allocations above the start
+what `trillora.plan.memory_probe.MemoryProbe` measures: the peak of live allocations above the start
 (activations, gathered K/V, gradients of activations; the frozen weights were allocated
 before) and the bytes autograd saved for backward. The loss column shows all layouts computed
 the same thing. Ratios are against cp = 1 from the same run.
@@ -48,7 +48,7 @@ def free_port() -> int:
 
 def worker(rank: int, world: int, port: int, family: str, seq_len: int, results) -> None:
     from trillora import lora
-    from trillora.parallel.memory_probe import MemoryProbe
+    from trillora.plan.memory_probe import MemoryProbe
     from trillora.models import build_model, from_hf_config
     from trillora.parallel import ParallelDims, parallelize
     from trillora.policy.logprobs import token_logprobs

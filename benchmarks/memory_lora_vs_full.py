@@ -11,7 +11,7 @@ cannot hide the other's): the policy-gradient loss with GRPO-style advantages ov
 `parallel.micro_batch_rows` does in the trainer), then one AdamW step (its state is allocated
 inside the measurement). With whole-batch passes (`--micro-rows 8`) activations dominate both
 sides and the ratio shrinks toward 1; micro-batching is what RL trainers do at long sequences. Peak = the weights (counted) + the highest total of live allocations during the
-step (`trillora.parallel.memory_probe.MemoryProbe`). The theoretical floor is the base weights alone.
+step (`trillora.plan.memory_probe.MemoryProbe`). The theoretical floor is the base weights alone.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ CONFIG = dict(model_type="qwen3_moe", vocab_size=32000, hidden_size=1024, interm
 
 def one_step(full: bool, rows: int, micro: int, seq_len: int, rank: int, device: str, out) -> None:
     from trillora import lora, rl
-    from trillora.parallel.memory_probe import MemoryProbe
+    from trillora.plan.memory_probe import MemoryProbe
     from trillora.models import build_model, from_hf_config
     from trillora.policy.logprobs import token_logprobs
 

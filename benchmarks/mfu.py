@@ -7,7 +7,7 @@ fp32 2048³ on the CPU (bf16 products run at ~1 GFLOP/s on these cores), bf16 81
 where the base weights are bf16 and the LoRA adapters fp32 as in training (defaults there:
 16 rows × 2048 tokens). The step is the
 trainer's training pass (logprobs and entropy, the policy loss, backward) on `rows × seq-len`
-tokens, timed after a warm-up; its FLOPs come from `trillora.parallel.cost.training_flops`
+tokens, timed after a warm-up; its FLOPs come from `trillora.plan.cost.training_flops`
 (2 per weight a token multiplies through, routed experts counted top-k of E, causal attention;
 backward: input gradients always, weight gradients only for what is trained). Shapes: a dense
 Qwen3 and a Qwen3-MoE of the same width, LoRA rank 16 on the default targets, and the MoE
@@ -62,7 +62,7 @@ def step_seconds(config: dict, full: bool, rows: int, seq_len: int, repeats: int
                  dtype: torch.dtype, profile_to: Path | None = None) -> tuple[float, dict, float]:
     from trillora import lora, rl
     from trillora.models import build_model, from_hf_config
-    from trillora.parallel.cost import Footprint, Training, training_flops
+    from trillora.plan.cost import Footprint, Training, training_flops
     from trillora.policy.logprobs import token_logprobs
 
     args = from_hf_config(config, where="benchmark")

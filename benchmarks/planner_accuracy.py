@@ -3,7 +3,7 @@ forward + backward for two model families and three LoRA target sets.
 
     python benchmarks/planner_accuracy.py [--seq-len 256] [--rows 4]
 
-Predicted: `trillora.parallel.cost.estimate`'s activations + transient bytes for that workload.
+Predicted: `trillora.plan.cost.estimate`'s activations + transient bytes for that workload.
 Measured: `MemoryProbe`'s peak of live allocations above the weights (the profiler's allocation
 events on CPU), for the same rows × tokens through a model with those adapters. Allocation
 sizes do not depend on the machine's speed, so a rerun gives the same bytes. Writes
@@ -23,9 +23,9 @@ from rich.table import Table
 from trillora import lora
 from trillora.models import build_model, from_hf_config
 from trillora.parallel import ParallelDims
-from trillora.parallel.clusters import CLUSTERS
-from trillora.parallel.cost import Footprint, Training, Workload, estimate
-from trillora.parallel.memory_probe import MemoryProbe
+from trillora.plan.clusters import CLUSTERS
+from trillora.plan.cost import Footprint, Training, Workload, estimate
+from trillora.plan.memory_probe import MemoryProbe
 from trillora.policy.logprobs import token_logprobs
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -6,7 +6,7 @@ Each layout runs in its own group of spawned gloo processes: `TinkerService` in 
 sharded service (`serve --tinker --cp / --tp / --sp / --vocab-parallel`) on 2 or 4. The base is
 tiny-moe-chat's shape with a `--vocab`-token head and room for `--seq-len` positions, random
 weights (the same on every rank); one client (rank 8, every role) runs one `cross_entropy` datum
-of `--seq-len` tokens. Per rank, `trillora.parallel.memory_probe.MemoryProbe` measures the peak of
+of `--seq-len` tokens. Per rank, `trillora.plan.memory_probe.MemoryProbe` measures the peak of
 live allocations during the call above where it began (the logits, their log-softmax and
 gradients, the layers' activations; the base was allocated before), the largest rank reported.
 At a large vocabulary the head's fp32 logits are most of it: cp keeps each rank's positions,
@@ -59,7 +59,7 @@ def run(service, seq_len: int) -> tuple[int, float]:
     """One client, one datum: the peak above the call's start, and its loss."""
     import numpy as np
 
-    from trillora.parallel.memory_probe import MemoryProbe
+    from trillora.plan.memory_probe import MemoryProbe
     from trillora.serve.tinker_service import FwdBwd
     from trillora.serve.wire import Datum
 

@@ -68,11 +68,11 @@ def test_example_configs_load_and_build_their_tasks():
         if "path" in options:
             options["path"] = str(root / options["path"])
         if cfg.task.name == "env":  # user envs: the dataset loads and gives a step's groups of envs
-            from trillora.checkpoint import SHIPPED_MODELS, load_tokenizer
+            from trillora.checkpoint import SHIPPED_CHECKPOINTS, load_tokenizer
             from trillora.tasks.base import load_callable
             from trillora.tasks.env_dataset import load_env_dataset
 
-            if cfg.model.path not in SHIPPED_MODELS and not Path(cfg.model.path).exists():  # a real model's path
+            if cfg.model.path not in SHIPPED_CHECKPOINTS and not Path(cfg.model.path).exists():  # a real model's path
                 load_callable(options["env"], "env dataset")
                 continue
 

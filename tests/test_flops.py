@@ -73,7 +73,7 @@ def test_sliding_window_layers_count_only_their_window():
     """gpt-oss: each query of a window-4 layer sees itself and 3 before: 1+2+3+4 then 4 per position."""
     from hf_models import GPT_OSS
     from trillora.models import from_hf_config
-    from trillora.parallel.cost import _mean_keys
+    from trillora.plan.cost import _mean_keys
 
     assert pairs(10, 4) == 1 + 2 + 3 + 4 * 7 == 34 and pairs(3, 4) == pairs(3) == 6
     assert _mean_keys(10, 4) == 3.4 and _mean_keys(10, 0) == 5.0  # the planner's per-query mean

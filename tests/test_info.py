@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from trillora.models.params import SHIPPED, count_params, resolve_args
+from trillora.models.params import SHIPPED_CONFIGS, count_params, resolve_args
 
 
 def hand_count(a) -> tuple[int, int]:
@@ -41,7 +41,7 @@ def hand_count(a) -> tuple[int, int]:
     return total, activated
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", SHIPPED_CONFIGS)
 def test_counts_equal_hand_formula(name):
     args = resolve_args(name)
     c = count_params(args)
@@ -67,7 +67,7 @@ PUBLISHED = {
 }
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", SHIPPED_CONFIGS)
 def test_counts_near_published(name):
     c = count_params(resolve_args(name))
     total, tol_t, act, tol_a = PUBLISHED[name]

@@ -17,9 +17,9 @@ from hf_models import DEEPSEEK_V3, QWEN3_MOE
 from trillora.models.params import resolve_args
 from trillora.models import from_hf_config
 from trillora.parallel import ParallelDims
-from trillora.parallel.clusters import CLUSTERS
-from trillora.parallel.cost import Footprint, Training, Workload, activation_elements, estimate
-from trillora.parallel.planner import lora_vs_full, plan, rollout_layout, valid_layouts
+from trillora.plan.clusters import CLUSTERS
+from trillora.plan.cost import Footprint, Training, Workload, activation_elements, estimate
+from trillora.plan.planner import lora_vs_full, plan, rollout_layout, valid_layouts
 
 TINY = Training(lora_rank=4, targets=("attention", "experts"), base_bytes=4)
 
@@ -58,7 +58,7 @@ def test_traffic_and_bubble_formulas_by_hand():
 def test_training_flops_by_hand():
     """Attention: 2 · 3 layers · (T/2 = 5) · 4 heads · (16 + 16) = 3840 per token. Full-parameter
     backward is two forwards; LoRA's is one forward plus the adapters' weight gradients."""
-    from trillora.parallel.cost import training_flops
+    from trillora.plan.cost import training_flops
 
     args = from_hf_config(QWEN3_MOE, where="q")
     lora_fp, full_fp = Footprint(args, TINY), Footprint(args, Training(full=True))
@@ -128,7 +128,7 @@ def measure(family: str, dims) -> dict:
     """This rank's parameter bytes, measured activation peak, and counted collective bytes for
     one forward + backward of ROWS × T tokens (each data-parallel rank takes its share)."""
     from trillora import lora
-    from trillora.parallel.memory_probe import MemoryProbe
+    from trillora.plan.memory_probe import MemoryProbe
     from trillora.models import build_model
     from trillora.parallel import build_meshes, parallelize
     from trillora.policy.logprobs import token_logprobs
@@ -241,7 +241,7 @@ def test_service_plan_counts_what_an_expert_parallel_service_holds():
     from trillora.checkpoint import load_model, resolve_model_path
     from trillora.models.moe import GroupedExperts
     from trillora.parallel.expert_parallel import shard_experts
-    from trillora.parallel.planner import REVISION_BYTES, plan_service
+    from trillora.plan.planner import REVISION_BYTES, plan_service
     from trillora.policy.adapters import ResidentBase, roles_of
     from trillora.policy.shards import ExpertShard
 
@@ -281,7 +281,7 @@ def test_service_plan_counts_a_vocabulary_parallel_head_and_context_parallel_row
     client's lm_head B, and half the head's activations; sp keeps less (the norms' tokens split);
     cp=2 holds half of each row's activations, and the gathered K/V."""
     from trillora.checkpoint import load_model, resolve_model_path
-    from trillora.parallel.planner import REVISION_BYTES, plan_service
+    from trillora.plan.planner import REVISION_BYTES, plan_service
 
     model = load_model(resolve_model_path("tiny-moe-chat"))
     head, rank = model.lm_head.weight, 8
@@ -306,7 +306,7 @@ def test_service_plan_counts_what_a_pipeline_stage_holds():
     """`plan_service` at pp=2 counts the fullest stage: the base bytes and one client's adapter numel
     are what the last of two stages (`load_model(layers=...)`, as the service loads it) holds."""
     from trillora.checkpoint import load_model, resolve_model_path
-    from trillora.parallel.planner import REVISION_BYTES, plan_service
+    from trillora.plan.planner import REVISION_BYTES, plan_service
     from trillora.policy.adapters import ResidentBase, roles_of
 
     model = load_model(resolve_model_path("tiny-moe-chat"), layers=range(2, 4))  # norm and head beside two layers
@@ -324,7 +324,7 @@ def test_service_plan_counts_what_a_pipeline_stage_holds():
     # a call's 4 rows in 4 chunks through the 2 stages: a bubble of 1/4 of a pass instead of the whole
     from dataclasses import replace
 
-    from trillora.parallel.planner import SERVICE_TARGETS, _service_layout
+    from trillora.plan.planner import SERVICE_TARGETS, _service_layout
 
     assert staged.layout.pp_microbatches == 4
     fp = Footprint(model.args, Training(lora_rank=8, targets=SERVICE_TARGETS, base_bytes=4))

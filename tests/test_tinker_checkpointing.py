@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from trillora.parallel.memory_probe import MemoryProbe
+from trillora.plan.memory_probe import MemoryProbe
 from trillora.serve.tinker_service import FwdBwd, ServeConfig, TinkerService
 from trillora.serve.wire import Datum
 

@@ -86,8 +86,8 @@ def worker(rank: int, world: int, flags: dict, root: str) -> None:
         norm = next(m for m in service.base.model.modules() if isinstance(m, DecoderLayer)).input_layernorm.weight
         assert norm.to_local().shape[0] < norm.shape[0], norm.placements
     if flags == {"fsdp": True}:  # what this rank holds of the base is what the planner counts for it
-        from trillora.parallel.clusters import CLUSTERS
-        from trillora.parallel.planner import plan_service
+        from trillora.plan.clusters import CLUSTERS
+        from trillora.plan.planner import plan_service
 
         held = sum(_local(p).numel() for n, p in service.base.model.named_parameters() if ".lora_" not in n)
         planned = next(x for x in plan_service(service.base.model.args, 2, CLUSTERS["cpu"], 2, 8, 64, 4, base_bytes=4)

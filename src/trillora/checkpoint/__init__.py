@@ -2,7 +2,7 @@
 
 from .fp8 import dequantize_blockwise, quantize_blockwise
 from .hf import (
-    SHIPPED_MODELS,
+    SHIPPED_CHECKPOINTS,
     CheckpointError,
     check_tokenizer_fits,
     fill_model,
@@ -16,7 +16,7 @@ from .hf import (
 )
 
 __all__ = [
-    "SHIPPED_MODELS",
+    "SHIPPED_CHECKPOINTS",
     "CheckpointError",
     "check_tokenizer_fits",
     "fill_model",

@@ -31,13 +31,13 @@ ExpertLayout = Literal["per_expert", "fused"]
 """Stacked experts on disk: one tensor per expert and projection as released (vLLM's adapter names
 too), or fused `gate_up_proj` / `down_proj` as transformers 5 (and PEFT's `target_parameters`) hold them."""
 EXPERT_LAYOUTS: tuple[str, ...] = get_args(ExpertLayout)
-SHIPPED_MODELS = ("tiny-moe", "tiny-moe-chat")
+SHIPPED_CHECKPOINTS = ("tiny-moe", "tiny-moe-chat")
 """Checkpoints inside the package, loadable by name (no download)."""
 
 
 def resolve_model_path(path: str | Path) -> Path:
     """A checkpoint folder, or the folder of a model shipped with trillora (`tiny-moe`, `tiny-moe-chat`)."""
-    if str(path) in SHIPPED_MODELS:
+    if str(path) in SHIPPED_CHECKPOINTS:
         return Path(str(resources.files("trillora").joinpath(f"assets/{path}")))
     return Path(path)
 

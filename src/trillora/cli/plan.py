@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 from ..models.params import resolve_args
-from ..parallel.clusters import CLUSTERS
-from ..parallel.cost import Estimate, Footprint, Training, Workload, short
+from ..plan.clusters import CLUSTERS
+from ..plan.cost import Estimate, Footprint, Training, Workload, short
 from ..parallel.dims import ParallelDims
-from ..parallel.planner import Plan, lora_vs_full, plan, plan_service, rollout_layout, smallest_cluster
+from ..plan.planner import Plan, lora_vs_full, plan, plan_service, rollout_layout, smallest_cluster
 from .info import human
 
 GIB = 2**30

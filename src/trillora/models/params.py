@@ -17,16 +17,17 @@ from .args import ModelArgs, from_hf_config, load_hf_config
 from .moe import GroupedExperts
 from .registry import build_model
 
-SHIPPED = ("kimi-k2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "glm-4.5-air", "gpt-oss-120b",
-           "gpt-oss-20b")
+SHIPPED_CONFIGS = ("kimi-k2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "glm-4.5-air", "gpt-oss-120b",
+                   "gpt-oss-20b")
+"""Architectures shipped as configs only (`configs/`, no weights): what `info` and `plan` size by name."""
 FP8_BLOCK = 128
 
 
 def shipped_config(name: str) -> dict:
     """A config.json shipped with trillora (facts from the public model cards)."""
     key = name.lower().replace("_", "-")
-    if key not in SHIPPED:
-        raise ConfigError(f"no shipped config {name!r}; shipped: {', '.join(SHIPPED)}")
+    if key not in SHIPPED_CONFIGS:
+        raise ConfigError(f"no shipped config {name!r}; shipped: {', '.join(SHIPPED_CONFIGS)}")
     return json.loads(resources.files("trillora.configs").joinpath(f"{key}.json").read_text())
 
 
@@ -39,7 +40,7 @@ def resolve_args(spec: str | Path) -> ModelArgs:
         return from_hf_config(shipped_config(str(spec)), where=f"shipped config {spec}")
     except ConfigError:
         raise MissingPath(
-            f"{spec}: neither a config.json / checkpoint folder nor a shipped config ({', '.join(SHIPPED)})"
+            f"{spec}: neither a config.json / checkpoint folder nor a shipped config ({', '.join(SHIPPED_CONFIGS)})"
         ) from None
 
 

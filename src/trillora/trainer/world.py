@@ -72,7 +72,7 @@ class World:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         world = dist.get_world_size()
         if p.auto:
-            from ..parallel.planner import auto_dims
+            from ..plan.planner import auto_dims
 
             r = cfg.rollout
             dims, _ = auto_dims(model.args, cfg.lora, world, seq_len=r.max_model_len,

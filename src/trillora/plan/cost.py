@@ -5,7 +5,7 @@ adapters, and each parameter is placed by the same rules `parallelize` uses (the
 parallel plan of `tensor_parallel.tp_plan`, experts split over ep, FSDP over dp × cp, layers
 cut into pipeline stages by `pipeline.split_layers`). So the weight, gradient and optimizer
 bytes a rank holds are counted, not estimated. Activations follow what our modules save for
-backward, term by term (`activation_elements`; checked against `trillora.parallel.memory_probe` measurements
+backward, term by term (`activation_elements`; checked against `trillora.plan.memory_probe` measurements
 within 25% in the tests). Communication is the bytes each rank puts on the wire per step for
 every collective the engine issues; time is compute at an achievable fraction of peak plus
 communication without overlap (an upper bound), times the pipeline bubble.
@@ -20,7 +20,7 @@ from functools import cached_property
 
 from ..models.args import ModelArgs
 from .clusters import Cluster
-from .dims import ParallelDims
+from ..parallel.dims import ParallelDims
 
 
 def short(layout: ParallelDims) -> str:
@@ -65,7 +65,7 @@ class Footprint:
         from .. import lora
         from ..models import build_model
         from ..models.moe import GroupedExperts
-        from .tensor_parallel import tp_plan
+        from ..parallel.tensor_parallel import tp_plan
 
         self.args, self.training = args, training
         model = build_model(args, device="meta")
@@ -100,7 +100,7 @@ class Footprint:
         return sum(self.buckets.values())
 
     def stage_places(self, layout: ParallelDims) -> list[set]:
-        from .pipeline import split_layers
+        from ..parallel.pipeline import split_layers
 
         ranges = split_layers(self.args.num_layers, layout.pp)
         stages = [set(r) for r in ranges]

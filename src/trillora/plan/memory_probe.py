@@ -4,7 +4,7 @@ CPU tensors have no allocator statistics like `torch.cuda.max_memory_allocated`,
 reads the profiler's allocation events (every allocation and free that torch makes, with
 its size) in time order and takes the running peak above the level where the probe began.
 It also counts the tensors autograd saves for backward (the activations), once per storage.
-Both are measured, not derived; the cost model in `trillora.parallel.cost` is checked against them
+Both are measured, not derived; the cost model in `trillora.plan.cost` is checked against them
 (that is why this lives beside it: tests and benchmarks use it, the trainer does not).
 """
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from ..models.args import ModelArgs
 from .clusters import CLUSTERS, Cluster
 from .cost import ADAPTER_STATE_BYTES, Estimate, Footprint, Training, Workload, estimate, short
-from .dims import ParallelDims, ParallelError
+from ..parallel.dims import ParallelDims, ParallelError
 
 
 def divisors(n: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The machines the cost model (`parallel.cost`) prices layouts on: memory, bandwidth and peak
+"""The machines the cost model (`plan.cost`) prices layouts on: memory, bandwidth and peak
 compute per GPU, nominal figures from the vendors' sheets (and this 2-core CPU box, measured)."""
 
 from __future__ import annotations
