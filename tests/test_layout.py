@@ -10,12 +10,12 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "trillora"
 MAX_LINES = 400
 
 EVERYTHING = {"errors", "rl", "tasks", "models", "checkpoint", "lora", "parallel", "rollout", "config", "plots", "trainer",
-              "tiny", "serve", "cli", "memory", "policy", "traces", "plan"}
+              "tiny", "serve", "cli", "context", "policy", "traces", "plan"}
 ALLOWED = {
     "errors": set(),
     "rl": {"errors"},
     "tasks": {"errors"},
-    "memory": {"errors", "tasks"},
+    "context": {"errors", "tasks"},
     "models": {"errors"},
     "checkpoint": {"errors", "models"},
     "lora": {"errors", "models", "checkpoint"},

@@ -58,7 +58,7 @@ def test_the_dataset_chains_inner_groups_and_refuses_group_rewards():
                          eval_size=1, seed=0)
 
 
-def test_a_marathon_runs_through_the_engine_under_a_memory_budget():
+def test_a_marathon_runs_through_the_engine_under_a_context_budget():
     """Four ledgers in one context (~200 tokens) with truncation at 48 tokens: every episode runs
     to its end, the context never passes the budget, and the return counts every ledger."""
     from trillora.checkpoint import load_model

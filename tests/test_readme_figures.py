@@ -331,8 +331,8 @@ def test_the_info_table_is_what_trillora_info_counts():
             assert f"{size(c.bytes_mxfp4_experts())}" in README.split("As released (MXFP4 routed experts")[1][:120]
 
 
-def test_the_memory_budget_table_is_the_results_file():
-    r = results("memory_budget.json")
+def test_the_context_budget_table_is_the_results_file():
+    r = results("context_budget.json")
     rows = r["rows"]
     names = {"truncate": "truncation", "retrieval": "retrieval (BM25 `recall:`)", "summary": "summary after every turn",
              "diffusion": "Memory Diffusion, before RL", "diffusion+rl": "Memory Diffusion, after RL"}

@@ -251,7 +251,7 @@ class LoggingSection:
 
 @dataclass(kw_only=True, frozen=True)
 class MemorySection:
-    """The context a multi-turn episode keeps when its whole history would not fit (`trillora.memory`)."""
+    """The context a multi-turn episode keeps when its whole history would not fit (`trillora.context`)."""
 
     policy: Literal["none", "truncate", "retrieval", "summary", "diffusion"] = "none"
     """"truncate": drop the oldest turns (the task, the first observation, stays); "retrieval":

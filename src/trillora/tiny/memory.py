@@ -1,5 +1,5 @@
 """A tiny MoE that can read a ledger: tiny-moe fine-tuned on ledger transcripts, the starting point
-for measuring memory under a budget (`trillora.tasks.ledger`, `trillora.memory`).
+for measuring memory under a budget (`trillora.tasks.ledger`, `trillora.context`).
 
 Neither shipped model can answer "c?" even with every fact in view (tiny-moe 1.6%, tiny-moe-chat
 3% greedy on 4 facts), so any memory would score noise. This builds the skill in minutes: full

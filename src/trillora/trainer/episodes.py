@@ -18,7 +18,7 @@ import torch
 
 from .. import rl
 from ..errors import TrilloraError
-from ..memory import MemoryContext
+from ..context import MemoryContext
 from ..rollout.types import RolloutEngine, SamplingParams
 from ..tasks.env import Env, EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition, resolve
 from ..tasks.guard import OnRewardError, time_limit
@@ -39,7 +39,7 @@ class EpisodeLimits:
     on_error: OnRewardError = "fail"
     memory: Callable[[SamplingParams, int], MemoryContext] | None = None
     """A fresh memory per episode (the call's sampling settings, the episode's index): the context
-    the policy sees stays within its budget (`trillora.memory`)."""
+    the policy sees stays within its budget (`trillora.context`)."""
 
 
 def _call(env: Env, what: str, turn: int, limits: EpisodeLimits, *args):

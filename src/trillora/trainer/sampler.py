@@ -27,7 +27,7 @@ from ..tasks.task_env import TaskGroupBuilder
 from ..tasks.trajectory import merge_trajectory
 from .batch import TokenBatch, batch_from_samples, with_routes
 from ..errors import ConfigError
-from ..memory import MemoryContext, MemoryDiffusion, Recall, Summarize, Truncate, attention_mass, policy_scores, recency
+from ..context import MemoryContext, MemoryDiffusion, Recall, Summarize, Truncate, attention_mass, policy_scores, recency
 from .episodes import EpisodeLimits, episode_metrics, run_groups
 from .flops import ModelFlops, rollout_flops
 

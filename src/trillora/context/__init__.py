@@ -1,5 +1,6 @@
-"""Memory for long multi-turn episodes: the context kept under a token budget (`context`), by
-truncation or by Memory Diffusion (`diffusion`: mask -> allocate -> refill)."""
+"""The context of long multi-turn episodes kept under a token budget (`context`; the run's
+`[memory]` section): by truncation, a summary, recall, or Memory Diffusion (`diffusion`: mask ->
+allocate -> refill). Named `context`, not `memory`, so that it is not read as GPU memory."""
 
 from .allocate import RULES
 from .context import Chunk, MemoryContext, MemoryPolicy, Truncate, split_spans

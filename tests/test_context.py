@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 import torch
 
 from trillora.config import ConfigError, load_config
-from trillora.memory import Chunk, MemoryContext, Truncate, split_spans
-from trillora.memory.context import size
+from trillora.context import Chunk, MemoryContext, Truncate, split_spans
+from trillora.context.context import size
 from trillora.tasks.env import Env, StepResult, Trajectory, Transition
 from trillora.tasks.trajectory import merge_trajectory
 
@@ -162,7 +162,7 @@ def test_the_ledger_asks_about_an_early_fact_that_truncation_loses():
 
 
 @pytest.mark.slow
-def test_train_runs_the_ledger_under_a_memory_budget(tmp_path):
+def test_train_runs_the_ledger_under_a_context_budget(tmp_path):
     """`trillora train` on the ledger with truncation: the run logs the memory's rewrites."""
     import json
     import subprocess
@@ -179,7 +179,7 @@ def test_train_runs_the_ledger_under_a_memory_budget(tmp_path):
 
 
 def test_allocation_rules_by_hand():
-    from trillora.memory.allocate import proportional, threshold, top_k
+    from trillora.context.allocate import proportional, threshold, top_k
 
     # 12 tokens by importance 1:2:3 over chunks of 10 each: 2, 4, 6
     assert proportional([1, 2, 3], [10, 10, 10], 12) == [2, 4, 6]
@@ -199,7 +199,7 @@ def test_allocation_rules_by_hand():
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 10), st.integers(0, 40)), min_size=1, max_size=8), st.integers(0, 120))
 def test_allocations_stay_within_budget_and_lengths(chunks, budget):
-    from trillora.memory.allocate import proportional, top_k
+    from trillora.context.allocate import proportional, top_k
 
     importance, lengths = [w for w, _ in chunks], [n for _, n in chunks]
     for rule in (proportional, top_k):
@@ -219,7 +219,7 @@ def tiny_engine():
 
 
 def test_diffusion_masks_allocates_and_refills_by_hand(tiny_engine):
-    from trillora.memory import MemoryDiffusion, recency
+    from trillora.context import MemoryDiffusion, recency
     from trillora.rollout import SamplingParams
 
     engine, tok = tiny_engine
@@ -244,7 +244,7 @@ def test_diffusion_masks_allocates_and_refills_by_hand(tiny_engine):
 
 
 def test_policy_scores_equal_the_model_on_each_variant(tiny_engine):
-    from trillora.memory import policy_scores
+    from trillora.context import policy_scores
 
     engine, _ = tiny_engine
     chunks = [Chunk([1, 14, 15], 0), Chunk([20, 21, 22], 1), Chunk([30, 31], 2), Chunk([14, 84, 15, 98], 3)]
@@ -268,7 +268,7 @@ def test_attention_mass_equals_transformers_attention_weights():
     import transformers
 
     from trillora.checkpoint import load_model, resolve_model_path
-    from trillora.memory import attention_mass
+    from trillora.context import attention_mass
 
     chunks = [Chunk([1, 14, 15, 16], 0), Chunk([20, 21, 22, 23, 24], 1), Chunk([30, 31], 2), Chunk([40, 41, 42], 3),
               Chunk([14, 84, 15, 98], 4)]
@@ -289,7 +289,7 @@ def test_attention_mass_with_sinks_and_windows_equals_transformers(tmp_path):
     from hf_models import GPT_OSS, hf_model, save_fused
 
     from trillora.checkpoint import load_model
-    from trillora.memory import attention_mass
+    from trillora.context import attention_mass
 
     hf = hf_model(dict(GPT_OSS, sliding_window=4))
     chunks = [Chunk([1, 14, 15, 16], 0), Chunk([20, 21, 22, 23, 24], 1), Chunk([30, 31], 2), Chunk([40, 41, 42], 3),
@@ -305,7 +305,7 @@ def test_attention_mass_with_sinks_and_windows_equals_transformers(tmp_path):
 
 
 def test_refills_are_trained_as_actions_of_the_episode(tiny_engine):
-    from trillora.memory import MemoryDiffusion, recency
+    from trillora.context import MemoryDiffusion, recency
     from trillora.rollout import SamplingParams
     from trillora.trainer.episodes import EpisodeLimits, run_episodes
 
@@ -345,7 +345,7 @@ def test_train_runs_the_policy_memories_on_the_ledger(tmp_path, policy):
 
 
 def test_summary_after_every_turn(tiny_engine):
-    from trillora.memory import Summarize
+    from trillora.context import Summarize
     from trillora.rollout import SamplingParams
 
     engine, tok = tiny_engine
@@ -369,7 +369,7 @@ def test_summary_after_every_turn(tiny_engine):
 
 
 def test_bm25_by_hand():
-    from trillora.memory import bm25
+    from trillora.context import bm25
 
     # N = 2 docs, term 3 in one: idf = ln(1 + 1.5 / 1.5) = ln 2; doc [2, 3, 3]: tf 2, |d| 3, avg 2.5
     # 2 * 2.5 / (2 + 1.5 * (0.25 + 0.75 * 3 / 2.5)) = 5 / 3.725
@@ -378,7 +378,7 @@ def test_bm25_by_hand():
 
 
 def test_recall_answers_from_what_truncation_dropped(tiny_engine):
-    from trillora.memory import Recall
+    from trillora.context import Recall
 
     _, tok = tiny_engine
     text = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -402,7 +402,7 @@ def test_a_recall_turn_is_answered_by_the_memory_not_the_env(tiny_engine):
     as if it never happened."""
     import dataclasses
 
-    from trillora.memory import Recall
+    from trillora.context import Recall
     from trillora.rollout import SamplingParams
     from trillora.trainer.episodes import EpisodeLimits, run_episodes
 
@@ -474,8 +474,8 @@ def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint
 
 
 @pytest.mark.slow
-def test_the_memory_budget_benchmark_runs_every_policy(tmp_path):
-    """`benchmarks/memory_budget.py` at a small size: every policy at one budget, Memory Diffusion
+def test_the_context_budget_benchmark_runs_every_policy(tmp_path):
+    """`benchmarks/context_budget.py` at a small size: every policy at one budget, Memory Diffusion
     again after one RL step at that budget, the whole-context reference, tokens processed (the
     summary, rewriting every turn, reads the most), a plot."""
     import json
@@ -484,7 +484,7 @@ def test_the_memory_budget_benchmark_runs_every_policy(tmp_path):
     from pathlib import Path
 
     out = tmp_path / "mb.json"
-    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_budget.py"
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "context_budget.py"
     run = subprocess.run([sys.executable, str(bench), "--model", "tiny-moe", "--seeds", "0", "--episodes", "4",
                           "--fractions", "0.5", "--rl-steps", "1", "--out", str(out)], capture_output=True, text=True,
                          timeout=600)

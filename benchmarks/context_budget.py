@@ -1,6 +1,6 @@
 """Success on the ledger against the memory budget, for each memory policy, and Memory Diffusion after RL.
 
-    python benchmarks/memory_budget.py --model runs/tiny-moe-memory [--seeds 0 1 2] [--episodes 64] [--rl-steps 40]
+    python benchmarks/context_budget.py --model runs/tiny-moe-memory [--seeds 0 1 2] [--episodes 64] [--rl-steps 40]
 
 `--model`: a checkpoint that can read a ledger (`python -m trillora.tiny build-memory OUT`; the
 shipped models cannot, so every memory would score noise). Each held-out ledger (6 facts, 3
@@ -13,7 +13,7 @@ Reported per policy and budget: success (mean and per seed) and the tokens proce
 scorer's forwards are not counted). With `--rl-steps N`, Memory Diffusion is also trained by RL
 at each budget (`examples/ledger.toml`: refills and answers trained with the episode's reward, one
 run per `--rl-seeds` seed) and played again with that adapter ("diffusion+rl"). Writes
-benchmarks/results/memory_budget.json and a PNG.
+benchmarks/results/context_budget.json and a PNG.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> None:
                    "(0: whole turns, which at 1/4 of an episode leave no room beyond the task and the latest turn)")
     p.add_argument("--rl-steps", type=int, default=0, help="also train Memory Diffusion by RL at each budget")
     p.add_argument("--rl-seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--out", type=Path, default=RESULTS / "memory_budget.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "context_budget.json")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="memory-budget-"))
     tokenizer = load_tokenizer(a.model)
@@ -143,7 +143,7 @@ def main() -> None:
                       f"{r['tokens_processed']:.0f}")
     console.print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python benchmarks/memory_budget.py", *sys.argv[1:]]).replace(a.model, "<build-memory output>")
+    command = " ".join(["python benchmarks/context_budget.py", *sys.argv[1:]]).replace(a.model, "<build-memory output>")
     a.out.write_text(json.dumps({"command": command,
                                  "episode_tokens": length, "span_tokens": a.span_tokens, "whole_context": {
                                      "success": full, "success_per_seed": [w["success"] for w in whole],
