@@ -153,11 +153,11 @@ def test_the_traces_gate_replays_held_out_traces_that_are_never_trained_on(servi
     for i, t in enumerate(keys):
         record(store, service, t, "tiny-moe-chat", 0.0, None, prompt_len=2 + i % 8)
     held = sorted(t for t in keys if held_out(("k", t), 0.5))
-    assert held == ["t3", "t9"]  # the first 8 bytes of sha256("k/t3") / 2^64 = 0.318 < 0.5; t0's: 0.523
+    assert held == ["t2", "t3", "t4", "t5"]  # the first 8 bytes of sha256("k/t<i>") mod 10000 below 5000
     row = learner.step()
     marks = dict(store._read("SELECT trace_id, revision FROM trained"))
     assert sorted(t for t, r in marks.items() if r == HELD_OUT) == held
-    assert {t for t, r in marks.items() if r == 1} == set(keys) - set(held) and row["traces"] == 8
+    assert {t for t, r in marks.items() if r == 1} == set(keys) - set(held) and row["traces"] == 6
 
     engine = LocalEngine.sharing(service.base.model, service.tokenizer.pad_token_id or 0)  # the replays, by hand
     firsts = [store.calls(t, owner="k")[0] for t in held]
@@ -168,14 +168,14 @@ def test_the_traces_gate_replays_held_out_traces_that_are_never_trained_on(servi
     scores = [reward_fns.even_first_token([dataclasses.replace(c, completion_ids=o.token_ids)]) for c, (o,) in zip(firsts, out)]
     assert row["gate_score"] == sum(scores) / len(scores) and learner.best == row["gate_score"]
     basis = learner.best_basis
-    assert basis.startswith("traces:2:")
+    assert basis.startswith("traces:4:")
 
-    for t in ("t10", "t11", "t12"):  # t11 (0.271) hashes into the held-out share: the set grows, a new bar
+    for t in ("t10", "t11", "t12"):  # t12 hashes into the held-out share: the set grows, a new bar
         record(store, service, t, "tiny-moe-chat@1", 0.0, None)
     row = learner.step()
-    assert row["revision"] == 2 and learner.best_basis.startswith("traces:3:") and learner.best == row["gate_score"]
+    assert row["revision"] == 2 and learner.best_basis.startswith("traces:5:") and learner.best == row["gate_score"]
     marks = dict(store._read("SELECT trace_id, revision FROM trained"))
-    assert (marks["t10"], marks["t11"], marks["t12"]) == (2, HELD_OUT, 2)
+    assert (marks["t10"], marks["t11"], marks["t12"]) == (2, 2, HELD_OUT)
 
 
 def test_a_traces_gate_needs_a_reward_function_and_gates_are_named(tmp_path):

@@ -23,12 +23,11 @@ first, until that budget is spent; the rest wait for the next.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..tasks.base import load_callable
+from ..tasks.base import in_eval_split, load_callable
 from ..tasks.trajectory import Sample
 from .store import MAX_REWARD, Call, TraceStore
 from .trajectory import samples_of
@@ -47,9 +46,9 @@ class Experience:
 
 
 def held_out(key: tuple[str, str], share: float) -> bool:
-    """Whether the trace (owner, trace id) belongs to the held-out share: a hash, so always the same answer."""
-    digest = hashlib.sha256(f"{key[0]}/{key[1]}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") < share * 2**64
+    """Whether the trace (owner, trace id) belongs to the held-out share: the tasks' hashed split, so
+    always the same answer."""
+    return in_eval_split(f"{key[0]}/{key[1]}", share)
 
 
 def reward_function(name: str) -> Callable[[list[Call]], float] | None:
