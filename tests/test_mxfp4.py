@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 import trillora
 from hf_models import GPT_OSS, hf_model, tokens
 from trillora.checkpoint.hf import CheckpointError
-from trillora.checkpoint.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from trillora.models.gpt_oss.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 
 def test_dequantize_by_hand():

@@ -21,10 +21,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import MissingPath
-from ..models import CausalLM, ModelArgs, build_model, load_hf_config
+from ..models import CausalLM, ModelArgs, build_model, load_hf_config, release_of
 from ..models.transformer import OtherStage, keep_stage
 from .atomic import AtomicFolder
-from . import gpt_oss
 from .weights import INDEX, CheckpointError, load_weights, shard_files  # noqa: F401  (re-exported)
 
 ExpertLayout = Literal["per_expert", "fused"]
@@ -118,19 +117,16 @@ def hf_state_dict(model: CausalLM, expert_layout: str = "fused") -> dict[str, to
     """The model's tensors under Hugging Face names; `per_expert` splits stacked experts as released."""
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout={expert_layout!r}; allowed: {', '.join(EXPERT_LAYOUTS)}")
-    released = model.args.family == "gpt_oss"
-    if released and expert_layout == "per_expert":
-        raise CheckpointError("gpt-oss checkpoints have one expert layout (stacked, as released and as transformers "
-                              "loads them); use expert_layout='fused'")
+    release = release_of(model.args)
+    if expert_layout not in release.expert_layouts:
+        raise CheckpointError(f"{model.args.family} checkpoints have one expert layout (as released and as transformers "
+                              f"loads them); use expert_layout={release.expert_layouts[0]!r}")
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         if model.args.tie_word_embeddings and name == "lm_head.weight":
             continue
-        t = t.detach()
-        if released:
-            out.update([gpt_oss.to_release(name, t)])
-        else:
-            out.update(expert_tensors_per_expert(name, t) if expert_layout == "per_expert" else [(name, t.contiguous())])
+        name, t = release.to_release(name, t.detach())
+        out.update(expert_tensors_per_expert(name, t) if expert_layout == "per_expert" else [(name, t.contiguous())])
     return out
 
 

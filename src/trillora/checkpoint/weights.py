@@ -1,5 +1,6 @@
 """Streaming a checkpoint's tensors into an allocated model: each tensor read once, straight into
-its parameter (or this rank's part of it), fp8 and MXFP4 weights dequantised on the way.
+its parameter (or this rank's part of it), fp8 weights dequantised on the way, and the family's
+release layout (`models/<family>/state_dict.py`) undone.
 
 With `experts=(rank, size)` a rank reads only its slice of the routed experts; tensors of modules
 another pipeline stage holds (`OtherStage`) are not read; a tensor-parallel DTensor parameter
@@ -21,9 +22,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import TrilloraError
-from ..models import CausalLM
+from ..models import CausalLM, release_of
 from ..models.transformer import OtherStage
-from . import gpt_oss
 from .fp8 import dequantize_blockwise
 
 INDEX = "model.safetensors.index.json"
@@ -152,26 +152,15 @@ def load_weights(model: CausalLM, path: str | Path, block: int | None = None,
         quant = model.args.hf_config.get("quantization_config") or {}
         block = int((quant.get("weight_block_size") or [128])[0])
     filler = _Filler(model, experts)
-    released = model.args.family == "gpt_oss"
-    pending: dict[str, torch.Tensor] = {}  # fp8 / mxfp4 weights or scales waiting for their partner (other shard)
+    release = release_of(model.args)
+    pending: dict[str, torch.Tensor] = {}  # quantised weights or scales waiting for their partner (another shard)
     for file in shard_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if not filler.wanted(name):
                     continue
                 tensor = f.get_tensor(name)
-                if released and name.endswith(("_blocks", "_scales")):  # gpt-oss MXFP4 experts
-                    base, _, kind = name.rpartition("_")
-                    partner = f"{base}_{'scales' if kind == 'blocks' else 'blocks'}"
-                    if partner not in pending:
-                        pending[name] = tensor
-                        continue
-                    blocks, scales = (tensor, pending.pop(partner)) if kind == "blocks" else (pending.pop(partner), tensor)
-                    for part, value in gpt_oss.mxfp4_experts(base, blocks, scales):
-                        filler.put(part, value, file.name)
-                elif released:
-                    filler.put(*gpt_oss.from_release(name, tensor), file.name)
-                elif name.endswith(".weight_scale_inv"):
+                if name.endswith(".weight_scale_inv"):
                     wname = name[: -len("_scale_inv")]
                     if wname not in pending:
                         pending[name] = tensor
@@ -183,8 +172,9 @@ def load_weights(model: CausalLM, path: str | Path, block: int | None = None,
                         pending[name] = tensor
                         continue
                     filler.put(name, dequantize_blockwise(tensor, scale, block), file.name)
-                else:
-                    filler.put(name, tensor, file.name)
+                else:  # the family's release layout (gpt-oss: MXFP4 experts, transposed and interleaved)
+                    for ours, value in release.from_release(name, tensor, pending):
+                        filler.put(ours, value, file.name)
     if pending:
         raise CheckpointError(f"{path}: quantised tensors without their scales (or scales without weights): {sorted(pending)[:4]}")
     filler.check_complete(path)

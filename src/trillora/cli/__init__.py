@@ -196,13 +196,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from ..lora.config import EXPERT_RANK_RULES
+    from ..models.params import SHIPPED_CONFIGS
     from . import info, plan, traces
 
     parser = argparse.ArgumentParser(prog="trillora", description="RL on Mixture-of-Experts models through LoRA")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="parameter counts, structure and sizes of a model (no weights needed)")
-    p.add_argument("model", help="shipped name (kimi-k2, deepseek-v3, qwen3-30b-a3b, qwen3-235b-a22b, glm-4.5, glm-4.5-air, gpt-oss-120b, gpt-oss-20b), config.json or folder")
+    p.add_argument("model", help=f"shipped name ({', '.join(SHIPPED_CONFIGS)}), config.json or folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--lora-rank", type=int, default=0, help="also size a LoRA adapter of this rank")
     p.add_argument("--expert-rank-rule", default="same", choices=EXPERT_RANK_RULES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..models import ModelArgs
+from ..models import ModelArgs, release_of
 from ..models.params import count_params, resolve_args
 
 
@@ -26,6 +26,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     model_args = resolve_args(args.model)
     counts = count_params(model_args)
+    mxfp4 = release_of(model_args).quantized_experts == "mxfp4"
     embed = model_args.vocab_size * model_args.hidden_size
     if args.json:
         print(json.dumps({
@@ -36,7 +37,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             "routed_expert_params": counts.routed_experts,
             "bytes_bf16": counts.bytes_bf16(),
             "bytes_fp8": counts.bytes_fp8(),
-            **({"bytes_mxfp4_experts": counts.bytes_mxfp4_experts()} if model_args.family == "gpt_oss" else {}),
+            **({"bytes_mxfp4_experts": counts.bytes_mxfp4_experts()} if mxfp4 else {}),
             "structure": dict(structure(model_args)),
             **({"lora": lora_size(model_args, args.lora_rank, args.expert_rank_rule)[0]} if args.lora_rank else {}),
         }, indent=2))
@@ -51,7 +52,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     table.add_row("routed experts", f"{human(counts.routed_experts)} ({100 * counts.routed_experts / counts.total:.1f}% of all)")
     table.add_row("weights at bf16", human_bytes(counts.bytes_bf16()))
     table.add_row("weights at fp8", human_bytes(counts.bytes_fp8()) + " (128×128 block scales, norms/embeddings bf16)")
-    if model_args.family == "gpt_oss":
+    if mxfp4:
         table.add_row("as released", human_bytes(counts.bytes_mxfp4_experts()) + " (MXFP4 routed experts, the rest bf16)")
     if args.lora_rank:
         stats, expert_rank = lora_size(model_args, args.lora_rank, args.expert_rank_rule)
@@ -70,7 +71,7 @@ def structure(args: ModelArgs) -> list[tuple[str, str]]:
     attention = (
         f"MLA (q_lora {args.q_lora_rank}, kv_lora {args.kv_lora_rank}, nope {args.qk_nope_head_dim}, "
         f"rope {args.qk_rope_head_dim}, v {args.v_head_dim}), {args.num_heads} heads"
-        if args.family == "deepseek_v3"
+        if args.kv_lora_rank
         else f"GQA {args.num_heads} q / {args.num_kv_heads} kv heads × {args.head_dim}"
         + (", q/k RMSNorm" if args.qk_norm else "")
         + ((", q/k/v/o bias" if args.attention_out_bias else ", q/k/v bias") if args.attention_bias else "")

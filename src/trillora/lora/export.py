@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..checkpoint import gpt_oss
 from ..checkpoint.atomic import AtomicFolder
 from ..checkpoint.hf import EXPERT_LAYOUTS
 from .apply import apply_lora, lora_modules
 from .config import LoraConfig
 from .layers import LoraGroupedExperts, LoraMixin, LoraRouterMixin
 from ..errors import TrilloraError
+from ..models import ReleaseLayout, release_of
 
 PREFIX = "base_model.model."
 
@@ -53,7 +53,7 @@ def _dense_tensors(name: str, m: LoraMixin) -> dict[str, torch.Tensor]:
     }
 
 
-def _expert_tensors(name: str, m: LoraGroupedExperts, layout: str, released: bool) -> dict[str, torch.Tensor]:
+def _expert_tensors(name: str, m: LoraGroupedExperts, layout: str, release: ReleaseLayout) -> dict[str, torch.Tensor]:
     s, e = m.lora_scaling, m.num_experts
     g_a, u_a, d_a = (t.detach().float() for t in (m.lora_gate_A, m.lora_up_A, m.lora_down_A))
     g_b, u_b, d_b = (t.detach().float() * s for t in (m.lora_gate_B, m.lora_up_B, m.lora_down_B))
@@ -70,16 +70,15 @@ def _expert_tensors(name: str, m: LoraGroupedExperts, layout: str, released: boo
     b_gu[:, :inter, :r], b_gu[:, inter:, r:] = g_b, u_b
     out[f"{PREFIX}{name}.base_layer.lora_A.weight"] = a_gu.reshape(e * 2 * r, -1)  # expert-major
     b_gu = b_gu.permute(1, 2, 0).reshape(2 * inter, 2 * r * e)  # expert fastest
-    out[f"{PREFIX}{name}.base_layer.lora_B.weight"] = gpt_oss.interleave(b_gu, dim=0) if released else b_gu
+    out[f"{PREFIX}{name}.base_layer.lora_B.weight"] = release.gate_up_to_release(b_gu, dim=0)
     out[f"{PREFIX}{name}.lora_A.weight"] = d_a.reshape(e * r, -1)
     out[f"{PREFIX}{name}.lora_B.weight"] = d_b.permute(1, 2, 0).reshape(d_b.shape[1], r * e)
     return out
 
 
 def vllm_layout(model: torch.nn.Module) -> str:
-    """The expert layout vLLM reads for this family: per expert, except for models whose experts
-    vLLM keeps as 3-D tensors (gpt-oss, `is_3d_moe_weight`), which load PEFT's fused form."""
-    return "fused" if model.args.family == "gpt_oss" else "per_expert"
+    """The expert layout vLLM reads for this model's family."""
+    return release_of(model.args).vllm_expert_layout
 
 
 def adapter_tensors(model: torch.nn.Module, layout: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -89,11 +88,11 @@ def adapter_tensors(model: torch.nn.Module, layout: str) -> tuple[dict[str, torc
     tensors: dict[str, torch.Tensor] = {}
     modules, parameters, ranks = set(), set(), {}
     base_rank = model.lora_config.rank
-    released = model.args.family == "gpt_oss"
+    release = release_of(model.args)
     for ours, m in lora_modules(model):
-        name = gpt_oss.module_name(ours) if released else ours
+        name = release.module_name(ours)
         if isinstance(m, LoraGroupedExperts):
-            tensors.update(_expert_tensors(name, m, layout, released))
+            tensors.update(_expert_tensors(name, m, layout, release))
             if layout == "per_expert":
                 modules.update({"gate_proj", "up_proj", "down_proj"})
                 if m.lora_rank != base_rank:
@@ -180,7 +179,7 @@ def load_adapter(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
     if not any(True for _ in lora_modules(model)):
         _check_files(path)
         apply_lora(model, adapter_config(path))
-    fill_adapter(lora_modules(model), path, released=model.args.family == "gpt_oss")
+    fill_adapter(lora_modules(model), path, release_of(model.args))
     return model
 
 
@@ -191,20 +190,20 @@ def _check_files(path: Path) -> None:
 
 
 @torch.no_grad()
-def fill_adapter(modules, path: str | Path, released: bool = False) -> None:
+def fill_adapter(modules, path: str | Path, release: ReleaseLayout | None = None) -> None:
     """Copy an adapter folder's tensors into the LoRA tensors of `modules` ((name, module) pairs,
-    already shaped for it); every tensor of the file must land in one of them. `released`: the
-    module names of gpt-oss's released checkpoints."""
-    path = Path(path)
+    already shaped for it); every tensor of the file must land in one of them. `release`: the
+    family's names and layout (`release_of(model.args)`; ours when None)."""
+    path, release = Path(path), release or ReleaseLayout()
     _check_files(path)
     config = json.loads((path / "adapter_config.json").read_text())
     tensors = load_file(str(path / "adapter_model.safetensors"))
     file_scale = _file_scaling(config)
     fused = any(".experts.base_layer.lora_A" in k for k in tensors)
     for ours, m in modules:
-        name = gpt_oss.module_name(ours) if released else ours
+        name = release.module_name(ours)
         if isinstance(m, LoraGroupedExperts):
-            _load_experts(name, m, tensors, fused, file_scale, path, released)
+            _load_experts(name, m, tensors, fused, file_scale, path, release)
             continue
         a = _take(tensors, f"{PREFIX}{name}.lora_A.weight", tuple(m.lora_A.shape), path)
         b = _take(tensors, f"{PREFIX}{name}.lora_B.weight", tuple(m.lora_B.shape), path)
@@ -233,7 +232,7 @@ def _file_scaling(config: dict):
     return scaling
 
 
-def _load_experts(name, m: LoraGroupedExperts, tensors, fused, file_scale, where, released: bool) -> None:
+def _load_experts(name, m: LoraGroupedExperts, tensors, fused, file_scale, where, release: ReleaseLayout) -> None:
     e, r, inter, c = m.num_experts, m.lora_rank, m.hidden, m.down_proj.shape[1]
     s = m.lora_scaling
     if not fused:
@@ -256,7 +255,7 @@ def _load_experts(name, m: LoraGroupedExperts, tensors, fused, file_scale, where
         raise AdapterError(f"{where}: fused gate_up adapter of {name} has rank {rank_gu}; this model's expert rank is {r} (accepts {r} or {2 * r})")
     a_gu = _take(tensors, f"{gu_key}.lora_A.weight", (e * rank_gu, c), where).view(e, rank_gu, c)
     b_gu = _take(tensors, f"{gu_key}.lora_B.weight", (2 * inter, e * rank_gu), where)
-    b_gu = gpt_oss.deinterleave(b_gu, dim=0) if released else b_gu
+    b_gu = release.gate_up_from_release(b_gu, dim=0)
     b_gu = b_gu.view(2 * inter, rank_gu, e).permute(2, 0, 1) * (file_scale(f"{name}.gate_up_proj", rank_gu) / s)  # [E, 2I, R]
     if rank_gu == 2 * r:  # block diagonal, as we write it
         off = torch.cat([b_gu[:, :inter, r:], b_gu[:, inter:, :r]]).abs().max()

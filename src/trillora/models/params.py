@@ -13,9 +13,9 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import ConfigError, MissingPath
-from .args import ModelArgs, from_hf_config, load_hf_config
+from .args import ModelArgs
 from .moe import GroupedExperts
-from .registry import build_model
+from .registry import build_model, from_hf_config, load_hf_config
 
 SHIPPED_CONFIGS = ("kimi-k2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "glm-4.5-air", "gpt-oss-120b",
                    "gpt-oss-20b")

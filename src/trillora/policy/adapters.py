@@ -33,6 +33,7 @@ from .. import lora
 from ..lora.apply import lora_modules
 from ..lora.layers import LoraGroupedExperts, init_a
 from ..lora.multi import RowAdapters, stack_padded
+from ..models import release_of
 from .shards import Placement
 
 SLOT_TENSORS = ("lora_A", "lora_B", "lora_gate_A", "lora_gate_B", "lora_up_A", "lora_up_B", "lora_down_A", "lora_down_B")
@@ -144,8 +145,7 @@ class ResidentBase:
         if self.sharded:
             raise lora.AdapterError("adapters are loaded from folders on one process only (not yet under torchrun)")
         adapter = self.new_adapter(config.rank, config.targets, config.seed, config.rank_for_experts(self.model.args.top_k))
-        lora.fill_adapter([(m, self.slots[m]) for m in sorted(adapter.modules())], folder,
-                          released=self.model.args.family == "gpt_oss")
+        lora.fill_adapter([(m, self.slots[m]) for m in sorted(adapter.modules())], folder, release_of(self.model.args))
         return Revision(adapter.config, adapter.tensors())
 
     @property

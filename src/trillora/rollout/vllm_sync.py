@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import gpt_oss
 from ..checkpoint.hf import expert_tensors_per_expert
 from ..lora.apply import lora_modules
 from ..errors import TrilloraError
+from ..models import release_of
 
 SIBLINGS = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
             "v_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj"),
@@ -42,9 +42,9 @@ def merged_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """{HF checkpoint name: merged tensor} for every tensor an adapter changes, and the siblings
     vLLM fuses with them. Experts come per expert: `...experts.{e}.{gate|up|down}_proj.weight`."""
     out: dict[str, torch.Tensor] = {}
-    released = model.args.family == "gpt_oss"
+    release = release_of(model.args)
     for ours, m in lora_modules(model):
-        name = gpt_oss.module_name(ours) if released else ours  # gpt-oss's router is `mlp.router`
+        name = release.module_name(ours)  # gpt-oss's router is `mlp.router`
         for tensor_name, delta in m.delta().items():
             base = getattr(m, tensor_name)
             merged = (base if m.lora_merged else base + delta.to(base.dtype)).detach()

@@ -7,11 +7,11 @@ model; the checkpoint loader skips them.
 
 from __future__ import annotations
 
-from .args import ModelArgs
-from .attention import MLAttention
-from .layers import SwiGLU
-from .moe import MoE
-from .transformer import CausalLM, DecoderLayer
+from ..args import ModelArgs
+from ..attention import MLAttention
+from ..layers import SwiGLU
+from ..moe import MoE
+from ..transformer import CausalLM, DecoderLayer
 
 
 def build(args: ModelArgs) -> CausalLM:

@@ -6,11 +6,11 @@ Which layers hold experts follows `decoder_sparse_step` and `mlp_only_layers`
 
 from __future__ import annotations
 
-from .args import ModelArgs
-from .attention import GQAttention
-from .layers import SwiGLU
-from .moe import MoE
-from .transformer import CausalLM, DecoderLayer
+from ..args import ModelArgs
+from ..attention import GQAttention
+from ..layers import SwiGLU
+from ..moe import MoE
+from ..transformer import CausalLM, DecoderLayer
 
 
 def build(args: ModelArgs) -> CausalLM:

@@ -8,11 +8,11 @@ checkpoint loader skips it.
 
 from __future__ import annotations
 
-from .args import ModelArgs
-from .attention import GQAttention
-from .layers import SwiGLU
-from .moe import MoE
-from .transformer import CausalLM, DecoderLayer
+from ..args import ModelArgs
+from ..attention import GQAttention
+from ..layers import SwiGLU
+from ..moe import MoE
+from ..transformer import CausalLM, DecoderLayer
 
 
 def build(args: ModelArgs) -> CausalLM:
