@@ -33,7 +33,7 @@ from trillora.checkpoint import load_model, load_tokenizer
 from trillora.lora import load_adapter
 from trillora.config import MemorySection
 from trillora.rollout import LocalEngine, SamplingParams
-from trillora.tasks.ledger import dataset
+from trillora.envs.ledger import dataset
 from trillora.trainer.episodes import EpisodeLimits, run_groups
 from trillora.trainer.sampler import memory_factory
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trillora.tasks.env import Env, EnvGroupBuilder, StepResult
+from trillora.envs.env import Env, EnvGroupBuilder, StepResult
 
 
 class Echo(Env):

@@ -70,7 +70,7 @@ def test_example_configs_load_and_build_their_tasks():
         if cfg.task.name == "env":  # user envs: the dataset loads and gives a step's groups of envs
             from trillora.checkpoint import SHIPPED_CHECKPOINTS, load_tokenizer
             from trillora.tasks.base import load_callable
-            from trillora.tasks.env_dataset import load_env_dataset
+            from trillora.envs.env_dataset import load_env_dataset
 
             if cfg.model.path not in SHIPPED_CHECKPOINTS and not Path(cfg.model.path).exists():  # a real model's path
                 load_callable(options["env"], "env dataset")

@@ -13,8 +13,8 @@ import torch
 from trillora.config import ConfigError, load_config
 from trillora.context import Chunk, MemoryContext, Truncate, split_spans
 from trillora.context.context import size
-from trillora.tasks.env import Env, StepResult, Trajectory, Transition
-from trillora.tasks.trajectory import merge_trajectory
+from trillora.envs.env import Env, StepResult, Trajectory, Transition
+from trillora.envs.trajectory import merge_trajectory
 
 
 def test_truncation_by_hand():
@@ -100,7 +100,7 @@ def test_long_episodes_through_a_real_engine_stay_within_the_budget():
     from trillora.checkpoint import load_model
     from trillora.rollout import LocalEngine, SamplingParams
     from trillora.trainer.episodes import EpisodeLimits, episode_metrics, run_episodes
-    from trillora.tasks.env import TrajectoryGroup
+    from trillora.envs.env import TrajectoryGroup
 
     engine = LocalEngine(load_model("tiny-moe"), precision="fp32")
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
@@ -127,7 +127,7 @@ def test_the_ledger_asks_about_an_early_fact_that_truncation_loses():
     import random
 
     from trillora.checkpoint import load_tokenizer
-    from trillora.tasks.ledger import LedgerEnv, dataset, ledger
+    from trillora.envs.ledger import LedgerEnv, dataset, ledger
 
     tok = load_tokenizer("tiny-moe")
     lines, key, value = ledger(random.Random(0), facts=6, distractors=3, asked_from=2)
@@ -169,7 +169,7 @@ def test_train_runs_the_ledger_under_a_context_budget(tmp_path):
     import sys
 
     out = subprocess.run([sys.executable, "-m", "trillora", "train", f"out_dir={tmp_path}", "name=ledger", "steps=1",
-                          "eval_every=1", 'task.name="env"', 'task.options={env = "trillora.tasks.ledger:dataset"}',
+                          "eval_every=1", 'task.name="env"', 'task.options={env = "trillora.envs.ledger:dataset"}',
                           "task.max_turns=8", 'task.retention=""', "task.eval_problems=2", "rollout.prompts_per_step=2",
                           "rollout.group_size=2", "rollout.max_new_tokens=4", 'memory.policy="truncate"',
                           "memory.budget=48"], capture_output=True, text=True, timeout=600)
@@ -334,7 +334,7 @@ def test_train_runs_the_policy_memories_on_the_ledger(tmp_path, policy):
     import sys
 
     out = subprocess.run([sys.executable, "-m", "trillora", "train", f"out_dir={tmp_path}", "name=md", "steps=1",
-                          "eval_every=1", 'task.name="env"', 'task.options={env = "trillora.tasks.ledger:dataset"}',
+                          "eval_every=1", 'task.name="env"', 'task.options={env = "trillora.envs.ledger:dataset"}',
                           "task.max_turns=8", 'task.retention=""', "task.eval_problems=2", "rollout.prompts_per_step=2",
                           "rollout.group_size=2", "rollout.max_new_tokens=4", f'memory.policy="{policy}"',
                           "memory.budget=48"], capture_output=True, text=True, timeout=600)
@@ -441,7 +441,7 @@ def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint
     import sys
 
     from trillora.checkpoint import load_model, load_tokenizer
-    from trillora.tasks.ledger import LedgerEnv, ledger
+    from trillora.envs.ledger import LedgerEnv, ledger
     from trillora.tiny.memory import transcript
 
     tok = load_tokenizer("tiny-moe")

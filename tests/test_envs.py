@@ -13,9 +13,9 @@ from trillora import lora
 from trillora.checkpoint import load_model, load_tokenizer
 from trillora.rollout import LocalEngine, SamplingParams
 from trillora.tasks import ArithmeticTask
-from trillora.tasks.env import Env, EnvGroupBuilder, StepResult, Trajectory, Transition
-from trillora.tasks.task_env import TaskGroupBuilder
-from trillora.tasks.trajectory import Sample, merge_trajectory
+from trillora.envs.env import Env, EnvGroupBuilder, StepResult, Trajectory, Transition
+from trillora.envs.task_env import TaskGroupBuilder
+from trillora.envs.trajectory import Sample, merge_trajectory
 from trillora.trainer.batch import batch_from_samples, build_batch, completion_spans
 from trillora.trainer.episodes import EnvError, EpisodeLimits, episode_metrics, run_episodes, run_groups, training_samples
 from trillora.policy.logprobs import shared_prompt_logprobs, token_logprobs
@@ -106,7 +106,7 @@ def test_episodes_advance_together_and_keep_the_engines_logprobs(tiny):
 def test_later_turns_prefill_only_what_they_add(tiny):
     """The local engine keeps each episode's keys and values across turns: the same tokens and
     logprobs as prefilling the whole history again, with the history not prefilled twice."""
-    from trillora.tasks.guessing import dataset
+    from trillora.envs.guessing import dataset
 
     model, tok = tiny
     ds = dataset(tok, batch_size=4, group_size=2, eval_size=0, seed=0)
@@ -142,7 +142,7 @@ def test_turn_and_context_limits_end_episodes_and_are_counted(tiny):
     # 2 tokens, then at most 4 + 1 per turn: the second turn's observation (<= 7) + 4 passes 10
     short = run_episodes(engine, [Counting(20, turns=10)], params, EpisodeLimits(max_turns=8, max_model_len=10))
     assert short[0].stop_reason == "context" and len(short[0].transitions) == 1
-    from trillora.tasks.env import TrajectoryGroup
+    from trillora.envs.env import TrajectoryGroup
 
     metrics = episode_metrics([TrajectoryGroup(capped + short, [0.0, 0.0], [{}, {}])])
     assert metrics["episodes_context"] == 1.0 and metrics["episodes_max_turns"] == 1.0 and metrics["turns_mean"] == 1.5
@@ -228,7 +228,7 @@ def test_every_task_is_a_single_turn_env(tiny):
 
 
 def test_guessing_game_by_hand(tiny):
-    from trillora.tasks.guessing import GuessEnv
+    from trillora.envs.guessing import GuessEnv
 
     _, tokenizer = tiny
     env = GuessEnv(secret=11, low=1, high=16, tokenizer=tokenizer)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from trillora.tasks.calculator import multiply
-from trillora.tasks.env import Trajectory
-from trillora.tasks.renderer import ChatRenderer
-from trillora.tasks.tool_calls import ToolCall, detect_format, format_tool_call, parse_tool_calls
-from trillora.tasks.tools import ToolEnv, function_schema
-from trillora.tasks.trajectory import merge_trajectory
+from trillora.envs.calculator import multiply
+from trillora.envs.env import Trajectory
+from trillora.chat.renderer import ChatRenderer
+from trillora.chat.tool_calls import ToolCall, detect_format, format_tool_call, parse_tool_calls
+from trillora.envs.tools import ToolEnv, function_schema
+from trillora.envs.trajectory import merge_trajectory
 from trillora.tiny import build_tokenizer
 from test_messages import encode, play
 

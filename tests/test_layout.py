@@ -1,5 +1,5 @@
 """The package layout pinned: imports run one way (models ← lora ← parallel ← policy ← trainer, serve;
-rl and tasks stand alone; traces sit between tasks and the faces that record and learn), no source file grows past ~400 lines, and the CLI needs to know one error class."""
+rl stands alone; chat and sandbox <- tasks <- envs; traces sit between envs and the faces that record and learn), no source file grows past ~400 lines, and the CLI needs to know one error class."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "trillora"
 MAX_LINES = 400
 
 EVERYTHING = {"errors", "rl", "tasks", "models", "checkpoint", "lora", "parallel", "rollout", "config", "plots", "trainer",
-              "tiny", "serve", "cli", "context", "policy", "traces", "plan"}
+              "tiny", "serve", "cli", "context", "policy", "traces", "plan", "envs", "chat", "sandbox"}
 ALLOWED = {
     "errors": set(),
     "rl": {"errors"},
-    "tasks": {"errors"},
+    "chat": {"errors"},
+    "sandbox": {"errors"},
+    "tasks": {"errors", "chat", "sandbox"},
+    "envs": {"errors", "tasks", "chat", "sandbox"},
     "context": {"errors", "tasks"},
     "models": {"errors"},
     "checkpoint": {"errors", "models"},
@@ -26,8 +29,8 @@ ALLOWED = {
     "plots": {"errors"},
     "policy": {"errors", "models", "lora", "parallel", "rl", "rollout"},
     "trainer": EVERYTHING - {"cli", "tiny", "serve"},
-    "traces": {"errors", "tasks"},
-    "serve": {"errors", "models", "checkpoint", "lora", "parallel", "rl", "rollout", "policy", "tasks", "traces"},
+    "traces": {"errors", "tasks", "envs"},
+    "serve": {"errors", "models", "checkpoint", "lora", "parallel", "rl", "rollout", "policy", "tasks", "envs", "chat", "traces"},
     "tiny": EVERYTHING - {"cli", "serve"},
     "cli": EVERYTHING,
     "__init__": {"checkpoint", "models"},
@@ -102,7 +105,7 @@ def test_every_user_facing_error_is_a_trillora_error():
     from trillora.rollout.vllm_sync import SyncError
     from trillora.tasks import DatasetError
     from trillora.tasks.guard import RewardError
-    from trillora.tasks.sandbox import SandboxUnavailable
+    from trillora.sandbox.jail import SandboxUnavailable
 
     assert RunConfigError is ModelConfigError is ConfigError
     for cls in (CheckpointError, CheckpointCorrupt, ConfigError, MissingPath, TrainingDiverged, AdapterError,

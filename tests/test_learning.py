@@ -206,7 +206,7 @@ def test_the_gate_keeps_a_worse_revision_out(service, tmp_path):
     published, and the learner goes back to the revision that was."""
     path = tmp_path / "gate.toml"
     path.write_text(LEARN.format(every=1, cap=2.0) + 'gate = "env"\ngate_tolerance = 0.0\n'
-                    '[task]\nname = "env"\noptions = { env = "trillora.tasks.calculator:dataset", digits = [4, 3] }\n'
+                    '[task]\nname = "env"\noptions = { env = "trillora.envs.calculator:dataset", digits = [4, 3] }\n'
                     "eval_problems = 4\nmax_turns = 3\n")
     store, published = TraceStore(str(tmp_path / "t.db")), []
     learner = Learner(service.base, store, load_config(path), lambda k, tensors, config: published.append(k),

@@ -1,4 +1,4 @@
-"""Episodes of an env back to back in one context (`trillora.tasks.marathon`): the context carried
+"""Episodes of an env back to back in one context (`trillora.envs.marathon`): the context carried
 over token for token, the return summed, group rewards refused; and episodes run through the
 engine with a memory budget below the marathon's length."""
 
@@ -8,10 +8,10 @@ import pytest
 
 from trillora.checkpoint import load_tokenizer
 from trillora.errors import ConfigError
-from trillora.tasks.env import EnvGroupBuilder
-from trillora.tasks.env_dataset import load_env_dataset
-from trillora.tasks.ledger import LedgerEnv
-from trillora.tasks.marathon import MarathonEnv, MarathonGroup
+from trillora.envs.env import EnvGroupBuilder
+from trillora.envs.env_dataset import load_env_dataset
+from trillora.envs.ledger import LedgerEnv
+from trillora.envs.marathon import MarathonEnv, MarathonGroup
 
 
 def test_two_ledgers_in_one_context_by_hand():
@@ -38,7 +38,7 @@ def test_two_ledgers_in_one_context_by_hand():
 
 def test_the_dataset_chains_inner_groups_and_refuses_group_rewards():
     tok = load_tokenizer("tiny-moe")
-    data = load_env_dataset({"env": "trillora.tasks.marathon:dataset", "inner": "trillora.tasks.ledger:dataset",
+    data = load_env_dataset({"env": "trillora.envs.marathon:dataset", "inner": "trillora.envs.ledger:dataset",
                              "episodes": 3, "facts": 2, "distractors": 1}, tokenizer=tok, batch_size=2, group_size=4,
                             eval_size=5, seed=0)
     batch = data.get_batch(0)
@@ -54,7 +54,7 @@ def test_the_dataset_chains_inner_groups_and_refuses_group_rewards():
     with pytest.raises(ConfigError, match="group rewards"):
         MarathonGroup([Judged()], None)
     with pytest.raises(ConfigError, match="inner"):
-        load_env_dataset({"env": "trillora.tasks.marathon:dataset"}, tokenizer=tok, batch_size=1, group_size=1,
+        load_env_dataset({"env": "trillora.envs.marathon:dataset"}, tokenizer=tok, batch_size=1, group_size=1,
                          eval_size=1, seed=0)
 
 
@@ -69,7 +69,7 @@ def test_a_marathon_runs_through_the_engine_under_a_context_budget():
 
     tok = load_tokenizer("tiny-moe")
     engine = LocalEngine(load_model("tiny-moe"), precision="fp32")
-    data = load_env_dataset({"env": "trillora.tasks.marathon:dataset", "inner": "trillora.tasks.ledger:dataset",
+    data = load_env_dataset({"env": "trillora.envs.marathon:dataset", "inner": "trillora.envs.ledger:dataset",
                              "episodes": 4, "facts": 2, "distractors": 1}, tokenizer=tok, batch_size=2, group_size=2,
                             eval_size=1, seed=0)
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0, stop_token_ids=(tok.eos_token_id,))

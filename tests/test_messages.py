@@ -8,16 +8,16 @@ import time
 
 import pytest
 
-from trillora.tasks.calculator import demonstration, multiply
-from trillora.tasks.env import Trajectory, Transition
+from trillora.envs.calculator import demonstration, multiply
+from trillora.envs.env import Trajectory, Transition
 from trillora.tasks.guard import RewardTimeout, time_limit
-from trillora.tasks.messages import MessageEnv, Reply
-from trillora.tasks.renderer import ChatRenderer
-from trillora.tasks.tools import ToolEnv, function_schema
-from trillora.tasks.trajectory import merge_trajectory
+from trillora.envs.messages import MessageEnv, Reply
+from trillora.chat.renderer import ChatRenderer
+from trillora.envs.tools import ToolEnv, function_schema
+from trillora.envs.trajectory import merge_trajectory
 from trillora.tiny import build_chat_tokenizer
 from trillora.trainer.episodes import episode_metrics
-from trillora.tasks.env import TrajectoryGroup
+from trillora.envs.env import TrajectoryGroup
 
 
 @pytest.fixture(scope="module")

@@ -426,7 +426,7 @@ def test_activation_checkpointing_in_one_process_changes_nothing_but_memory(tmp_
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-7)
 
 
-ENV_ARGS = ('task.name="env"', 'task.options={env = "trillora.tasks.guessing:dataset", low = 1, high = 8}',
+ENV_ARGS = ('task.name="env"', 'task.options={env = "trillora.envs.guessing:dataset", low = 1, high = 8}',
             "task.max_turns=3", "rollout.max_new_tokens=3", "task.eval_problems=4", "optim.eps=1e-3")
 """Every episode starts from the same observation, so the prompt's gradient contributions cancel to ~0
 across groups; Adam's eps=1e-3 keeps their summation-order noise from turning into visible steps."""

@@ -12,7 +12,7 @@ import pytest
 
 from trillora.tasks import make_task
 from trillora.tasks.code import program_of, passes_tests
-from trillora.tasks.sandbox import Limits, run_python
+from trillora.sandbox.jail import Limits, run_python
 
 FAST = Limits(cpu_seconds=1, wall_seconds=3.0)
 

@@ -19,7 +19,7 @@ import pytest
 
 import trillora
 from trillora.tasks.guard import RewardTimeout, time_limit
-from trillora.tasks.sandbox import LAUNCHER, Limits, jail_spec, run_python
+from trillora.sandbox.jail import LAUNCHER, Limits, jail_spec, run_python
 
 FAST = Limits(cpu_seconds=2, wall_seconds=5.0)
 SETNS = """
@@ -209,7 +209,7 @@ def test_the_jail_as_a_normal_user(tmp_path, server):
     folder = Path(tempfile.mkdtemp(prefix="trillora-sandbox-user-"))
     try:
         folder.chmod(0o755)
-        shutil.copy(LAUNCHER, folder / "sandbox_init.py")
+        shutil.copy(LAUNCHER, folder / "launcher.py")
         shutil.copy(jail_spec("", folder, FAST, "", [], [])["seccomp_module"], folder / "pyseccomp.py")
         (folder / "root").mkdir()
         os.chown(folder / "root", 65534, 65534)
@@ -229,7 +229,7 @@ except OSError as e:
         read_end, write_end = os.pipe()
         spec["report_fd"] = write_end
         out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I", "-S",
-                              str(folder / "sandbox_init.py"), json.dumps(spec)], capture_output=True, text=True,
+                              str(folder / "launcher.py"), json.dumps(spec)], capture_output=True, text=True,
                              pass_fds=(write_end,), timeout=60)
         os.close(write_end)
         with os.fdopen(read_end) as f:

@@ -100,3 +100,14 @@ def test_a_reward_module_beside_the_run_is_found_as_the_console_script_runs(tmp_
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert load_callable("my_reward_beside:score", "reward function")("x", {}) == 1.0
+
+
+@pytest.mark.parametrize("env", ["guessing", "ledger", "marathon", "calculator", "python_tool"])
+def test_configs_naming_the_built_in_envs_under_tasks_still_load(env):
+    """The built-in envs moved from `trillora.tasks` to `trillora.envs`; a config value written before
+    the move names the same function."""
+    import importlib
+
+    from trillora.tasks.base import load_callable
+
+    assert load_callable(f"trillora.tasks.{env}:dataset", "env dataset") is importlib.import_module(f"trillora.envs.{env}").dataset

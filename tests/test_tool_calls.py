@@ -9,8 +9,8 @@ import pytest
 from transformers.utils import get_json_schema
 
 from trillora.errors import ConfigError
-from trillora.tasks.tool_calls import TOOL_FORMATS, ToolCall, detect_format, format_tool_call, parse_tool_calls
-from trillora.tasks.tools import function_schema
+from trillora.chat.tool_calls import TOOL_FORMATS, ToolCall, detect_format, format_tool_call, parse_tool_calls
+from trillora.envs.tools import function_schema
 from trillora.tiny import build_chat_tokenizer, build_tokenizer
 
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from trillora.tasks import calculator
-from trillora.tasks.python_tool import dataset as python_dataset, make_python_tool, puzzle
-from trillora.tasks.sandbox import Limits
+from trillora.envs import calculator
+from trillora.envs.python_tool import dataset as python_dataset, make_python_tool, puzzle
+from trillora.sandbox.jail import Limits
 from trillora.tiny import build_chat_tokenizer
 
 

@@ -10,7 +10,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from trillora.tasks.calculator import draw
+from trillora.envs.calculator import draw
 
 _INTEGER = re.compile(r"-?\d+")
 

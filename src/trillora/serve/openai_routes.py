@@ -32,7 +32,7 @@ from fastapi import APIRouter, Request, Response
 from ..errors import ConfigError
 from ..lora import AdapterError
 from ..rollout.types import SamplingParams
-from ..tasks.renderer import ChatRenderer
+from ..chat.renderer import ChatRenderer
 from ..traces import Call, Feedback, Recorder, TooMuchFeedback, TraceError, UnknownTrace
 from .http import check_operator, json_object, owner_of
 from .tinker_service import BadRequest, SampleCall

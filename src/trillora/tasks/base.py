@@ -35,11 +35,17 @@ def in_eval_split(prompt: str, eval_fraction: float) -> bool:
     return (h % 10_000) < eval_fraction * 10_000
 
 
+MOVED = {f"trillora.tasks.{env}": f"trillora.envs.{env}" for env in ("guessing", "ledger", "marathon", "calculator",
+                                                                       "python_tool", "tools", "env_dataset")}
+"""Built-in envs that configs written before the `envs` package name under `trillora.tasks`."""
+
+
 def load_callable(spec: str, what: str) -> Callable:
     """User code named as 'module:function' (a reward, an env dataset), imported now so a typo fails at start."""
     module, _, name = spec.partition(":")
     if not module or not name:
         raise ConfigError(f"{what} {spec!r} must be given as 'module:function'")
+    module = MOVED.get(module, module)
     if "" not in sys.path and os.getcwd() not in sys.path:  # the console script, unlike `python -m`, leaves the
         sys.path.append(os.getcwd())  # working folder off the path: a module beside the run is found either way
     try:

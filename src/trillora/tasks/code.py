@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from .base import Problem, Task
-from .sandbox import Limits, run_python
+from ..sandbox.jail import Limits, run_python
 
 OPERATIONS = {
     "sum": ("a + b", lambda a, b: a + b),

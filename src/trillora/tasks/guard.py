@@ -4,7 +4,7 @@ the traceback or scores 0 and is counted (`task.on_reward_error`).
 The limit is SIGALRM's interval timer in the main thread (what the trainer runs in): it costs
 a system call per reward, interrupts a Python loop or a sleep, and needs no thread or process
 per call. Code that can do worse than hang (run generated programs, touch the network) belongs
-in `trillora.tasks.sandbox`, which runs it in a separate, limited process.
+in `trillora.sandbox.jail`, which runs it in a separate, limited process.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 @functools.lru_cache(maxsize=8)
 def renderer_of(tokenizer):
     """The tokenizer's chat renderer, made once (it probes the template)."""
-    from .renderer import ChatRenderer
+    from ..chat.renderer import ChatRenderer
 
     return ChatRenderer(tokenizer)
 

@@ -27,8 +27,8 @@ import torch
 
 from ..checkpoint import save_model
 from ..models import build_model, from_hf_config
-from ..tasks import calculator
-from ..tasks.tools import function_schema
+from ..envs import calculator
+from ..envs.tools import function_schema
 from . import TINY_QWEN3_MOE, build_chat_tokenizer
 
 TOOLS = [function_schema(calculator.multiply)]

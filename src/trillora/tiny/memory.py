@@ -1,5 +1,5 @@
 """A tiny MoE that can read a ledger: tiny-moe fine-tuned on ledger transcripts, the starting point
-for measuring memory under a budget (`trillora.tasks.ledger`, `trillora.context`).
+for measuring memory under a budget (`trillora.envs.ledger`, `trillora.context`).
 
 Neither shipped model can answer "c?" even with every fact in view (tiny-moe 1.6%, tiny-moe-chat
 3% greedy on 4 facts), so any memory would score noise. This builds the skill in minutes: full
@@ -25,7 +25,7 @@ from ..checkpoint import load_model, load_tokenizer, save_model
 def transcript(tokenizer, rng: random.Random, more_questions: bool = True) -> tuple[list[int], list[int]]:
     """One episode as the env shows it (then, with `more_questions`, every other fact asked too), and
     which tokens are the policy's (1)."""
-    from ..tasks.ledger import KEYS, ledger
+    from ..envs.ledger import KEYS, ledger
     from ..tasks.prompts import encode_prompt
 
     def text(s: str) -> list[int]:
@@ -55,7 +55,7 @@ def transcript(tokenizer, rng: random.Random, more_questions: bool = True) -> tu
 def ledger_success(model, tokenizer, n: int = 64, facts: int = 6, distractors: int = 3) -> float:
     """Greedy success on held-out ledgers with the whole context in view."""
     from ..rollout import LocalEngine, SamplingParams
-    from ..tasks.ledger import dataset
+    from ..envs.ledger import dataset
     from ..trainer.episodes import EpisodeLimits, run_groups
 
     engine = LocalEngine(model, precision="fp32")

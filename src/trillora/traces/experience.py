@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..tasks.base import in_eval_split, load_callable
-from ..tasks.trajectory import Sample
+from ..envs.trajectory import Sample
 from .store import MAX_REWARD, Call, TraceStore
 from .trajectory import samples_of
 

@@ -11,8 +11,8 @@ sequences of their own.
 
 from __future__ import annotations
 
-from ..tasks.env import Trajectory, Transition
-from ..tasks.trajectory import Sample, merge_trajectory
+from ..envs.env import Trajectory, Transition
+from ..envs.trajectory import Sample, merge_trajectory
 from .store import Call
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tasks.trajectory import Sample
+from ..envs.trajectory import Sample
 
 
 @dataclass(kw_only=True)
@@ -44,7 +44,7 @@ class TokenBatch:
 
 
 def batch_from_samples(samples: list[Sample], pad_id: int = 0, device: torch.device | str = "cpu") -> TokenBatch:
-    """Training rows of token sequences with loss masks (`trillora.tasks.trajectory`), right-padded."""
+    """Training rows of token sequences with loss masks (`trillora.envs.trajectory`), right-padded."""
     width = max(len(s.tokens) for s in samples)
     for i, s in enumerate(samples):
         if not len(s.tokens) == len(s.mask) == len(s.logprobs):

@@ -20,9 +20,9 @@ from .. import rl
 from ..errors import TrilloraError
 from ..context import MemoryContext
 from ..rollout.types import RolloutEngine, SamplingParams
-from ..tasks.env import Env, EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition, resolve
+from ..envs.env import Env, EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition, resolve
 from ..tasks.guard import OnRewardError, time_limit
-from ..tasks.trajectory import Sample, merge_trajectory
+from ..envs.trajectory import Sample, merge_trajectory
 
 
 class EnvError(TrilloraError, RuntimeError):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..rollout.types import RolloutEngine, SamplingParams
-from ..tasks.env import EnvGroupBuilder
+from ..envs.env import EnvGroupBuilder
 from ..tasks.base import Problem, Task
 from ..tasks.prompts import decode_completion, encode_problem
 from .episodes import run_groups

@@ -36,7 +36,7 @@ def make_gate(learner):
 
 
 def env_gate(learner, engine: LocalEngine):
-    from ..tasks.env_dataset import load_env_dataset
+    from ..envs.env_dataset import load_env_dataset
     from .episodes import EpisodeLimits
     from .evaluate import evaluate_envs
 

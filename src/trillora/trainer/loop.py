@@ -34,7 +34,7 @@ from ..errors import ConfigError, TrainingDiverged
 from ..policy import adamw
 from ..policy.decoding import LockstepEngine
 from ..tasks import make_task
-from ..tasks.env_dataset import load_env_dataset
+from ..envs.env_dataset import load_env_dataset
 from ..tasks.guard import GuardedReward
 from ..tasks.prompts import encode_problem
 from .checkpoints import RunCheckpoints

@@ -1,7 +1,7 @@
 """One step's rollouts: env groups → episodes through the engine → rewards (→ dynamic sampling)
 → a `RolloutBatch` of training rows.
 
-Every task runs as envs (`trillora.tasks.task_env`: a single-turn task is a one-turn env), so
+Every task runs as envs (`trillora.envs.task_env`: a single-turn task is a one-turn env), so
 the same path carries multi-turn envs. Runs on the rank that holds the engine. Rewards are user
 code and go through the task's guard (time limit, failure policy). With `rollout.asynchronous` a
 thread samples ahead (`trillora.rollout.async_worker`): single-turn batches this module then scores,
@@ -19,12 +19,12 @@ from .. import rl
 from ..rollout import Completion, SamplingParams
 from ..rollout.async_worker import RolloutWorker
 from ..tasks import Problem, Task
-from ..tasks.env import Trajectory, TrajectoryGroup, Transition
-from ..tasks.env_dataset import EnvDataset
+from ..envs.env import Trajectory, TrajectoryGroup, Transition
+from ..envs.env_dataset import EnvDataset
 from ..tasks.guard import GuardedReward
 from ..tasks.prompts import decode_completion, encode_problem, stop_tokens
-from ..tasks.task_env import TaskGroupBuilder
-from ..tasks.trajectory import merge_trajectory
+from ..envs.task_env import TaskGroupBuilder
+from ..envs.trajectory import merge_trajectory
 from .batch import TokenBatch, batch_from_samples, with_routes
 from ..errors import ConfigError
 from ..context import MemoryContext, MemoryDiffusion, Recall, Summarize, Truncate, attention_mass, policy_scores, recency

@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Sequence
 
 from ..errors import ConfigError
-from .base import load_callable
+from ..tasks.base import load_callable
 from .env import EnvGroupBuilder, resolve
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import Problem, Task
+from ..tasks.base import Problem, Task
 from .env import Env, EnvGroupBuilder, StepResult
-from .prompts import decode_completion, encode_problem, stop_tokens
+from ..tasks.prompts import decode_completion, encode_problem, stop_tokens
 
 
 class TaskEnv(Env):

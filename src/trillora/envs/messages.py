@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .env import Env, Metrics, StepResult, resolve
-from .renderer import AssistantTurn, ChatRenderer
+from ..chat.renderer import AssistantTurn, ChatRenderer
 
 
 @dataclass

@@ -23,10 +23,10 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from .guard import RewardTimeout, time_limit
+from ..tasks.guard import RewardTimeout, time_limit
 from .messages import MessageEnv, Reply
-from .renderer import AssistantTurn, ChatRenderer
-from .tool_calls import ToolCall
+from ..chat.renderer import AssistantTurn, ChatRenderer
+from ..chat.tool_calls import ToolCall
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 

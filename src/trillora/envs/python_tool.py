@@ -1,10 +1,10 @@
 """A Python tool: the policy writes programs, the sandbox runs them (no network, CPU, memory, output
-and wall-clock limits: `trillora.tasks.sandbox`), their output is the tool's answer. Problems are
+and wall-clock limits: `trillora.sandbox.jail`), their output is the tool's answer. Problems are
 integer puzzles that are easy with a program and hard without one (digit sums of big powers,
 counts of primes, sums of divisors).
 
     task.name = "env"
-    task.options = { env = "trillora.tasks.python_tool:dataset" }
+    task.options = { env = "trillora.envs.python_tool:dataset" }
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import random
 import re
 from collections.abc import Callable
 
-from .base import in_eval_split
+from ..tasks.base import in_eval_split
 from .env import EnvGroupBuilder
-from .renderer import ChatRenderer
-from .sandbox import Limits, run_python
+from ..chat.renderer import ChatRenderer
+from ..sandbox.jail import Limits, run_python
 from .tools import ToolEnv
 
 _INTEGER = re.compile(r"-?\d+")

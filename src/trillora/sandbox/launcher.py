@@ -1,5 +1,5 @@
 """The code sandbox's launcher: a fresh, single-threaded process that builds the jail and runs the
-program in it. Standard library only, run as `python -I -S sandbox_init.py SPEC` (never imported),
+program in it. Standard library only, run as `python -I -S launcher.py SPEC` (never imported),
 so nothing of the trainer (threads, locks, CUDA) is alive between fork and the system calls.
 
     launcher (host PID namespace) ── unshare: mount, PID, network, IPC, UTS (+ user when not root)

@@ -2,7 +2,7 @@
 question about one of the earliest. Reward 1 when the answer is that fact's value.
 
     task.name = "env"
-    task.options = { env = "trillora.tasks.ledger:dataset", facts = 6, distractors = 3 }
+    task.options = { env = "trillora.envs.ledger:dataset", facts = 6, distractors = 3 }
 
 The first observation only says "remember:"; after the policy's k-th turn (k = 1..facts) the env
 shows one fact to keep ("c=4") and `distractors` facts about keys that are never asked (upper
@@ -21,7 +21,7 @@ import re
 import string
 
 from .env import Env, EnvGroupBuilder, StepResult
-from .prompts import decode_completion, encode_prompt
+from ..tasks.prompts import decode_completion, encode_prompt
 
 _DIGIT = re.compile(r"\d")
 KEYS, NOISE = string.ascii_lowercase, string.ascii_uppercase

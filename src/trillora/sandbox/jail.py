@@ -1,7 +1,7 @@
 """Running generated code for a reward: `python -I -S` in a jail of its own, with no network, no
 view of the host, no privileges, and limits on CPU time, memory, output, processes and wall clock.
 
-The model's program is untrusted, and the trainer often runs as root. `sandbox_init` (a separate,
+The model's program is untrusted, and the trainer often runs as root. `launcher.py` (a separate,
 single-threaded launcher; no `preexec_fn` runs in this possibly threaded process) puts it in new
 mount, PID, network, IPC and UTS namespaces (and a user namespace when not root):
 - no network: its namespace has only a loopback that is down, so every connect fails;
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ..errors import TrilloraError
 
-LAUNCHER = Path(__file__).with_name("sandbox_init.py")
+LAUNCHER = Path(__file__).with_name("launcher.py")
 
 
 class SandboxUnavailable(TrilloraError, RuntimeError):
@@ -101,7 +101,7 @@ def python_install() -> tuple[str, list[str], list[str]]:
 
 
 def jail_spec(code: str, root: Path, limits: Limits, python: str, dirs: list[str], masked: list[str]) -> dict:
-    """What `sandbox_init` reads: the program, the empty folder its root is built in, the interpreter
+    """What `launcher.py` reads: the program, the empty folder its root is built in, the interpreter
     and the limits."""
     seccomp = importlib.util.find_spec("pyseccomp")
     return {"root": str(root), "code": code, "python": python, "python_dirs": dirs, "masked": masked,

@@ -3,7 +3,7 @@ calculator, guessing or ledger envs, where the context grows past any budget and
 learned early (the env's rules, earlier answers) must survive whatever memory keeps it.
 
     task.name = "env"
-    task.options = { env = "trillora.tasks.marathon:dataset", inner = "trillora.tasks.guessing:dataset",
+    task.options = { env = "trillora.envs.marathon:dataset", inner = "trillora.envs.guessing:dataset",
                      episodes = 4, high = 16 }      # the other options go to the inner dataset
 
 Episode k+1's first observation follows episode k's last context (its final action, or the

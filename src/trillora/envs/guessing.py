@@ -2,7 +2,7 @@
 is higher or lower. Success (reward 1) is finding it within the turn limit.
 
     task.name = "env"
-    task.options = { env = "trillora.tasks.guessing:dataset", low = 1, high = 16 }
+    task.options = { env = "trillora.envs.guessing:dataset", low = 1, high = 16 }
 
 Text in, tokens out through the model's own tokenizer: the observation is the whole game so far,
 so each turn extends the last (one training sequence per episode).
@@ -14,7 +14,7 @@ import random
 import re
 
 from .env import Env, EnvGroupBuilder, StepResult
-from .prompts import decode_completion, encode_prompt
+from ..tasks.prompts import decode_completion, encode_prompt
 
 _NUMBER = re.compile(r"-?\d+")
 

@@ -2,7 +2,7 @@
 calling `multiply` with the right factors and copying its result as the answer.
 
     task.name = "env"
-    task.options = { env = "trillora.tasks.calculator:dataset" }
+    task.options = { env = "trillora.envs.calculator:dataset" }
 
 A chat model's env: the question is a user message, the tool's schema goes in through the chat
 template, the calls are parsed in the tokenizer's tool format.
@@ -14,9 +14,9 @@ import random
 import re
 
 from ..errors import ConfigError
-from .base import in_eval_split
+from ..tasks.base import in_eval_split
 from .env import EnvGroupBuilder
-from .renderer import ChatRenderer
+from ..chat.renderer import ChatRenderer
 from .tools import ToolEnv
 
 _INTEGER = re.compile(r"-?\d+")
