@@ -44,11 +44,13 @@ tiny-moe: setup
 # The fast tier, for iteration: everything but the tests marked slow (multi-rank, servers in
 # subprocesses, whole training runs), on the base environment; under 3 minutes on 2 cores.
 test-fast: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check --quiet
+	$(BIN)/ruff check
 	$(BIN)/python -m pytest -q -m "not slow" --durations=10
 
 test: $(VLLM_STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check --quiet
+	$(BIN)/ruff check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir build/site
 	TRILLORA_REQUIRE_VLLM=1 TRILLORA_REQUIRE_BENCH=1 $(BIN)/python -m pytest -q --durations=20
 

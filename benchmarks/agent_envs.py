@@ -25,14 +25,31 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 ENVS = ("calculator", "guessing")
-CURVES = (("eval_accuracy", "held-out success"), ("turns_mean", "turns per episode"),
-          ("env/tool_calls", "tool calls per episode"), ("env/parse_error", "parse errors per episode"))
+CURVES = (
+    ("eval_accuracy", "held-out success"),
+    ("turns_mean", "turns per episode"),
+    ("env/tool_calls", "tool calls per episode"),
+    ("env/parse_error", "parse errors per episode"),
+)
 
 
 def run(work: Path, env: str, overrides: list[str]) -> tuple[list[dict], float]:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "trillora", "train", str(ROOT / "examples" / f"{env}.toml"),
-                    f"out_dir={work}", f"name={env}", *overrides], check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trillora",
+            "train",
+            str(ROOT / "examples" / f"{env}.toml"),
+            f"out_dir={work}",
+            f"name={env}",
+            *overrides,
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     wall = time.perf_counter() - start
     return [json.loads(x) for x in (work / env / "metrics.jsonl").read_text().splitlines()], wall
 
@@ -47,9 +64,15 @@ def summarize(rows: list[dict], wall: float) -> dict:
         k = max(1, len(values) // 10)  # the first and the last tenth of the run
         return [sum(values[:k]) / k, sum(values[-k:]) / k] if values else [None, None]
 
-    return {"steps": len(steps), "success_before": evals[0]["eval_accuracy"], "success_after": evals[-1]["eval_accuracy"],
-            "gain_points": 100 * (evals[-1]["eval_accuracy"] - evals[0]["eval_accuracy"]), "rl_seconds": rl,
-            "wall_seconds": wall, **{f"{k}_start_end": ends(k) for k, _ in CURVES[1:]}}
+    return {
+        "steps": len(steps),
+        "success_before": evals[0]["eval_accuracy"],
+        "success_after": evals[-1]["eval_accuracy"],
+        "gain_points": 100 * (evals[-1]["eval_accuracy"] - evals[0]["eval_accuracy"]),
+        "rl_seconds": rl,
+        "wall_seconds": wall,
+        **{f"{k}_start_end": ends(k) for k, _ in CURVES[1:]},
+    }
 
 
 def plot(curves: dict[str, list[dict]], path: Path) -> None:
@@ -59,11 +82,11 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(CURVES), figsize=(16, 3.6))
-    for (key, title), ax in zip(CURVES, axes):
+    for (key, title), ax in zip(CURVES, axes, strict=True):
         for env, rows in curves.items():
             pts = [(r["step"], r[key]) for r in rows if key in r]
             if pts:
-                xs, ys = zip(*pts)
+                xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, ys, marker="o" if key == "eval_accuracy" else None, label=env)
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -86,18 +109,44 @@ def main() -> None:
         rows, wall = run(work, env, a.overrides)
         curves[env], results[env] = rows, summarize(rows, wall)
     table = Table(title="agentic RL from the example configs (held-out success, sampled)")
-    for col in ("env", "steps", "before", "after", "gain (points)", "RL seconds", "wall seconds", "tool calls / ep",
-                "turns / ep"):
+    for col in (
+        "env",
+        "steps",
+        "before",
+        "after",
+        "gain (points)",
+        "RL seconds",
+        "wall seconds",
+        "tool calls / ep",
+        "turns / ep",
+    ):
         table.add_column(col)
     for env, r in results.items():
         calls, turns = r["env/tool_calls_start_end"], r["turns_mean_start_end"]
-        table.add_row(env, str(r["steps"]), f"{r['success_before']:.3f}", f"{r['success_after']:.3f}",
-                      f"{r['gain_points']:+.1f}", f"{r['rl_seconds']:.0f}", f"{r['wall_seconds']:.0f}",
-                      "-" if calls[0] is None else f"{calls[0]:.2f} → {calls[1]:.2f}", f"{turns[0]:.2f} → {turns[1]:.2f}")
+        table.add_row(
+            env,
+            str(r["steps"]),
+            f"{r['success_before']:.3f}",
+            f"{r['success_after']:.3f}",
+            f"{r['gain_points']:+.1f}",
+            f"{r['rl_seconds']:.0f}",
+            f"{r['wall_seconds']:.0f}",
+            "-" if calls[0] is None else f"{calls[0]:.2f} → {calls[1]:.2f}",
+            f"{turns[0]:.2f} → {turns[1]:.2f}",
+        )
     Console().print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"command": "python benchmarks/agent_envs.py " + " ".join(sys.argv[1:]),
-                                 "results": results, "curves": {k: v for k, v in curves.items()}}, indent=1) + "\n")
+    a.out.write_text(
+        json.dumps(
+            {
+                "command": "python benchmarks/agent_envs.py " + " ".join(sys.argv[1:]),
+                "results": results,
+                "curves": {k: v for k, v in curves.items()},
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     plot(curves, a.out.with_suffix(".png"))
     print(f"wrote {a.out} and {a.out.with_suffix('.png')}")
 

@@ -26,8 +26,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def run(work: Path, name: str, steps: int, warmup: int, overrides: list[str]) -> tuple[float, list[float]]:
-    args = [f"out_dir={work}", f"name={name}", f"steps={steps}", f"eval_every={steps}", 'task.retention=""',
-            "task.eval_problems=16", *overrides]
+    args = [
+        f"out_dir={work}",
+        f"name={name}",
+        f"steps={steps}",
+        f"eval_every={steps}",
+        'task.retention=""',
+        "task.eval_problems=16",
+        *overrides,
+    ]
     subprocess.run([sys.executable, "-m", "trillora", "train", *args], check=True, stdout=subprocess.DEVNULL)
     rows = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()][1:]
     rollout = tomllib.loads((work / name / "config.toml").read_text())["rollout"]
@@ -47,8 +54,13 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="async-rollout-"))
-    modes = {"synchronous": ["rollout.asynchronous=false"],
-             f"asynchronous, staleness ≤ {a.staleness}": ["rollout.asynchronous=true", f"rollout.max_staleness={a.staleness}"]}
+    modes = {
+        "synchronous": ["rollout.asynchronous=false"],
+        f"asynchronous, staleness ≤ {a.staleness}": [
+            "rollout.asynchronous=true",
+            f"rollout.max_staleness={a.staleness}",
+        ],
+    }
     per100: dict[str, list[float]] = {m: [] for m in modes}
     staleness: list[float] = []
     console = Console(width=120)
@@ -67,10 +79,23 @@ def main() -> None:
         med = statistics.median(values)
         table.add_row(mode, f"{med:.3f}", ", ".join(f"{v:.3f}" for v in values), f"{med / sync:.2f}×")
     console.print(table)
-    console.print(f"staleness of the asynchronous steps: max {max(staleness):.0f}, mean {statistics.fmean(staleness):.2f}")
+    console.print(
+        f"staleness of the asynchronous steps: max {max(staleness):.0f}, mean {statistics.fmean(staleness):.2f}"
+    )
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"steps": a.steps, "warmup": a.warmup, "rounds": a.rounds, "per_100_samples": per100,
-                                 "staleness_max": max(staleness), "staleness_mean": statistics.fmean(staleness)}, indent=2))
+    a.out.write_text(
+        json.dumps(
+            {
+                "steps": a.steps,
+                "warmup": a.warmup,
+                "rounds": a.rounds,
+                "per_100_samples": per100,
+                "staleness_max": max(staleness),
+                "staleness_mean": statistics.fmean(staleness),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

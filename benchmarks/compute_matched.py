@@ -59,8 +59,17 @@ def overrides_of(arm: str, family: Path, full_lr: float) -> list[str]:
 
 
 def train(work: Path, name: str, arm: str, a, *settings: str) -> None:
-    cmd = [sys.executable, "-m", "trillora", "train", f"out_dir={work}", f"name={name}",
-           *overrides_of(arm, a.family, a.full_lr), *a.overrides, *settings]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trillora",
+        "train",
+        f"out_dir={work}",
+        f"name={name}",
+        *overrides_of(arm, a.family, a.full_lr),
+        *a.overrides,
+        *settings,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
@@ -76,16 +85,42 @@ def eval_every(work: Path, arm: str, a) -> int:
 
 def run(work: Path, arm: str, seed: int, every: int, a) -> dict:
     name = f"{arm.replace(':', '-')}-seed{seed}"
-    train(work, name, arm, a, f"seed={seed}", "steps=100000", f"flops_budget={a.flops}", f"eval_every={every}",
-          f"task.eval_problems={a.eval_problems}")
+    train(
+        work,
+        name,
+        arm,
+        a,
+        f"seed={seed}",
+        "steps=100000",
+        f"flops_budget={a.flops}",
+        f"eval_every={every}",
+        f"task.eval_problems={a.eval_problems}",
+    )
     rows = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
-    curve = [{"flops": r.get("flops_total", 0.0), "step": r["step"], "accuracy": r["eval_accuracy"],
-              "retention": r.get("retention_accuracy")} for r in rows if "eval_accuracy" in r]
+    curve = [
+        {
+            "flops": r.get("flops_total", 0.0),
+            "step": r["step"],
+            "accuracy": r["eval_accuracy"],
+            "retention": r.get("retention_accuracy"),
+        }
+        for r in rows
+        if "eval_accuracy" in r
+    ]
     s = json.loads((work / name / "summary.json").read_text())
-    return {"arm": arm, "seed": seed, "steps": s["steps_done"], "flops": s["flops_total"], "seconds": s["seconds"],
-            "trained_params": s["adapter"]["adapter_params"] if s["finetune"] == "lora" else s["adapter"]["base_params"],
-            "accuracy_before": s["eval_before"], "accuracy_after": s["eval_after"],
-            "retention_before": s["retention_before"], "retention_after": s["retention_after"], "curve": curve}
+    return {
+        "arm": arm,
+        "seed": seed,
+        "steps": s["steps_done"],
+        "flops": s["flops_total"],
+        "seconds": s["seconds"],
+        "trained_params": s["adapter"]["adapter_params"] if s["finetune"] == "lora" else s["adapter"]["base_params"],
+        "accuracy_before": s["eval_before"],
+        "accuracy_after": s["eval_after"],
+        "retention_before": s["retention_before"],
+        "retention_after": s["retention_after"],
+        "curve": curve,
+    }
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -94,10 +129,19 @@ def summarize(runs: list[dict]) -> list[dict]:
         mine = [r for r in runs if r["arm"] == arm]
         after = [r["accuracy_after"] for r in mine]
         kept = [r["retention_after"] for r in mine if r["retention_after"] is not None]
-        out.append({"arm": arm, "seeds": len(mine), "accuracy_before": statistics.fmean(r["accuracy_before"] for r in mine),
-                    "accuracy_after": statistics.fmean(after), "accuracy_min": min(after), "accuracy_max": max(after),
-                    "retention_after": statistics.fmean(kept) if kept else None,
-                    "steps": statistics.fmean(r["steps"] for r in mine), "trained_params": mine[0]["trained_params"]})
+        out.append(
+            {
+                "arm": arm,
+                "seeds": len(mine),
+                "accuracy_before": statistics.fmean(r["accuracy_before"] for r in mine),
+                "accuracy_after": statistics.fmean(after),
+                "accuracy_min": min(after),
+                "accuracy_max": max(after),
+                "retention_after": statistics.fmean(kept) if kept else None,
+                "steps": statistics.fmean(r["steps"] for r in mine),
+                "trained_params": mine[0]["trained_params"],
+            }
+        )
     return out
 
 
@@ -116,13 +160,20 @@ def plot(runs: list[dict], task: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.8))
     arms = list(dict.fromkeys(r["arm"] for r in runs))
     colors = plt.cm.tab20(range(len(arms)))
-    for arm, color in zip(arms, colors):
+    for arm, color in zip(arms, colors, strict=True):
         curves = [r["curve"] for r in runs if r["arm"] == arm]
         at = list(range(min(len(c) for c in curves) - 1)) + [-1]  # seeds share the cadence; each ends at its last
         x = [statistics.fmean(c[i]["flops"] for c in curves) for i in at]
         ys = [[c[i]["accuracy"] for c in curves] for i in at]
-        line, = ax.plot(x, [statistics.fmean(y) for y in ys], marker="o", ms=3, label=arm, color=color,
-                        ls="--" if ":full" in arm else "-")  # dashed: full-parameter
+        (line,) = ax.plot(
+            x,
+            [statistics.fmean(y) for y in ys],
+            marker="o",
+            ms=3,
+            label=arm,
+            color=color,
+            ls="--" if ":full" in arm else "-",
+        )  # dashed: full-parameter
         ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.15)
     ax.set_xlabel("cumulative FLOPs (sampling + training)")
     ax.set_ylabel(f"held-out {task} (T=1)")
@@ -160,27 +211,46 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="compute-matched-"))
     console = Console(width=140)
     with console.status(f"probing {len(arms)} arms"), ThreadPoolExecutor(a.jobs) as pool:
-        every = dict(zip(arms, pool.map(lambda arm: eval_every(work, arm, a), arms)))
+        every = dict(zip(arms, pool.map(lambda arm: eval_every(work, arm, a), arms), strict=True))
     todo = [(arm, seed) for arm in arms for seed in a.seeds]
-    with console.status(f"training {len(todo)} runs to {a.flops:.2g} FLOPs each, {a.jobs} at a time"), \
-            ThreadPoolExecutor(a.jobs) as pool:
+    with (
+        console.status(f"training {len(todo)} runs to {a.flops:.2g} FLOPs each, {a.jobs} at a time"),
+        ThreadPoolExecutor(a.jobs) as pool,
+    ):
         runs = list(pool.map(lambda job: run(work, job[0], job[1], every[job[0]], a), todo))
     rows = summarize(runs)
-    table = Table(title=f"held-out {task} after {a.flops:.2g} FLOPs of RL (T=1, {a.eval_problems} problems; "
-                        f"mean over seeds {a.seeds}, min-max)")
+    table = Table(
+        title=f"held-out {task} after {a.flops:.2g} FLOPs of RL (T=1, {a.eval_problems} problems; "
+        f"mean over seeds {a.seeds}, min-max)"
+    )
     for col in ("arm", "trained params", "steps", "before", "after", "min-max", "retention after"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["arm"], f"{r['trained_params']:,}", f"{r['steps']:.0f}", f"{r['accuracy_before']:.3f}",
-                      f"{r['accuracy_after']:.3f}", f"{r['accuracy_min']:.3f}–{r['accuracy_max']:.3f}",
-                      "-" if r["retention_after"] is None else f"{r['retention_after']:.3f}")
+        table.add_row(
+            r["arm"],
+            f"{r['trained_params']:,}",
+            f"{r['steps']:.0f}",
+            f"{r['accuracy_before']:.3f}",
+            f"{r['accuracy_after']:.3f}",
+            f"{r['accuracy_min']:.3f}–{r['accuracy_max']:.3f}",
+            "-" if r["retention_after"] is None else f"{r['retention_after']:.3f}",
+        )
     console.print(table)
     command = " ".join(["python benchmarks/compute_matched.py", *(argv if argv is not None else sys.argv[1:])])
-    report = {"command": command.replace(str(a.family), "<build-family output>"),
-              "task": task, "flops_budget": a.flops, "full_lr": a.full_lr,
-              "family": {m: json.loads((a.family / m / "pretrain_report.json").read_text())
-                         for m in sorted({arm.split(":")[0] for arm in arms})
-                         if (a.family / m / "pretrain_report.json").is_file()}, "seeds": a.seeds, "arms": rows, "runs": runs}
+    report = {
+        "command": command.replace(str(a.family), "<build-family output>"),
+        "task": task,
+        "flops_budget": a.flops,
+        "full_lr": a.full_lr,
+        "family": {
+            m: json.loads((a.family / m / "pretrain_report.json").read_text())
+            for m in sorted({arm.split(":")[0] for arm in arms})
+            if (a.family / m / "pretrain_report.json").is_file()
+        },
+        "seeds": a.seeds,
+        "arms": rows,
+        "runs": runs,
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2))
     plot(runs, task_label(task, command), a.out.with_suffix(".png"))

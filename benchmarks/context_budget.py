@@ -30,10 +30,10 @@ from rich.console import Console
 from rich.table import Table
 
 from trillora.checkpoint import load_model, load_tokenizer
-from trillora.lora import load_adapter
 from trillora.config import MemorySection
-from trillora.rollout import LocalEngine, SamplingParams
 from trillora.envs.ledger import dataset
+from trillora.lora import load_adapter
+from trillora.rollout import LocalEngine, SamplingParams
 from trillora.trainer.episodes import EpisodeLimits, run_groups
 from trillora.trainer.sampler import memory_factory
 
@@ -45,17 +45,24 @@ FACTS, DISTRACTORS, NEW_TOKENS = 6, 3, 4
 
 def play(engine, tokenizer, episodes: int, seed: int, memory: MemorySection | None) -> dict:
     ds = dataset(tokenizer, 1, 1, episodes, 0, facts=FACTS, distractors=DISTRACTORS, asked_from=2)
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=seed,
-                            stop_token_ids=(tokenizer.eos_token_id,))
-    limits = EpisodeLimits(max_turns=FACTS + 2, max_model_len=engine.model.args.max_position_embeddings,
-                           memory=memory_factory(memory, engine, tokenizer) if memory else None)
+    params = SamplingParams(
+        max_new_tokens=NEW_TOKENS, temperature=1.0, seed=seed, stop_token_ids=(tokenizer.eos_token_id,)
+    )
+    limits = EpisodeLimits(
+        max_turns=FACTS + 2,
+        max_model_len=engine.model.args.max_position_embeddings,
+        memory=memory_factory(memory, engine, tokenizer) if memory else None,
+    )
     groups = run_groups(engine, ds.eval_batch(), params, limits)
     trajectories = [t for g in groups for t in g.trajectories]
     rewards = [r for g in groups for r in g.total_rewards()]
     processed = [sum(len(x.observation) + len(x.action) for x in t.transitions) for t in trajectories]
     longest = [max(len(x.observation) + len(x.action) for x in t.transitions) for t in trajectories]
-    return {"success": statistics.fmean(rewards), "tokens_processed": statistics.fmean(processed),
-            "longest_context": statistics.fmean(longest)}
+    return {
+        "success": statistics.fmean(rewards),
+        "tokens_processed": statistics.fmean(processed),
+        "longest_context": statistics.fmean(longest),
+    }
 
 
 def plot(rows: list[dict], full: float, path: Path) -> None:
@@ -68,7 +75,7 @@ def plot(rows: list[dict], full: float, path: Path) -> None:
     for policy in POLICIES:
         pts = sorted((r["fraction"], r["success"]) for r in rows if r["policy"] == policy)
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=policy)
+            ax.plot(*zip(*pts, strict=True), marker="o", label=policy)
     ax.axhline(full, color="gray", ls="--", label="whole context")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("memory budget / whole episode")
@@ -82,10 +89,25 @@ def plot(rows: list[dict], full: float, path: Path) -> None:
 def train_diffusion(model: str, budget: int, span: int, seed: int, steps: int, work: Path) -> tuple[Path, dict]:
     """RL with Memory Diffusion at `budget` (the example config); the adapter and the run's summary."""
     name = f"diffusion-b{budget}-s{seed}"
-    done = subprocess.run([sys.executable, "-m", "trillora", "train", str(ROOT / "examples" / "ledger.toml"),
-                           f"model.path={model}", f"memory.budget={budget}", f"memory.span_tokens={span}",
-                           f"seed={seed}", f"steps={steps}",
-                           f"eval_every={steps}", f"out_dir={work}", f"name={name}"], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trillora",
+            "train",
+            str(ROOT / "examples" / "ledger.toml"),
+            f"model.path={model}",
+            f"memory.budget={budget}",
+            f"memory.span_tokens={span}",
+            f"seed={seed}",
+            f"steps={steps}",
+            f"eval_every={steps}",
+            f"out_dir={work}",
+            f"name={name}",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode:
         raise SystemExit(f"RL at budget {budget} failed:\n{done.stderr[-3000:]}")
     return work / name / "adapter" / "fused", json.loads((work / name / "summary.json").read_text())
@@ -97,8 +119,13 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--episodes", type=int, default=64)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
-    p.add_argument("--span-tokens", type=int, default=6, help="chunks of every policy: spans of this many tokens "
-                   "(0: whole turns, which at 1/4 of an episode leave no room beyond the task and the latest turn)")
+    p.add_argument(
+        "--span-tokens",
+        type=int,
+        default=6,
+        help="chunks of every policy: spans of this many tokens "
+        "(0: whole turns, which at 1/4 of an episode leave no room beyond the task and the latest turn)",
+    )
     p.add_argument("--rl-steps", type=int, default=0, help="also train Memory Diffusion by RL at each budget")
     p.add_argument("--rl-seeds", type=int, nargs="+", default=[0])
     p.add_argument("--out", type=Path, default=RESULTS / "context_budget.json")
@@ -118,37 +145,68 @@ def main() -> None:
                 status.update(f"{policy} at {fraction:g} ({budget} tokens)")
                 memory = MemorySection(policy=policy, budget=budget, span_tokens=a.span_tokens)
                 runs = [play(engine, tokenizer, a.episodes, s, memory) for s in a.seeds]
-                rows.append({"policy": policy, "fraction": fraction, "budget": budget,
-                             "success": statistics.fmean(r["success"] for r in runs),
-                             "success_per_seed": [r["success"] for r in runs],
-                             "tokens_processed": statistics.fmean(r["tokens_processed"] for r in runs)})
+                rows.append(
+                    {
+                        "policy": policy,
+                        "fraction": fraction,
+                        "budget": budget,
+                        "success": statistics.fmean(r["success"] for r in runs),
+                        "success_per_seed": [r["success"] for r in runs],
+                        "tokens_processed": statistics.fmean(r["tokens_processed"] for r in runs),
+                    }
+                )
             for rl_seed in a.rl_seeds if a.rl_steps else []:
                 status.update(f"RL with Memory Diffusion at {fraction:g} ({budget} tokens), seed {rl_seed}")
                 adapter, summary = train_diffusion(a.model, budget, a.span_tokens, rl_seed, a.rl_steps, work)
                 trained = LocalEngine(load_adapter(load_model(a.model), adapter), precision="fp32")
                 memory = MemorySection(policy="diffusion", budget=budget, span_tokens=a.span_tokens)
                 runs = [play(trained, tokenizer, a.episodes, s, memory) for s in a.seeds]
-                rows.append({"policy": "diffusion+rl", "fraction": fraction, "budget": budget, "rl_seed": rl_seed,
-                             "rl_steps": a.rl_steps, "rl_seconds": summary["seconds"], "rl_flops": summary["flops_total"],
-                             "success": statistics.fmean(r["success"] for r in runs),
-                             "success_per_seed": [r["success"] for r in runs],
-                             "tokens_processed": statistics.fmean(r["tokens_processed"] for r in runs)})
+                rows.append(
+                    {
+                        "policy": "diffusion+rl",
+                        "fraction": fraction,
+                        "budget": budget,
+                        "rl_seed": rl_seed,
+                        "rl_steps": a.rl_steps,
+                        "rl_seconds": summary["seconds"],
+                        "rl_flops": summary["flops_total"],
+                        "success": statistics.fmean(r["success"] for r in runs),
+                        "success_per_seed": [r["success"] for r in runs],
+                        "tokens_processed": statistics.fmean(r["tokens_processed"] for r in runs),
+                    }
+                )
     full = statistics.fmean(w["success"] for w in whole)
-    table = Table(title=f"ledger success vs memory budget (whole episode ≈ {length:.0f} tokens; whole context: {full:.3f})")
+    table = Table(
+        title=f"ledger success vs memory budget (whole episode ≈ {length:.0f} tokens; whole context: {full:.3f})"
+    )
     for col in ("policy", "budget", "success (per seed)", "tokens processed / episode"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["policy"], f"{r['fraction']:g} ({r['budget']})",
-                      f"{r['success']:.3f} ({', '.join(f'{x:.2f}' for x in r['success_per_seed'])})",
-                      f"{r['tokens_processed']:.0f}")
+        table.add_row(
+            r["policy"],
+            f"{r['fraction']:g} ({r['budget']})",
+            f"{r['success']:.3f} ({', '.join(f'{x:.2f}' for x in r['success_per_seed'])})",
+            f"{r['tokens_processed']:.0f}",
+        )
     console.print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python benchmarks/context_budget.py", *sys.argv[1:]]).replace(a.model, "<build-memory output>")
-    a.out.write_text(json.dumps({"command": command,
-                                 "episode_tokens": length, "span_tokens": a.span_tokens, "whole_context": {
-                                     "success": full, "success_per_seed": [w["success"] for w in whole],
-                                     "tokens_processed": statistics.fmean(w["tokens_processed"] for w in whole)},
-                                 "rows": rows}, indent=2))
+    a.out.write_text(
+        json.dumps(
+            {
+                "command": command,
+                "episode_tokens": length,
+                "span_tokens": a.span_tokens,
+                "whole_context": {
+                    "success": full,
+                    "success_per_seed": [w["success"] for w in whole],
+                    "tokens_processed": statistics.fmean(w["tokens_processed"] for w in whole),
+                },
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     plot(rows, full, a.out.with_suffix(".png"))
 
 

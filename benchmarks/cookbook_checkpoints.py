@@ -51,8 +51,12 @@ def plot(report: dict, path: Path) -> None:
         ax.plot(arm["step_seconds"], marker=".", label=f"{name} (largest / median {arm['largest_over_median']:.2f})")
     median = report["arms"]["rolling + periodic"]["median_s"]
     ax.axhline(2 * median, color="grey", ls="--", lw=1, label="2 × median (rolling + periodic)")
-    ax.set(xlabel="step", ylabel="seconds", ylim=(0, None),
-           title="cookbook supervised/train.py against serve --tinker: seconds per step")
+    ax.set(
+        xlabel="step",
+        ylabel="seconds",
+        ylim=(0, None),
+        title="cookbook supervised/train.py against serve --tinker: seconds per step",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -80,11 +84,19 @@ def main(argv: list[str] | None = None) -> dict:
     server = start_server("tiny-moe-chat", str(work / "state"), api_key=KEY)
     common = [f"batch_size={args.batch}", f"max_steps={args.steps}", "learning_rate=3e-3", "lora_rank=8"]
     saving = [f"save_every={args.save_every}", "rolling_save_every=1", f"ttl_seconds={args.ttl_seconds}"]
-    arms = {"no checkpoints": ["save_every=0", "submit_ahead=0"], "rolling + periodic": saving + ["submit_ahead=0"],
-            "rolling + periodic, submit_ahead=1": saving}
-    report: dict = {"command": "python benchmarks/cookbook_checkpoints.py " + " ".join(argv or []),
-                    "model": "tiny-moe-chat", "steps": args.steps, "batch": args.batch, "save_every": args.save_every,
-                    "arms": {}}
+    arms = {
+        "no checkpoints": ["save_every=0", "submit_ahead=0"],
+        "rolling + periodic": saving + ["submit_ahead=0"],
+        "rolling + periodic, submit_ahead=1": saving,
+    }
+    report: dict = {
+        "command": "python benchmarks/cookbook_checkpoints.py " + " ".join(argv or []),
+        "model": "tiny-moe-chat",
+        "steps": args.steps,
+        "batch": args.batch,
+        "save_every": args.save_every,
+        "arms": {},
+    }
     try:
         for name, extra in arms.items():
             log = work / name.replace(" ", "_").replace(",", "").replace("+", "and")
@@ -94,16 +106,25 @@ def main(argv: list[str] | None = None) -> dict:
             wall = time.perf_counter() - start
             seconds = step_seconds(rows(log / "metrics.jsonl"))
             median = statistics.median(seconds)
-            arm = {"step_seconds": seconds, "median_s": median, "largest_s": max(seconds),
-                   "largest_over_median": max(seconds) / median, "steps_s": sum(seconds), "process_s": wall}
+            arm = {
+                "step_seconds": seconds,
+                "median_s": median,
+                "largest_s": max(seconds),
+                "largest_over_median": max(seconds) / median,
+                "steps_s": sum(seconds),
+                "process_s": wall,
+            }
             if "rolling_save_every=1" in extra:
                 saved = rows(log / "checkpoints.jsonl")
                 run = saved[-1]["state_path"].split("/")[2]
                 left = {c["tinker_path"]: c for c in server.tinker.store.checkpoints(run)}
                 rolling = [r["state_path"] for r in saved if not r.get("sampler_path")]
-                arm.update(checkpoints_saved=len(saved), rolling_saved=len(rolling),
-                           rolling_left=len(set(rolling) & set(left)),
-                           with_expiry=sum(c["expires_at"] is not None for c in left.values()))
+                arm.update(
+                    checkpoints_saved=len(saved),
+                    rolling_saved=len(rolling),
+                    rolling_left=len(set(rolling) & set(left)),
+                    with_expiry=sum(c["expires_at"] is not None for c in left.values()),
+                )
             report["arms"][name] = arm
     finally:
         server.stop()
@@ -114,8 +135,14 @@ def main(argv: list[str] | None = None) -> dict:
     for col in ("arm", "median step s", "largest step s", "largest / median", "steps total s", "rolling left"):
         table.add_column(col)
     for name, arm in report["arms"].items():
-        table.add_row(name, f"{arm['median_s']:.3f}", f"{arm['largest_s']:.3f}", f"{arm['largest_over_median']:.2f}×",
-                      f"{arm['steps_s']:.1f}", str(arm.get("rolling_left", "-")))
+        table.add_row(
+            name,
+            f"{arm['median_s']:.3f}",
+            f"{arm['largest_s']:.3f}",
+            f"{arm['largest_over_median']:.2f}×",
+            f"{arm['steps_s']:.1f}",
+            str(arm.get("rolling_left", "-")),
+        )
     console.print(table)
     console.print(f"checkpointing costs {report['checkpointing_cost']:.2f}× the steps' time without it")
     out = Path(args.out)

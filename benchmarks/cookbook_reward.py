@@ -8,7 +8,8 @@ One `trillora serve tiny-moe-chat --tinker` (in this process, on loopback) and t
 RL loop's chat format, then GRPO-style RL (importance_sampling) on held-apart additions from the
 supervised run's final state. Reported: the supervised NLL curve and the RL reward per step, the
 mean reward of the first and last `--window` steps. RL at the supervised run's 2e-3 collapsed
-(reward 0.35 at its first step, 0.00 over the last 10 of 40); at 5e-4 it rises. Writes benchmarks/results/cookbook_reward.json
+(reward 0.35 at its first step, 0.00 over the last 10 of 40); at 5e-4 it rises. Writes
+benchmarks/results/cookbook_reward.json
 and cookbook_reward.png.
 """
 
@@ -30,8 +31,15 @@ KEY = "tml-cookbook-bench"
 
 
 def run_recipe(port: int, which: str, args: list[str]) -> float:
-    env = {**os.environ, "TINKER_API_KEY": KEY, "TINKER_BASE_URL": f"http://127.0.0.1:{port}", "TINKER_TELEMETRY": "0",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "TINKER_API_KEY": KEY,
+        "TINKER_BASE_URL": f"http://127.0.0.1:{port}",
+        "TINKER_TELEMETRY": "0",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     start = time.perf_counter()
     out = subprocess.run([sys.executable, str(EXAMPLE), which, *args], env=env, capture_output=True, text=True)
     if out.returncode:
@@ -82,28 +90,58 @@ def main(argv: list[str] | None = None) -> dict:
     server = start_server("tiny-moe-chat", str(work / "state"), api_key=KEY)
     sl, rl = work / "sl", work / "rl"
     console.print(f"supervised loop: {args.sl_steps} steps × {args.sl_batch} ...")
-    sl_seconds = run_recipe(server.cfg.port, "sl", [f"log_path={sl}", f"batch_size={args.sl_batch}", f"max_steps={args.sl_steps}",
-                                                   f"learning_rate={args.sl_lr}", "save_every=0"])
+    sl_seconds = run_recipe(
+        server.cfg.port,
+        "sl",
+        [
+            f"log_path={sl}",
+            f"batch_size={args.sl_batch}",
+            f"max_steps={args.sl_steps}",
+            f"learning_rate={args.sl_lr}",
+            "save_every=0",
+        ],
+    )
     console.print(f"RL loop: {args.rl_steps} steps × {args.rl_batch} prompts × {args.group} samples ...")
-    rl_seconds = run_recipe(server.cfg.port, "rl", [f"log_path={rl}", f"start_from={sl}", f"batch_size={args.rl_batch}",
-                                                   f"group_size={args.group}", f"max_tokens={args.max_tokens}",
-                                                   f"max_steps={args.rl_steps}", f"learning_rate={args.rl_lr}",
-                                                   "loss_fn=importance_sampling", "save_every=0"])
+    rl_seconds = run_recipe(
+        server.cfg.port,
+        "rl",
+        [
+            f"log_path={rl}",
+            f"start_from={sl}",
+            f"batch_size={args.rl_batch}",
+            f"group_size={args.group}",
+            f"max_tokens={args.max_tokens}",
+            f"max_steps={args.rl_steps}",
+            f"learning_rate={args.rl_lr}",
+            "loss_fn=importance_sampling",
+            "save_every=0",
+        ],
+    )
     server.stop()
     nll = [m["train_mean_nll"] for m in rows(sl / "metrics.jsonl")]
     reward = [m["reward/total"] for m in rows(rl / "metrics.jsonl")]
     w = min(args.window, len(reward) // 2) or 1
-    report = {"command": "python benchmarks/cookbook_reward.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "model": "tiny-moe-chat", "settings": vars(args) | {"out": None},
-              "sl": {"seconds": sl_seconds, "nll": nll},
-              "rl": {"seconds": rl_seconds, "reward": reward, "first_mean": sum(reward[:w]) / w,
-                     "last_mean": sum(reward[-w:]) / w, "window": w}}
+    report = {
+        "command": "python benchmarks/cookbook_reward.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": "tiny-moe-chat",
+        "settings": vars(args) | {"out": None},
+        "sl": {"seconds": sl_seconds, "nll": nll},
+        "rl": {
+            "seconds": rl_seconds,
+            "reward": reward,
+            "first_mean": sum(reward[:w]) / w,
+            "last_mean": sum(reward[-w:]) / w,
+            "window": w,
+        },
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out.with_suffix(".png"))
-    console.print(f"supervised NLL {nll[0]:.2f} → {nll[-1]:.2f} ({sl_seconds:.0f} s); RL reward, mean of the first {w} "
-                  f"steps {report['rl']['first_mean']:.3f} → last {w} {report['rl']['last_mean']:.3f} ({rl_seconds:.0f} s)")
+    console.print(
+        f"supervised NLL {nll[0]:.2f} → {nll[-1]:.2f} ({sl_seconds:.0f} s); RL reward, mean of the first {w} "
+        f"steps {report['rl']['first_mean']:.3f} → last {w} {report['rl']['last_mean']:.3f} ({rl_seconds:.0f} s)"
+    )
     return report
 
 

@@ -25,16 +25,46 @@ from rich.console import Console
 from rich.table import Table
 
 FAMILIES = {
-    "qwen3_moe (GQA)": dict(model_type="qwen3_moe", vocab_size=256, hidden_size=128, intermediate_size=256,
-                            moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                            head_dim=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                            max_position_embeddings=65536, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-    "deepseek_v3 (MLA)": dict(model_type="deepseek_v3", vocab_size=256, hidden_size=128, intermediate_size=256,
-                              moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
-                              q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-                              n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-                              n_shared_experts=1, routed_scaling_factor=1.0, max_position_embeddings=65536,
-                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen3_moe (GQA)": dict(
+        model_type="qwen3_moe",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=65536,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),
+    "deepseek_v3 (MLA)": dict(
+        model_type="deepseek_v3",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        routed_scaling_factor=1.0,
+        max_position_embeddings=65536,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),
 }
 
 
@@ -48,9 +78,9 @@ def free_port() -> int:
 
 def worker(rank: int, world: int, port: int, family: str, seq_len: int, results) -> None:
     from trillora import lora
-    from trillora.plan.memory_probe import MemoryProbe
     from trillora.models import build_model, from_hf_config
     from trillora.parallel import ParallelDims, parallelize
+    from trillora.plan.memory_probe import MemoryProbe
     from trillora.policy.logprobs import token_logprobs
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -78,8 +108,14 @@ def measure(family: str, cp: int, seq_len: int) -> dict:
     results = ctx.SimpleQueue()
     mp.start_processes(worker, args=(cp, free_port(), family, seq_len, results), nprocs=cp, start_method="spawn")
     rows = [results.get() for _ in range(cp)]
-    return dict(family=family, cp=cp, seq_len=seq_len, peak_bytes=max(r["peak"] for r in rows),
-                saved_bytes=max(r["saved"] for r in rows), loss=rows[0]["loss"])
+    return dict(
+        family=family,
+        cp=cp,
+        seq_len=seq_len,
+        peak_bytes=max(r["peak"] for r in rows),
+        saved_bytes=max(r["saved"] for r in rows),
+        loss=rows[0]["loss"],
+    )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -90,7 +126,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     families = list(dict.fromkeys(r["family"] for r in rows))
     fig, axes = plt.subplots(1, len(families), figsize=(5 * len(families), 3.6), squeeze=False)
-    for ax, fam in zip(axes[0], families):
+    for ax, fam in zip(axes[0], families, strict=True):
         mine = [r for r in rows if r["family"] == fam]
         x = range(len(mine))
         ax.bar([i - 0.2 for i in x], [r["peak_bytes"] / 2**20 for r in mine], 0.4, label="peak live")
@@ -122,8 +158,15 @@ def main() -> None:
     for r in rows:
         base = next(b for b in rows if b["family"] == r["family"] and b["cp"] == min(a.cp))
         r["peak_ratio"], r["saved_ratio"] = r["peak_bytes"] / base["peak_bytes"], r["saved_bytes"] / base["saved_bytes"]
-        t.add_row(r["family"], str(r["cp"]), f"{r['peak_bytes'] / 2**20:.1f} MiB", f"{r['peak_ratio']:.2f}×",
-                  f"{r['saved_bytes'] / 2**20:.1f} MiB", f"{r['saved_ratio']:.2f}×", f"{r['loss']:.6f}")
+        t.add_row(
+            r["family"],
+            str(r["cp"]),
+            f"{r['peak_bytes'] / 2**20:.1f} MiB",
+            f"{r['peak_ratio']:.2f}×",
+            f"{r['saved_bytes'] / 2**20:.1f} MiB",
+            f"{r['saved_ratio']:.2f}×",
+            f"{r['loss']:.6f}",
+        )
     console.print(t)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(rows, indent=2))

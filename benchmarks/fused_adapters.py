@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -65,7 +65,11 @@ def grads(service, model_ids) -> dict[str, torch.Tensor]:
 
 def differences(alone, want, other, got) -> tuple[float, float]:
     """Max |logprob| difference and max gradient difference relative to each tensor's largest entry."""
-    logprob = max(float(np.abs(a - b).max()) for (x, _), (y, _) in zip(alone, other) for a, b in zip(x, y))
+    logprob = max(
+        float(np.abs(a - b).max())
+        for (x, _), (y, _) in zip(alone, other, strict=True)
+        for a, b in zip(x, y, strict=True)
+    )
     grad = max(float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp(min=1e-12)) for k in want)
     return logprob, grad
 
@@ -113,8 +117,13 @@ def main(argv: list[str] | None = None) -> dict:
 def config(args, **extra):
     from trillora.serve.tinker_service import ServeConfig
 
-    return ServeConfig(model=args.model, device=args.device, precision=args.precision,
-                        state_dir=tempfile.mkdtemp(prefix="fused-bench-"), **extra)
+    return ServeConfig(
+        model=args.model,
+        device=args.device,
+        precision=args.precision,
+        state_dir=tempfile.mkdtemp(prefix="fused-bench-"),
+        **extra,
+    )
 
 
 def on_ranks(args) -> dict:
@@ -167,8 +176,9 @@ def shaped(args):
         from trillora.models.params import shipped_config
 
         cfg = {**shipped_config(args.shape), "num_hidden_layers": args.layers}
-        model = build_model(from_hf_config(cfg), device=args.device,
-                            dtype=torch.bfloat16 if args.precision == "bf16" else torch.float32)
+        model = build_model(
+            from_hf_config(cfg), device=args.device, dtype=torch.bfloat16 if args.precision == "bf16" else torch.float32
+        )
         model.init_weights(std=0.02, generator=None)
     return model
 
@@ -204,8 +214,10 @@ def measure(args, service) -> dict:
     split = []
     for c in calls:
         h = len(c.data) // 2
-        parts = [service.forward_backward_many([FwdBwd(c.model_id, c.loss_fn, {}, c.data[s], c.tensors[s], False)])[0]
-                 for s in (slice(0, h), slice(h, None))]
+        parts = [
+            service.forward_backward_many([FwdBwd(c.model_id, c.loss_fn, {}, c.data[s], c.tensors[s], False)])[0]
+            for s in (slice(0, h), slice(h, None))
+        ]
         split.append((parts[0][0] + parts[1][0], None))
     floor_logprob, floor_grad = differences(alone, want, split, grads(service, models))
     if args.ep > 1:  # a rank holds its block's gradients until optim_step sums them, and half a call's block
@@ -226,35 +238,59 @@ def measure(args, service) -> dict:
     params = {"max_tokens": args.max_tokens, "temperature": 1.0, "stop": []}  # no stop: every row runs max_tokens
     sample_calls = [SampleCall(s, prompt, args.samples, params) for s in samplers]
     times = {}
-    for name, fn in track([("forward_backward, one pass per adapter", per_adapter), ("forward_backward, one pass", one_pass),
-                           ("sample, one generate per sampler", lambda: [service.sample_many([c]) for c in sample_calls]),
-                           ("sample, one generate", lambda: service.sample_many(sample_calls))],
-                          description="timing", transient=True):
+    for name, fn in track(
+        [
+            ("forward_backward, one pass per adapter", per_adapter),
+            ("forward_backward, one pass", one_pass),
+            ("sample, one generate per sampler", lambda: [service.sample_many([c]) for c in sample_calls]),
+            ("sample, one generate", lambda: service.sample_many(sample_calls)),
+        ],
+        description="timing",
+        transient=True,
+    ):
         times[name] = timed(fn, args.device, args.reps)
-    speedup = {"forward_backward": times["forward_backward, one pass per adapter"] / times["forward_backward, one pass"],
-               "sample": times["sample, one generate per sampler"] / times["sample, one generate"]}
+    speedup = {
+        "forward_backward": times["forward_backward, one pass per adapter"] / times["forward_backward, one pass"],
+        "sample": times["sample, one generate per sampler"] / times["sample, one generate"],
+    }
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    report = {"command": args.command,
-              "model": f"{args.shape} ({args.layers} layers, random weights)" if args.shape else args.model,
-              "expert_parallel_ranks": args.ep,
-              "device": device_name, "precision": args.precision, "adapters": args.adapters, "rows": args.rows,
-              "rank": args.rank, "samples": args.samples, "max_tokens": args.max_tokens, "reps": args.reps,
-              "seconds_best_of_reps": times, "speedup_one_pass": speedup,
-              "check": {"max_logprob_diff": logprob_diff, "max_grad_rel_diff": grad_diff,
-                        "floor_two_passes": {"max_logprob_diff": floor_logprob, "max_grad_rel_diff": floor_grad}}}
+    report = {
+        "command": args.command,
+        "model": f"{args.shape} ({args.layers} layers, random weights)" if args.shape else args.model,
+        "expert_parallel_ranks": args.ep,
+        "device": device_name,
+        "precision": args.precision,
+        "adapters": args.adapters,
+        "rows": args.rows,
+        "rank": args.rank,
+        "samples": args.samples,
+        "max_tokens": args.max_tokens,
+        "reps": args.reps,
+        "seconds_best_of_reps": times,
+        "speedup_one_pass": speedup,
+        "check": {
+            "max_logprob_diff": logprob_diff,
+            "max_grad_rel_diff": grad_diff,
+            "floor_two_passes": {"max_logprob_diff": floor_logprob, "max_grad_rel_diff": floor_grad},
+        },
+    }
     ranks = f", experts over {args.ep} ranks" if args.ep > 1 else ""
-    table = Table(title=f"{args.adapters} adapters × {args.rows} rows on one {report['model']} base ({device_name}, "
-                        f"{args.precision}{ranks})")
+    table = Table(
+        title=f"{args.adapters} adapters × {args.rows} rows on one {report['model']} base ({device_name}, "
+        f"{args.precision}{ranks})"
+    )
     for col in ("work", "seconds (best of reps)"):
         table.add_column(col)
     for name, t in times.items():
         table.add_row(name, f"{t:.4f}")
     console = Console()
     console.print(table)
-    console.print(f"one pass vs one per adapter: forward_backward {speedup['forward_backward']:.2f}×, "
-                  f"sample {speedup['sample']:.2f}×; fused = alone to {logprob_diff:.1e} (logprobs), "
-                  f"{grad_diff:.1e} (gradients, relative); one adapter's rows in two passes vs one: "
-                  f"{floor_logprob:.1e} / " + ("-" if floor_grad is None else f"{floor_grad:.1e}"))
+    console.print(
+        f"one pass vs one per adapter: forward_backward {speedup['forward_backward']:.2f}×, "
+        f"sample {speedup['sample']:.2f}×; fused = alone to {logprob_diff:.1e} (logprobs), "
+        f"{grad_diff:.1e} (gradients, relative); one adapter's rows in two passes vs one: "
+        f"{floor_logprob:.1e} / " + ("-" if floor_grad is None else f"{floor_grad:.1e}")
+    )
     out = output_path(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -6,7 +6,8 @@ Both train LoRA (rank 8 on the routed experts: the default job's targets) on the
 for 3-digit addition: 32 prompts × 8 samples per step, up to 6 new tokens, T = 1, one AdamW step
 per batch; every shared setting comes from one trillora config (`trl_side.py`; key=value overrides
 go to both sides). Each side runs in its own process, warm: the first `--warmup` steps are not
-timed and steps that evaluate are left out; the sides alternate for `--rounds` runs each. Reported: median seconds per step, steps/s and
+timed and steps that evaluate are left out; the sides alternate for `--rounds` runs each. Reported: median seconds per
+step, steps/s and
 generated tokens/s, side by side, and (unless `--no-profile`) a torch profiler summary of a few
 more steps of each side in `benchmarks/results/grpo_step_profile_{trillora,trl}.txt`.
 """
@@ -29,8 +30,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def bench_args(steps: int, out_dir: Path, overrides: list[str]) -> list[str]:
     """The default job, named `bench`, with no evaluation inside the timed steps."""
-    return [f"steps={steps}", f"out_dir={out_dir}", "name=bench", f"eval_every={steps + 1}", 'task.retention=""',
-            "task.eval_problems=16", *overrides]
+    return [
+        f"steps={steps}",
+        f"out_dir={out_dir}",
+        "name=bench",
+        f"eval_every={steps + 1}",
+        'task.retention=""',
+        "task.eval_problems=16",
+        *overrides,
+    ]
 
 
 def bench_config(steps: int, out_dir: Path, overrides: list[str]):
@@ -46,18 +54,25 @@ def profile_table(prof, limit: int = 30) -> str:
 def run_trillora(steps: int, warmup: int, overrides: list[str], work: Path) -> dict:
     """`trillora train` as a user runs it, in a child process; per-step times from its metrics."""
     cfg = bench_config(warmup + steps, work, overrides)
-    subprocess.run([sys.executable, "-m", "trillora", "train", *bench_args(cfg.steps, work, overrides)], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "trillora", "train", *bench_args(cfg.steps, work, overrides)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     rows = [json.loads(x) for x in (work / "bench" / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows[1:] if r["step"] > warmup and "eval_seconds" not in r]
     batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    return {"step_seconds": [r["step_seconds"] for r in timed], "tokens": [r["completion_len_mean"] * batch for r in timed],
-            "rollout_seconds": statistics.median(r["rollout_seconds"] for r in timed),
-            "update_seconds": statistics.median(r["update_seconds"] for r in timed),
-            # what the step spends outside its two measured phases (the engine sync, logging): an unmeasured
-            # cost cannot hide between them while this stays small
-            "unaccounted_fraction": statistics.median(1 - (r["rollout_seconds"] + r["update_seconds"]) / r["step_seconds"]
-                                                      for r in timed)}
+    return {
+        "step_seconds": [r["step_seconds"] for r in timed],
+        "tokens": [r["completion_len_mean"] * batch for r in timed],
+        "rollout_seconds": statistics.median(r["rollout_seconds"] for r in timed),
+        "update_seconds": statistics.median(r["update_seconds"] for r in timed),
+        # what the step spends outside its two measured phases (the engine sync, logging): an unmeasured
+        # cost cannot hide between them while this stays small
+        "unaccounted_fraction": statistics.median(
+            1 - (r["rollout_seconds"] + r["update_seconds"]) / r["step_seconds"] for r in timed
+        ),
+    }
 
 
 def run_trl(steps: int, warmup: int, overrides: list[str], work: Path) -> dict:
@@ -106,15 +121,23 @@ def child(side: str, steps: int, warmup: int, overrides: list[str], out: Path, p
 
 def pool(runs: list[dict]) -> dict:
     """Several runs of one side as one: per-step lists joined, per-run medians (phase times) medianed."""
-    return {k: [x for r in runs for x in r[k]] if isinstance(v, list) else statistics.median(r[k] for r in runs)
-            for k, v in runs[0].items()}
+    return {
+        k: [x for r in runs for x in r[k]] if isinstance(v, list) else statistics.median(r[k] for r in runs)
+        for k, v in runs[0].items()
+    }
 
 
 def summarise(r: dict) -> dict:
     med = statistics.median(r["step_seconds"])
-    phases = {k: v for k, v in r.items() if (k.endswith("_seconds") and k != "step_seconds") or k == "unaccounted_fraction"}
-    return {"median_step_seconds": med, "steps_per_s": 1 / med, "tokens_per_s": sum(r["tokens"]) / sum(r["step_seconds"]),
-            **phases}
+    phases = {
+        k: v for k, v in r.items() if (k.endswith("_seconds") and k != "step_seconds") or k == "unaccounted_fraction"
+    }
+    return {
+        "median_step_seconds": med,
+        "steps_per_s": 1 / med,
+        "tokens_per_s": sum(r["tokens"]) / sum(r["step_seconds"]),
+        **phases,
+    }
 
 
 def main() -> None:
@@ -132,37 +155,74 @@ def main() -> None:
         return child(a.side, a.steps, a.warmup, a.overrides, a.child_out, not a.no_profile)
     import torch
     import transformers
-    import trl_side  # noqa: F401  (quiets TRL's vLLM version warning)
     import trl
+    import trl_side  # noqa: F401  (quiets TRL's vLLM version warning)
 
     runs: dict[str, list[dict]] = {"trillora": [], "trl": []}
     for round_ in range(a.rounds):  # the sides alternate, so a machine that drifts weighs on both
         for side in runs:
             out = Path(tempfile.mkdtemp()) / f"{side}.json"
             profile = not a.no_profile and round_ == a.rounds - 1
-            cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
-                   "--child-out", str(out), *([] if profile else ["--no-profile"]), *a.overrides]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--side",
+                side,
+                "--steps",
+                str(a.steps),
+                "--warmup",
+                str(a.warmup),
+                "--child-out",
+                str(out),
+                *([] if profile else ["--no-profile"]),
+                *a.overrides,
+            ]
             subprocess.run(cmd, check=True)
             runs[side].append(json.loads(out.read_text()))
     results = {side: summarise(pool(rs)) for side, rs in runs.items()}
     ours, theirs = results["trillora"], results["trl"]
-    table = Table(title=f"GRPO step, tiny MoE, same work ({a.rounds} runs × {a.steps} timed steps after {a.warmup}; median)")
+    table = Table(
+        title=f"GRPO step, tiny MoE, same work ({a.rounds} runs × {a.steps} timed steps after {a.warmup}; median)"
+    )
     for col in ("trainer", "s/step", "steps/s", "generated tokens/s", "vs TRL"):
         table.add_column(col, justify="right")
-    table.add_row("trillora train", f"{ours['median_step_seconds']:.3f}", f"{ours['steps_per_s']:.2f}",
-                  f"{ours['tokens_per_s']:,.0f}", f"{ours['steps_per_s'] / theirs['steps_per_s']:.2f}×")
-    table.add_row(f"TRL {trl.__version__} GRPOTrainer + PEFT", f"{theirs['median_step_seconds']:.3f}",
-                  f"{theirs['steps_per_s']:.2f}", f"{theirs['tokens_per_s']:,.0f}", "1.00×")
+    table.add_row(
+        "trillora train",
+        f"{ours['median_step_seconds']:.3f}",
+        f"{ours['steps_per_s']:.2f}",
+        f"{ours['tokens_per_s']:,.0f}",
+        f"{ours['steps_per_s'] / theirs['steps_per_s']:.2f}×",
+    )
+    table.add_row(
+        f"TRL {trl.__version__} GRPOTrainer + PEFT",
+        f"{theirs['median_step_seconds']:.3f}",
+        f"{theirs['steps_per_s']:.2f}",
+        f"{theirs['tokens_per_s']:,.0f}",
+        "1.00×",
+    )
     console = Console(width=140)
     console.print(table)
-    console.print(f"trillora step: rollout {ours['rollout_seconds']:.3f} s + update {ours['update_seconds']:.3f} s (medians); "
-                  f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
+    console.print(
+        f"trillora step: rollout {ours['rollout_seconds']:.3f} s + update {ours['update_seconds']:.3f} s (medians); "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads"
+    )
     if not a.no_profile:
         console.print("profiles: benchmarks/results/grpo_step_profile_trillora.txt, grpo_step_profile_trl.txt")
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"steps": a.steps, "warmup": a.warmup, "rounds": a.rounds, "overrides": a.overrides, **results,
-                                 "speedup_steps_per_s": ours["steps_per_s"] / theirs["steps_per_s"],
-                                 "machine": machine(torch, transformers, trl)}, indent=2))
+    a.out.write_text(
+        json.dumps(
+            {
+                "steps": a.steps,
+                "warmup": a.warmup,
+                "rounds": a.rounds,
+                "overrides": a.overrides,
+                **results,
+                "speedup_steps_per_s": ours["steps_per_s"] / theirs["steps_per_s"],
+                "machine": machine(torch, transformers, trl),
+            },
+            indent=2,
+        )
+    )
 
 
 def machine(torch, transformers, trl) -> dict:
@@ -174,12 +234,26 @@ def machine(torch, transformers, trl) -> dict:
     cpu = platform.processor()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                    if line.startswith("model name")), cpu)
+        cpu = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in cpuinfo.read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            cpu,
+        )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "trl": trl.__version__, "python": platform.python_version(),
-            "date": datetime.date.today().isoformat(), "load_at_end": load}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+        "load_at_end": load,
+    }
 
 
 if __name__ == "__main__":

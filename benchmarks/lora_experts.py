@@ -21,10 +21,10 @@ from rich.table import Table
 
 from trillora import lora
 from trillora.cli.info import human, human_bytes
-from trillora.models.params import resolve_args
 from trillora.lora.layers import add_adapter
 from trillora.models import build_model
 from trillora.models.moe import GroupedExperts, dispatch_combine
+from trillora.models.params import resolve_args
 
 
 def expert_block(num_experts: int, dim: int, hidden: int, rank: int) -> GroupedExperts:
@@ -65,8 +65,19 @@ def bench_grouped(tokens: int, repeats: int, dim: int, hidden: int, rank: int, t
         w = torch.rand(tokens, top_k, generator=g)
         loop = time_step(m, x, idx, w, grouped=False, repeats=repeats)
         grouped = time_step(m, x, idx, w, grouped=True, repeats=repeats)
-        rows.append(dict(experts=e, tokens=tokens, top_k=top_k, dim=dim, hidden=hidden, rank=rank,
-                         loop_ms=1e3 * loop, grouped_ms=1e3 * grouped, speedup=loop / grouped))
+        rows.append(
+            dict(
+                experts=e,
+                tokens=tokens,
+                top_k=top_k,
+                dim=dim,
+                hidden=hidden,
+                rank=rank,
+                loop_ms=1e3 * loop,
+                grouped_ms=1e3 * grouped,
+                speedup=loop / grouped,
+            )
+        )
     return rows
 
 
@@ -78,9 +89,17 @@ def adapter_sizes() -> list[dict]:
             model = build_model(args, device="meta")
             lora.apply_lora(model, lora.LoraConfig(rank=rank, expert_rank_rule=rule))
             s = lora.adapter_stats(model)
-            rows.append(dict(rank=rank, expert_rank=args.top_k and lora.LoraConfig(rank=rank, expert_rank_rule=rule).rank_for_experts(args.top_k),
-                             adapter_params=s["adapter_params"], base_params=s["base_params"],
-                             adapter_bytes_fp32=s["adapter_bytes"], fraction=s["fraction"]))
+            rows.append(
+                dict(
+                    rank=rank,
+                    expert_rank=args.top_k
+                    and lora.LoraConfig(rank=rank, expert_rank_rule=rule).rank_for_experts(args.top_k),
+                    adapter_params=s["adapter_params"],
+                    base_params=s["base_params"],
+                    adapter_bytes_fp32=s["adapter_bytes"],
+                    fraction=s["fraction"],
+                )
+            )
     return rows
 
 
@@ -108,7 +127,13 @@ def main() -> None:
     for col in ("rank", "expert rank", "adapter params", "fp32 bytes", "% of base"):
         t.add_column(col, justify="right")
     for r in sizes:
-        t.add_row(str(r["rank"]), str(r["expert_rank"]), human(r["adapter_params"]), human_bytes(r["adapter_bytes_fp32"]), f"{100 * r['fraction']:.2f}%")
+        t.add_row(
+            str(r["rank"]),
+            str(r["expert_rank"]),
+            human(r["adapter_params"]),
+            human_bytes(r["adapter_bytes_fp32"]),
+            f"{100 * r['fraction']:.2f}%",
+        )
     console.print(t)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"grouped_vs_loop": grouped, "kimi_k2_adapter": sizes}, indent=2))

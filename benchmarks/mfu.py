@@ -7,7 +7,7 @@ fp32 2048³ on the CPU (bf16 products run at ~1 GFLOP/s on these cores), bf16 81
 where the base weights are bf16 and the LoRA adapters fp32 as in training (defaults there:
 16 rows × 2048 tokens). The step is the
 trainer's training pass (logprobs and entropy, the policy loss, backward) on `rows × seq-len`
-tokens, timed after a warm-up; its FLOPs come from `trillora.plan.cost.training_flops`
+tokens, timed after a warm-up; its FLOPs come from `trillora.plan.flops.training_flops`
 (2 per weight a token multiplies through, routed experts counted top-k of E, causal attention;
 backward: input gradients always, weight gradients only for what is trained). Shapes: a dense
 Qwen3 and a Qwen3-MoE of the same width, LoRA rank 16 on the default targets, and the MoE
@@ -28,14 +28,41 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-WIDTH = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-             head_dim=64, max_position_embeddings=4096)
+WIDTH = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=4096,
+)
 SHAPES = {
     "dense Qwen3 (LoRA r16)": (dict(WIDTH, model_type="qwen3", intermediate_size=4096), False),
-    "Qwen3-MoE 16×top-4 (LoRA r16)": (dict(WIDTH, model_type="qwen3_moe", intermediate_size=4096, moe_intermediate_size=512,
-                                           num_experts=16, num_experts_per_tok=4, norm_topk_prob=True), False),
-    "Qwen3-MoE 16×top-4 (full)": (dict(WIDTH, model_type="qwen3_moe", intermediate_size=4096, moe_intermediate_size=512,
-                                       num_experts=16, num_experts_per_tok=4, norm_topk_prob=True), True),
+    "Qwen3-MoE 16×top-4 (LoRA r16)": (
+        dict(
+            WIDTH,
+            model_type="qwen3_moe",
+            intermediate_size=4096,
+            moe_intermediate_size=512,
+            num_experts=16,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+        ),
+        False,
+    ),
+    "Qwen3-MoE 16×top-4 (full)": (
+        dict(
+            WIDTH,
+            model_type="qwen3_moe",
+            intermediate_size=4096,
+            moe_intermediate_size=512,
+            num_experts=16,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+        ),
+        True,
+    ),
 }
 
 
@@ -58,11 +85,20 @@ def matmul_peak(repeats: int, device: torch.device, dtype: torch.dtype) -> float
     return 2 * n**3 / min(times)
 
 
-def step_seconds(config: dict, full: bool, rows: int, seq_len: int, repeats: int, device: torch.device,
-                 dtype: torch.dtype, profile_to: Path | None = None) -> tuple[float, dict, float]:
+def step_seconds(
+    config: dict,
+    full: bool,
+    rows: int,
+    seq_len: int,
+    repeats: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    profile_to: Path | None = None,
+) -> tuple[float, dict, float]:
     from trillora import lora, rl
     from trillora.models import build_model, from_hf_config
-    from trillora.plan.cost import Footprint, Training, training_flops
+    from trillora.plan.cost import Footprint, Training
+    from trillora.plan.flops import training_flops
     from trillora.policy.logprobs import token_logprobs
 
     args = from_hf_config(config, where="benchmark")
@@ -78,8 +114,9 @@ def step_seconds(config: dict, full: bool, rows: int, seq_len: int, repeats: int
 
     def step() -> None:
         logp, entropy = token_logprobs(model, ids, 1.0, with_entropy=True)
-        loss, _ = rl.policy_loss(logp, logp.detach(), adv, mask, global_tokens=float(mask.sum()),
-                                 global_seqs=float(rows), entropy_BT=entropy)
+        loss, _ = rl.policy_loss(
+            logp, logp.detach(), adv, mask, global_tokens=float(mask.sum()), global_seqs=float(rows), entropy_BT=entropy
+        )
         loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -130,20 +167,39 @@ def main() -> None:
             status.update(name)
             profile_to = a.out.with_name(f"{a.out.stem}_profile_{len(rows)}.txt")
             seconds, flops, total = step_seconds(config, full, a.rows, a.seq_len, a.repeats, device, dtype, profile_to)
-            rows.append(dict(shape=name, seconds=seconds, flops=total, forward_per_token=flops["forward"],
-                             backward_per_token=flops["backward"], achieved=total / seconds, mfu=total / seconds / peak))
+            rows.append(
+                dict(
+                    shape=name,
+                    seconds=seconds,
+                    flops=total,
+                    forward_per_token=flops["forward"],
+                    backward_per_token=flops["backward"],
+                    achieved=total / seconds,
+                    mfu=total / seconds / peak,
+                )
+            )
     where = torch.cuda.get_device_name(device) if gpu else "CPU"
-    t = Table(title=f"training step, {a.rows} × {a.seq_len} tokens, {str(dtype)[6:]} base on {where}; "
-                    f"matmul peak {peak / 1e9:.0f} GFLOP/s")
+    t = Table(
+        title=f"training step, {a.rows} × {a.seq_len} tokens, {str(dtype)[6:]} base on {where}; "
+        f"matmul peak {peak / 1e9:.0f} GFLOP/s"
+    )
     for col in ("shape", "fwd MFLOP/token", "bwd MFLOP/token", "step", "achieved", "MFU"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(r["shape"], f"{r['forward_per_token'] / 1e6:.0f}", f"{r['backward_per_token'] / 1e6:.0f}",
-                  f"{r['seconds']:.2f} s", f"{r['achieved'] / 1e9:.1f} GFLOP/s", f"{100 * r['mfu']:.0f}%")
+        t.add_row(
+            r["shape"],
+            f"{r['forward_per_token'] / 1e6:.0f}",
+            f"{r['backward_per_token'] / 1e6:.0f}",
+            f"{r['seconds']:.2f} s",
+            f"{r['achieved'] / 1e9:.1f} GFLOP/s",
+            f"{100 * r['mfu']:.0f}%",
+        )
     console.print(t)
     lora_row, full_row = rows[1], rows[2]
-    console.print(f"LoRA vs full on the MoE: {lora_row['flops'] / full_row['flops']:.2f}× the FLOPs per step "
-                  f"(no base weight gradients), {lora_row['seconds'] / full_row['seconds']:.2f}× the time")
+    console.print(
+        f"LoRA vs full on the MoE: {lora_row['flops'] / full_row['flops']:.2f}× the FLOPs per step "
+        f"(no base weight gradients), {lora_row['seconds'] / full_row['seconds']:.2f}× the time"
+    )
     a.out.write_text(json.dumps({"device": where, "dtype": str(dtype), "matmul_peak": peak, "rows": rows}, indent=2))
     for i, r in enumerate(rows):  # the profiles stay with the results
         profile = a.out.with_name(f"{a.out.stem}_profile_{i}.txt")

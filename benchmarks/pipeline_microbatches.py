@@ -37,19 +37,27 @@ def _rank(rank: int, args, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.stages)
     try:
         model = load_model(args.model)
-        lora.apply_lora(model, lora.LoraConfig(rank=8, targets=("attention", "mlp", "shared_experts", "experts", "lm_head")))
+        lora.apply_lora(
+            model, lora.LoraConfig(rank=8, targets=("attention", "mlp", "shared_experts", "experts", "lm_head"))
+        )
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for _, p in lora.lora_parameters(model):
                 p.normal_(0.0, 0.02, generator=g)
         staged = StagedModel(model, dist.group.WORLD, rank, args.stages)
-        ids = torch.randint(0, model.args.vocab_size, (args.rows, args.tokens), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(
+            0, model.args.vocab_size, (args.rows, args.tokens), generator=torch.Generator().manual_seed(1)
+        )
         params = [p for p in staged.parameters() if p.requires_grad]
 
         def step(chunks: int) -> list[torch.Tensor]:
             staged.microbatches = chunks
             logits = staged(ids)
-            loss = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).sum() if staged.last else None
+            loss = (
+                torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).sum()
+                if staged.last
+                else None
+            )
             staged.backward(loss)
             grads = [p.grad.clone() for p in params]
             for p in params:
@@ -59,7 +67,13 @@ def _rank(rank: int, args, port: int) -> None:
         whole = step(1)
         worst = 0.0
         for c in args.chunks:  # the same gradients, whatever the chunking
-            worst = max(worst, max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) for a, b in zip(step(c), whole)))
+            worst = max(
+                worst,
+                max(
+                    float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+                    for a, b in zip(step(c), whole, strict=True)
+                ),
+            )
         seconds = {}
         for c in args.chunks:
             step(c)  # warm-up
@@ -72,10 +86,17 @@ def _rank(rank: int, args, port: int) -> None:
                 best = min(best, time.perf_counter() - start)
             seconds[c] = best
         if rank == 0:
-            report = {"command": args.command, "model": args.model, "stages": args.stages, "rows": args.rows,
-                      "tokens": args.tokens, "reps": args.reps, "seconds_best_of_reps": {str(c): t for c, t in seconds.items()},
-                      "speedup_over_whole": {str(c): seconds[1] / t for c, t in seconds.items()} if 1 in seconds else {},
-                      "max_grad_rel_diff_vs_whole": worst}
+            report = {
+                "command": args.command,
+                "model": args.model,
+                "stages": args.stages,
+                "rows": args.rows,
+                "tokens": args.tokens,
+                "reps": args.reps,
+                "seconds_best_of_reps": {str(c): t for c, t in seconds.items()},
+                "speedup_over_whole": {str(c): seconds[1] / t for c, t in seconds.items()} if 1 in seconds else {},
+                "max_grad_rel_diff_vs_whole": worst,
+            }
             out = Path(args.out or RESULTS / "pipeline_microbatches.json")
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(report, indent=2) + "\n")

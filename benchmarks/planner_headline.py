@@ -24,17 +24,40 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def plan(seq_len: int, gpus: int) -> dict:
-    cmd = [sys.executable, "-m", "trillora", "plan", "--model", "kimi-k2", "--gpus", str(gpus), "--gpu", "h800",
-           "--seq-len", str(seq_len), "--rollouts", "512", "--lora-rank", "128", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trillora",
+        "plan",
+        "--model",
+        "kimi-k2",
+        "--gpus",
+        str(gpus),
+        "--gpu",
+        "h800",
+        "--seq-len",
+        str(seq_len),
+        "--rollouts",
+        "512",
+        "--lora-rank",
+        "128",
+        "--json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True)  # exit status 1: no layout fits (the report says so)
     if out.returncode not in (0, 1):
         raise SystemExit(out.stderr)
     report = json.loads(out.stdout)
     chosen = report["best"][0] if report["fits"] else report["least_memory"]
     cluster = report["cluster"]
-    return {"seq_len": seq_len, "gpus": gpus, "fits": report["fits"], "layout": chosen["layout"],
-            "memory_total_gib": chosen["memory_total_gib"],
-            "usable_gib": cluster["memory_gib"] * (1 - cluster["reserve"]), **report["lora_vs_full"]}
+    return {
+        "seq_len": seq_len,
+        "gpus": gpus,
+        "fits": report["fits"],
+        "layout": chosen["layout"],
+        "memory_total_gib": chosen["memory_total_gib"],
+        "usable_gib": cluster["memory_gib"] * (1 - cluster["reserve"]),
+        **report["lora_vs_full"],
+    }
 
 
 def main() -> None:
@@ -52,8 +75,14 @@ def main() -> None:
     for col in ("tokens", "fits", "GiB per GPU (usable)", "LoRA needs", "full-parameter needs", "LoRA / full"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["seq_len"]), str(r["fits"]), f"{r['memory_total_gib']:.1f} ({r['usable_gib']:.0f})",
-                      f"{r['lora_min_gpus']} GPUs", f"{r['full_min_gpus']} GPUs", f"{100 * r['ratio']:.0f}%")
+        table.add_row(
+            str(r["seq_len"]),
+            str(r["fits"]),
+            f"{r['memory_total_gib']:.1f} ({r['usable_gib']:.0f})",
+            f"{r['lora_min_gpus']} GPUs",
+            f"{r['full_min_gpus']} GPUs",
+            f"{100 * r['ratio']:.0f}%",
+        )
     console.print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(rows, indent=2))

@@ -27,10 +27,21 @@ from trillora.models import build_model, from_hf_config
 from trillora.rollout import LocalEngine, SamplingParams
 
 CONFIG = dict(
-    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=1024, hidden_size=256,
-    intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-    max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    max_position_embeddings=512,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 
 
@@ -74,8 +85,14 @@ def main() -> None:
 
     def hf_generate():
         with torch.no_grad():
-            hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, max_new_tokens=a.new_tokens,
-                        min_new_tokens=a.new_tokens, pad_token_id=0)
+            hf.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                do_sample=True,
+                max_new_tokens=a.new_tokens,
+                min_new_tokens=a.new_tokens,
+                pad_token_id=0,
+            )
 
     sec = timed(hf_generate, a.repeats)
     rows.append((f"transformers {transformers.__version__} generate", tokens / sec, sec))
@@ -92,7 +109,9 @@ def main() -> None:
         rows.append((f"vLLM {vllm.__version__} via VLLMEngine (fp32)", tokens / sec, sec))
         engine.close()
 
-    table = Table(title=f"rollout throughput: {a.sequences} sequences × {a.new_tokens} new tokens, prompt {a.prompt_len}")
+    table = Table(
+        title=f"rollout throughput: {a.sequences} sequences × {a.new_tokens} new tokens, prompt {a.prompt_len}"
+    )
     for col in ("engine", "tokens/s", "seconds", "vs transformers"):
         table.add_column(col, justify="right")
     base = rows[1][1]

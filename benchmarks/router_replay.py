@@ -6,7 +6,8 @@ Each run is the default job (bf16-rounded rollout weights, fp32 trainer, token T
 routing recorded at rollout (`algorithm.routing_metrics=true`, so both modes log how often the
 trainer's router disagrees with the rollout's); `all` replays the recorded experts in every
 training pass. Reported per mode, averaged over seeds: train reward over the last 20 steps,
-held-out accuracy at the end, mismatch KL (k3) between rollout and trainer logprobs (mean and largest step), the fraction
+held-out accuracy at the end, mismatch KL (k3) between rollout and trainer logprobs (mean and largest step), the
+fraction
 of tokens routed differently. Writes benchmarks/results/router_replay.{json,png}.
 """
 
@@ -29,8 +30,16 @@ MODES = ("off", "all")
 
 def run(work: Path, mode: str, seed: int, steps: int, overrides: list[str]) -> list[dict]:
     name = f"{mode}-{seed}"
-    args = [f"out_dir={work}", f"name={name}", f"seed={seed}", f"steps={steps}", f"eval_every={steps}",
-            f'algorithm.router_replay="{mode}"', "algorithm.routing_metrics=true", *overrides]
+    args = [
+        f"out_dir={work}",
+        f"name={name}",
+        f"seed={seed}",
+        f"steps={steps}",
+        f"eval_every={steps}",
+        f'algorithm.router_replay="{mode}"',
+        "algorithm.routing_metrics=true",
+        *overrides,
+    ]
     subprocess.run([sys.executable, "-m", "trillora", "train", *args], check=True, stdout=subprocess.DEVNULL)
     return [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
 
@@ -47,13 +56,22 @@ def plot(curves: dict[str, list[list[dict]]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    panels = (("reward_mean", "train reward"), ("mismatch_kl_k3", "rollout vs trainer KL (k3)"),
-              ("routing_mismatch", "tokens routed differently"))
-    for (key, title), ax in zip(panels, axes):
-        for (mode, runs), color in zip(curves.items(), ("tab:orange", "tab:blue")):
+    panels = (
+        ("reward_mean", "train reward"),
+        ("mismatch_kl_k3", "rollout vs trainer KL (k3)"),
+        ("routing_mismatch", "tokens routed differently"),
+    )
+    for (key, title), ax in zip(panels, axes, strict=True):
+        for (mode, runs), color in zip(curves.items(), ("tab:orange", "tab:blue"), strict=True):
             for i, rows in enumerate(runs):
                 pts = [(r["step"], r[key]) for r in rows if key in r]
-                ax.plot(*zip(*pts), color=color, alpha=0.7, lw=1, label=f"router_replay={mode}" if i == 0 else None)
+                ax.plot(
+                    *zip(*pts, strict=True),
+                    color=color,
+                    alpha=0.7,
+                    lw=1,
+                    label=f"router_replay={mode}" if i == 0 else None,
+                )
         ax.set_title(title)
         ax.set_xlabel("step")
     axes[0].legend()
@@ -78,21 +96,32 @@ def main() -> None:
                 status.update(f"router_replay={mode}, seed {seed}")
                 curves[mode].append(run(work, mode, seed, a.steps, a.overrides))
     table = Table(title=f"router replay on the tiny MoE, {a.steps} steps, seeds {a.seeds} (means over seeds)")
-    for col in ("router_replay", "reward, last 20 steps", "held-out accuracy at the end", "mismatch KL k3",
-                "tokens routed differently"):
+    for col in (
+        "router_replay",
+        "reward, last 20 steps",
+        "held-out accuracy at the end",
+        "mismatch KL k3",
+        "tokens routed differently",
+    ):
         table.add_column(col, justify="right")
     summary = {}
     for mode, runs in curves.items():
-        s = {"reward_last20": statistics.fmean(mean_of(r, "reward_mean", 20) for r in runs),
-             "eval_accuracy": statistics.fmean(r[-1]["eval_accuracy"] for r in runs),
-             "eval_accuracy_per_seed": [r[-1]["eval_accuracy"] for r in runs],
-             "mismatch_kl_k3": statistics.fmean(mean_of(r, "mismatch_kl_k3") for r in runs),
-             "mismatch_kl_k3_max": max(x["mismatch_kl_k3"] for r in runs for x in r if "mismatch_kl_k3" in x),
-             "routing_mismatch": statistics.fmean(mean_of(r, "routing_mismatch") for r in runs)}
+        s = {
+            "reward_last20": statistics.fmean(mean_of(r, "reward_mean", 20) for r in runs),
+            "eval_accuracy": statistics.fmean(r[-1]["eval_accuracy"] for r in runs),
+            "eval_accuracy_per_seed": [r[-1]["eval_accuracy"] for r in runs],
+            "mismatch_kl_k3": statistics.fmean(mean_of(r, "mismatch_kl_k3") for r in runs),
+            "mismatch_kl_k3_max": max(x["mismatch_kl_k3"] for r in runs for x in r if "mismatch_kl_k3" in x),
+            "routing_mismatch": statistics.fmean(mean_of(r, "routing_mismatch") for r in runs),
+        }
         summary[mode] = s
-        table.add_row(mode, f"{s['reward_last20']:.3f}", f"{100 * s['eval_accuracy']:.1f}% "
-                      f"({', '.join(f'{100 * x:.1f}' for x in s['eval_accuracy_per_seed'])})",
-                      f"{s['mismatch_kl_k3']:.2e} (max {s['mismatch_kl_k3_max']:.1e})", f"{100 * s['routing_mismatch']:.2f}%")
+        table.add_row(
+            mode,
+            f"{s['reward_last20']:.3f}",
+            f"{100 * s['eval_accuracy']:.1f}% ({', '.join(f'{100 * x:.1f}' for x in s['eval_accuracy_per_seed'])})",
+            f"{s['mismatch_kl_k3']:.2e} (max {s['mismatch_kl_k3_max']:.1e})",
+            f"{100 * s['routing_mismatch']:.2f}%",
+        )
     console.print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
     plot(curves, a.out.with_suffix(".png"))

@@ -29,7 +29,7 @@ KEY = "bench-key"
 
 
 def rss_bytes() -> int:
-    for line in open("/proc/self/status"):
+    for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) << 10
     raise RuntimeError("no VmRSS")
@@ -60,8 +60,9 @@ def client(url: str, model: str, prompts: list[str], max_tokens: int, out: list)
 
     api = OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=600)
     for p in prompts:
-        r = api.completions.create(model=model, prompt=p, max_tokens=max_tokens, temperature=1.0,
-                                   extra_body={"ignore_eos": True})
+        r = api.completions.create(
+            model=model, prompt=p, max_tokens=max_tokens, temperature=1.0, extra_body={"ignore_eos": True}
+        )
         out.append(r.usage.completion_tokens)
 
 
@@ -105,13 +106,16 @@ def main(argv: list[str] | None = None) -> dict:
     rss_all = rss_bytes()
     listed = api.models.list()
 
-    prompts = [f"{a}+{b}=" for a, b in zip(range(11, 99, 7), range(23, 99, 5))][: args.requests]
+    # the shorter range sets the count (13 prompts)
+    prompts = [f"{a}+{b}=" for a, b in zip(range(11, 99, 7), range(23, 99, 5), strict=False)][: args.requests]
     seconds, tokens, fused = {}, {}, {}
     for mode, max_fused in (("one request at a time", 1), ("waiting requests share a pass", server.cfg.max_fused)):
         server.worker.max_fused, before = max_fused, server.worker.fused_batches
         outs = [[] for _ in range(args.clients)]
-        threads = [threading.Thread(target=client, args=(url, f"a{c}", prompts, args.max_tokens, outs[c]))
-                   for c in range(args.clients)]
+        threads = [
+            threading.Thread(target=client, args=(url, f"a{c}", prompts, args.max_tokens, outs[c]))
+            for c in range(args.clients)
+        ]
         start = time.perf_counter()
         [t.start() for t in threads]
         [t.join() for t in threads]
@@ -123,27 +127,39 @@ def main(argv: list[str] | None = None) -> dict:
     alone, shared = (seconds[m] for m in seconds)
     report = {
         "command": "python benchmarks/served_adapters.py " + " ".join(argv or []),
-        "model": args.model, "rank": args.rank, "adapters": args.adapters, "clients": args.clients,
-        "requests_per_client": args.requests, "max_tokens": args.max_tokens,
+        "model": args.model,
+        "rank": args.rank,
+        "adapters": args.adapters,
+        "clients": args.clients,
+        "requests_per_client": args.requests,
+        "max_tokens": args.max_tokens,
         "adapter_bytes": adapter_bytes,
         "base_bytes": server.openai.base_bytes,
-        "rss_one_adapter_bytes": rss_one, "rss_all_adapters_bytes": rss_all, "rss_ratio": rss_all / rss_one,
+        "rss_one_adapter_bytes": rss_one,
+        "rss_all_adapters_bytes": rss_all,
+        "rss_ratio": rss_all / rss_one,
         "models_listed": len(listed.data),
-        "seconds": seconds, "completion_tokens": tokens, "shared_passes": fused,
+        "seconds": seconds,
+        "completion_tokens": tokens,
+        "shared_passes": fused,
         "tokens_per_second": {m: tokens[m] / seconds[m] for m in seconds},
         "speedup_shared": alone / shared,
     }
-    table = Table(title=f"{args.clients} clients × {args.requests} completions × {args.max_tokens} tokens, "
-                        f"each client its own rank-{args.rank} adapter, {args.model}")
+    table = Table(
+        title=f"{args.clients} clients × {args.requests} completions × {args.max_tokens} tokens, "
+        f"each client its own rank-{args.rank} adapter, {args.model}"
+    )
     for col in ("mode", "wall s", "tokens/s", "shared passes"):
         table.add_column(col)
     for m in seconds:
         table.add_row(m, f"{seconds[m]:.1f}", f"{report['tokens_per_second'][m]:.0f}", str(fused[m]))
     console = Console()
     console.print(table)
-    console.print(f"sharing a pass: {report['speedup_shared']:.2f}×; resident memory with {args.adapters} adapters "
-                  f"{rss_all / 2**20:.0f} MiB vs 1 adapter {rss_one / 2**20:.0f} MiB ({report['rss_ratio']:.3f}×; "
-                  f"an adapter is {adapter_bytes / 2**20:.2f} MiB, the base {report['base_bytes'] / 2**20:.2f} MiB)")
+    console.print(
+        f"sharing a pass: {report['speedup_shared']:.2f}×; resident memory with {args.adapters} adapters "
+        f"{rss_all / 2**20:.0f} MiB vs 1 adapter {rss_one / 2**20:.0f} MiB ({report['rss_ratio']:.3f}×; "
+        f"an adapter is {adapter_bytes / 2**20:.2f} MiB, the base {report['base_bytes'] / 2**20:.2f} MiB)"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     plot(report, Path(args.out).with_suffix(".png"))
@@ -161,8 +177,11 @@ def plot(report: dict, path: Path) -> None:
     ax1.bar(["alone", "shared pass"], [report["tokens_per_second"][m] for m in modes], color=["#999", "#2a7"])
     ax1.set_ylabel("completion tokens / s")
     ax1.set_title(f"{report['clients']} clients, {report['clients']} adapters")
-    ax2.bar(["1 adapter", f"{report['adapters']} adapters"],
-            [report["rss_one_adapter_bytes"] / 2**20, report["rss_all_adapters_bytes"] / 2**20], color=["#999", "#27a"])
+    ax2.bar(
+        ["1 adapter", f"{report['adapters']} adapters"],
+        [report["rss_one_adapter_bytes"] / 2**20, report["rss_all_adapters_bytes"] / 2**20],
+        color=["#999", "#27a"],
+    )
     ax2.set_ylabel("server RSS (MiB)")
     ax2.set_title(f"resident memory: {report['rss_ratio']:.3f}×")
     fig.tight_layout()

@@ -1,6 +1,6 @@
 """Peak memory per rank of one long datum's forward_backward on the Tinker service, by layout.
 
-    python benchmarks/service_long_datum.py [--seq-len 4096] [--vocab 16384] [--out benchmarks/results/service_long_datum.json]
+    python benchmarks/service_long_datum.py [--seq-len 4096] [--vocab 16384] [--out FILE]
 
 Each layout runs in its own group of spawned gloo processes: `TinkerService` in one process, the
 sharded service (`serve --tinker --cp / --tp / --sp / --vocab-parallel`) on 2 or 4. The base is
@@ -30,9 +30,14 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-LAYOUTS = {"one process": {}, "--cp 2": {"cp": 2}, "--tp 2": {"tp": 2}, "--tp 2 --vocab-parallel": {"tp": 2, "vocab_parallel": True},
-           "--tp 2 --sp --vocab-parallel": {"tp": 2, "sp": True, "vocab_parallel": True},
-           "--cp 2 --tp 2 --sp --vocab-parallel": {"cp": 2, "tp": 2, "sp": True, "vocab_parallel": True}}
+LAYOUTS = {
+    "one process": {},
+    "--cp 2": {"cp": 2},
+    "--tp 2": {"tp": 2},
+    "--tp 2 --vocab-parallel": {"tp": 2, "vocab_parallel": True},
+    "--tp 2 --sp --vocab-parallel": {"tp": 2, "sp": True, "vocab_parallel": True},
+    "--cp 2 --tp 2 --sp --vocab-parallel": {"cp": 2, "tp": 2, "sp": True, "vocab_parallel": True},
+}
 EVERY_ROLE = ("attention", "mlp", "shared_experts", "experts", "lm_head")
 
 
@@ -100,11 +105,18 @@ def measure(name: str, flags: dict, seq_len: int, vocab: int, root: str) -> dict
     world = flags.get("cp", 1) * flags.get("tp", 1)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(worker, args=(world, free_port(), flags, seq_len, vocab, root, results), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(
+        worker, args=(world, free_port(), flags, seq_len, vocab, root, results), nprocs=world, start_method="spawn"
+    )
     rows = [results.get() for _ in range(world)]
-    return dict(layout=name, ranks=world, seq_len=seq_len, vocab=vocab, peak_bytes=max(r[1] for r in rows),
-                loss=next(r[2] for r in rows if r[0] == 0))
+    return dict(
+        layout=name,
+        ranks=world,
+        seq_len=seq_len,
+        vocab=vocab,
+        peak_bytes=max(r[1] for r in rows),
+        loss=next(r[2] for r in rows if r[0] == 0),
+    )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -141,7 +153,9 @@ def main() -> None:
         t.add_column(col, justify="right")
     for r in rows:
         r["ratio"] = r["peak_bytes"] / rows[0]["peak_bytes"]
-        t.add_row(r["layout"], str(r["ranks"]), f"{r['peak_bytes'] / 2**20:.1f} MiB", f"{r['ratio']:.2f}×", f"{r['loss']:.4f}")
+        t.add_row(
+            r["layout"], str(r["ranks"]), f"{r['peak_bytes'] / 2**20:.1f} MiB", f"{r['ratio']:.2f}×", f"{r['loss']:.4f}"
+        )
     console.print(t)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(rows, indent=2))

@@ -25,22 +25,39 @@ from rich.table import Table
 
 from trillora import lora
 from trillora.checkpoint import load_model, save_model
-from trillora.config import TrainConfig
 from trillora.cli.info import human_bytes
-from trillora.models.params import resolve_args
+from trillora.config import TrainConfig
 from trillora.lora.apply import lora_modules
 from trillora.models import build_model, from_hf_config
+from trillora.models.params import resolve_args
 from trillora.rollout import LocalEngine
 
 MOE = dict(
-    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=1024, hidden_size=256,
-    intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-    max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    max_position_embeddings=512,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
-DENSE = {**{k: v for k, v in MOE.items() if k not in ("num_experts", "num_experts_per_tok", "norm_topk_prob",
-                                                      "moe_intermediate_size")},
-         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+DENSE = {
+    **{
+        k: v
+        for k, v in MOE.items()
+        if k not in ("num_experts", "num_experts_per_tok", "norm_topk_prob", "moe_intermediate_size")
+    },
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+}
 
 
 def checkpoint(config: dict, root: Path) -> Path:
@@ -81,8 +98,10 @@ def main() -> None:
         from trillora.rollout.vllm import VLLMEngine
     except ImportError:
         VLLMEngine = None
-    for label, config, targets in (("dense Qwen3", DENSE, ("attention", "mlp")),
-                                   ("Qwen3-MoE", MOE, ("attention", "experts"))):
+    for label, config, targets in (
+        ("dense Qwen3", DENSE, ("attention", "mlp")),
+        ("Qwen3-MoE", MOE, ("attention", "experts")),
+    ):
         path = checkpoint(config, root)
         model = load_model(path)
         lora.apply_lora(model, lora.LoraConfig(rank=a.rank, targets=targets))
@@ -100,7 +119,9 @@ def main() -> None:
             rows.append((label, f"vLLM, {kind}", *timed_sync(engine, model, a.repeats)))
             engine.close()
     k2 = build_model(resolve_args("kimi-k2"), device="meta")
-    lora.apply_lora(k2, lora.LoraConfig(rank=128, targets=TrainConfig().lora.targets, expert_rank_rule="divide_by_top_k"))
+    lora.apply_lora(
+        k2, lora.LoraConfig(rank=128, targets=TrainConfig().lora.targets, expert_rank_rule="divide_by_top_k")
+    )
     k2_adapter = lora.adapter_stats(k2)["adapter_params"] * 2
     rows.append(("Kimi K2 (meta, bf16)", "adapter (rank 128, experts 16)", float(k2_adapter), float("nan")))
     rows.append(("Kimi K2 (meta, bf16)", "merged", float(merged_bytes_meta(k2)), float("nan")))
@@ -109,8 +130,12 @@ def main() -> None:
     for col in ("model", "sync", "bytes", "seconds (median)"):
         table.add_column(col, justify="right")
     for model_name, kind, nbytes, sec in rows:
-        table.add_row(model_name, kind, human_bytes(int(nbytes)) if nbytes == nbytes else "-",
-                      f"{sec * 1e3:.1f} ms" if sec == sec else "-")
+        table.add_row(
+            model_name,
+            kind,
+            human_bytes(int(nbytes)) if nbytes == nbytes else "-",
+            f"{sec * 1e3:.1f} ms" if sec == sec else "-",
+        )
     Console(width=140).print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps([{"model": m, "sync": k, "bytes": b, "seconds": s} for m, k, b, s in rows], indent=2))

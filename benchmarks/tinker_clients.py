@@ -39,7 +39,9 @@ def start_server(model: str, state_dir: str, api_key: str = "tml-bench"):
     from trillora.serve.app import Server
     from trillora.serve.config import ServeConfig
 
-    server = Server(ServeConfig(model=model, tinker=True, port=0, api_key=api_key, state_dir=state_dir, poll_seconds=5.0))
+    server = Server(
+        ServeConfig(model=model, tinker=True, port=0, api_key=api_key, state_dir=state_dir, poll_seconds=5.0)
+    )
     ready = threading.Event()
     threading.Thread(target=server.run, args=(ready,), daemon=True).start()
     ready.wait(120)
@@ -57,8 +59,12 @@ def batch(tokenizer, rows: int, seed: int):
         answer = tokenizer.encode(str(a + b), add_special_tokens=False)
         tokens = prompt + answer
         weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)
-        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights}))
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+            )
+        )
     return data
 
 
@@ -109,8 +115,10 @@ def main(argv: list[str] | None = None) -> dict:
     for mode, max_fused in (("concurrent, unfused", 1), ("concurrent", server.cfg.max_fused)):
         server.worker.max_fused, before = max_fused, server.worker.fused_batches
         start = time.perf_counter()
-        threads = [threading.Thread(target=train, args=(factory, data[n], args.steps, results.setdefault(mode, {}), n))
-                   for n in names]
+        threads = [
+            threading.Thread(target=train, args=(factory, data[n], args.steps, results.setdefault(mode, {}), n))
+            for n in names
+        ]
         [t.start() for t in threads]
         [t.join() for t in threads]
         times[mode] = time.perf_counter() - start
@@ -120,29 +128,47 @@ def main(argv: list[str] | None = None) -> dict:
     base = sum(p.numel() * p.element_size() for n, p in service.base.model.named_parameters() if ".lora_" not in n)
     client = service.client(results["concurrent"]["A"]["model_id"]).adapter
     adapter = sum(p.numel() * p.element_size() for p in client.params.values())
-    optim = sum(t.numel() * t.element_size() for s in client.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    optim = sum(
+        t.numel() * t.element_size() for s in client.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+    )
     report = {
         "command": "python benchmarks/tinker_clients.py " + " ".join(argv or []),
-        "model": args.model, "clients": args.clients, "steps": args.steps, "rows": args.rows, "rank": args.rank,
-        "seconds": times, "shared_passes": fused,
+        "model": args.model,
+        "clients": args.clients,
+        "steps": args.steps,
+        "rows": args.rows,
+        "rank": args.rank,
+        "seconds": times,
+        "shared_passes": fused,
         "ratio_sequential_over_concurrent": times["sequential"] / times["concurrent"],
         "ratio_sequential_over_concurrent_unfused": times["sequential"] / times["concurrent, unfused"],
-        "base_bytes_resident": base, "base_copies": 1, "adapter_bytes_per_client": adapter,
+        "base_bytes_resident": base,
+        "base_copies": 1,
+        "adapter_bytes_per_client": adapter,
         "adam_state_bytes_per_client": optim,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "runs": results,
     }
-    table = Table(title=f"{args.clients} Tinker clients on one {args.model} base: {args.steps} steps × {args.rows} rows each")
+    table = Table(
+        title=f"{args.clients} Tinker clients on one {args.model} base: {args.steps} steps × {args.rows} rows each"
+    )
     for col in ("mode", "wall s", "sequential / mode", "shared passes", "A loss first → last"):
         table.add_column(col)
     for mode, r in results.items():
-        table.add_row(mode, f"{times[mode]:.1f}", f"{times['sequential'] / times[mode]:.2f}×", str(fused.get(mode, 0)),
-                      f"{r['A']['first_loss']:.2f} → {r['A']['last_loss']:.2f}")
+        table.add_row(
+            mode,
+            f"{times[mode]:.1f}",
+            f"{times['sequential'] / times[mode]:.2f}×",
+            str(fused.get(mode, 0)),
+            f"{r['A']['first_loss']:.2f} → {r['A']['last_loss']:.2f}",
+        )
     console = Console()
     console.print(table)
-    console.print(f"base resident once: "
-                  f"{base / 2**20:.2f} MiB; per client: adapter {adapter / 2**20:.2f} MiB + AdamW {optim / 2**20:.2f} MiB; "
-                  f"peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB")
+    console.print(
+        f"base resident once: "
+        f"{base / 2**20:.2f} MiB; per client: adapter {adapter / 2**20:.2f} MiB + AdamW {optim / 2**20:.2f} MiB; "
+        f"peak RSS {report['peak_rss_bytes'] / 2**20:.0f} MiB"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return report

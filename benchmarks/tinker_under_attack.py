@@ -41,14 +41,15 @@ MEMORY_BOUND_MIB = 256
 
 
 def rss_mib(pid: int, field: str = "VmRSS") -> float:
-    for line in open(f"/proc/{pid}/status"):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
 
 
-def http(port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None,
-         timeout: float = 30.0) -> tuple[int, bytes]:
+def http(
+    port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None, timeout: float = 30.0
+) -> tuple[int, bytes]:
     head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
     head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()) + "\r\n"
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
@@ -65,7 +66,9 @@ def http(port: int, method: str, path: str, body: bytes = b"", headers: dict | N
 
 
 def keyed_json(port: int, path: str, body: dict) -> tuple[int, dict]:
-    status, raw = http(port, "POST", path, json.dumps(body).encode(), {"X-API-Key": KEY, "Content-Type": "application/json"})
+    status, raw = http(
+        port, "POST", path, json.dumps(body).encode(), {"X-API-Key": KEY, "Content-Type": "application/json"}
+    )
     return status, json.loads(raw)
 
 
@@ -80,11 +83,20 @@ def trainer(sc, model: str, tokenizer, steps: int, seed: int, out: dict) -> None
             data = []
             for _ in range(8):
                 a, b = rng.randint(100, 999), rng.randint(100, 999)
-                prompt, answer = tokenizer.encode(f"{a}+{b}=", add_special_tokens=False), tokenizer.encode(str(a + b), add_special_tokens=False)
+                prompt, answer = (
+                    tokenizer.encode(f"{a}+{b}=", add_special_tokens=False),
+                    tokenizer.encode(str(a + b), add_special_tokens=False),
+                )
                 tokens = prompt + answer
-                data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                                        loss_fn_inputs={"target_tokens": tokens[1:],
-                                                        "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(answer)}))
+                data.append(
+                    types.Datum(
+                        model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={
+                            "target_tokens": tokens[1:],
+                            "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(answer),
+                        },
+                    )
+                )
             fb, opt = tc.forward_backward(data, "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=3e-3))
             ok = "loss:sum" in fb.result().metrics and "grad_norm:mean" in (opt.result().metrics or {})
             out["ok" if ok else "failed"] += 2
@@ -100,7 +112,9 @@ def sampler(sc, model: str, tokenizer, steps: int, seed: int, out: dict) -> None
         client = sc.create_sampling_client(base_model=model).result()
         for i in range(steps):
             prompt = types.ModelInput.from_ints(tokenizer.encode(f"{seed}{i}+1=", add_special_tokens=False))
-            r = client.sample(prompt=prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0))
+            r = client.sample(
+                prompt=prompt, num_samples=2, sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0)
+            )
             out["ok" if len(r.result().sequences) == 2 else "failed"] += 1
     except Exception as e:  # noqa: BLE001
         out["failed"] += 1
@@ -112,33 +126,52 @@ def shapes(port: int, stop: threading.Event, out: dict) -> None:
     from trillora.serve import wire
 
     sid = keyed_json(port, "/api/v1/create_session", {})[1]["session_id"]
-    created = keyed_json(port, "/api/v1/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": out["model"],
-                                                        "lora_config": {"rank": 1}})[1]
+    created = keyed_json(
+        port,
+        "/api/v1/create_model",
+        {"session_id": sid, "model_seq_id": 0, "base_model": out["model"], "lora_config": {"rank": 1}},
+    )[1]
     mid = keyed_json(port, "/api/v1/retrieve_future", {"request_id": created["request_id"]})[1]["model_id"]
     weights = wire.put_varint(3, 1) + wire.put_bytes(4, b"".join(wire._put_varint(n) for n in (3, 50_000_000)))
     targets = wire.put_varint(3, 2) + wire.put_bytes(1, bytes(24))
-    entries = b"".join(wire.put_bytes(2, wire.put_bytes(1, k) + wire.put_bytes(2, v)) for k, v in ((b"weights", weights),
-                                                                                                 (b"target_tokens", targets)))
+    entries = b"".join(
+        wire.put_bytes(2, wire.put_bytes(1, k) + wire.put_bytes(2, v))
+        for k, v in ((b"weights", weights), (b"target_tokens", targets))
+    )
     datum = wire.put_bytes(1, wire.put_bytes(1, wire.put_bytes(1, bytes(12))))  # three token ids
     seq = 1
     while not stop.is_set():
-        body = wire.put_bytes(1, mid.encode()) + wire.put_varint(2, seq) + wire.put_bytes(3, datum + entries) + \
-            wire.put_bytes(4, b"cross_entropy")
-        status, _ = http(port, "POST", "/api/v1/forward_backward", body, {"X-API-Key": KEY, "Content-Type": "application/x-protobuf"})
+        body = (
+            wire.put_bytes(1, mid.encode())
+            + wire.put_varint(2, seq)
+            + wire.put_bytes(3, datum + entries)
+            + wire.put_bytes(4, b"cross_entropy")
+        )
+        status, _ = http(
+            port, "POST", "/api/v1/forward_backward", body, {"X-API-Key": KEY, "Content-Type": "application/x-protobuf"}
+        )
         out["shapes"]["refused" if status == 400 else "accepted"] += 1
         seq += 1
 
 
 def seq_games(port: int, stop: threading.Event, out: dict) -> None:
     sid = keyed_json(port, "/api/v1/create_session", {})[1]["session_id"]
-    created = keyed_json(port, "/api/v1/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": out["model"],
-                                                        "lora_config": {"rank": 1}})[1]
+    created = keyed_json(
+        port,
+        "/api/v1/create_model",
+        {"session_id": sid, "model_seq_id": 0, "base_model": out["model"], "lora_config": {"rank": 1}},
+    )[1]
     mid = keyed_json(port, "/api/v1/retrieve_future", {"request_id": created["request_id"]})[1]["model_id"]
     step = {"model_id": mid, "seq_id": 1, "adam_params": {"learning_rate": 0.0}}
-    keyed_json(port, "/api/v1/retrieve_future", {"request_id": keyed_json(port, "/api/v1/optim_step", step)[1]["request_id"]})
+    keyed_json(
+        port, "/api/v1/retrieve_future", {"request_id": keyed_json(port, "/api/v1/optim_step", step)[1]["request_id"]}
+    )
     while not stop.is_set():
-        for body, want in (({**step}, 409), ({**step, "seq_id": "x"}, 400),
-                           ({**step, "model_id": f"session-{random.randbytes(9).hex()}:train:0", "seq_id": 1}, 404)):
+        for body, want in (
+            ({**step}, 409),
+            ({**step, "seq_id": "x"}, 400),
+            ({**step, "model_id": f"session-{random.randbytes(9).hex()}:train:0", "seq_id": 1}, 404),
+        ):
             status, _ = keyed_json(port, "/api/v1/optim_step", body)
             out["seq_games"]["refused" if status == want else "accepted"] += 1
         time.sleep(0.05)
@@ -172,8 +205,10 @@ def keyless(port: int, stop: threading.Event, out: dict) -> None:
     while not stop.is_set():
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-                s.sendall(b"POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
-                          b"Content-Length: 67108864\r\n\r\n")
+                s.sendall(
+                    b"POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                    b"Content-Length: 67108864\r\n\r\n"
+                )
                 try:
                     for _ in range(64):
                         s.sendall(bytes(1 << 20))
@@ -216,10 +251,28 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=str(RESULTS / "tinker_under_attack.json"))
     args = p.parse_args(argv)
     port, state = free_port(), tempfile.mkdtemp(prefix="tinker-attack-")
-    server = subprocess.Popen([sys.executable, "-m", "trillora", "serve", args.model, "--tinker", "--api-key", KEY,
-                               "--port", str(port), "--state-dir", state, "--max-clients", str(args.clients + 4),
-                               "--header-seconds", str(args.header_seconds)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trillora",
+            "serve",
+            args.model,
+            "--tinker",
+            "--api-key",
+            KEY,
+            "--port",
+            str(port),
+            "--state-dir",
+            state,
+            "--max-clients",
+            str(args.clients + 4),
+            "--header-seconds",
+            str(args.header_seconds),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.time() + 180
         while True:
@@ -237,20 +290,32 @@ def main(argv: list[str] | None = None) -> dict:
         trainer(sc, args.model, tokenizer, 1, 0, warm)
         sampler(sc, args.model, tokenizer, 1, 0, warm)
         baseline = rss_mib(server.pid)
-        out = {"model": args.model, "peak_rss_mib": baseline, "healthz": {},
-               "shapes": {"refused": 0, "accepted": 0}, "seq_games": {"refused": 0, "accepted": 0},
-               "slow": {"opened": 0, "dropped by the server": 0}, "keyless": {"refused": 0, "accepted": 0}}
+        out = {
+            "model": args.model,
+            "peak_rss_mib": baseline,
+            "healthz": {},
+            "shapes": {"refused": 0, "accepted": 0},
+            "seq_games": {"refused": 0, "accepted": 0},
+            "slow": {"opened": 0, "dropped by the server": 0},
+            "keyless": {"refused": 0, "accepted": 0},
+        }
         stop = threading.Event()
-        hostile = [threading.Thread(target=f, args=(port, stop, out), daemon=True) for f in (shapes, seq_games, slow, keyless)]
+        hostile = [
+            threading.Thread(target=f, args=(port, stop, out), daemon=True) for f in (shapes, seq_games, slow, keyless)
+        ]
         hostile.append(threading.Thread(target=monitor, args=(port, server.pid, stop, out), daemon=True))
         for t in hostile:
             t.start()
         time.sleep(1.0)  # the attacks under way before the honest clients start
         honest = {f"trainer {i}": {"ok": 0, "failed": 0, "errors": []} for i in range(args.clients)}
         honest |= {f"sampler {i}": {"ok": 0, "failed": 0, "errors": []} for i in range(args.samplers)}
-        threads = [threading.Thread(target=trainer if name.startswith("trainer") else sampler,
-                                    args=(sc, args.model, tokenizer, args.steps, i + 1, counts))
-                   for i, (name, counts) in enumerate(honest.items())]
+        threads = [
+            threading.Thread(
+                target=trainer if name.startswith("trainer") else sampler,
+                args=(sc, args.model, tokenizer, args.steps, i + 1, counts),
+            )
+            for i, (name, counts) in enumerate(honest.items())
+        ]
         start = time.perf_counter()
         for t in threads:
             t.start()
@@ -267,25 +332,41 @@ def main(argv: list[str] | None = None) -> dict:
         server.wait(30)
     report = {
         "command": "python benchmarks/tinker_under_attack.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": args.model, "clients": args.clients, "samplers": args.samplers, "steps": args.steps,
-        "honest_requests": {"ok": sum(c["ok"] for c in honest.values()), "failed": sum(c["failed"] for c in honest.values()),
-                            "errors": [e for c in honest.values() for e in c["errors"]][:10]},
-        "seconds": seconds, "attacks": {k: out[k] for k in ("shapes", "seq_games", "slow", "keyless")},
-        "healthz": out["healthz"], "healthz_at_the_end": final,
-        "rss_mib": {"after_warm_up": baseline, "peak": out["peak_rss_mib"]}, "memory_bound_mib": MEMORY_BOUND_MIB,
+        "model": args.model,
+        "clients": args.clients,
+        "samplers": args.samplers,
+        "steps": args.steps,
+        "honest_requests": {
+            "ok": sum(c["ok"] for c in honest.values()),
+            "failed": sum(c["failed"] for c in honest.values()),
+            "errors": [e for c in honest.values() for e in c["errors"]][:10],
+        },
+        "seconds": seconds,
+        "attacks": {k: out[k] for k in ("shapes", "seq_games", "slow", "keyless")},
+        "healthz": out["healthz"],
+        "healthz_at_the_end": final,
+        "rss_mib": {"after_warm_up": baseline, "peak": out["peak_rss_mib"]},
+        "memory_bound_mib": MEMORY_BOUND_MIB,
     }
     report["within_bound"] = report["rss_mib"]["peak"] - baseline <= MEMORY_BOUND_MIB
-    table = Table(title=f"serve --tinker ({args.model}) under attack: {args.clients} trainers + {args.samplers} samplers, "
-                        f"{args.steps} steps each")
+    table = Table(
+        title=f"serve --tinker ({args.model}) under attack: {args.clients} trainers + {args.samplers} samplers, "
+        f"{args.steps} steps each"
+    )
     for col in ("what", "result"):
         table.add_column(col)
     h = report["honest_requests"]
     table.add_row("honest requests answered", f"{h['ok']} ok, {h['failed']} failed ({seconds:.1f} s)")
     for kind, counts in report["attacks"].items():
         table.add_row(f"attack: {kind}", ", ".join(f"{v} {k}" for k, v in counts.items()))
-    table.add_row("/api/v1/healthz", ", ".join(f"{v}× {k}" for k, v in out["healthz"].items()) + f"; at the end {final}")
-    table.add_row("server RSS (MiB)", f"{baseline:.0f} after warm-up, peak {out['peak_rss_mib']:.0f} "
-                                      f"(+{out['peak_rss_mib'] - baseline:.0f}; bound +{MEMORY_BOUND_MIB})")
+    table.add_row(
+        "/api/v1/healthz", ", ".join(f"{v}× {k}" for k, v in out["healthz"].items()) + f"; at the end {final}"
+    )
+    table.add_row(
+        "server RSS (MiB)",
+        f"{baseline:.0f} after warm-up, peak {out['peak_rss_mib']:.0f} "
+        f"(+{out['peak_rss_mib'] - baseline:.0f}; bound +{MEMORY_BOUND_MIB})",
+    )
     Console().print(table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

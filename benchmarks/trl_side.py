@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from trillora.config import TrainConfig
 from trillora.checkpoint import resolve_model_path
+from trillora.config import TrainConfig
 
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM")  # TRL uses no vLLM here
 
@@ -63,8 +63,14 @@ def peft_config(cfg: TrainConfig):
         raise ValueError(f"lora targets {sorted(unknown) or list(cfg.lora.patterns)} have no TRL mapping here")
     modules = ATTENTION if "attention" in roles else []
     params = EXPERTS if "experts" in roles else []
-    return LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, use_rslora=cfg.lora.rslora,
-                      target_modules=modules, target_parameters=params)
+    return LoraConfig(
+        r=cfg.lora.rank,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        use_rslora=cfg.lora.rslora,
+        target_modules=modules,
+        target_parameters=params,
+    )
 
 
 def grpo_config(cfg: TrainConfig, out_dir: Path, steps: int):
@@ -74,16 +80,37 @@ def grpo_config(cfg: TrainConfig, out_dir: Path, steps: int):
     if a.aggregation != "token_mean" or a.epochs != 1 or a.minibatches != 1 or a.advantage != "grpo":
         raise ValueError("the TRL side maps GRPO advantages, token-mean loss, one pass of one minibatch only")
     return GRPOConfig(
-        output_dir=str(out_dir), max_steps=steps, seed=cfg.seed, use_cpu=cfg.device != "cuda",
+        output_dir=str(out_dir),
+        max_steps=steps,
+        seed=cfg.seed,
+        use_cpu=cfg.device != "cuda",
         bf16=cfg.model.dtype == "bfloat16",
-        per_device_train_batch_size=r.prompts_per_step * r.group_size, gradient_accumulation_steps=1,
-        num_generations=r.group_size, max_completion_length=r.max_new_tokens,
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-        learning_rate=o.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=o.warmup_steps,
-        weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps,
-        max_grad_norm=o.grad_clip, beta=a.kl_coef, epsilon=a.clip_low, epsilon_high=a.clip_high,
-        loss_type="dapo", scale_rewards="group" if a.normalize_std else "none", num_iterations=1,
-        router_aux_loss_coef=0.0, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        per_device_train_batch_size=r.prompts_per_step * r.group_size,
+        gradient_accumulation_steps=1,
+        num_generations=r.group_size,
+        max_completion_length=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        learning_rate=o.lr,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=o.warmup_steps,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        adam_epsilon=o.eps,
+        max_grad_norm=o.grad_clip,
+        beta=a.kl_coef,
+        epsilon=a.clip_low,
+        epsilon_high=a.clip_high,
+        loss_type="dapo",
+        scale_rewards="group" if a.normalize_std else "none",
+        num_iterations=1,
+        router_aux_loss_coef=0.0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
     )
 
 
@@ -98,9 +125,15 @@ def make_trainer(cfg: TrainConfig, rows: list[dict], reward, out_dir: Path, step
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=grpo_config(cfg, out_dir, steps),
-                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer, peft_config=peft_config(cfg),
-                          callbacks=list(callbacks))
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=grpo_config(cfg, out_dir, steps),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        peft_config=peft_config(cfg),
+        callbacks=list(callbacks),
+    )
     trainer.remove_callback(PrinterCallback)  # the log dict of every step; the benchmark prints a table
     return trainer
 
@@ -109,7 +142,7 @@ def exact_match_reward(prompts, completions, answer, **_):
     """TRL's reward signature around the same function the trillora side scores with."""
     from trillora.tasks.rewards import exact_match
 
-    return [exact_match(c, {"answer": a}) for c, a in zip(completions, answer)]
+    return [exact_match(c, {"answer": a}) for c, a in zip(completions, answer, strict=True)]
 
 
 def completion_lengths(trainer) -> list[float]:

@@ -21,14 +21,13 @@ from rich.console import Console
 from rich.table import Table
 
 from trillora import lora, rl
-from trillora.checkpoint import load_model, load_tokenizer
+from trillora.checkpoint import load_model, load_tokenizer, resolve_model_path
 from trillora.config import TrainConfig
-from trillora.tasks.prompts import encode_prompt
-from trillora.trainer.batch import build_batch
 from trillora.policy.logprobs import token_logprobs
 from trillora.rollout import LocalEngine, SamplingParams
 from trillora.tasks import make_task
-from trillora.checkpoint import resolve_model_path
+from trillora.tasks.prompts import encode_prompt
+from trillora.trainer.batch import build_batch
 
 
 def score(model, groups) -> tuple[dict, float]:
@@ -72,18 +71,28 @@ def main() -> None:
         for dtype in ("float32", "bfloat16"):
             engine = VLLMEngine(path, model, sync="merged", dtype=dtype, max_model_len=128)
             engine.sync(model)
-            rows.append((f"vLLM {vllm.__version__} {dtype}", *score(model, engine.generate(prompts, a.samples, params))))
+            rows.append(
+                (f"vLLM {vllm.__version__} {dtype}", *score(model, engine.generate(prompts, a.samples, params)))
+            )
             engine.close()
-    table = Table(title=f"mismatch vs the fp32 trainer: {a.prompts} prompts × {a.samples} samples"
-                        f"{' + ' + str(a.adapter) if a.adapter else ' (base weights)'}")
+    table = Table(
+        title=f"mismatch vs the fp32 trainer: {a.prompts} prompts × {a.samples} samples"
+        f"{' + ' + str(a.adapter) if a.adapter else ' (base weights)'}"
+    )
     for col in ("rollout engine", "KL k3", "ρ min", "ρ max", "ρ > 2 (TIS caps)", "max |Δ logprob|"):
         table.add_column(col, justify="right")
     for name, m, d in rows:
         if not m:
             table.add_row(name, "-", "-", "-", "-", "-")
             continue
-        table.add_row(name, f"{m['mismatch_kl_k3']:.2e}", f"{m['is_ratio_min']:.4f}", f"{m['is_ratio_max']:.4f}",
-                      f"{m['is_limited_frac']:.2%}", f"{d:.2e}")
+        table.add_row(
+            name,
+            f"{m['mismatch_kl_k3']:.2e}",
+            f"{m['is_ratio_min']:.4f}",
+            f"{m['is_ratio_max']:.4f}",
+            f"{m['is_limited_frac']:.2%}",
+            f"{d:.2e}",
+        )
     Console(width=140).print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps([{"engine": n, **m, "max_abs_logprob_diff": d} for n, m, d in rows], indent=2))

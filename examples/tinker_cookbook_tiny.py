@@ -84,19 +84,32 @@ def register() -> None:
     tokenizer_utils.register_tokenizer(MODEL, tokenizer)
     renderers.register_renderer(RENDERER, lambda tok, image_processor=None: TinyChatRenderer(tok))
     recommended = model_info.get_recommended_renderer_name
-    model_info.get_recommended_renderer_name = lambda name: RENDERER if name.split(":")[0] == MODEL else recommended(name)
+    model_info.get_recommended_renderer_name = lambda name: (
+        RENDERER if name.split(":")[0] == MODEL else recommended(name)
+    )
     load = datasets.load_dataset
 
     def local(path, *args, **kwargs):
         if path == "openai/gsm8k":
-            split = {name: datasets.Dataset.from_list([{"question": f"{a}+{b}=", "answer": f"#### {a + b}"}
-                                                       for a, b in _pairs(seed=seed, n=n)])
-                     for name, seed, n in (("train", 1, 4096), ("test", 4, 256))}
+            split = {
+                name: datasets.Dataset.from_list(
+                    [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a, b in _pairs(seed=seed, n=n)]
+                )
+                for name, seed, n in (("train", 1, 4096), ("test", 4, 256))
+            }
             return split[kwargs["split"]] if "split" in kwargs else datasets.DatasetDict(split)
         if path == "HuggingFaceH4/no_robots":
             rng = random.Random(3)
-            rows = [{"messages": [*_worked_example(rng), {"role": "user", "content": f"{a}+{b}={SUFFIX}"},
-                                  {"role": "assistant", "content": _answer(a, b)}]} for a, b in _pairs(seed=2, n=4096)]
+            rows = [
+                {
+                    "messages": [
+                        *_worked_example(rng),
+                        {"role": "user", "content": f"{a}+{b}={SUFFIX}"},
+                        {"role": "assistant", "content": _answer(a, b)},
+                    ]
+                }
+                for a, b in _pairs(seed=2, n=4096)
+            ]
             return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
         return load(path, *args, **kwargs)
 
@@ -113,9 +126,14 @@ def _worked_example(rng: random.Random) -> list[dict]:
     letter = rng.choice(sorted(set(word)))
     spelled = " ".join(f"{i}) {c}" for i, c in enumerate(word, 1))
     where = [str(i) for i, c in enumerate(word, 1) if c == letter]
-    return [{"role": "user", "content": f"How many {letter}'s are in {word}?{SUFFIX}"},
-            {"role": "assistant", "content": f"Spelling it out letter by letter: {spelled}. The letter {letter} is at "
-                                             f"positions {', '.join(where)}. \\boxed{{{len(where)}}}"}]
+    return [
+        {"role": "user", "content": f"How many {letter}'s are in {word}?{SUFFIX}"},
+        {
+            "role": "assistant",
+            "content": f"Spelling it out letter by letter: {spelled}. The letter {letter} is at "
+            f"positions {', '.join(where)}. \\boxed{{{len(where)}}}",
+        },
+    ]
 
 
 def _answer(a: int, b: int) -> str:
@@ -136,8 +154,9 @@ def start_from(supervised_log: str, rl_log: str) -> None:
     records = [json.loads(line) for line in (Path(supervised_log) / "checkpoints.jsonl").read_text().splitlines()]
     final = next(r for r in reversed(records) if r.get("state_path"))
     Path(rl_log).mkdir(parents=True, exist_ok=True)
-    (Path(rl_log) / "checkpoints.jsonl").write_text(json.dumps({"name": "start", "batch": 0,
-                                                                "state_path": final["state_path"]}) + "\n")
+    (Path(rl_log) / "checkpoints.jsonl").write_text(
+        json.dumps({"name": "start", "batch": 0, "state_path": final["state_path"]}) + "\n"
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -155,6 +174,7 @@ def main(argv: list[str]) -> None:
             start_from(base[0].split("=", 1)[1], log)
     elif which == "sl":
         from tinker_cookbook.recipes import sl_loop as recipe
+
         if not any(a.startswith("train_on_what=") for a in args):
             args.append("train_on_what=last_assistant_message")
     elif which == "train":  # the cookbook's full supervised trainer, with its checkpoint manager
@@ -180,11 +200,16 @@ def supervised_train(args: list[str]) -> None:
     batch = next((a.split("=", 1)[1] for a in args if a.startswith("batch_size=")), "16")
     common = "dataset_builder.common_config."
     args = [a for a in args if not a.startswith("batch_size=")] + [
-        "recipe_name=tiny-addition", f"renderer_name={RENDERER}",
+        "recipe_name=tiny-addition",
+        f"renderer_name={RENDERER}",
         "dataset_builder=tinker_cookbook.supervised.data:FromConversationFileBuilder",
-        f"dataset_builder.file_path={log / 'conversations.jsonl'}", f"{common}model_name_for_tokenizer={MODEL}",
-        f"{common}renderer_name={RENDERER}", f"{common}max_length=512", f"{common}batch_size={batch}",
-        f"{common}train_on_what=last_assistant_message"]
+        f"dataset_builder.file_path={log / 'conversations.jsonl'}",
+        f"{common}model_name_for_tokenizer={MODEL}",
+        f"{common}renderer_name={RENDERER}",
+        f"{common}max_length=512",
+        f"{common}batch_size={batch}",
+        f"{common}train_on_what=last_assistant_message",
+    ]
     asyncio.run(train.main(chz.entrypoint(train.Config, argv=args)))
 
 
@@ -200,13 +225,18 @@ def rl_train(args: list[str]) -> None:
     batch, group, ahead = options.pop("batch_size", "4"), options.pop("group_size", "4"), int(options.pop("async", 0))
     builder = "dataset_builder."
     argv = [f"{k}={v}" for k, v in options.items()] + [
-        "recipe_name=tiny-addition-rl", f"renderer_name={RENDERER}",
-        "dataset_builder=tinker_cookbook.recipes.math_rl.math_env:Gsm8kDatasetBuilder", f"{builder}batch_size={batch}",
-        f"{builder}group_size={group}", f"{builder}model_name_for_tokenizer={MODEL}", f"{builder}renderer_name={RENDERER}"]
+        "recipe_name=tiny-addition-rl",
+        f"renderer_name={RENDERER}",
+        "dataset_builder=tinker_cookbook.recipes.math_rl.math_env:Gsm8kDatasetBuilder",
+        f"{builder}batch_size={batch}",
+        f"{builder}group_size={group}",
+        f"{builder}model_name_for_tokenizer={MODEL}",
+        f"{builder}renderer_name={RENDERER}",
+    ]
     if ahead:
         argv += [f"async_config.max_steps_off_policy={ahead}", f"async_config.groups_per_batch={batch}"]
     asyncio.run(train.main(chz.entrypoint(train.Config, argv=argv)))
 
+
 if __name__ == "__main__":
     main(sys.argv[1:])
-

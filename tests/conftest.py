@@ -6,8 +6,15 @@ import pytest
 
 from trillora.config import TrainConfig, load_config
 
-SMALL_RUN = ("steps=2", "eval_every=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_problems=8",
-             "task.eval_samples=1", 'task.retention=""')
+SMALL_RUN = (
+    "steps=2",
+    "eval_every=2",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=4",
+    "task.eval_problems=8",
+    "task.eval_samples=1",
+    'task.retention=""',
+)
 """A run of the default job small enough for a test: 2 steps of 4 prompts × 4 samples, 8 held-out
 problems, no retention task. Later overrides win."""
 

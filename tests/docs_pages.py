@@ -18,7 +18,7 @@ def after(heading: str) -> str:
     for page in PAGES:
         found = pattern.search(page.read_text())
         if found:
-            return page.read_text()[found.end():]
+            return page.read_text()[found.end() :]
     raise AssertionError(f"no page of README.md or docs/ has the heading {heading!r}")
 
 

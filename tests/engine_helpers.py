@@ -13,9 +13,9 @@ import urllib.request
 
 import torch
 
+from trillora.policy.logprobs import token_logprobs
 from trillora.serve.config import ServeConfig
 from trillora.trainer.batch import build_batch
-from trillora.policy.logprobs import token_logprobs
 
 
 def free_port() -> int:
@@ -39,10 +39,14 @@ def wait_for_health(proc: subprocess.Popen, url: str, timeout: float) -> str | N
     return f"did not answer /health within {timeout:.0f} s"
 
 
-def post_json(url: str, path: str, body: dict | None, key: str | None = None, raw: bytes | None = None) -> tuple[int, dict]:
+def post_json(
+    url: str, path: str, body: dict | None, key: str | None = None, raw: bytes | None = None
+) -> tuple[int, dict]:
     """(status, JSON body) of a POST, errors included (a 4xx is an answer here, not an exception)."""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    req = urllib.request.Request(url + path, data=raw if raw is not None else json.dumps(body).encode(), headers=headers)
+    req = urllib.request.Request(
+        url + path, data=raw if raw is not None else json.dumps(body).encode(), headers=headers
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read())
@@ -54,9 +58,13 @@ def serve_process(argv: list[str], cwd=None, timeout: float = 120.0) -> tuple[su
     """`trillora serve ...` (argv after `trillora`) in its own process on a free loopback port
     (appended: the last --port wins), once it answers /health: (process, base url)."""
     port = free_port()
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "trillora"), *argv, "--port", str(port)],
-                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "trillora"), *argv, "--port", str(port)],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     failed = wait_for_health(proc, url, timeout)
     assert failed is None, failed
@@ -65,7 +73,9 @@ def serve_process(argv: list[str], cwd=None, timeout: float = 120.0) -> tuple[su
 
 def trainer_logprobs(model, completions, temperature: float = 1.0):
     """(trainer's logprobs, engine's logprobs) of every completion token, flattened."""
-    batch = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions], [c.logprobs for c in completions])
+    batch = build_batch(
+        [c.prompt_ids for c in completions], [c.token_ids for c in completions], [c.logprobs for c in completions]
+    )
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch.input_ids, temperature)
     m = batch.completion_mask.bool()
@@ -75,8 +85,17 @@ def trainer_logprobs(model, completions, temperature: float = 1.0):
 def tinker_server(state_dir, api_key: str, **cfg):
     """`trillora serve tiny-moe-chat --tinker` on a free loopback port in a thread: yields the
     Server (its `cfg.port` set), stopped afterwards."""
-    yield from running_server(ServeConfig(model="tiny-moe-chat", tinker=True, port=0, api_key=api_key,
-                                          state_dir=str(state_dir), poll_seconds=2.0, **cfg))
+    yield from running_server(
+        ServeConfig(
+            model="tiny-moe-chat",
+            tinker=True,
+            port=0,
+            api_key=api_key,
+            state_dir=str(state_dir),
+            poll_seconds=2.0,
+            **cfg,
+        )
+    )
 
 
 def running_server(config):

@@ -14,7 +14,6 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from engine_helpers import free_port
 
 

@@ -144,10 +144,25 @@ GPT_OSS = dict(
     sliding_window=16,
     swiglu_limit=0.5,
     max_position_embeddings=256,
-    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0,
-                         truncate=False, original_max_position_embeddings=32),
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=150000.0,
+        factor=8.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=32,
+    ),
 )
-CONFIGS = {"qwen3_moe": QWEN3_MOE, "gpt_oss": GPT_OSS, "glm4_moe": GLM4_MOE, "glm4_moe_air": GLM4_MOE_AIR, "qwen3_moe_yarn": QWEN3_MOE_YARN, "deepseek_v3": DEEPSEEK_V3, "kimi_k2_shaped": KIMI_K2_SHAPED}
+CONFIGS = {
+    "qwen3_moe": QWEN3_MOE,
+    "gpt_oss": GPT_OSS,
+    "glm4_moe": GLM4_MOE,
+    "glm4_moe_air": GLM4_MOE_AIR,
+    "qwen3_moe_yarn": QWEN3_MOE_YARN,
+    "deepseek_v3": DEEPSEEK_V3,
+    "kimi_k2_shaped": KIMI_K2_SHAPED,
+}
 
 
 def hf_model(cfg: dict, seed: int = 0):

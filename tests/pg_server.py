@@ -13,7 +13,6 @@ import subprocess
 import tempfile
 
 import pytest
-
 from engine_helpers import free_port
 
 
@@ -36,11 +35,31 @@ def postgres_server():
         shutil.chown(root, "postgres", "postgres")
         as_user = ["runuser", "-u", "postgres", "--"]
     data, port = os.path.join(root, "data"), free_port()
-    subprocess.run([*as_user, initdb, "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8"], check=True,
-                   capture_output=True, timeout=120)
-    subprocess.run([*as_user, pg_ctl, "-D", data, "-l", os.path.join(root, "log"), "-w", "-t", "60", "-o",
-                    f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=on", "start"],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [*as_user, initdb, "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    subprocess.run(
+        [
+            *as_user,
+            pg_ctl,
+            "-D",
+            data,
+            "-l",
+            os.path.join(root, "log"),
+            "-w",
+            "-t",
+            "60",
+            "-o",
+            f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=on",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:

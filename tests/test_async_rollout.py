@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from conftest import SMALL_RUN
 from safetensors.torch import load_file
 
 from trillora.config import ConfigError, load_config
 from trillora.trainer import Trainer
-from conftest import SMALL_RUN
 
 COMMON = [*SMALL_RUN, "steps=5", "eval_every=5"]
 
@@ -39,7 +39,9 @@ def test_bound_zero_is_the_synchronous_run(tmp_path):
 
 def test_asynchronous_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(ConfigError, match="no algorithm.dynamic_sampling"):
-        Trainer(load_config(None, [f"out_dir={tmp_path}", "rollout.asynchronous=true", "algorithm.dynamic_sampling=true"]))
+        Trainer(
+            load_config(None, [f"out_dir={tmp_path}", "rollout.asynchronous=true", "algorithm.dynamic_sampling=true"])
+        )
 
 
 def test_a_batch_sampled_right_after_a_sync_reports_the_revision_it_used():
@@ -66,6 +68,7 @@ def test_a_batch_sampled_right_after_a_sync_reports_the_revision_it_used():
             used[step] = applied[0]  # the updates in the weights this batch is sampled from
             sampled.set()
             return eng.generate([[1, 5, 6]], 1, SamplingParams(max_new_tokens=2, temperature=1.0, seed=step))
+
         return step, job, None, None
 
     def sync():

@@ -27,11 +27,26 @@ def test_trl_side_takes_every_shared_setting_from_the_trillora_config(tmp_path):
 
     from trillora.config import load_config
 
-    cfg = load_config(None, ["rollout.prompts_per_step=16", "rollout.group_size=4", "rollout.max_new_tokens=9",
-                             "rollout.temperature=0.8", "rollout.top_p=0.9", "rollout.top_k=5", "optim.lr=0.001",
-                             "optim.warmup_steps=3", "optim.grad_clip=0.5", "algorithm.clip_high=0.3",
-                             "algorithm.kl_coef=0.01", "algorithm.normalize_std=false", "lora.rank=4", "lora.alpha=12",
-                             'lora.targets=["attention","experts"]'])
+    cfg = load_config(
+        None,
+        [
+            "rollout.prompts_per_step=16",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=9",
+            "rollout.temperature=0.8",
+            "rollout.top_p=0.9",
+            "rollout.top_k=5",
+            "optim.lr=0.001",
+            "optim.warmup_steps=3",
+            "optim.grad_clip=0.5",
+            "algorithm.clip_high=0.3",
+            "algorithm.kl_coef=0.01",
+            "algorithm.normalize_std=false",
+            "lora.rank=4",
+            "lora.alpha=12",
+            'lora.targets=["attention","experts"]',
+        ],
+    )
     g = grpo_config(cfg, tmp_path, 7)
     assert (g.per_device_train_batch_size, g.num_generations, g.gradient_accumulation_steps) == (64, 4, 1)
     assert (g.max_completion_length, g.temperature, g.top_p, g.top_k) == (9, 0.8, 0.9, 5)
@@ -57,8 +72,25 @@ def test_time_to_gain_interpolates_between_evaluations():
 
 def test_grpo_step_benchmark_runs_both_sides(tmp_path):
     out = tmp_path / "e2e.json"
-    subprocess.run([sys.executable, str(BENCH / "grpo_vs_trl.py"), "--steps", "2", "--warmup", "1", "--rounds", "1", "--no-profile",
-                    "--out", str(out), "rollout.prompts_per_step=8"], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "grpo_vs_trl.py"),
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--no-profile",
+            "--out",
+            str(out),
+            "rollout.prompts_per_step=8",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     r = json.loads(out.read_text())
     for side in ("trillora", "trl"):
         assert r[side]["steps_per_s"] > 0 and r[side]["tokens_per_s"] > 0
@@ -79,9 +111,23 @@ def test_time_to_accuracy_evaluates_both_sides_alike(tmp_path):
     """Before training both sides are the same checkpoint under the same evaluator: the same accuracy,
     TRL's through its PEFT adapter saved and loaded into trillora's model."""
     out = tmp_path / "tta.json"
-    subprocess.run([sys.executable, str(BENCH / "time_to_accuracy.py"), "--steps", "2", "--eval-every", "1",
-                    "--out", str(out), "rollout.prompts_per_step=8", "task.eval_problems=64"],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "time_to_accuracy.py"),
+            "--steps",
+            "2",
+            "--eval-every",
+            "1",
+            "--out",
+            str(out),
+            "rollout.prompts_per_step=8",
+            "task.eval_problems=64",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     r = json.loads(out.read_text())
     ours, theirs = r["trillora"][0]["points"], r["trl"][0]["points"]
     assert [p[0] for p in ours] == [p[0] for p in theirs] == [0, 1, 2]
@@ -94,9 +140,24 @@ def test_agent_env_benchmark_trains_the_calculator_from_its_example(tmp_path):
     """`trillora train examples/calculator.toml` as the benchmark runs it, one step: tool calls,
     parse errors and turns are logged per episode, and the curves are plotted."""
     out = tmp_path / "agent.json"
-    subprocess.run([sys.executable, str(BENCH / "agent_envs.py"), "--only", "calculator", "--out", str(out), "steps=2",
-                    "eval_every=2", "task.eval_problems=4", "rollout.prompts_per_step=2", "rollout.group_size=4"],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "agent_envs.py"),
+            "--only",
+            "calculator",
+            "--out",
+            str(out),
+            "steps=2",
+            "eval_every=2",
+            "task.eval_problems=4",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=4",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     r = json.loads(out.read_text())
     calc = r["results"]["calculator"]
     assert calc["steps"] == 2 and 0.0 <= calc["success_after"] <= 1.0
@@ -107,9 +168,26 @@ def test_agent_env_benchmark_trains_the_calculator_from_its_example(tmp_path):
 
 def test_default_job_benchmark_runs_each_seed_and_mode(tmp_path):
     out = tmp_path / "default_job.json"
-    subprocess.run([sys.executable, str(BENCH / "default_job.py"), "--seeds", "0", "1", "--out", str(out), "steps=2",
-                    "eval_every=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_problems=16",
-                    "task.eval_samples=1"], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "default_job.py"),
+            "--seeds",
+            "0",
+            "1",
+            "--out",
+            str(out),
+            "steps=2",
+            "eval_every=2",
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=4",
+            "task.eval_problems=16",
+            "task.eval_samples=1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     runs = json.loads(out.read_text())["runs"]
     assert [(r["mode"], r["seed"]) for r in runs] == [("off", 0), ("off", 1), ("all", 0), ("all", 1)]
     for r in runs:

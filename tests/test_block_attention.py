@@ -12,10 +12,14 @@ from trillora.parallel.context_parallel import local_positions
 
 def test_zigzag_plan_by_hand():
     # cp = 2, 8 tokens, chunk size 2: rank 0 holds global chunks 0 and 3, rank 1 chunks 1 and 2
-    assert zigzag_plan([0, 3], 2) == [(slice(0, 2), [(slice(0, 2), True)]),
-                                      (slice(2, 4), [(slice(0, 6), False), (slice(6, 8), True)])]
-    assert zigzag_plan([1, 2], 2) == [(slice(0, 2), [(slice(0, 2), False), (slice(2, 4), True)]),
-                                      (slice(2, 4), [(slice(0, 4), False), (slice(4, 6), True)])]
+    assert zigzag_plan([0, 3], 2) == [
+        (slice(0, 2), [(slice(0, 2), True)]),
+        (slice(2, 4), [(slice(0, 6), False), (slice(6, 8), True)]),
+    ]
+    assert zigzag_plan([1, 2], 2) == [
+        (slice(0, 2), [(slice(0, 2), False), (slice(2, 4), True)]),
+        (slice(2, 4), [(slice(0, 4), False), (slice(4, 6), True)]),
+    ]
 
 
 @pytest.mark.parametrize("heads,kv_heads,d,dv", [(4, 2, 16, 16), (4, 4, 24, 16)], ids=["gqa", "mla-shaped"])
@@ -37,15 +41,16 @@ def test_each_rank_matches_full_causal_attention(heads, kv_heads, d, dv, cp):
         pos = local_positions(t, cp, rank)
         q_local = q.detach()[:, :, pos].requires_grad_()
         k_all, v_all = k.detach().requires_grad_(), v.detach().requires_grad_()
-        out = block_causal_attention(q_local, k_all, v_all, zigzag_plan([rank, 2 * cp - 1 - rank], t // (2 * cp)), scale)
+        out = block_causal_attention(
+            q_local, k_all, v_all, zigzag_plan([rank, 2 * cp - 1 - rank], t // (2 * cp)), scale
+        )
         torch.testing.assert_close(out, ref[:, pos], rtol=1e-5, atol=1e-5)
         gq, gk, gv = torch.autograd.grad(out, (q_local, k_all, v_all), grad[:, pos])
         dq[:, :, pos] += gq
         dk += gk  # what the all-gather's backward (reduce-scatter) sums over ranks
         dv_sum += gv
-    for got, want in zip((dq, dk, dv_sum), ref_grads):
+    for got, want in zip((dq, dk, dv_sum), ref_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-
 
 
 @pytest.mark.parametrize("cp", [2, 3])
@@ -70,18 +75,20 @@ def test_sinks_are_one_more_merged_part(cp):
     # the single-process path (SDPA with the sink as an extra key) against the same reference
     single = attend(q, k, v, None, scale, sinks)
     torch.testing.assert_close(single, ref, rtol=1e-5, atol=1e-5)
-    for got, want in zip(torch.autograd.grad(single, (q, k, v, sinks), grad), ref_grads):
+    for got, want in zip(torch.autograd.grad(single, (q, k, v, sinks), grad), ref_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     total = [torch.zeros_like(x) for x in (q, k, v, sinks)]
     for rank in range(cp):
         pos = local_positions(t, cp, rank)
         q_local = q.detach()[:, :, pos].requires_grad_()
         k_all, v_all, s = k.detach().requires_grad_(), v.detach().requires_grad_(), sinks.detach().requires_grad_()
-        out = block_causal_attention(q_local, k_all, v_all, zigzag_plan([rank, 2 * cp - 1 - rank], t // (2 * cp)), scale, s)
+        out = block_causal_attention(
+            q_local, k_all, v_all, zigzag_plan([rank, 2 * cp - 1 - rank], t // (2 * cp)), scale, s
+        )
         torch.testing.assert_close(out, ref[:, pos], rtol=1e-5, atol=1e-5)
         gq, gk, gv, gs = torch.autograd.grad(out, (q_local, k_all, v_all, s), grad[:, pos])
         total[0][:, :, pos] += gq
-        for acc, part in zip(total[1:], (gk, gv, gs)):
+        for acc, part in zip(total[1:], (gk, gv, gs), strict=True):
             acc += part
-    for got, want in zip(total, ref_grads):
+    for got, want in zip(total, ref_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

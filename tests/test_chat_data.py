@@ -16,9 +16,13 @@ REWARD = "reward_fns:contains_answer"
 
 
 def chat_row(i: int) -> dict:
-    return {"messages": [{"role": "system", "content": "Answer with a number."},
-                         {"role": "user", "content": f"{i}+{i}="},
-                         {"role": "assistant", "content": str(2 * i)}]}
+    return {
+        "messages": [
+            {"role": "system", "content": "Answer with a number."},
+            {"role": "user", "content": f"{i}+{i}="},
+            {"role": "assistant", "content": str(2 * i)},
+        ]
+    }
 
 
 def write_jsonl(path, rows):
@@ -41,13 +45,19 @@ def test_messages_rows_render_with_the_chat_template(tmp_path):
     assert train and held and not train & held
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"messages": []}, "chat.jsonl:2: 'messages' must be a non-empty list"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, r"chat.jsonl:2: messages\[0\].role is 'robot'; allowed: system"),
-    ({"messages": [{"role": "user", "content": 3}]}, r"chat.jsonl:2: messages\[0\].content must be a string"),
-    ({"messages": ["hi"]}, r"chat.jsonl:2: messages\[0\] must be an object"),
-    ({"question": "hi"}, "chat.jsonl:2: missing or empty string field 'prompt' \\(or a 'messages' list"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"messages": []}, "chat.jsonl:2: 'messages' must be a non-empty list"),
+        (
+            {"messages": [{"role": "robot", "content": "x"}]},
+            r"chat.jsonl:2: messages\[0\].role is 'robot'; allowed: system",
+        ),
+        ({"messages": [{"role": "user", "content": 3}]}, r"chat.jsonl:2: messages\[0\].content must be a string"),
+        ({"messages": ["hi"]}, r"chat.jsonl:2: messages\[0\] must be an object"),
+        ({"question": "hi"}, "chat.jsonl:2: missing or empty string field 'prompt' \\(or a 'messages' list"),
+    ],
+)
 def test_bad_chat_rows_name_file_line_and_key(tmp_path, row, message):
     path = write_jsonl(tmp_path / "chat.jsonl", [chat_row(1), row])
     with pytest.raises(DatasetError, match=message):
@@ -58,8 +68,14 @@ def test_bad_chat_rows_name_file_line_and_key(tmp_path, row, message):
 
 def verl_rows(n: int) -> list[dict]:
     """verl's layout: `prompt` a list of messages, the answer under reward_model.ground_truth."""
-    return [{"data_source": "sums", "prompt": [{"role": "user", "content": f"{i}+1="}],
-             "reward_model": {"style": "rule", "ground_truth": str(i + 1)}} for i in range(n)]
+    return [
+        {
+            "data_source": "sums",
+            "prompt": [{"role": "user", "content": f"{i}+1="}],
+            "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+        }
+        for i in range(n)
+    ]
 
 
 def test_parquet_arrow_and_datasets_folders(tmp_path):

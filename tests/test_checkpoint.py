@@ -34,7 +34,9 @@ def test_missing_shard_is_named(tiny, tmp_path):
     bad = _copy(tiny, tmp_path / "bad")
     index = {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match="shard model-00002-of-00002.safetensors named in model.safetensors.index.json is missing"):
+    with pytest.raises(
+        CheckpointError, match="shard model-00002-of-00002.safetensors named in model.safetensors.index.json is missing"
+    ):
         trillora.load_model(bad)
 
 
@@ -42,7 +44,9 @@ def test_wrong_shape_is_named(tiny, tmp_path):
     def shrink(t):
         t["model.norm.weight"] = torch.ones(3)
 
-    with pytest.raises(CheckpointError, match=r"tensor 'model.norm.weight' has shape \(3,\), the model expects \(128,\)"):
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'model.norm.weight' has shape \(3,\), the model expects \(128,\)"
+    ):
         trillora.load_model(_copy(tiny, tmp_path / "bad", shrink))
 
 
@@ -71,7 +75,9 @@ def test_unexpected_tensor_is_named(tiny, tmp_path):
     def extra(t):
         t["model.layers.0.self_attn.mystery.weight"] = torch.ones(2)
 
-    with pytest.raises(CheckpointError, match="tensor 'model.layers.0.self_attn.mystery.weight' has no place in a qwen3_moe model"):
+    with pytest.raises(
+        CheckpointError, match="tensor 'model.layers.0.self_attn.mystery.weight' has no place in a qwen3_moe model"
+    ):
         trillora.load_model(_copy(tiny, tmp_path / "bad", extra))
 
 
@@ -147,7 +153,9 @@ def test_generate_cli_runs_on_tiny(tiny):
 
     out = subprocess.run(
         [sys.executable, "-m", "trillora", "generate", str(tiny), "--prompt", "1+1=", "--max-new-tokens", "4"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout.startswith("1+1=")
 
@@ -178,9 +186,10 @@ def assert_expert_slice(part, whole, rank: int, size: int) -> None:
     got, want = part.state_dict(), whole.state_dict()
     assert got.keys() == want.keys()
     for k, t in want.items():
-        assert torch.equal(got[k], t[rank * local:(rank + 1) * local] if k in experts else t), k
-    assert sum(p.numel() for n, p in part.named_parameters() if n in experts) * size == \
-        sum(p.numel() for n, p in whole.named_parameters() if n in experts)
+        assert torch.equal(got[k], t[rank * local : (rank + 1) * local] if k in experts else t), k
+    assert sum(p.numel() for n, p in part.named_parameters() if n in experts) * size == sum(
+        p.numel() for n, p in whole.named_parameters() if n in experts
+    )
 
 
 @pytest.mark.parametrize("layout", ["fused", "per_expert"])
@@ -236,8 +245,11 @@ def test_a_pipeline_stage_loads_only_its_layers(tmp_path, monkeypatch):
     path = trillora.save_model(whole, tmp_path / "m")
     want = whole.state_dict()
     read = spy_on_reads(monkeypatch)
-    for layers, top in ((range(0, 2), {"model.embed_tokens.weight"}), (range(1, 3), set()),
-                        (range(2, 4), {"model.norm.weight", "lm_head.weight"})):
+    for layers, top in (
+        (range(0, 2), {"model.embed_tokens.weight"}),
+        (range(1, 3), set()),
+        (range(2, 4), {"model.norm.weight", "lm_head.weight"}),
+    ):
         read.clear()
         stage = trillora.load_model(path, layers=layers, experts=(1, 2))
         got = stage.state_dict()
@@ -247,8 +259,9 @@ def test_a_pipeline_stage_loads_only_its_layers(tmp_path, monkeypatch):
         for k in kept:
             w = want[k][4:8] if ".experts." in k else want[k]  # rank 1 of 2 keeps experts 4..7
             assert torch.equal(got[k], w), k
-        assert {n for n in read} <= kept | {n for n in read if ".experts." in n and any(
-            n.startswith(f"model.layers.{i}.") for i in layers)}
+        assert {n for n in read} <= kept | {
+            n for n in read if ".experts." in n and any(n.startswith(f"model.layers.{i}.") for i in layers)
+        }
         assert {int(n.split(".")[2]) for n in read if n.startswith("model.layers.")} == set(layers)
     with pytest.raises(CheckpointError, match="cannot keep layers 3..4 of 4"):
         trillora.load_model(path, layers=range(3, 5))

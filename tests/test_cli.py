@@ -10,15 +10,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["steps=2", "eval_every=2", "rollout.prompts_per_step=4", "rollout.group_size=2", "task.eval_problems=16", "task.eval_samples=1"]
+SMALL = [
+    "steps=2",
+    "eval_every=2",
+    "rollout.prompts_per_step=4",
+    "rollout.group_size=2",
+    "task.eval_problems=16",
+    "task.eval_samples=1",
+]
 
 
 def trillora(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trillora", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "trillora", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
-@pytest.mark.parametrize("recipe", [None, "examples/arithmetic.toml", "examples/countdown.toml", "examples/jsonl.toml",
-                                    "examples/guessing.toml"])
+@pytest.mark.parametrize(
+    "recipe",
+    [None, "examples/arithmetic.toml", "examples/countdown.toml", "examples/jsonl.toml", "examples/guessing.toml"],
+)
 @pytest.mark.slow
 def test_train_recipes_smoke(tmp_path, recipe):
     args = ([recipe] if recipe else []) + [*SMALL, f"out_dir={tmp_path}", "name=smoke"]
@@ -32,8 +43,18 @@ def test_train_recipes_smoke(tmp_path, recipe):
 def test_eval_generate_plot_with_a_trained_adapter(tmp_path):
     assert trillora("train", *SMALL, f"out_dir={tmp_path}", "name=a").returncode == 0
     run = tmp_path / "a"
-    ev = trillora("eval", "tiny-moe", "--adapter", str(run / "adapter" / "fused"), "--problems", "16", "--temperature", "0",
-                  "--option", "digits=2")
+    ev = trillora(
+        "eval",
+        "tiny-moe",
+        "--adapter",
+        str(run / "adapter" / "fused"),
+        "--problems",
+        "16",
+        "--temperature",
+        "0",
+        "--option",
+        "digits=2",
+    )
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert 0.0 <= json.loads(ev.stdout)["accuracy"] <= 1.0
     gen = trillora("generate", "tiny-moe", "--adapter", str(run / "adapter" / "per_expert"), "--prompt", "rev abc=")

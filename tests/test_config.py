@@ -8,7 +8,9 @@ from trillora.config import ConfigError, TrainConfig, load_config, to_toml
 
 
 def test_defaults_and_overrides(tmp_path):
-    cfg = load_config(None, ["rollout.temperature=0.8", "lora.rank=16", 'lora.targets=["attention", "experts"]', "name=x"])
+    cfg = load_config(
+        None, ["rollout.temperature=0.8", "lora.rank=16", 'lora.targets=["attention", "experts"]', "name=x"]
+    )
     assert cfg.rollout.temperature == 0.8 and cfg.lora.rank == 16 and cfg.lora.targets == ("attention", "experts")
     assert load_config() == TrainConfig()
     f = tmp_path / "run.toml"
@@ -41,7 +43,9 @@ def test_round_trip_through_toml(tmp_path):
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
+    ):
         load_config(None, overrides)
 
 
@@ -69,16 +73,22 @@ def test_example_configs_load_and_build_their_tasks():
             options["path"] = str(root / options["path"])
         if cfg.task.name == "env":  # user envs: the dataset loads and gives a step's groups of envs
             from trillora.checkpoint import SHIPPED_CHECKPOINTS, load_tokenizer
-            from trillora.tasks.base import load_callable
             from trillora.envs.env_dataset import load_env_dataset
+            from trillora.tasks.base import load_callable
 
             if cfg.model.path not in SHIPPED_CHECKPOINTS and not Path(cfg.model.path).exists():  # a real model's path
                 load_callable(options["env"], "env dataset")
                 continue
 
             r = cfg.rollout
-            envs = load_env_dataset(options, tokenizer=load_tokenizer(cfg.model.path), batch_size=r.prompts_per_step,
-                                    group_size=r.group_size, eval_size=cfg.task.eval_problems, seed=cfg.seed)
+            envs = load_env_dataset(
+                options,
+                tokenizer=load_tokenizer(cfg.model.path),
+                batch_size=r.prompts_per_step,
+                group_size=r.group_size,
+                eval_size=cfg.task.eval_problems,
+                seed=cfg.seed,
+            )
             groups = envs.get_batch(0)
             assert len(groups) == r.prompts_per_step and len(groups[0].make_envs()) == r.group_size, path.name
             continue

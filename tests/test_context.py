@@ -5,10 +5,9 @@ running long episodes through it."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import torch
 
 from trillora.config import ConfigError, load_config
 from trillora.context import Chunk, MemoryContext, Truncate, split_spans
@@ -37,8 +36,13 @@ def test_truncation_by_hand():
 
 def test_spans_cut_turns_and_drop_finer():
     chunks = [Chunk([1, 2, 3], 0), Chunk([4, 5, 6, 7, 8], 1), Chunk([9, 10], 2)]
-    assert split_spans(chunks, 2) == [Chunk([1, 2, 3], 0), Chunk([4, 5], 1), Chunk([6, 7], 1), Chunk([8], 1),
-                                      Chunk([9, 10], 2)]
+    assert split_spans(chunks, 2) == [
+        Chunk([1, 2, 3], 0),
+        Chunk([4, 5], 1),
+        Chunk([6, 7], 1),
+        Chunk([8], 1),
+        Chunk([9, 10], 2),
+    ]
     m = MemoryContext(Truncate(), budget=10, reserve=2, span_tokens=2)
     m.start([1, 2, 3])
     m.step([4, 5], [1, 2, 3, 4, 5, 6, 7, 8], 1)  # 8 tokens: fits
@@ -51,8 +55,12 @@ def test_spans_cut_turns_and_drop_finer():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 8), st.integers(0, 6), st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), max_size=20),
-       st.integers(0, 4))
+@given(
+    st.integers(1, 8),
+    st.integers(0, 6),
+    st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), max_size=20),
+    st.integers(0, 4),
+)
 def test_the_budget_is_never_exceeded(task, reserve, turns, span):
     budget = task + reserve + 4
     m = MemoryContext(Truncate(), budget, reserve, span)
@@ -98,9 +106,9 @@ class LongTalk(Env):
 
 def test_long_episodes_through_a_real_engine_stay_within_the_budget():
     from trillora.checkpoint import load_model
+    from trillora.envs.env import TrajectoryGroup
     from trillora.rollout import LocalEngine, SamplingParams
     from trillora.trainer.episodes import EpisodeLimits, episode_metrics, run_episodes
-    from trillora.envs.env import TrajectoryGroup
 
     engine = LocalEngine(load_model("tiny-moe"), precision="fp32")
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
@@ -168,11 +176,31 @@ def test_train_runs_the_ledger_under_a_context_budget(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "trillora", "train", f"out_dir={tmp_path}", "name=ledger", "steps=1",
-                          "eval_every=1", 'task.name="env"', 'task.options={env = "trillora.envs.ledger:dataset"}',
-                          "task.max_turns=8", 'task.retention=""', "task.eval_problems=2", "rollout.prompts_per_step=2",
-                          "rollout.group_size=2", "rollout.max_new_tokens=4", 'memory.policy="truncate"',
-                          "memory.budget=48"], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trillora",
+            "train",
+            f"out_dir={tmp_path}",
+            "name=ledger",
+            "steps=1",
+            "eval_every=1",
+            'task.name="env"',
+            'task.options={env = "trillora.envs.ledger:dataset"}',
+            "task.max_turns=8",
+            'task.retention=""',
+            "task.eval_problems=2",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=4",
+            'memory.policy="truncate"',
+            "memory.budget=48",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads((tmp_path / "ledger" / "metrics.jsonl").read_text().splitlines()[1])
     assert row["env/memory_rewrites"] > 0 and row["turns_mean"] == 8
@@ -204,9 +232,9 @@ def test_allocations_stay_within_budget_and_lengths(chunks, budget):
     importance, lengths = [w for w, _ in chunks], [n for _, n in chunks]
     for rule in (proportional, top_k):
         out = rule(importance, lengths, budget)
-        assert sum(out) <= budget and all(0 <= b <= n for b, n in zip(out, lengths))
+        assert sum(out) <= budget and all(0 <= b <= n for b, n in zip(out, lengths, strict=True))
     out = proportional(importance, lengths, budget)
-    useful = sum(n for w, n in zip(importance, lengths) if w > 0)
+    useful = sum(n for w, n in zip(importance, lengths, strict=True) if w > 0)
     assert sum(out) == min(budget, useful)  # proportional spends all it can
 
 
@@ -234,7 +262,10 @@ def test_diffusion_masks_allocates_and_refills_by_hand(tiny_engine):
     first, second = md.refills
     marker = tok("\n[[", add_special_tokens=False)["input_ids"]
     assert first.prompt == head.tokens + marker + c1.tokens + tok("]] 2:\n", add_special_tokens=False)["input_ids"]
-    assert second.prompt[-len(tok("]] 4:\n", add_special_tokens=False)["input_ids"]):] == tok("]] 4:\n", add_special_tokens=False)["input_ids"]
+    assert (
+        second.prompt[-len(tok("]] 4:\n", add_special_tokens=False)["input_ids"]) :]
+        == tok("]] 4:\n", add_special_tokens=False)["input_ids"]
+    )
     assert len(first.tokens) == len(first.logprobs) <= 2 and len(second.tokens) <= 4
     # top_k: c2 kept whole (the more recent), c1 dropped, nothing refilled
     md = MemoryDiffusion(engine, tok, params, recency, "top_k")
@@ -253,7 +284,7 @@ def test_policy_scores_equal_the_model_on_each_variant(tiny_engine):
         ids = torch.tensor([[t for c in kept for t in c.tokens]])
         logp = torch.log_softmax(engine.model(ids).float(), -1)[0]
         start = ids.shape[1] - len(kept[-1].tokens)
-        return float(logp[start - 1:-1].gather(-1, ids[0, start:, None]).sum())
+        return float(logp[start - 1 : -1].gather(-1, ids[0, start:, None]).sum())
 
     with torch.no_grad():
         base = logp_of_latest(chunks)
@@ -270,8 +301,13 @@ def test_attention_mass_equals_transformers_attention_weights():
     from trillora.checkpoint import load_model, resolve_model_path
     from trillora.context import attention_mass
 
-    chunks = [Chunk([1, 14, 15, 16], 0), Chunk([20, 21, 22, 23, 24], 1), Chunk([30, 31], 2), Chunk([40, 41, 42], 3),
-              Chunk([14, 84, 15, 98], 4)]
+    chunks = [
+        Chunk([1, 14, 15, 16], 0),
+        Chunk([20, 21, 22, 23, 24], 1),
+        Chunk([30, 31], 2),
+        Chunk([40, 41, 42], 3),
+        Chunk([14, 84, 15, 98], 4),
+    ]
     ids = torch.tensor([[t for c in chunks for t in c.tokens]])
     hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-moe"), attn_implementation="eager")
     with torch.no_grad():
@@ -292,8 +328,13 @@ def test_attention_mass_with_sinks_and_windows_equals_transformers(tmp_path):
     from trillora.context import attention_mass
 
     hf = hf_model(dict(GPT_OSS, sliding_window=4))
-    chunks = [Chunk([1, 14, 15, 16], 0), Chunk([20, 21, 22, 23, 24], 1), Chunk([30, 31], 2), Chunk([40, 41, 42], 3),
-              Chunk([14, 84, 15, 98], 4)]
+    chunks = [
+        Chunk([1, 14, 15, 16], 0),
+        Chunk([20, 21, 22, 23, 24], 1),
+        Chunk([30, 31], 2),
+        Chunk([40, 41, 42], 3),
+        Chunk([14, 84, 15, 98], 4),
+    ]
     ids = torch.tensor([[t for c in chunks for t in c.tokens]])
     with torch.no_grad():
         weights = torch.stack(hf(ids, output_attentions=True).attentions)  # [layers, 1, H, S, S]
@@ -321,7 +362,7 @@ def test_refills_are_trained_as_actions_of_the_episode(tiny_engine):
     assert len(turns) == 10 and refills and all(x.reward == 0.0 for x in refills)
     assert max(len(x.observation) for x in turns) + 4 <= 30
     samples = merge_trajectory(t)
-    refill_samples = [s for s in samples if s.tokens[:len(refills[0].observation)] == refills[0].observation]
+    refill_samples = [s for s in samples if s.tokens[: len(refills[0].observation)] == refills[0].observation]
     (s,) = refill_samples[:1]
     assert s.mask == [0] * len(refills[0].observation) + [1] * len(refills[0].action)  # the prompt is not trained
 
@@ -333,11 +374,31 @@ def test_train_runs_the_policy_memories_on_the_ledger(tmp_path, policy):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "trillora", "train", f"out_dir={tmp_path}", "name=md", "steps=1",
-                          "eval_every=1", 'task.name="env"', 'task.options={env = "trillora.envs.ledger:dataset"}',
-                          "task.max_turns=8", 'task.retention=""', "task.eval_problems=2", "rollout.prompts_per_step=2",
-                          "rollout.group_size=2", "rollout.max_new_tokens=4", f'memory.policy="{policy}"',
-                          "memory.budget=48"], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trillora",
+            "train",
+            f"out_dir={tmp_path}",
+            "name=md",
+            "steps=1",
+            "eval_every=1",
+            'task.name="env"',
+            'task.options={env = "trillora.envs.ledger:dataset"}',
+            "task.max_turns=8",
+            'task.retention=""',
+            "task.eval_problems=2",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=4",
+            f'memory.policy="{policy}"',
+            "memory.budget=48",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads((tmp_path / "md" / "metrics.jsonl").read_text().splitlines()[1])
     assert row["env/memory_rewrites"] > 0 and row["turns_mean"] == 8
@@ -364,7 +425,9 @@ def test_summary_after_every_turn(tiny_engine):
     m.step([23], [1, 14, 20, 21, 30, 22, 31, 32, 23, 33], 3)
     (again,) = m.take_refills()
     assert again.prompt == [1, 14] + summary + [22, 31, 32] + marker  # the last summary and the turn since
-    with pytest.raises(ConfigError, match="memory.policy='keep' is invalid; allowed: none, truncate, retrieval, summary, diffusion"):
+    with pytest.raises(
+        ConfigError, match="memory.policy='keep' is invalid; allowed: none, truncate, retrieval, summary, diffusion"
+    ):
         load_config(None, ['memory.policy="keep"'])
 
 
@@ -417,7 +480,9 @@ def test_a_recall_turn_is_answered_by_the_memory_not_the_env(tiny_engine):
             self.calls += 1
             out = engine.generate(prompts, n, params)
             if self.calls == 3:
-                out = [[dataclasses.replace(c, token_ids=call, logprobs=[-1.0] * len(call)) for c in row] for row in out]
+                out = [
+                    [dataclasses.replace(c, token_ids=call, logprobs=[-1.0] * len(call)) for c in row] for row in out
+                ]
             return out
 
     env = LongTalk(6)
@@ -428,7 +493,7 @@ def test_a_recall_turn_is_answered_by_the_memory_not_the_env(tiny_engine):
     assert env.left == 0 and t.stop_reason == "done"  # six env turns, plus the one the memory answered
     answer = tok("\n[recalled]\n", add_special_tokens=False)["input_ids"]
     after = t.transitions[3].observation
-    assert any(after[k:k + len(call) + len(answer)] == call + answer for k in range(len(after)))  # the policy sees it
+    assert any(after[k : k + len(call) + len(answer)] == call + answer for k in range(len(after)))  # the policy sees it
 
 
 @pytest.mark.slow
@@ -456,20 +521,30 @@ def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint
         seen = env.step(ok).next_observation
     answer = tok(str(value), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert ids == seen + answer and env.step(answer).reward == 1.0
-    assert [t for t, m in zip(ids, mask) if m] == ok * (facts + 1) + answer  # only the policy's tokens are trained
+    assert [t for t, m in zip(ids, mask, strict=True) if m] == ok * (
+        facts + 1
+    ) + answer  # only the policy's tokens are trained
     more, more_mask = transcript(tok, random.Random(7))  # then every other fact is asked, answers trained
-    assert more[:len(ids)] == ids and more_mask[:len(ids)] == mask
-    asked = tok.decode(more[len(ids):]).replace(tok.eos_token, "|")
+    assert more[: len(ids)] == ids and more_mask[: len(ids)] == mask
+    asked = tok.decode(more[len(ids) :]).replace(tok.eos_token, "|")
     values = dict(p.split("=") for line in lines for p in line.split() if p.islower() or p[0].islower())
     pairs = [q.strip().split("?") for q in asked.split("|") if q.strip()]
     assert sorted(k for k, _ in pairs) == sorted(set(values) - {key}) and all(values[k] == v for k, v in pairs)
-    assert sum(more_mask[len(ids):]) == 2 * (len(values) - 1)  # a digit and the stop token per question
+    assert sum(more_mask[len(ids) :]) == 2 * (len(values) - 1)  # a digit and the stop token per question
 
-    out = subprocess.run([sys.executable, "-m", "trillora.tiny", "build-memory", str(tmp_path / "m"), "--max-steps", "2"],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "trillora.tiny", "build-memory", str(tmp_path / "m"), "--max-steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads((tmp_path / "m" / "pretrain_report.json").read_text())
-    assert report["steps"] == 2 and report["init_from"] == "tiny-moe" and 0.0 <= report["history"][-1]["ledger_success"] <= 1
+    assert (
+        report["steps"] == 2
+        and report["init_from"] == "tiny-moe"
+        and 0.0 <= report["history"][-1]["ledger_success"] <= 1
+    )
     assert load_model(tmp_path / "m").args.vocab_size == 100
 
 
@@ -485,13 +560,34 @@ def test_the_context_budget_benchmark_runs_every_policy(tmp_path):
 
     out = tmp_path / "mb.json"
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "context_budget.py"
-    run = subprocess.run([sys.executable, str(bench), "--model", "tiny-moe", "--seeds", "0", "--episodes", "4",
-                          "--fractions", "0.5", "--rl-steps", "1", "--out", str(out)], capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(bench),
+            "--model",
+            "tiny-moe",
+            "--seeds",
+            "0",
+            "--episodes",
+            "4",
+            "--fractions",
+            "0.5",
+            "--rl-steps",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(out.read_text())
     rows = {r["policy"]: r for r in report["rows"]}
-    assert set(rows) == {"truncate", "retrieval", "summary", "diffusion", "diffusion+rl"} and out.with_suffix(".png").exists()
+    assert (
+        set(rows) == {"truncate", "retrieval", "summary", "diffusion", "diffusion+rl"}
+        and out.with_suffix(".png").exists()
+    )
     assert rows["diffusion+rl"]["rl_steps"] == 1 and rows["diffusion+rl"]["rl_flops"] > 0  # trained, then played
     assert all(r["budget"] == int(report["episode_tokens"] * 0.5) for r in rows.values())
     assert rows["summary"]["tokens_processed"] > rows["truncate"]["tokens_processed"]

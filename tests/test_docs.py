@@ -17,40 +17,77 @@ from docs_pages import PAGES, ROOT
 AS_WRITTEN, SMALLER = "as written", "smaller (fewer steps or ranks, a free port)"
 BLOCKS = {  # the first command of each ```bash block -> (the test that runs it, how)
     "make demo": ("tests/test_readme_commands.py::test_the_using_it_commands_run_as_written", SMALLER),
-    "trillora train examples/jsonl.toml steps=20": ("tests/test_readme_commands.py::test_the_three_ways_in_run_as_written",
-                                                    AS_WRITTEN),
+    "trillora train examples/jsonl.toml steps=20": (
+        "tests/test_readme_commands.py::test_the_three_ways_in_run_as_written",
+        AS_WRITTEN,
+    ),
     "trillora serve tiny-moe-chat --tinker --api-key tml-local --port 8000": (
-        "tests/test_readme_commands.py::test_the_three_ways_in_run_as_written", AS_WRITTEN),
+        "tests/test_readme_commands.py::test_the_three_ways_in_run_as_written",
+        AS_WRITTEN,
+    ),
     "trillora plan --model kimi-k2 --gpus 64 --gpu h800 --seq-len 16384 --rollouts 512 --lora-rank 128": (
-        "tests/test_readme_commands.py::test_the_three_ways_in_run_as_written", AS_WRITTEN),
+        "tests/test_readme_commands.py::test_the_three_ways_in_run_as_written",
+        AS_WRITTEN,
+    ),
     "trillora train": ("tests/test_readme_commands.py::test_the_using_it_commands_run_as_written", AS_WRITTEN),
     "trillora train examples/countdown.toml --resume": (
-        "tests/test_resume.py::test_checkpoints_every_k_keep_n_and_a_damaged_one_is_passed_over", SMALLER),
+        "tests/test_resume.py::test_checkpoints_every_k_keep_n_and_a_damaged_one_is_passed_over",
+        SMALLER,
+    ),
     "trillora serve tiny-moe --port 8000 --adapter-root runs --api-key KEY": (
-        "tests/test_serve_openai.py::test_rl_steps_through_the_server", SMALLER),
+        "tests/test_serve_openai.py::test_rl_steps_through_the_server",
+        SMALLER,
+    ),
     "python -m trillora.tiny build-family runs/family": (
-        "tests/test_flops.py::test_build_family_pretrains_each_width_for_its_token_budget", SMALLER),
+        "tests/test_flops.py::test_build_family_pretrains_each_width_for_its_token_budget",
+        SMALLER,
+    ),
     "trillora serve tiny-moe-chat --record runs/traces.db --api-key KEY": (
-        "tests/test_traces.py::test_the_readme_recording_commands_run_as_written", AS_WRITTEN),
+        "tests/test_traces.py::test_the_readme_recording_commands_run_as_written",
+        AS_WRITTEN,
+    ),
     "trillora serve tiny-moe-chat --record runs/traces.db --learn examples/product/learn.toml --api-key KEY": (
-        "tests/test_learning.py::test_the_readme_learning_command_runs_as_written", AS_WRITTEN),
+        "tests/test_learning.py::test_the_readme_learning_command_runs_as_written",
+        AS_WRITTEN,
+    ),
     "make setup-vllm": ("tests/test_readme_commands.py::test_the_vllm_command_runs_as_written", AS_WRITTEN),
     "VLLM_SERVER_DEV_MODE=1 TRILLORA_SYNC_DIR=runs/default/sync VLLM_CPU_KVCACHE_SPACE=1 \\": (
-        "tests/test_vllm.py::test_rl_steps_against_vllm_server_merged", SMALLER),
+        "tests/test_vllm.py::test_rl_steps_against_vllm_server_merged",
+        SMALLER,
+    ),
     "trillora serve tiny-moe-chat --tinker --api-key tml-local --port 8000    # binds": (
-        "tests/test_tinker_service.py::test_the_cli_serves_it", SMALLER),
-    "trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 4096 --rollouts 8 --lora-rank 8 --clients 8": (
-        "tests/test_planner.py::test_readme_service_plan_command", AS_WRITTEN),
-    "trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 --rollouts 64 --lora-rank 8 --clients 2": (
-        "tests/test_planner.py::test_readme_service_plan_for_kimi_k2", AS_WRITTEN),
-    "trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 32768 --rollouts 1 --lora-rank 8 --clients 8": (
-        "tests/test_planner.py::test_readme_service_plan_for_a_long_datum", AS_WRITTEN),
-    "trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 --rollouts 64 --lora-rank 8 --clients 2 "
-    "--expert-rank 1": ("tests/test_planner.py::test_readme_service_plan_with_divided_expert_rank", AS_WRITTEN),
-    "python examples/tinker_cookbook_tiny.py sl log_path=runs/cookbook-sl batch_size=32 max_steps=128 learning_rate=3e-3": (
-        "tests/test_tinker_cookbook.py::test_cookbook_supervised_then_rl_loop_run_unchanged", SMALLER),
+        "tests/test_tinker_service.py::test_the_cli_serves_it",
+        SMALLER,
+    ),
+    "trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 4096 --rollouts 8 --lora-rank 8 "
+    "--clients 8": (
+        "tests/test_planner.py::test_readme_service_plan_command",
+        AS_WRITTEN,
+    ),
+    "trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 --rollouts 64 --lora-rank 8 "
+    "--clients 2": (
+        "tests/test_planner.py::test_readme_service_plan_for_kimi_k2",
+        AS_WRITTEN,
+    ),
+    "trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 32768 --rollouts 1 --lora-rank 8 "
+    "--clients 8": (
+        "tests/test_planner.py::test_readme_service_plan_for_a_long_datum",
+        AS_WRITTEN,
+    ),
+    "trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 --rollouts 64 --lora-rank 8 "
+    "--clients 2 --expert-rank 1": (
+        "tests/test_planner.py::test_readme_service_plan_with_divided_expert_rank",
+        AS_WRITTEN,
+    ),
+    "python examples/tinker_cookbook_tiny.py sl log_path=runs/cookbook-sl batch_size=32 max_steps=128 "
+    "learning_rate=3e-3": (
+        "tests/test_tinker_cookbook.py::test_cookbook_supervised_then_rl_loop_run_unchanged",
+        SMALLER,
+    ),
     "torchrun --nproc-per-node 4 -m trillora train parallel.tp=2 parallel.ep=2": (
-        "tests/test_parallel.py::test_torchrun_train_matches_single_process", SMALLER),
+        "tests/test_parallel.py::test_torchrun_train_matches_single_process",
+        SMALLER,
+    ),
 }
 
 
@@ -100,8 +137,14 @@ def test_the_site_builds_strictly(tmp_path):
     """`mkdocs build --strict` (what `make test` runs): a broken link, a missing figure or a page
     left out of the navigation fails it."""
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     config = (tmp_path / "site" / "config" / "index.html").read_text()
     assert "learn.gate_traces" in config and "rollout.precision" in config  # generated, not written by hand
@@ -122,7 +165,9 @@ def test_the_config_reference_lists_every_key_with_its_docstring():
             assert f"| `{f.name}` |" in page, f.name
     doc = field_docs(type(TrainConfig().learn))["holdout"]
     assert doc.startswith('With `gate = "traces"`: the share of traces') and doc in page
-    assert "| `lora.targets` | tuple | `('mlp', 'shared_experts', 'experts')` |" in page  # the run's default, not LoraConfig's
+    assert (
+        "| `lora.targets` | tuple | `('mlp', 'shared_experts', 'experts')` |" in page
+    )  # the run's default, not LoraConfig's
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import torch
+from conftest import SMALL_RUN
 
 from trillora import rl
 from trillora.config import load_config
 from trillora.trainer import Trainer
-from conftest import SMALL_RUN
 
 
 def test_fill_batch_takes_informative_groups_in_sampling_order_then_pads():
@@ -23,22 +23,26 @@ def test_fill_batch_takes_informative_groups_in_sampling_order_then_pads():
 
 
 def test_trainer_drops_uninformative_groups_and_refills(tmp_path):
-    common = [f"out_dir={tmp_path}", *SMALL_RUN, "rollout.prompts_per_step=8",
-              "task.eval_problems=8"]
+    common = [f"out_dir={tmp_path}", *SMALL_RUN, "rollout.prompts_per_step=8", "task.eval_problems=8"]
     plain = Trainer(load_config(None, common)).sampler.sample(0)
     rewards = plain.rewards
     assert "groups_dropped" not in plain.stats
     assert not rl.informative_groups(rewards).all()  # the tiny model gets some groups all right or all wrong
-    dynamic = Trainer(load_config(None, [*common, "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=4"]))
+    dynamic = Trainer(
+        load_config(None, [*common, "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=4"])
+    )
     batch = dynamic.sampler.sample(0)
     s, rewards = batch.stats, batch.rewards
     assert batch.tokens.num_rows == len(batch.trajectory_of) == 32 and rewards.shape == (8, 4)
     assert s["groups_dropped"] > 0 and s["sampling_rounds"] >= 2
     assert int((~rl.informative_groups(rewards)).sum()) == s["groups_padded"]
-    summary = Trainer(load_config(None, [*common, "algorithm.dynamic_sampling=true", "steps=2", "eval_every=2",
-                                         "name=dyn"])).run()
+    summary = Trainer(
+        load_config(None, [*common, "algorithm.dynamic_sampling=true", "steps=2", "eval_every=2", "name=dyn"])
+    ).run()
     rows = [json.loads(x) for x in (tmp_path / "dyn" / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == 2 and all("groups_dropped" in r and "sampling_rounds" in r for r in rows[1:])
-    one_round = Trainer(load_config(None, [*common, "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=1"]))
+    one_round = Trainer(
+        load_config(None, [*common, "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=1"])
+    )
     batch = one_round.sampler.sample(0)
     assert batch.stats["groups_padded"] == int((~rl.informative_groups(batch.rewards)).sum()) > 0

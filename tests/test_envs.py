@@ -11,20 +11,29 @@ import torch
 
 from trillora import lora
 from trillora.checkpoint import load_model, load_tokenizer
-from trillora.rollout import LocalEngine, SamplingParams
-from trillora.tasks import ArithmeticTask
 from trillora.envs.env import Env, EnvGroupBuilder, StepResult, Trajectory, Transition
 from trillora.envs.task_env import TaskGroupBuilder
 from trillora.envs.trajectory import Sample, merge_trajectory
-from trillora.trainer.batch import batch_from_samples, build_batch, completion_spans
-from trillora.trainer.episodes import EnvError, EpisodeLimits, episode_metrics, run_episodes, run_groups, training_samples
 from trillora.policy.logprobs import shared_prompt_logprobs, token_logprobs
+from trillora.rollout import LocalEngine, SamplingParams
+from trillora.tasks import ArithmeticTask
+from trillora.trainer.batch import batch_from_samples, build_batch, completion_spans
+from trillora.trainer.episodes import (
+    EnvError,
+    EpisodeLimits,
+    episode_metrics,
+    run_episodes,
+    run_groups,
+    training_samples,
+)
 
 
 def test_merge_keeps_one_sequence_while_the_prefix_property_holds():
-    t = [Transition([1, 2], [3, 4], [-0.1, -0.2], 0.0, False),
-         Transition([1, 2, 3, 4, 5], [6], [-0.3], 0.0, False),  # extends: observation token 5 (mask 0), action 6
-         Transition([9, 5, 6], [7, 8], [-0.4, -0.5], 1.0, True)]  # history rewritten: a new sequence
+    t = [
+        Transition([1, 2], [3, 4], [-0.1, -0.2], 0.0, False),
+        Transition([1, 2, 3, 4, 5], [6], [-0.3], 0.0, False),  # extends: observation token 5 (mask 0), action 6
+        Transition([9, 5, 6], [7, 8], [-0.4, -0.5], 1.0, True),
+    ]  # history rewritten: a new sequence
     first, second = merge_trajectory(Trajectory(t, []))
     assert first == Sample([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 0, 1], [0.0, 0.0, -0.1, -0.2, 0.0, -0.3], 2)
     assert second == Sample([9, 5, 6, 7, 8], [0, 0, 0, 1, 1], [0.0, 0.0, 0.0, -0.4, -0.5], 3)
@@ -41,7 +50,9 @@ def test_merge_keeps_one_sequence_while_the_prefix_property_holds():
 def test_single_turn_rows_are_the_samples_of_one_turn():
     prompts, completions, logprobs = [[1, 5, 6], [1, 7]], [[8, 9], [4]], [[-0.5, -0.25], [-1.0]]
     a = build_batch(prompts, completions, logprobs)
-    b = batch_from_samples([Sample.single_turn(p, c, lp) for p, c, lp in zip(prompts, completions, logprobs)])
+    b = batch_from_samples(
+        [Sample.single_turn(p, c, lp) for p, c, lp in zip(prompts, completions, logprobs, strict=True)]
+    )
     for field in ("input_ids", "completion_mask", "rollout_logprobs", "prompt_lengths"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
     assert a.completion_mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
@@ -59,8 +70,13 @@ class Counting(Env):
     def step(self, action):
         self.left -= 1
         self.history += list(action) + [10 + self.left]  # the env's reply, a token the policy does not train on
-        return StepResult(reward=float(len(action)), episode_done=self.left == 0, next_observation=list(self.history),
-                          next_stop_condition=[], metrics={"left": float(self.left)})
+        return StepResult(
+            reward=float(len(action)),
+            episode_done=self.left == 0,
+            next_observation=list(self.history),
+            next_stop_condition=[],
+            metrics={"left": float(self.left)},
+        )
 
 
 class Counted:
@@ -98,8 +114,9 @@ def test_episodes_advance_together_and_keep_the_engines_logprobs(tiny):
     on = batch.completion_mask.bool()
     assert int(on.sum()) == sum(len(tr.action) for t in trajectories for tr in t.transitions)
     assert (trainer_logp - batch.rollout_logprobs)[on].abs().max() < 1e-4  # the engine's tokens and logprobs, per token
-    again = run_episodes(LocalEngine(model, precision="fp32"), [Counting(20 + i) for i in range(5)], params,
-                         EpisodeLimits(max_turns=5))
+    again = run_episodes(
+        LocalEngine(model, precision="fp32"), [Counting(20 + i) for i in range(5)], params, EpisodeLimits(max_turns=5)
+    )
     assert [t.transitions[0].action for t in again[:3]] == [t.transitions[0].action for t in trajectories[:3]]  # seeded
 
 
@@ -121,10 +138,10 @@ def test_later_turns_prefill_only_what_they_add(tiny):
     (kept, reused), (fresh, none) = runs[True], runs[False]
     assert none == 0 and reused > 100
     assert max(len(t.transitions) for t in kept) > 1
-    for a, b in zip(kept, fresh):
+    for a, b in zip(kept, fresh, strict=True):
         assert [x.action for x in a.transitions] == [x.action for x in b.transitions]
         assert [x.observation for x in a.transitions] == [x.observation for x in b.transitions]
-        for x, y in zip(a.transitions, b.transitions):
+        for x, y in zip(a.transitions, b.transitions, strict=True):
             assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
     engine = LocalEngine(model, precision="fp32")
     engine.generate([[1, 5, 6]], 1, params)
@@ -167,8 +184,9 @@ def test_an_env_that_raises_or_hangs_fails_naming_it_or_ends_its_episode(tiny):
         run_episodes(engine, [Counting(20), Raising(21)], params, EpisodeLimits())
     with pytest.raises(EnvError, match=r"Hanging.step failed at turn 0: RewardTimeout"):
         run_episodes(engine, [Hanging(21)], params, EpisodeLimits(env_timeout=0.2))
-    out = run_episodes(engine, [Counting(20), Raising(21), Hanging(22)], params,
-                       EpisodeLimits(env_timeout=0.2, on_error="zero"))
+    out = run_episodes(
+        engine, [Counting(20), Raising(21), Hanging(22)], params, EpisodeLimits(env_timeout=0.2, on_error="zero")
+    )
     assert [t.stop_reason for t in out] == ["done", "error", "error"]
     assert out[1].transitions[0].reward == 0.0 and out[1].transitions[0].metrics == {"env_error": 1.0}
 
@@ -199,12 +217,16 @@ class Pairwise(EnvGroupBuilder):
 
 def test_groups_of_async_envs_with_a_group_reward(tiny):
     model, _ = tiny
-    groups = run_groups(LocalEngine(model, precision="fp32"), [Pairwise(20), Pairwise(30)],
-                        SamplingParams(max_new_tokens=3, seed=3), EpisodeLimits())
+    groups = run_groups(
+        LocalEngine(model, precision="fp32"),
+        [Pairwise(20), Pairwise(30)],
+        SamplingParams(max_new_tokens=3, seed=3),
+        EpisodeLimits(),
+    )
     assert [len(g.trajectories) for g in groups] == [2, 2]
     for g in groups:
         assert max(g.group_rewards) == 1.0
-        assert g.total_rewards() == [t.total_reward + r for t, r in zip(g.trajectories, g.group_rewards)]
+        assert g.total_rewards() == [t.total_reward + r for t, r in zip(g.trajectories, g.group_rewards, strict=True)]
     samples, advantages = training_samples(groups, "grpo", False)
     assert len(samples) == 4
     expected = [r - sum(g.total_rewards()) / 2 for g in groups for r in g.total_rewards()]  # GRPO without std
@@ -216,14 +238,20 @@ def test_every_task_is_a_single_turn_env(tiny):
     task = ArithmeticTask(digits=2)
     problems = task.problems("train", 3, seed=0)
     engine = Counted(LocalEngine(model, precision="fp32"))
-    groups = run_groups(engine, [TaskGroupBuilder(task, p, tokenizer, 4) for p in problems],
-                        SamplingParams(max_new_tokens=6, seed=5), EpisodeLimits())
+    groups = run_groups(
+        engine,
+        [TaskGroupBuilder(task, p, tokenizer, 4) for p in problems],
+        SamplingParams(max_new_tokens=6, seed=5),
+        EpisodeLimits(),
+    )
     assert engine.calls == [(3, 4)]  # a group's shared first observation: one prompt, n = 4 (prefilled once)
-    for p, g in zip(problems, groups):
+    for p, g in zip(problems, groups, strict=True):
         assert len(g.trajectories) == 4
         for t in g.trajectories:
             (turn,) = t.transitions
-            assert turn.episode_done and tokenizer.eos_token_id not in turn.action[:-1]  # the stop condition ends the turn
+            assert (
+                turn.episode_done and tokenizer.eos_token_id not in turn.action[:-1]
+            )  # the stop condition ends the turn
             assert turn.reward == task.reward(p, tokenizer.decode(turn.action, skip_special_tokens=True))
 
 
@@ -240,7 +268,7 @@ def test_guessing_game_by_hand(tiny):
 
     first = env.step(act("5"))
     assert (first.reward, first.episode_done) == (0.0, False)
-    assert first.next_observation[:len(obs)] == obs  # the game so far, extended: one training sequence
+    assert first.next_observation[: len(obs)] == obs  # the game so far, extended: one training sequence
     assert tokenizer.decode(first.next_observation, skip_special_tokens=True) == "guess 1-16:5 higher\n"
     second = env.step(act("x"))
     assert second.metrics["parse_error"] == 1.0
@@ -250,8 +278,13 @@ def test_guessing_game_by_hand(tiny):
     assert (done.reward, done.episode_done) == (1.0, True)
 
 
-ENV_RUN = ('task.name="env"', "task.max_turns=3", "rollout.max_new_tokens=3", "rollout.prompts_per_step=2",
-           "rollout.group_size=2")
+ENV_RUN = (
+    'task.name="env"',
+    "task.max_turns=3",
+    "rollout.max_new_tokens=3",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=2",
+)
 
 
 def test_training_on_user_envs_from_a_module(small_config, tmp_path):
@@ -259,7 +292,9 @@ def test_training_on_user_envs_from_a_module(small_config, tmp_path):
 
     trainer = Trainer(small_config(*ENV_RUN, 'task.options={env = "env_fns:echo", first = 30}', name="echo"))
     rollout = trainer.sampler.sample(0)
-    assert rollout.rewards.shape == (2, 2) and rollout.stats["turns_mean"] == 3.0 and rollout.stats["episodes_done"] == 4
+    assert (
+        rollout.rewards.shape == (2, 2) and rollout.stats["turns_mean"] == 3.0 and rollout.stats["episodes_done"] == 4
+    )
     batch = rollout.tokens
     mask = batch.completion_mask
     assert ((mask[:, 1:] - mask[:, :-1]) == 1).sum(-1).tolist() == [3, 3, 3, 3]  # three actions between env replies
@@ -268,8 +303,9 @@ def test_training_on_user_envs_from_a_module(small_config, tmp_path):
     rows = torch.arange(4)
     with torch.no_grad():
         whole = token_logprobs(trainer.model, batch.input_ids, 1.0)[0]
-        shared = shared_prompt_logprobs(trainer.model, batch.input_ids, batch.prompt_lengths,
-                                        completion_spans(batch, rows), 2, 1.0)[0]
+        shared = shared_prompt_logprobs(
+            trainer.model, batch.input_ids, batch.prompt_lengths, completion_spans(batch, rows), 2, 1.0
+        )[0]
     assert (whole - shared)[mask.bool()].abs().max() < 1e-5
     summary = trainer.run()
     rows = [json.loads(x) for x in (tmp_path / "echo" / "metrics.jsonl").read_text().splitlines()]
@@ -281,8 +317,15 @@ def test_user_envs_sample_ahead_asynchronously(small_config, tmp_path):
     """With rollout.asynchronous the worker thread runs whole episodes one step ahead."""
     from trillora.trainer import Trainer
 
-    cfg = small_config(*ENV_RUN, 'task.options={env = "env_fns:echo", first = 30}', "rollout.asynchronous=true",
-                       "rollout.max_staleness=1", "steps=3", "eval_every=3", name="ahead")
+    cfg = small_config(
+        *ENV_RUN,
+        'task.options={env = "env_fns:echo", first = 30}',
+        "rollout.asynchronous=true",
+        "rollout.max_staleness=1",
+        "steps=3",
+        "eval_every=3",
+        name="ahead",
+    )
     summary = Trainer(cfg).run()
     rows = [json.loads(x) for x in (tmp_path / "ahead" / "metrics.jsonl").read_text().splitlines()][1:]
     assert summary["steps"] == 3 and [r["staleness"] for r in rows] == [0.0, 1.0, 1.0]
@@ -293,17 +336,22 @@ def test_the_guessing_game_trains_from_its_example_config(tmp_path):
     from trillora.config import load_config
     from trillora.trainer import Trainer
 
-    cfg = load_config("examples/guessing.toml", [f"out_dir={tmp_path}", "steps=1", "eval_every=1", "task.eval_problems=4",
-                                                 "rollout.prompts_per_step=2"])
+    cfg = load_config(
+        "examples/guessing.toml",
+        [f"out_dir={tmp_path}", "steps=1", "eval_every=1", "task.eval_problems=4", "rollout.prompts_per_step=2"],
+    )
     summary = Trainer(cfg).run()
     assert summary["steps"] == 1 and 0.0 <= summary["eval_after"] <= 1.0
 
 
-@pytest.mark.parametrize("options,message", [
-    ("{}", "needs task.options.env"),
-    ('{env = "env_fns:missing"}', "env dataset 'env_fns:missing' cannot be imported"),
-    ('{env = "env_fns:not_a_dataset"}', "returned int, which has no get_batch"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ("{}", "needs task.options.env"),
+        ('{env = "env_fns:missing"}', "env dataset 'env_fns:missing' cannot be imported"),
+        ('{env = "env_fns:not_a_dataset"}', "returned int, which has no get_batch"),
+    ],
+)
 def test_bad_env_specs_name_the_culprit(small_config, options, message):
     from trillora.errors import ConfigError
     from trillora.trainer import Trainer

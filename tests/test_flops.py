@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import SMALL_RUN
 
 from trillora import lora
 from trillora.checkpoint import load_model
@@ -15,7 +16,6 @@ from trillora.config import load_config
 from trillora.models import build_model
 from trillora.trainer import Trainer
 from trillora.trainer.flops import ModelFlops, attention_width, pairs, rollout_flops
-from conftest import SMALL_RUN
 
 # tiny-moe: hidden 128, 4 layers, 4 heads × 32 (2 kv heads), 8 experts (top 2) of width 64, vocab 100
 ATTENTION = 128 * 128 + 64 * 128 + 64 * 128 + 128 * 128  # q, k, v, o = 49152
@@ -72,11 +72,12 @@ def test_full_parameter_training_counts_every_weight_gradient_and_a_tied_head_on
 def test_sliding_window_layers_count_only_their_window():
     """gpt-oss: each query of a window-4 layer sees itself and 3 before: 1+2+3+4 then 4 per position."""
     from hf_models import GPT_OSS
+
     from trillora.models import from_hf_config
-    from trillora.plan.cost import _mean_keys
+    from trillora.plan.flops import mean_keys
 
     assert pairs(10, 4) == 1 + 2 + 3 + 4 * 7 == 34 and pairs(3, 4) == pairs(3) == 6
-    assert _mean_keys(10, 4) == 3.4 and _mean_keys(10, 0) == 5.0  # the planner's per-query mean
+    assert mean_keys(10, 4) == 3.4 and mean_keys(10, 0) == 5.0  # the planner's per-query mean
     args = from_hf_config(dict(GPT_OSS, sliding_window=4))
     assert args.layer_windows == (4, 0, 4, 0)  # sliding on even layers, as transformers defaults
     model = ModelFlops.of(build_model(args, device="meta"))
@@ -88,9 +89,21 @@ def test_sliding_window_layers_count_only_their_window():
 def test_a_run_logs_rollout_train_and_cumulative_flops(tmp_path):
     """metrics.jsonl per step: every engine call (all dynamic-sampling rounds, dropped groups too)
     and the update's passes (2 epochs × 2 minibatches: a proximal pass first)."""
-    cfg = load_config(None, [f"out_dir={tmp_path}", *SMALL_RUN, "steps=2", "eval_every=2", "name=f",
-                             "rollout.prompts_per_step=4", "algorithm.epochs=2", "algorithm.minibatches=2",
-                             "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3"])
+    cfg = load_config(
+        None,
+        [
+            f"out_dir={tmp_path}",
+            *SMALL_RUN,
+            "steps=2",
+            "eval_every=2",
+            "name=f",
+            "rollout.prompts_per_step=4",
+            "algorithm.epochs=2",
+            "algorithm.minibatches=2",
+            "algorithm.dynamic_sampling=true",
+            "algorithm.max_sampling_rounds=3",
+        ],
+    )
     trainer = Trainer(cfg)
     seen = []
     sample = trainer.sampler.sample
@@ -109,8 +122,9 @@ def test_a_run_logs_rollout_train_and_cumulative_flops(tmp_path):
         assert row["flops_rollout"] >= kept > 0
         if batch.stats.get("groups_dropped", 0) > 0:
             assert row["flops_rollout"] > kept  # the dropped groups were sampled too
-        lengths = [len(x.observation) + len(x.action) for g in batch.groups for t in g.trajectories
-                   for x in t.transitions]  # single turn: a row is its prompt and completion
+        lengths = [
+            len(x.observation) + len(x.action) for g in batch.groups for t in g.trajectories for x in t.transitions
+        ]  # single turn: a row is its prompt and completion
         assert sorted(batch.row_lengths) == sorted(lengths)
         assert row["flops_train"] == trainer.flops.train_step(lengths, 2, True, False)
         total += row["flops_rollout"] + row["flops_train"]
@@ -147,8 +161,23 @@ def test_build_family_pretrains_each_width_for_its_token_budget(tmp_path):
     assert tiny_config(128) == TINY_QWEN3_MOE  # the shipped model is the family's width 128
     with pytest.raises(ValueError, match="width=100"):
         tiny_config(100)
-    run = subprocess.run([sys.executable, "-m", "trillora.tiny", "build-family", str(tmp_path), "--widths", "64", "128",
-                          "--tokens-per-param", "0.02"], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trillora.tiny",
+            "build-family",
+            str(tmp_path),
+            "--widths",
+            "64",
+            "128",
+            "--tokens-per-param",
+            "0.02",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     for width, params in ((64, 261440), (128, 1014144)):
         report = json.loads((tmp_path / f"w{width}" / "pretrain_report.json").read_text())
@@ -161,10 +190,33 @@ def test_build_family_pretrains_each_width_for_its_token_budget(tmp_path):
     # the study on that family at a toy budget: a LoRA and a full arm, stopped at the same FLOPs
     bench = Path(__file__).resolve().parents[1] / "benchmarks" / "compute_matched.py"
     out = tmp_path / "cm.json"
-    run = subprocess.run([sys.executable, str(bench), "--family", str(tmp_path), "--arms", "w128:lora8", "w64:full",
-                          "--seeds", "0", "--flops", "3e9", "--evals", "3", "--eval-problems", "8", "--out", str(out),
-                          "rollout.prompts_per_step=4", "rollout.group_size=4", 'task.retention=""'],
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(bench),
+            "--family",
+            str(tmp_path),
+            "--arms",
+            "w128:lora8",
+            "w64:full",
+            "--seeds",
+            "0",
+            "--flops",
+            "3e9",
+            "--evals",
+            "3",
+            "--eval-problems",
+            "8",
+            "--out",
+            str(out),
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=4",
+            'task.retention=""',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     runs = {r["arm"]: r for r in report["runs"]}
@@ -177,6 +229,7 @@ def test_build_family_pretrains_each_width_for_its_token_budget(tmp_path):
     assert runs["w64:full"]["steps"] > runs["w128:lora8"]["steps"]  # the smaller model buys more steps
     assert report["task"] == "arithmetic" and report["family"]["w64"]["params"] == 261440
     out.with_suffix(".png").unlink()  # --plot-only redraws from the JSON, no training
-    again = subprocess.run([sys.executable, str(bench), "--plot-only", "--out", str(out)], capture_output=True, text=True,
-                           timeout=300)
+    again = subprocess.run(
+        [sys.executable, str(bench), "--plot-only", "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
     assert again.returncode == 0 and out.with_suffix(".png").is_file(), again.stderr[-2000:]

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
+from hf_models import DEEPSEEK_V3, hf_model, save_fused, tokens
 from safetensors.torch import save_file
 
 import trillora
-from hf_models import DEEPSEEK_V3, hf_model, save_fused, tokens
 from trillora.checkpoint import dequantize_blockwise, quantize_blockwise
 
 
@@ -81,7 +81,7 @@ def test_fp8_checkpoint_matches_dequantised_reference(tmp_path, block):
 
     got = trillora.load_model(out)
     want = trillora.load_model(_write(reference, hf, tmp_path / "dequantised"))
-    for (k, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items()):
+    for (k, a), (_, b) in zip(got.state_dict().items(), want.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
     from test_checkpoint import assert_expert_slice
 

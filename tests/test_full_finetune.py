@@ -8,18 +8,19 @@ import json
 
 import pytest
 import torch
+from conftest import SMALL_RUN
 from safetensors.torch import load_file
 
 from trillora.checkpoint import load_model
 from trillora.config import load_config
 from trillora.errors import ConfigError
 from trillora.trainer import Trainer
-from conftest import SMALL_RUN
 
 
 def full_run(tmp_path, name: str, *extra: str) -> Trainer:
-    return Trainer(load_config(None, [f"out_dir={tmp_path}", *SMALL_RUN, "finetune=full", f"name={name}",
-                                      "optim.lr=1e-3", *extra]))
+    return Trainer(
+        load_config(None, [f"out_dir={tmp_path}", *SMALL_RUN, "finetune=full", f"name={name}", "optim.lr=1e-3", *extra])
+    )
 
 
 def test_every_weight_trains_and_the_engine_and_export_follow(tmp_path):
@@ -30,8 +31,13 @@ def test_every_weight_trains_and_the_engine_and_export_follow(tmp_path):
     assert summary["finetune"] == "full"
     after = dict(trainer.model.named_parameters())
     moved = {n for n, p in base.named_parameters() if not torch.equal(p, after[n])}
-    assert {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.experts.gate_up_proj",
-            "model.layers.3.self_attn.q_proj.weight", "model.norm.weight"} <= moved
+    assert {
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.3.self_attn.q_proj.weight",
+        "model.norm.weight",
+    } <= moved
     engine = trainer.engine.model.state_dict()  # the engine samples with bf16-rounded copies of every weight
     for n, p in after.items():
         assert torch.equal(engine[n].float(), p.detach().to(torch.bfloat16).float()), n
@@ -52,10 +58,11 @@ def test_a_resumed_full_run_ends_bit_identical(tmp_path):
     assert last[0]["loss"] == last[1]["loss"] and last[0]["flops_total"] == last[1]["flops_total"]
 
 
-@pytest.mark.parametrize("override, named", [("rollout.engine=openai", "rollout.engine"),
-                                             ("algorithm.kl_coef=0.1", "algorithm.kl_coef")])
+@pytest.mark.parametrize(
+    "override, named", [("rollout.engine=openai", "rollout.engine"), ("algorithm.kl_coef=0.1", "algorithm.kl_coef")]
+)
 def test_what_full_training_cannot_do_is_refused_by_name(tmp_path, override, named):
     with pytest.raises(ConfigError, match=named):
-        load_config(None, [f"out_dir={tmp_path}", "finetune=full", override, "rollout.urls=[\"http://x\"]"])
+        load_config(None, [f"out_dir={tmp_path}", "finetune=full", override, 'rollout.urls=["http://x"]'])
     with pytest.raises(ConfigError, match="finetune"):
         load_config(None, ["finetune=partial"])

@@ -12,10 +12,33 @@ from trillora.config import ConfigError, TrainConfig, load_config
 from trillora.tasks import ArithmeticTask, CountdownTask, DatasetError, Problem, evaluate
 from trillora.tasks.jsonl import read_rows
 
-KEYS = st.sampled_from(["steps", "seed", "name", "lora.rank", "lora.targets", "rollout.temperature", "rollout.top_p",
-                        "algorithm.mismatch", "algorithm.mismatch_band", "task.options", "optim.lr", "nope", "lora.nope", "a.b.c"])
-VALUES = st.one_of(st.integers(-5, 50), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
-                   st.text(max_size=12), st.lists(st.floats(0, 5), max_size=3), st.just('["attention"]'), st.just("{}"))
+KEYS = st.sampled_from(
+    [
+        "steps",
+        "seed",
+        "name",
+        "lora.rank",
+        "lora.targets",
+        "rollout.temperature",
+        "rollout.top_p",
+        "algorithm.mismatch",
+        "algorithm.mismatch_band",
+        "task.options",
+        "optim.lr",
+        "nope",
+        "lora.nope",
+        "a.b.c",
+    ]
+)
+VALUES = st.one_of(
+    st.integers(-5, 50),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.text(max_size=12),
+    st.lists(st.floats(0, 5), max_size=3),
+    st.just('["attention"]'),
+    st.just("{}"),
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -31,8 +54,17 @@ def test_config_loader_fuzz(pairs):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.one_of(st.text(max_size=30), st.dictionaries(st.text(max_size=6), st.one_of(st.text(max_size=6), st.integers()),
-                                                                 max_size=3).map(json.dumps)), max_size=5))
+@given(
+    st.lists(
+        st.one_of(
+            st.text(max_size=30),
+            st.dictionaries(st.text(max_size=6), st.one_of(st.text(max_size=6), st.integers()), max_size=3).map(
+                json.dumps
+            ),
+        ),
+        max_size=5,
+    )
+)
 def test_jsonl_loader_fuzz(tmp_path, lines):
     path = tmp_path / "fuzz.jsonl"
     path.write_text("\n".join(line.replace("\n", " ") for line in lines) + "\n")

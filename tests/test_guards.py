@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import SMALL_RUN
 from safetensors.torch import load_file
 
 import trillora.rl
@@ -14,7 +15,6 @@ from trillora.config import load_config
 from trillora.errors import TrainingDiverged
 from trillora.trainer import Trainer
 from trillora.trainer.update import PolicyUpdate
-from conftest import SMALL_RUN
 
 COMMON = [*SMALL_RUN, "eval_every=100", "checkpoint.every=1", "checkpoint.keep=20"]
 
@@ -44,8 +44,9 @@ def run(tmp_path, monkeypatch, bad_steps, *overrides):
     trainer = Trainer(load_config(None, [f"out_dir={tmp_path}", "name=g", *COMMON, *overrides]))
     synced = []
     real_sync = trainer.engine.sync
-    trainer.engine.sync = lambda model: synced.append(all(torch.isfinite(p).all() for _, p in
-                                                          trillora.lora.lora_parameters(model))) or real_sync(model)
+    trainer.engine.sync = lambda model: (
+        synced.append(all(torch.isfinite(p).all() for _, p in trillora.lora.lora_parameters(model))) or real_sync(model)
+    )
     return trainer, synced
 
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_messages import encode, play
 
-from trillora.envs.calculator import multiply
-from trillora.envs.env import Trajectory
 from trillora.chat.renderer import ChatRenderer
 from trillora.chat.tool_calls import ToolCall, detect_format, format_tool_call, parse_tool_calls
+from trillora.envs.calculator import multiply
+from trillora.envs.env import Trajectory
 from trillora.envs.tools import ToolEnv, function_schema
 from trillora.envs.trajectory import merge_trajectory
 from trillora.tiny import build_tokenizer
-from test_messages import encode, play
 
 HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
 
@@ -30,8 +30,10 @@ def tok():
 
 
 def test_a_call_as_the_model_writes_it_after_its_reasoning():
-    text = ("<|channel|>analysis<|message|>Need the product.<|end|><|start|>assistant"
-            '<|channel|>commentary to=functions.multiply <|constrain|>json<|message|>{"a": 12, "b": 3}')
+    text = (
+        "<|channel|>analysis<|message|>Need the product.<|end|><|start|>assistant"
+        '<|channel|>commentary to=functions.multiply <|constrain|>json<|message|>{"a": 12, "b": 3}'
+    )
     p = parse_tool_calls(text, "harmony")
     assert [(c.name, c.arguments) for c in p.tool_calls] == [("multiply", {"a": 12, "b": 3})]
     assert p.reasoning == "Need the product." and p.content == "" and p.errors == []
@@ -39,17 +41,26 @@ def test_a_call_as_the_model_writes_it_after_its_reasoning():
 
 def test_a_call_as_the_template_replays_it(tok):
     """Recipient after the role (`assistant to=functions.NAME<|channel|>commentary json`): the template's form."""
-    messages = [{"role": "user", "content": "12*3?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 3}}}]}]
+    messages = [
+        {"role": "user", "content": "12*3?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 3}}}],
+        },
+    ]
     text = tok.apply_chat_template(messages, tokenize=False).split("<|start|>user<|message|>12*3?<|end|>", 1)[1]
-    assert text == '<|start|>assistant to=functions.multiply<|channel|>commentary json<|message|>{"a": 12, "b": 3}<|call|>'
+    assert (
+        text == '<|start|>assistant to=functions.multiply<|channel|>commentary json<|message|>{"a": 12, "b": 3}<|call|>'
+    )
     p = parse_tool_calls(text, detect_format(tok))
     assert [(c.name, c.arguments) for c in p.tool_calls] == [("multiply", {"a": 12, "b": 3})]
 
 
 def test_final_channel_is_the_answer_and_broken_calls_are_kept_as_errors():
-    p = parse_tool_calls("<|channel|>analysis<|message|>easy<|end|><|start|>assistant<|channel|>final<|message|>36", "harmony")
+    p = parse_tool_calls(
+        "<|channel|>analysis<|message|>easy<|end|><|start|>assistant<|channel|>final<|message|>36", "harmony"
+    )
     assert (p.content, p.reasoning, p.tool_calls) == ("36", "easy", [])
     bad = parse_tool_calls('<|channel|>commentary to=functions.multiply json<|message|>{"a": 1', "harmony")
     assert bad.tool_calls == [] and "arguments are not valid JSON" in bad.errors[0]
@@ -65,26 +76,40 @@ def test_turn_stops_at_call_and_at_return(tok):
     ids = tok.convert_tokens_to_ids
     assert r.end_text == "<|return|>"
     assert r.stop_tokens == sorted([ids("<|return|>"), ids("<|call|>"), tok.eos_token_id])
-    turn = r.parse(encode(tok, "<|channel|>analysis<|message|>sum<|end|><|start|>assistant<|channel|>final<|message|>7<|return|>"),
-                   with_tools=False)
+    turn = r.parse(
+        encode(tok, "<|channel|>analysis<|message|>sum<|end|><|start|>assistant<|channel|>final<|message|>7<|return|>"),
+        with_tools=False,
+    )
     assert (turn.parsed.content, turn.reasoning, turn.truncated) == ("7", "sum", False)
 
 
 def test_tool_episode_merges_into_the_templates_rendering(tok):
     """The policy calls in the template's own header order, gets the result, answers; the merged
     sequence is the template's rendering of the whole conversation, the mask the policy's tokens."""
-    env = ToolEnv(ChatRenderer(tok), [{"role": "user", "content": "1234*567="}], [multiply],
-                  lambda text: float(text.strip() == "699678"))
+    env = ToolEnv(
+        ChatRenderer(tok),
+        [{"role": "user", "content": "1234*567="}],
+        [multiply],
+        lambda text: float(text.strip() == "699678"),
+    )
     call = ' to=functions.multiply<|channel|>commentary json<|message|>{"a": 1234, "b": 567}<|call|>'
     answer = "<|channel|>final<|message|>699678<|return|>"
     transitions = play(env, [call, answer])
     assert [t.reward for t in transitions] == [0.0, 1.0] and transitions[0].metrics["tool_calls"] == 1.0
     [sample] = merge_trajectory(Trajectory(transitions, []))
-    conversation = [{"role": "user", "content": "1234*567="},
-                    {"role": "assistant", "content": "", "tool_calls": [
-                        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 1234, "b": 567}}}]},
-                    {"role": "tool", "content": "699678"},
-                    {"role": "assistant", "content": "699678"}]
+    conversation = [
+        {"role": "user", "content": "1234*567="},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 1234, "b": 567}}}],
+        },
+        {"role": "tool", "content": "699678"},
+        {"role": "assistant", "content": "699678"},
+    ]
     whole = tok.apply_chat_template(conversation, tools=[function_schema(multiply)], tokenize=False)
     assert sample.tokens == encode(tok, whole)
-    assert tok.decode([t for t, m in zip(sample.tokens, sample.mask) if m], skip_special_tokens=False) == call + answer
+    assert (
+        tok.decode([t for t, m in zip(sample.tokens, sample.mask, strict=True) if m], skip_special_tokens=False)
+        == call + answer
+    )

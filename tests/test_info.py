@@ -72,8 +72,13 @@ def test_counts_near_published(name):
     c = count_params(resolve_args(name))
     total, tol_t, act, tol_a = PUBLISHED[name]
     args = resolve_args(name)
-    activated = (c.activated - c.embeddings if name.startswith("glm")
-                 else c.activated - args.vocab_size * args.hidden_size if name.startswith("gpt-oss") else c.activated)
+    activated = (
+        c.activated - c.embeddings
+        if name.startswith("glm")
+        else c.activated - args.vocab_size * args.hidden_size
+        if name.startswith("gpt-oss")
+        else c.activated
+    )
     assert abs(c.total / total - 1) < tol_t
     assert abs(activated / act - 1) < tol_a
 
@@ -83,8 +88,9 @@ def test_gpt_oss_as_released():
     for name, published in (("gpt-oss-120b", 65.3e9), ("gpt-oss-20b", 13.8e9)):
         c = count_params(resolve_args(name))
         assert abs(c.bytes_mxfp4_experts() / published - 1) < 0.01
-    out = subprocess.run([sys.executable, "-m", "trillora", "info", "gpt-oss-20b", "--json"], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "trillora", "info", "gpt-oss-20b", "--json"], capture_output=True, text=True, check=True
+    )
     info = json.loads(out.stdout)
     assert info["bytes_mxfp4_experts"] == count_params(resolve_args("gpt-oss-20b")).bytes_mxfp4_experts()
     assert info["structure"]["attention"].endswith("learned sinks; sliding window 128 on 12 of 24 layers")
@@ -110,7 +116,9 @@ def test_info_cli_on_bare_config(tmp_path):
     info = json.loads(out.stdout)
     assert info["total_params"] == count_params(resolve_args("kimi-k2")).total
     assert info["structure"]["experts"].startswith("384 routed (top-8")
-    table = subprocess.run([sys.executable, "-m", "trillora", "info", "deepseek-v3"], capture_output=True, text=True, check=True)
+    table = subprocess.run(
+        [sys.executable, "-m", "trillora", "info", "deepseek-v3"], capture_output=True, text=True, check=True
+    )
     assert "671.03B" in table.stdout and "MTP layers" in table.stdout
 
 
@@ -122,8 +130,21 @@ def test_info_cli_unknown_model_is_one_line_error():
 
 def test_info_cli_sizes_a_lora_adapter():
     out = subprocess.run(
-        [sys.executable, "-m", "trillora", "info", "kimi-k2", "--json", "--lora-rank", "128", "--expert-rank-rule", "divide_by_top_k"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "trillora",
+            "info",
+            "kimi-k2",
+            "--json",
+            "--lora-rank",
+            "128",
+            "--expert-rank-rule",
+            "divide_by_top_k",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     info = json.loads(out.stdout)["lora"]
     assert 0.0100 < info["fraction"] < 0.0112 and info["adapter_bytes"] == 4 * info["adapter_params"]

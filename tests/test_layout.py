@@ -1,5 +1,6 @@
 """The package layout pinned: imports run one way (models ← lora ← parallel ← policy ← trainer, serve;
-rl stands alone; chat and sandbox <- tasks <- envs; traces sit between envs and the faces that record and learn), no source file grows past ~400 lines, and the CLI needs to know one error class."""
+rl stands alone; chat and sandbox <- tasks <- envs; traces sit between envs and the faces that record and learn), no
+source file grows past ~400 lines, and the CLI needs to know one error class."""
 
 from __future__ import annotations
 
@@ -9,8 +10,29 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "trillora"
 MAX_LINES = 400
 
-EVERYTHING = {"errors", "rl", "tasks", "models", "checkpoint", "lora", "parallel", "rollout", "config", "plots", "trainer",
-              "tiny", "serve", "cli", "context", "policy", "traces", "plan", "envs", "chat", "sandbox"}
+EVERYTHING = {
+    "errors",
+    "rl",
+    "tasks",
+    "models",
+    "checkpoint",
+    "lora",
+    "parallel",
+    "rollout",
+    "config",
+    "plots",
+    "trainer",
+    "tiny",
+    "serve",
+    "cli",
+    "context",
+    "policy",
+    "traces",
+    "plan",
+    "envs",
+    "chat",
+    "sandbox",
+}
 ALLOWED = {
     "errors": set(),
     "rl": {"errors"},
@@ -23,14 +45,32 @@ ALLOWED = {
     "checkpoint": {"errors", "models"},
     "lora": {"errors", "models", "checkpoint"},
     "parallel": {"errors", "models", "lora", "rl"},
-    "plan": {"errors", "models", "lora", "parallel"},  # the planner prices the engine's layouts; the engine never asks it
+    "plan": {
+        "errors",
+        "models",
+        "lora",
+        "parallel",
+    },  # the planner prices the engine's layouts; the engine never asks it
     "rollout": {"errors", "models", "lora", "checkpoint"},
     "config": {"errors", "lora", "parallel", "rl", "rollout", "tasks"},
     "plots": {"errors"},
     "policy": {"errors", "models", "lora", "parallel", "rl", "rollout"},
     "trainer": EVERYTHING - {"cli", "tiny", "serve"},
     "traces": {"errors", "tasks", "envs"},
-    "serve": {"errors", "models", "checkpoint", "lora", "parallel", "rl", "rollout", "policy", "tasks", "envs", "chat", "traces"},
+    "serve": {
+        "errors",
+        "models",
+        "checkpoint",
+        "lora",
+        "parallel",
+        "rl",
+        "rollout",
+        "policy",
+        "tasks",
+        "envs",
+        "chat",
+        "traces",
+    },
     "tiny": EVERYTHING - {"cli", "serve"},
     "cli": EVERYTHING,
     "__init__": {"checkpoint", "models"},
@@ -46,7 +86,7 @@ def imported_parts(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
+            base = package[: len(package) - node.level + 1] if node.level else []
             target = base + (node.module.split(".") if node.module else [])
             if target[:1] == ["trillora"]:
                 out |= set(target[1:2]) if len(target) > 1 else {a.name for a in node.names}
@@ -78,8 +118,9 @@ def test_imports_run_one_way():
 
 def test_models_export_no_rl_names():
     """Router replay and routing records are hooks applied from outside; a MoE block holds no RL state."""
-    import trillora.models as models
     from hf_models import CONFIGS
+
+    import trillora.models as models
     from trillora.models import MoE, from_hf_config
 
     assert not {n for n in models.__all__ if "routing" in n or "replay" in n}
@@ -103,14 +144,31 @@ def test_every_user_facing_error_is_a_trillora_error():
     from trillora.parallel import ParallelError
     from trillora.rollout import EngineError
     from trillora.rollout.vllm_sync import SyncError
+    from trillora.sandbox.jail import SandboxUnavailable
     from trillora.tasks import DatasetError
     from trillora.tasks.guard import RewardError
-    from trillora.sandbox.jail import SandboxUnavailable
 
     assert RunConfigError is ModelConfigError is ConfigError
-    for cls in (CheckpointError, CheckpointCorrupt, ConfigError, MissingPath, TrainingDiverged, AdapterError,
-                LoraConfigError, ParallelError, EngineError, SyncError, DatasetError, RewardError, SandboxUnavailable):
+    for cls in (
+        CheckpointError,
+        CheckpointCorrupt,
+        ConfigError,
+        MissingPath,
+        TrainingDiverged,
+        AdapterError,
+        LoraConfigError,
+        ParallelError,
+        EngineError,
+        SyncError,
+        DatasetError,
+        RewardError,
+        SandboxUnavailable,
+    ):
         assert issubclass(cls, TrilloraError), cls
-    classes = [n.name for p in SRC.rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
-               if isinstance(n, ast.ClassDef) and n.name.endswith(("Error", "Corrupt", "Diverged", "Unavailable"))]
+    classes = [
+        n.name
+        for p in SRC.rglob("*.py")
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.ClassDef) and n.name.endswith(("Error", "Corrupt", "Diverged", "Unavailable"))
+    ]
     assert len(classes) == len(set(classes)), "an error class is defined twice"

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from docs_pages import bash_block
 from engine_helpers import post_json, running_server, serve_process
-from trillora.cli import start_learning
+
+from trillora.cli.commands import start_learning
 from trillora.config import load_config
 from trillora.policy.logprobs import token_logprobs
 from trillora.serve.config import ServeConfig
@@ -70,9 +70,24 @@ def record(store, service, trace: str, revision: str, shift: float, reward: floa
     tokens = [1, 100, 34, 32, 18, 31, 99, 62, 21, 14, 33, 98]
     lp = served_logprobs(service, tokens)
     prompt, completion = tokens[:prompt_len], tokens[prompt_len:]
-    behaviour = [x - shift for x in lp[prompt_len - 1:]]  # the behaviour policy gave each token e^-shift of ours
-    store.record([Call(f"r-{trace}", 0, trace, "k", "tiny-moe-chat", revision, "chat", prompt, completion, behaviour,
-                       {"temperature": 1.0})])
+    behaviour = [x - shift for x in lp[prompt_len - 1 :]]  # the behaviour policy gave each token e^-shift of ours
+    store.record(
+        [
+            Call(
+                f"r-{trace}",
+                0,
+                trace,
+                "k",
+                "tiny-moe-chat",
+                revision,
+                "chat",
+                prompt,
+                completion,
+                behaviour,
+                {"temperature": 1.0},
+            )
+        ]
+    )
     if reward is not None:
         store.add_feedback(Feedback(trace, "k", reward))
 
@@ -84,8 +99,14 @@ def test_traces_from_an_older_revision_carry_their_importance_ratios(service, tm
     and counted, a deleted one is never trained on, and nothing is trained twice."""
     store = TraceStore(str(tmp_path / "t.db"))
     published = []
-    learner = Learner(service.base, store, load_config(learn_config(tmp_path, cap=1.1)),
-                      lambda k, tensors, config: published.append(k), tmp_path / "learner", service.device)
+    learner = Learner(
+        service.base,
+        store,
+        load_config(learn_config(tmp_path, cap=1.1)),
+        lambda k, tensors, config: published.append(k),
+        tmp_path / "learner",
+        service.device,
+    )
     learner.revision = 3  # as if three revisions were out already
     record(store, service, "a", "tiny-moe-chat@3", 0.2, 1.0)
     record(store, service, "b", "tiny-moe-chat@2", 0.2, 0.0)
@@ -95,7 +116,9 @@ def test_traces_from_an_older_revision_carry_their_importance_ratios(service, tm
     assert learner.due()
     row = learner.step()
     assert row["is_ratio_mean"] == pytest.approx(math.exp(0.2), abs=1e-4)
-    assert row["is_ratio_min"] == pytest.approx(math.exp(0.2), abs=1e-4) and row["is_ratio_max"] == pytest.approx(math.exp(0.2), abs=1e-4)
+    assert row["is_ratio_min"] == pytest.approx(math.exp(0.2), abs=1e-4) and row["is_ratio_max"] == pytest.approx(
+        math.exp(0.2), abs=1e-4
+    )
     assert row["is_limited_frac"] == 1.0 and row["is_weight_mean"] == pytest.approx(1.1)
     assert row["dropped_stale"] == 1 and row["traces"] == 2 and row["served_by_max_lag"] == 1
     assert row["revision"] == 4 and published == [4] and row["grad_norm"] > 0
@@ -103,16 +126,28 @@ def test_traces_from_an_older_revision_carry_their_importance_ratios(service, tm
     assert trained == {"a": 4, "b": 4, "stale": -1}  # "gone" was deleted before any round saw it
     record(store, service, "long", "tiny-moe-chat@4", 0.0, 1.0)  # 12 tokens, over a round's budget of 10
     learner.cfg = dataclasses.replace(learner.cfg, learn=dataclasses.replace(learner.cfg.learn, max_tokens=10))
-    assert learner.step() is None and {r[0]: r[1] for r in store._read("SELECT trace_id, revision FROM trained")}["long"] == -1
+    assert (
+        learner.step() is None
+        and {r[0]: r[1] for r in store._read("SELECT trace_id, revision FROM trained")}["long"] == -1
+    )
     assert not learner.due() and learner.step() is None  # nothing is trained twice
     # a restarted learner resumes from the revision it published, adapter and AdamW state included
-    again = Learner(service.base, store, load_config(learn_config(tmp_path, cap=1.1)),
-                    lambda k, tensors, config: published.append(k), tmp_path / "learner", service.device)
+    again = Learner(
+        service.base,
+        store,
+        load_config(learn_config(tmp_path, cap=1.1)),
+        lambda k, tensors, config: published.append(k),
+        tmp_path / "learner",
+        service.device,
+    )
     assert again.revision == 4 and published == [4, 4]
     for k, p in learner.adapter.params.items():
         assert torch.equal(p, again.adapter.params[k]), k
     state = learner.adapter.optimizer.state[learner.adapter.params[next(iter(learner.adapter.params))]]
-    assert torch.equal(state["exp_avg"], again.adapter.optimizer.state[again.adapter.params[next(iter(again.adapter.params))]]["exp_avg"])
+    assert torch.equal(
+        state["exp_avg"],
+        again.adapter.optimizer.state[again.adapter.params[next(iter(again.adapter.params))]]["exp_avg"],
+    )
 
 
 def test_unscored_traces_take_the_reward_function_and_a_bad_one_is_left_out(service, tmp_path):
@@ -144,11 +179,14 @@ def test_the_traces_gate_replays_held_out_traces_that_are_never_trained_on(servi
     from trillora.traces.store import HELD_OUT
 
     path = tmp_path / "gate.toml"
-    path.write_text(LEARN.format(every=1, cap=2.0) + 'gate = "traces"\nholdout = 0.5\ngate_traces = 16\n'
-                    'reward = "reward_fns:even_first_token"\n')
+    path.write_text(
+        LEARN.format(every=1, cap=2.0) + 'gate = "traces"\nholdout = 0.5\ngate_traces = 16\n'
+        'reward = "reward_fns:even_first_token"\n'
+    )
     store = TraceStore(str(tmp_path / "t.db"))
-    learner = Learner(service.base, store, load_config(path), lambda *a: None, tmp_path / "learner", service.device,
-                      service.tokenizer)
+    learner = Learner(
+        service.base, store, load_config(path), lambda *a: None, tmp_path / "learner", service.device, service.tokenizer
+    )
     keys = [f"t{i}" for i in range(10)]
     for i, t in enumerate(keys):
         record(store, service, t, "tiny-moe-chat", 0.0, None, prompt_len=2 + i % 8)
@@ -161,11 +199,15 @@ def test_the_traces_gate_replays_held_out_traces_that_are_never_trained_on(servi
 
     engine = LocalEngine.sharing(service.base.model, service.tokenizer.pad_token_id or 0)  # the replays, by hand
     firsts = [store.calls(t, owner="k")[0] for t in held]
-    params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=stop_tokens(service.tokenizer, chat=True),
-                            seed=4242)
+    params = SamplingParams(
+        max_new_tokens=6, temperature=1.0, stop_token_ids=stop_tokens(service.tokenizer, chat=True), seed=4242
+    )
     with service.base.use(learner.adapter), torch.no_grad():
         out = engine.generate([c.prompt_ids for c in firsts], 1, params)
-    scores = [reward_fns.even_first_token([dataclasses.replace(c, completion_ids=o.token_ids)]) for c, (o,) in zip(firsts, out)]
+    scores = [
+        reward_fns.even_first_token([dataclasses.replace(c, completion_ids=o.token_ids)])
+        for c, (o,) in zip(firsts, out, strict=True)
+    ]
     assert row["gate_score"] == sum(scores) / len(scores) and learner.best == row["gate_score"]
     basis = learner.best_basis
     assert basis.startswith("traces:4:")
@@ -191,8 +233,14 @@ def test_a_round_whose_update_is_not_finite_consumes_its_traces(service, tmp_pat
     """A batch whose loss or gradient is not finite is not published and not retried every second:
     its traces are marked left out, and the adapter stays at the last published revision."""
     store = TraceStore(str(tmp_path / "t.db"))
-    learner = Learner(service.base, store, load_config(learn_config(tmp_path, every=1)), lambda *a: None,
-                      tmp_path / "learner", service.device)
+    learner = Learner(
+        service.base,
+        store,
+        load_config(learn_config(tmp_path, every=1)),
+        lambda *a: None,
+        tmp_path / "learner",
+        service.device,
+    )
     record(store, service, "poison", "tiny-moe-chat", 0.0, 1.0)
     learner.update = lambda batch: {"skipped_update": 1.0, "grad_norm": float("nan")}
     row = learner.step()
@@ -205,12 +253,21 @@ def test_the_gate_keeps_a_worse_revision_out(service, tmp_path):
     it is served; the first sets the bar, one scoring below it by more than the tolerance is not
     published, and the learner goes back to the revision that was."""
     path = tmp_path / "gate.toml"
-    path.write_text(LEARN.format(every=1, cap=2.0) + 'gate = "env"\ngate_tolerance = 0.0\n'
-                    '[task]\nname = "env"\noptions = { env = "trillora.envs.calculator:dataset", digits = [4, 3] }\n'
-                    "eval_problems = 4\nmax_turns = 3\n")
+    path.write_text(
+        LEARN.format(every=1, cap=2.0) + 'gate = "env"\ngate_tolerance = 0.0\n'
+        '[task]\nname = "env"\noptions = { env = "trillora.envs.calculator:dataset", digits = [4, 3] }\n'
+        "eval_problems = 4\nmax_turns = 3\n"
+    )
     store, published = TraceStore(str(tmp_path / "t.db")), []
-    learner = Learner(service.base, store, load_config(path), lambda k, tensors, config: published.append(k),
-                      tmp_path / "learner", service.device, service.tokenizer)
+    learner = Learner(
+        service.base,
+        store,
+        load_config(path),
+        lambda k, tensors, config: published.append(k),
+        tmp_path / "learner",
+        service.device,
+        service.tokenizer,
+    )
     record(store, service, "one", "tiny-moe-chat", 0.0, 1.0)
     row = learner.step()
     assert published == [1] and 0.0 <= row["gate_score"] <= 1.0 and learner.best == row["gate_score"]
@@ -268,8 +325,13 @@ def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tm
     2 rewarded traces: revisions are published and requests move onto them (the recorded revision
     says which served each), every request is answered, a rollback points the name back, and a
     restarted server resumes from the newest revision on disk."""
-    cfg = ServeConfig(model="tiny-moe-chat", port=0, api_key=["k1", "k2"], record=str(tmp_path / "t.db"),
-                      state_dir=str(tmp_path / "state"))
+    cfg = ServeConfig(
+        model="tiny-moe-chat",
+        port=0,
+        api_key=["k1", "k2"],
+        record=str(tmp_path / "t.db"),
+        state_dir=str(tmp_path / "state"),
+    )
     gen = running_server(cfg)
     server = next(gen)
     revisions = start_learning(server, str(learn_config(tmp_path)), poll_seconds=0.05)
@@ -279,8 +341,11 @@ def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tm
     def app(i: int) -> None:
         n = 0
         while not stop.is_set():
-            status, out = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": f"{i}+{n}="}],
-                                                             "max_tokens": 6, "metadata": {"task": "add"}})
+            status, out = post(
+                url,
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": f"{i}+{n}="}], "max_tokens": 6, "metadata": {"task": "add"}},
+            )
             statuses.append(status)
             if status == 200:
                 right = out["choices"][0]["message"]["content"].strip() == str(i + n)
@@ -299,7 +364,9 @@ def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tm
     assert listing["current"] >= 3 and listing["failures"] == 0, listing
     assert [r["revision"] for r in listing["revisions"]] == [listing["current"] - 1, listing["current"]]  # keep = 2
     assert set(statuses) == {200} and len(statuses) > 24
-    served_by = {c.revision for t in TraceStore(cfg.record).traces() for c in TraceStore(cfg.record).calls(t["trace_id"])}
+    served_by = {
+        c.revision for t in TraceStore(cfg.record).traces() for c in TraceStore(cfg.record).calls(t["trace_id"])
+    }
     assert "served:sample:tiny-moe-chat" in served_by and any("@" in r for r in served_by)  # base first, then revisions
     row = listing["revisions"][-1]["training"]
     assert row["traces"] >= 2 and "is_ratio_mean" in row and "loss" in row
@@ -320,8 +387,9 @@ def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tm
     assert status == 404 and "is not kept" in out["error"]["message"]
     next(gen, None)
 
-    gen = running_server(ServeConfig(model="tiny-moe-chat", port=0, api_key=["k1", "k2"], record=cfg.record,
-                                     state_dir=cfg.state_dir))
+    gen = running_server(
+        ServeConfig(model="tiny-moe-chat", port=0, api_key=["k1", "k2"], record=cfg.record, state_dir=cfg.state_dir)
+    )
     server = next(gen)
     again = start_learning(server, str(learn_config(tmp_path)), poll_seconds=60)
     assert again.current == listing["current"]  # resumed from the newest revision on disk
@@ -335,9 +403,27 @@ def test_the_product_demo_runs_small(tmp_path):
     published, the results file and its plot written (the committed 10-minute run is in the README)."""
     script = Path(__file__).resolve().parents[1] / "examples" / "product" / "run.py"
     out = tmp_path / "product.json"
-    run = subprocess.run([sys.executable, str(script), "--minutes", "0.4", "--idle-seconds", "3", "--eval-users", "8",
-                          "--eval-every", "12", "--clients", "4", "--out", str(out)], capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--minutes",
+            "0.4",
+            "--idle-seconds",
+            "3",
+            "--eval-users",
+            "8",
+            "--eval-every",
+            "12",
+            "--clients",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["requests_failed"] == 0 and report["record_failures"] == 0 and report["learning_failures"] == 0
@@ -362,8 +448,15 @@ def test_the_readme_learning_command_runs_as_written(tmp_path):
     key = serve[serve.index("--api-key") + 1]
     proc, url = serve_process(serve[1:], cwd=tmp_path)
     try:
-        assert post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "12+30="}], "max_tokens": 4},
-                    key=key)[0] == 200
+        assert (
+            post(
+                url,
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "12+30="}], "max_tokens": 4},
+                key=key,
+            )[0]
+            == 200
+        )
         req = urllib.request.Request(url + "/v1/revisions", headers={"Authorization": f"Bearer {key}"})
         listing = json.loads(urllib.request.urlopen(req, timeout=30).read())
         assert listing["model"] == "tiny-moe-chat" and listing["current"] is None and listing["failures"] == 0
@@ -371,8 +464,13 @@ def test_the_readme_learning_command_runs_as_written(tmp_path):
         proc.terminate()
         proc.wait(30)
     assert (tmp_path / "runs" / "traces.db").exists()
-    out = subprocess.run([str(Path(sys.executable).parent / "trillora"), *lines[2][1:]], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "trillora"), *lines[2][1:]],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout)["rounds"] == 0  # the one conversation above has no feedback: nothing to learn yet
     assert (tmp_path / "runs" / "from-traces" / "adapter" / "adapter_config.json").exists()
@@ -393,19 +491,29 @@ def test_trillora_train_learns_from_a_store_offline(service, tmp_path):
     store = TraceStore(str(db))
     for i, reward in enumerate([1.0, 0.0, 1.0, 0.0, 1.0]):
         record(store, service, f"t{i}", "tiny-moe-chat", 0.0, reward, prompt_len=4 + i)
-    overrides = ["task.name=\"traces\"", f"task.options={{store = \"{db}\"}}", "steps=5", f"out_dir=\"{tmp_path}\"",
-                 "name=\"offline\"", "lora.rank=4", "lora.targets=[\"mlp\", \"experts\"]", "learn.max_tokens=36"]
-    wrong = train(load_config(None, [*overrides, "name=\"wrong\""]))  # the default model (tiny-moe): another vocabulary
+    overrides = [
+        'task.name="traces"',
+        f'task.options={{store = "{db}"}}',
+        "steps=5",
+        f'out_dir="{tmp_path}"',
+        'name="offline"',
+        "lora.rank=4",
+        'lora.targets=["mlp", "experts"]',
+        "learn.max_tokens=36",
+    ]
+    wrong = train(load_config(None, [*overrides, 'name="wrong"']))  # the default model (tiny-moe): another vocabulary
     wrong_rows = [json.loads(line) for line in (tmp_path / "wrong" / "metrics.jsonl").read_text().splitlines()]
     assert wrong["rounds"] == 0 and wrong_rows == []
     assert {r[1] for r in store._read("SELECT trace_id, revision FROM trained")} == {-1}  # left out, counted as such
     store._write("DELETE FROM trained", [()])
-    overrides.append("model.path=\"tiny-moe-chat\"")
+    overrides.append('model.path="tiny-moe-chat"')
     summary = train(load_config(None, overrides))
     rows = [json.loads(line) for line in (tmp_path / "offline" / "metrics.jsonl").read_text().splitlines()]
     assert summary["rounds"] == len(rows) == 2 and summary["traces"] == 5  # 12 tokens a trace, 36 a round
     assert [r["traces"] for r in rows] == [3, 2] and rows[0]["is_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert rows[1]["served_by_max_lag"] == 1 and rows[1]["is_ratio_mean"] != pytest.approx(1.0, abs=1e-5)  # off-policy now
+    assert rows[1]["served_by_max_lag"] == 1 and rows[1]["is_ratio_mean"] != pytest.approx(
+        1.0, abs=1e-5
+    )  # off-policy now
     assert store.untrained(rewarded_only=True) == []
     saved = load_file(str(tmp_path / "offline" / "revisions" / "revision-2" / "adapter.safetensors"))
     model = load_model(resolve_model_path("tiny-moe-chat"))
@@ -422,12 +530,19 @@ def test_models_list_revisions_with_their_gate_scores(tmp_path):
 
     service = TinkerService(ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path / "state")))
     revisions = Revisions(service, "tiny-moe-chat", keep=2)
-    revisions.learner = SimpleNamespace(history=[{"revision": 1, "gate_score": 0.5}, {"revision": 2, "gate_score": 0.75},
-                                                 {"revision": 3, "gate_score": 0.8}])
+    revisions.learner = SimpleNamespace(
+        history=[
+            {"revision": 1, "gate_score": 0.5},
+            {"revision": 2, "gate_score": 0.75},
+            {"revision": 3, "gate_score": 0.8},
+        ]
+    )
     for k in (1, 2, 3):
         revisions.publish(k, {}, None)
     assert set(service.served()) == {"tiny-moe-chat", "tiny-moe-chat@2", "tiny-moe-chat@3"}  # keep = 2
-    assert revisions.models() == {"tiny-moe-chat@2": {"revision": 2, "current": False, "gate_score": 0.75},
-                                  "tiny-moe-chat@3": {"revision": 3, "current": True, "gate_score": 0.8},
-                                  "tiny-moe-chat": {"serves": "tiny-moe-chat@3"}}
+    assert revisions.models() == {
+        "tiny-moe-chat@2": {"revision": 2, "current": False, "gate_score": 0.75},
+        "tiny-moe-chat@3": {"revision": 3, "current": True, "gate_score": 0.8},
+        "tiny-moe-chat": {"serves": "tiny-moe-chat@3"},
+    }
     assert service.served()["tiny-moe-chat"] is service.served()["tiny-moe-chat@3"]  # the alias takes the revision

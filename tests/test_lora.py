@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 import transformers
+from hf_models import CONFIGS, hf_model, save_fused, tokens
 from safetensors.torch import load_file, save_file
 
 import trillora
-from hf_models import CONFIGS, hf_model, save_fused, tokens
 from trillora import lora
 from trillora.lora.layers import LoraGroupedExperts
 from trillora.models import set_grouped_gemm
@@ -98,7 +98,9 @@ def test_per_expert_layout_matches_merged_transformers_reference(adapted):
             continue
         weights[f"{module}.weight"] = weights[f"{module}.weight"] + delta
     save_file(weights, str(tmp / "released" / "model.safetensors"))
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp / "released", attn_implementation="eager", dtype=torch.float32)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp / "released", attn_implementation="eager", dtype=torch.float32
+    )
     with torch.no_grad():
         assert (merged(ids).logits - logits).abs().max().item() <= TOL
 
@@ -122,9 +124,8 @@ def test_merge_unmerge_and_adapter_off(adapted):
             assert torch.equal(model(ids), base)  # the reference policy is the base, bit for bit
         lora.merge(model)
         merged = model(ids)
-        with pytest.raises(RuntimeError, match="unmerge"):
-            with lora.disable_adapter(model):
-                pass
+        with pytest.raises(RuntimeError, match="unmerge"), lora.disable_adapter(model):
+            pass
         lora.unmerge(model)
         after = model(ids)
     assert (merged - logits).abs().max().item() <= TOL
@@ -139,7 +140,9 @@ def test_peft_trained_fused_adapter_imports(tmp_path):
     hf = hf_model(CONFIGS["qwen3_moe"])
     ids = tokens(hf.config.vocab_size)
     names = [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 2) for p in ("gate_up_proj", "down_proj")]
-    pcfg = PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=names, init_lora_weights=False)
+    pcfg = PeftLoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=names, init_lora_weights=False
+    )
     pm = get_peft_model(hf, pcfg)
     with torch.no_grad():
         ref = pm(ids).logits
@@ -226,12 +229,18 @@ def test_load_rejects_wrong_rank_and_missing_keys(tmp_path):
     randomise(model)
     path = lora.save_adapter(model, tmp_path / "a", expert_layout="per_expert")
     other = _tiny_model(rank=8)
-    with pytest.raises(lora.AdapterError, match=r"'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape \(4, 64\), the model's adapter needs \(8, 64\)"):
+    with pytest.raises(
+        lora.AdapterError,
+        match=r"'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape \(4, 64\), the model's "
+        r"adapter needs \(8, 64\)",
+    ):
         lora.load_adapter(other, path)
     tensors = load_file(str(path / "adapter_model.safetensors"))
     del tensors["base_model.model.model.layers.2.mlp.experts.7.down_proj.lora_B.weight"]
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    with pytest.raises(lora.AdapterError, match="missing key 'base_model.model.model.layers.2.mlp.experts.7.down_proj.lora_B.weight'"):
+    with pytest.raises(
+        lora.AdapterError, match="missing key 'base_model.model.model.layers.2.mlp.experts.7.down_proj.lora_B.weight'"
+    ):
         lora.load_adapter(_tiny_model(rank=4), path)
     with pytest.raises(lora.AdapterError, match="missing adapter_config.json"):
         lora.load_adapter(model, tmp_path)
@@ -250,7 +259,10 @@ def test_non_finite_adapter_is_never_saved(tmp_path):
     "kwargs, message",
     [
         (dict(rank=0), "lora.rank=0 is invalid; allowed: a positive integer"),
-        (dict(targets=("attention", "ffn")), "lora.targets='ffn' is invalid; allowed: attention, mlp, shared_experts, experts, router, lm_head"),
+        (
+            dict(targets=("attention", "ffn")),
+            "lora.targets='ffn' is invalid; allowed: attention, mlp, shared_experts, experts, router, lm_head",
+        ),
         (dict(expert_rank_rule="half"), "lora.expert_rank_rule='half' is invalid; allowed: same, divide_by_top_k"),
         (dict(dropout=1.0), "lora.dropout=1.0 is invalid"),
         (dict(dtype="fp8"), "lora.dtype='fp8' is invalid; allowed: float32, bfloat16, float16"),
@@ -266,11 +278,18 @@ def test_targets_by_role_and_glob():
 
     model = build_model(from_hf_config(CONFIGS["deepseek_v3"]), device="meta")
     t = lora.select_targets(model, lora.LoraConfig())
-    assert t["model.layers.0.self_attn.q_a_proj"] == "attention" and t["model.layers.0.self_attn.kv_b_proj"] == "attention"
-    assert t["model.layers.0.mlp.gate_proj"] == "mlp" and t["model.layers.1.mlp.shared_experts.down_proj"] == "shared_experts"
+    assert (
+        t["model.layers.0.self_attn.q_a_proj"] == "attention" and t["model.layers.0.self_attn.kv_b_proj"] == "attention"
+    )
+    assert (
+        t["model.layers.0.mlp.gate_proj"] == "mlp"
+        and t["model.layers.1.mlp.shared_experts.down_proj"] == "shared_experts"
+    )
     assert t["model.layers.2.mlp.experts"] == "experts"
     assert "model.layers.1.mlp.gate" not in t and "lm_head" not in t  # router and head off by default
-    only = lora.select_targets(model, lora.LoraConfig(targets=(), patterns=("*.o_proj",), exclude=("model.layers.0.*",)))
+    only = lora.select_targets(
+        model, lora.LoraConfig(targets=(), patterns=("*.o_proj",), exclude=("model.layers.0.*",))
+    )
     assert sorted(only) == ["model.layers.1.self_attn.o_proj", "model.layers.2.self_attn.o_proj"]
     with pytest.raises(ValueError, match="match no module"):
         lora.apply_lora(model, lora.LoraConfig(targets=(), patterns=("nothing*",)))
@@ -279,8 +298,8 @@ def test_targets_by_role_and_glob():
 def test_kimi_k2_rank_128_adapter_sizes():
     """The seed's setting, rank 128 on dense and expert layers of the real Kimi K2 config (meta device):
     8.0% of the base with rank 128 on every expert, 1.06% with expert rank 128 / top-8 = 16."""
-    from trillora.models.params import resolve_args
     from trillora.models import build_model
+    from trillora.models.params import resolve_args
 
     def stats(**cfg):
         model = build_model(resolve_args("kimi-k2"), device="meta")

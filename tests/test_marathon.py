@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from trillora.checkpoint import load_tokenizer
-from trillora.errors import ConfigError
 from trillora.envs.env import EnvGroupBuilder
 from trillora.envs.env_dataset import load_env_dataset
 from trillora.envs.ledger import LedgerEnv
 from trillora.envs.marathon import MarathonEnv, MarathonGroup
+from trillora.errors import ConfigError
 
 
 def test_two_ledgers_in_one_context_by_hand():
@@ -38,9 +38,20 @@ def test_two_ledgers_in_one_context_by_hand():
 
 def test_the_dataset_chains_inner_groups_and_refuses_group_rewards():
     tok = load_tokenizer("tiny-moe")
-    data = load_env_dataset({"env": "trillora.envs.marathon:dataset", "inner": "trillora.envs.ledger:dataset",
-                             "episodes": 3, "facts": 2, "distractors": 1}, tokenizer=tok, batch_size=2, group_size=4,
-                            eval_size=5, seed=0)
+    data = load_env_dataset(
+        {
+            "env": "trillora.envs.marathon:dataset",
+            "inner": "trillora.envs.ledger:dataset",
+            "episodes": 3,
+            "facts": 2,
+            "distractors": 1,
+        },
+        tokenizer=tok,
+        batch_size=2,
+        group_size=4,
+        eval_size=5,
+        seed=0,
+    )
     batch = data.get_batch(0)
     assert len(batch) == 2 and all(len(g.make_envs()) == 4 for g in batch)
     assert len(data.eval_batch()) == 5 and len(data.eval_batch()[0].make_envs()) == 1
@@ -54,8 +65,9 @@ def test_the_dataset_chains_inner_groups_and_refuses_group_rewards():
     with pytest.raises(ConfigError, match="group rewards"):
         MarathonGroup([Judged()], None)
     with pytest.raises(ConfigError, match="inner"):
-        load_env_dataset({"env": "trillora.envs.marathon:dataset"}, tokenizer=tok, batch_size=1, group_size=1,
-                         eval_size=1, seed=0)
+        load_env_dataset(
+            {"env": "trillora.envs.marathon:dataset"}, tokenizer=tok, batch_size=1, group_size=1, eval_size=1, seed=0
+        )
 
 
 def test_a_marathon_runs_through_the_engine_under_a_context_budget():
@@ -69,12 +81,24 @@ def test_a_marathon_runs_through_the_engine_under_a_context_budget():
 
     tok = load_tokenizer("tiny-moe")
     engine = LocalEngine(load_model("tiny-moe"), precision="fp32")
-    data = load_env_dataset({"env": "trillora.envs.marathon:dataset", "inner": "trillora.envs.ledger:dataset",
-                             "episodes": 4, "facts": 2, "distractors": 1}, tokenizer=tok, batch_size=2, group_size=2,
-                            eval_size=1, seed=0)
+    data = load_env_dataset(
+        {
+            "env": "trillora.envs.marathon:dataset",
+            "inner": "trillora.envs.ledger:dataset",
+            "episodes": 4,
+            "facts": 2,
+            "distractors": 1,
+        },
+        tokenizer=tok,
+        batch_size=2,
+        group_size=2,
+        eval_size=1,
+        seed=0,
+    )
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=0, stop_token_ids=(tok.eos_token_id,))
-    limits = EpisodeLimits(max_turns=16, max_model_len=512,
-                           memory=memory_factory(MemorySection(policy="truncate", budget=48), engine, tok))
+    limits = EpisodeLimits(
+        max_turns=16, max_model_len=512, memory=memory_factory(MemorySection(policy="truncate", budget=48), engine, tok)
+    )
     groups = run_groups(engine, list(data.get_batch(0)), params, limits)
     for t in (t for g in groups for t in g.trajectories):
         turns = [x for x in t.transitions if "episodes_done" in x.metrics]  # the policy's turns (not refills)

@@ -8,16 +8,15 @@ import time
 
 import pytest
 
-from trillora.envs.calculator import demonstration, multiply
-from trillora.envs.env import Trajectory, Transition
-from trillora.tasks.guard import RewardTimeout, time_limit
-from trillora.envs.messages import MessageEnv, Reply
 from trillora.chat.renderer import ChatRenderer
+from trillora.envs.calculator import demonstration, multiply
+from trillora.envs.env import Trajectory, TrajectoryGroup, Transition
+from trillora.envs.messages import MessageEnv, Reply
 from trillora.envs.tools import ToolEnv, function_schema
 from trillora.envs.trajectory import merge_trajectory
+from trillora.tasks.guard import RewardTimeout, time_limit
 from trillora.tiny import build_chat_tokenizer
 from trillora.trainer.episodes import episode_metrics
-from trillora.envs.env import TrajectoryGroup
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +35,13 @@ def test_renderer_finds_the_turn_end_and_renders_prompts(tok):
     assert r.stop_tokens == sorted([im_end, tok.eos_token_id])
     prompt = r.prompt([{"role": "user", "content": "2*3="}], [function_schema(multiply)])
     assert tok.decode(prompt, skip_special_tokens=False) == (
-        "<bos><|im_start|>system\ntools: multiply(a, b)<|im_end|><|im_start|>user\n2*3=<|im_end|><|im_start|>assistant\n")
-    turn = r.parse(encode(tok, '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>'),
-                   with_tools=True)
+        "<bos><|im_start|>system\ntools: multiply(a, "
+        "b)<|im_end|><|im_start|>user\n2*3=<|im_end|><|im_start|>assistant\n"
+    )
+    turn = r.parse(
+        encode(tok, '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call><|im_end|>'),
+        with_tools=True,
+    )
     assert not turn.truncated and turn.parsed.content == ""
     assert turn.message["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 2, "b": 3}}
     assert r.parse(encode(tok, "6"), with_tools=True).truncated  # no end-of-turn token
@@ -59,7 +62,9 @@ def play(env, actions):
     for text in actions:
         action = encode(env.renderer.tokenizer, text)
         result = env.step(action)
-        transitions.append(Transition(obs, action, [-0.5] * len(action), result.reward, result.episode_done, result.metrics))
+        transitions.append(
+            Transition(obs, action, [-0.5] * len(action), result.reward, result.episode_done, result.metrics)
+        )
         obs = result.next_observation
         if result.episode_done:
             break
@@ -67,8 +72,13 @@ def play(env, actions):
 
 
 def calc_env(tok, **kw):
-    return ToolEnv(ChatRenderer(tok), [{"role": "user", "content": "1234*567="}], [multiply],
-                   lambda text: float(text.strip() == "699678"), **kw)
+    return ToolEnv(
+        ChatRenderer(tok),
+        [{"role": "user", "content": "1234*567="}],
+        [multiply],
+        lambda text: float(text.strip() == "699678"),
+        **kw,
+    )
 
 
 def test_tool_episode_merges_into_the_templates_rendering(tok):
@@ -79,13 +89,20 @@ def test_tool_episode_merges_into_the_templates_rendering(tok):
     transitions = play(env, [call, "699678<|im_end|>"])
     assert [t.reward for t in transitions] == [0.0, 1.0] and transitions[-1].episode_done
     assert transitions[0].metrics["tool_calls"] == 1.0 and transitions[0].metrics["tool_error"] == 0.0
-    assert transitions[1].observation[-len(encode(tok, "<|im_start|>assistant\n")):] == encode(tok, "<|im_start|>assistant\n")
+    assert transitions[1].observation[-len(encode(tok, "<|im_start|>assistant\n")) :] == encode(
+        tok, "<|im_start|>assistant\n"
+    )
     [sample] = merge_trajectory(Trajectory(transitions, []))
-    whole = tok.apply_chat_template(demonstration(1234, 567, call=True), tools=[function_schema(multiply)], tokenize=False)
+    whole = tok.apply_chat_template(
+        demonstration(1234, 567, call=True), tools=[function_schema(multiply)], tokenize=False
+    )
     assert sample.tokens == encode(tok, whole)
-    assert tok.decode([t for t, m in zip(sample.tokens, sample.mask) if m], skip_special_tokens=False) == call + "699678<|im_end|>"
-    assert [lp for lp, m in zip(sample.logprobs, sample.mask) if m] == [-0.5] * sum(sample.mask)
-    assert all(lp == 0.0 for lp, m in zip(sample.logprobs, sample.mask) if not m)
+    assert (
+        tok.decode([t for t, m in zip(sample.tokens, sample.mask, strict=True) if m], skip_special_tokens=False)
+        == call + "699678<|im_end|>"
+    )
+    assert [lp for lp, m in zip(sample.logprobs, sample.mask, strict=True) if m] == [-0.5] * sum(sample.mask)
+    assert all(lp == 0.0 for lp, m in zip(sample.logprobs, sample.mask, strict=True) if not m)
 
 
 def hang(seconds: float) -> str:
@@ -107,18 +124,42 @@ def boom(x: int) -> int:
     raise ValueError(f"cannot handle {x}")
 
 
-@pytest.mark.parametrize("call, counter, says", [
-    ('<tool_call>{"name": "multiply", "arguments": {"a": 1</tool_call>', "parse_error", "not valid JSON"),
-    ('<tool_call>{"name": "multiply", "arguments": "{oops"}</tool_call>', "parse_error", "arguments are not valid JSON"),
-    ('<tool_call>{"name": "divide", "arguments": {"a": 1}}</tool_call>', "unknown_tool", "unknown tool 'divide'; available"),
-    ('<tool_call>{"name": "multiply", "arguments": {"a": 1}}</tool_call>', "bad_arguments", "missing a required argument"),
-    ('<tool_call>{"name": "multiply", "arguments": {"a": "1", "b": 2}}</tool_call>', "bad_arguments", "a must be integer"),
-    ('<tool_call>{"name": "boom", "arguments": {"x": 3}}</tool_call>', "tool_error", "ValueError: cannot handle 3"),
-    ('<tool_call>{"name": "hang", "arguments": {"seconds": 30}}</tool_call>', "tool_timeout", "timed out after 0.3 s"),
-])
+@pytest.mark.parametrize(
+    "call, counter, says",
+    [
+        ('<tool_call>{"name": "multiply", "arguments": {"a": 1</tool_call>', "parse_error", "not valid JSON"),
+        (
+            '<tool_call>{"name": "multiply", "arguments": "{oops"}</tool_call>',
+            "parse_error",
+            "arguments are not valid JSON",
+        ),
+        (
+            '<tool_call>{"name": "divide", "arguments": {"a": 1}}</tool_call>',
+            "unknown_tool",
+            "unknown tool 'divide'; available",
+        ),
+        (
+            '<tool_call>{"name": "multiply", "arguments": {"a": 1}}</tool_call>',
+            "bad_arguments",
+            "missing a required argument",
+        ),
+        (
+            '<tool_call>{"name": "multiply", "arguments": {"a": "1", "b": 2}}</tool_call>',
+            "bad_arguments",
+            "a must be integer",
+        ),
+        ('<tool_call>{"name": "boom", "arguments": {"x": 3}}</tool_call>', "tool_error", "ValueError: cannot handle 3"),
+        (
+            '<tool_call>{"name": "hang", "arguments": {"seconds": 30}}</tool_call>',
+            "tool_timeout",
+            "timed out after 0.3 s",
+        ),
+    ],
+)
 def test_every_bad_call_is_answered_and_counted(tok, call, counter, says):
-    env = ToolEnv(ChatRenderer(tok), [{"role": "user", "content": "go"}], [multiply, boom, hang], lambda t: 1.0,
-                  tool_timeout=0.3)
+    env = ToolEnv(
+        ChatRenderer(tok), [{"role": "user", "content": "go"}], [multiply, boom, hang], lambda t: 1.0, tool_timeout=0.3
+    )
     env.initial_observation()
     start = time.monotonic()
     result = env.step(encode(tok, call + "<|im_end|>"))
@@ -144,7 +185,9 @@ def test_episode_metrics_sum_turns_and_average_episodes(tok):
     bad = '<tool_call>{"name": "divide", "arguments": {}}</tool_call><|im_end|>'
     one = play(calc_env(tok), [bad, bad, "699678<|im_end|>"])
     two = play(calc_env(tok), ["699678<|im_end|>"])
-    m = episode_metrics([TrajectoryGroup([Trajectory(one, [], "done"), Trajectory(two, [], "done")], [0.0, 0.0], [{}, {}])])
+    m = episode_metrics(
+        [TrajectoryGroup([Trajectory(one, [], "done"), Trajectory(two, [], "done")], [0.0, 0.0], [{}, {}])]
+    )
     assert m["env/unknown_tool"] == 1.0 and m["env/tool_calls"] == 1.0 and m["env/answered"] == 1.0
     assert m["turns_mean"] == 2.0 and m["episodes_done"] == 2.0
 
@@ -158,9 +201,11 @@ def test_a_template_that_rewrites_history_starts_a_new_sequence(tok):
     """A template that shows only the last assistant turn: the next context is a fresh rendering and
     the trajectory trains as two sequences."""
     tok2 = build_chat_tokenizer()
-    tok2.chat_template = ("{%- for m in messages -%}{%- if m.role != 'assistant' or loop.last -%}"
-                          "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{%- endif -%}{%- endfor -%}"
-                          "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}")
+    tok2.chat_template = (
+        "{%- for m in messages -%}{%- if m.role != 'assistant' or loop.last -%}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}"
+    )
     env = Rewriting(ChatRenderer(tok2), [{"role": "user", "content": "hi"}])
     transitions = play(env, ["one<|im_end|>", "two<|im_end|>"])
     assert transitions[0].metrics["history_rewritten"] == 1.0
@@ -169,8 +214,7 @@ def test_a_template_that_rewrites_history_starts_a_new_sequence(tok):
 
 
 def test_time_limits_nest():
-    with pytest.raises(RewardTimeout):
-        with time_limit(0.5):
-            with time_limit(5.0):  # cut to what the outer has left
-                time.sleep(0.2)
-            time.sleep(3)  # the outer limit still fires after the inner one ends
+    with pytest.raises(RewardTimeout), time_limit(0.5):
+        with time_limit(5.0):  # cut to what the outer has left
+            time.sleep(0.2)
+        time.sleep(3)  # the outer limit still fires after the inner one ends

@@ -7,8 +7,8 @@ import json
 import pytest
 import transformers
 
-from trillora.models.params import shipped_config
 from trillora.models import ConfigError, from_hf_config, load_hf_config
+from trillora.models.params import shipped_config
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3", "qwen3-235b-a22b"])
@@ -54,7 +54,9 @@ def test_gpt_oss_windows_and_their_errors():
     assert (args.rope.theta, args.rope.factor, args.rope.truncate) == (150000.0, 32.0, False)
     bare = {k: v for k, v in cfg.items() if k not in ("layer_types", "rope_scaling", "rope_theta")}
     assert from_hf_config(bare) == args  # transformers' defaults for a config that names none of these
-    with pytest.raises(ConfigError, match=r"layer_types\[1\] = 'chunked_attention'; allowed: 'sliding_attention', 'full_attention'"):
+    with pytest.raises(
+        ConfigError, match=r"layer_types\[1\] = 'chunked_attention'; allowed: 'sliding_attention', 'full_attention'"
+    ):
         from_hf_config(dict(cfg, layer_types=["sliding_attention", "chunked_attention"] + cfg["layer_types"][2:]))
     with pytest.raises(ConfigError, match="layer_types has 2 entries for num_hidden_layers=24"):
         from_hf_config(dict(cfg, layer_types=["sliding_attention", "full_attention"]))
@@ -62,7 +64,11 @@ def test_gpt_oss_windows_and_their_errors():
 
 def test_unsupported_model_type_lists_supported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    with pytest.raises(ConfigError, match=r"config\.json: model_type 'llama' is not supported; supported model types: deepseek_v3, glm4_moe, gpt_oss, kimi_k2, qwen3, qwen3_moe"):
+    with pytest.raises(
+        ConfigError,
+        match=r"config\.json: model_type 'llama' is not supported; supported model types: deepseek_v3, glm4_moe, "
+        r"gpt_oss, kimi_k2, qwen3, qwen3_moe",
+    ):
         load_hf_config(tmp_path)
 
 
@@ -83,7 +89,10 @@ def test_invalid_json_names_line(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"num_experts_per_tok": 9, "n_routed_experts": 8, "n_group": 1, "topk_group": 1}, "num_experts_per_tok=9 must be in 1..8"),
+        (
+            {"num_experts_per_tok": 9, "n_routed_experts": 8, "n_group": 1, "topk_group": 1},
+            "num_experts_per_tok=9 must be in 1..8",
+        ),
         ({"n_group": 7}, "n_routed_experts=256 is not divisible by n_group=7"),
         ({"topk_group": 9}, "topk_group=9 must be in 1..n_group=8"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported; allowed: 'silu'"),

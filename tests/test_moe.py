@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_models import CONFIGS
+
 from trillora.models import build_model, from_hf_config, set_grouped_gemm
-from trillora.rollout.routing import record_routing
 from trillora.models.moe import ExpertSort, GroupedExperts, SigmoidRouter, dispatch_combine, grouped_linear
+from trillora.rollout.routing import record_routing
 
 
 def test_expert_sort_by_hand():
@@ -29,7 +29,9 @@ def test_grouped_linear_equals_loop(counts):
     gx, gw = torch.autograd.grad(y_g.square().sum(), (x, w))
     y_l = grouped_linear(x, w, counts_t, grouped=False)
     lx, lw = torch.autograd.grad(y_l.square().sum(), (x, w))
-    assert torch.allclose(y_g, y_l, atol=1e-5) and torch.allclose(gx, lx, atol=1e-4) and torch.allclose(gw, lw, atol=1e-4)
+    assert (
+        torch.allclose(y_g, y_l, atol=1e-5) and torch.allclose(gx, lx, atol=1e-4) and torch.allclose(gw, lw, atol=1e-4)
+    )
     start = 0
     for e, c in enumerate(counts):  # and each block is that expert's product
         assert torch.allclose(y_g[start : start + c], x[start : start + c] @ w[e].T, atol=1e-5)
@@ -52,7 +54,9 @@ def test_grouped_linear_slices_long_group_lists(monkeypatch):
     y_l = grouped_linear(x, w, counts, grouped=False)
     lx, lw = torch.autograd.grad(y_l.square().sum(), (x, w))
     assert calls == [moe.MAX_GROUPS, moe.MAX_GROUPS, 37]
-    assert torch.allclose(y_g, y_l, atol=1e-5) and torch.allclose(gx, lx, atol=1e-4) and torch.allclose(gw, lw, atol=1e-4)
+    assert (
+        torch.allclose(y_g, y_l, atol=1e-5) and torch.allclose(gx, lx, atol=1e-4) and torch.allclose(gw, lw, atol=1e-4)
+    )
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
@@ -94,7 +98,9 @@ def test_unaligned_shapes_fall_back_to_loop():
 
 
 def test_sigmoid_router_group_limit_by_hand():
-    args = from_hf_config(dict(CONFIGS["deepseek_v3"], n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=1))
+    args = from_hf_config(
+        dict(CONFIGS["deepseek_v3"], n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=1)
+    )
     r = SigmoidRouter(args)
     # make scores directly controllable: logits = x @ W.T with x = one-hot(0) -> logits = W[:, 0]
     with torch.no_grad():

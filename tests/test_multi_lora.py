@@ -4,15 +4,17 @@ one pass per adapter: logits, gradients and greedy samples equal, per adapter gr
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from hf_models import CONFIGS, hf_model, save_fused, tokens
 
 import trillora
-from hf_models import CONFIGS, hf_model, save_fused, tokens
 from trillora.lora.multi import RowAdapters
+from trillora.policy.adapters import ResidentBase
 from trillora.rollout.local import LocalEngine
 from trillora.rollout.types import SamplingParams
-from trillora.policy.adapters import ResidentBase
 
 TOL = 1e-5
 
@@ -22,9 +24,11 @@ def resident(request, tmp_path_factory):
     hf = hf_model(CONFIGS[request.param])
     base = ResidentBase(trillora.load_model(save_fused(hf, tmp_path_factory.mktemp(request.param))))
     g = torch.Generator().manual_seed(3)
-    adapters = [base.new_adapter(4, ("attention", "mlp", "shared_experts", "experts", "lm_head"), seed=1),
-                base.new_adapter(2, ("mlp", "shared_experts", "experts"), seed=2),  # another rank, fewer roles
-                base.new_adapter(8, ("attention",), seed=3)]
+    adapters = [
+        base.new_adapter(4, ("attention", "mlp", "shared_experts", "experts", "lm_head"), seed=1),
+        base.new_adapter(2, ("mlp", "shared_experts", "experts"), seed=2),  # another rank, fewer roles
+        base.new_adapter(8, ("attention",), seed=3),
+    ]
     with torch.no_grad():
         for a in adapters:
             for p in a.params.values():
@@ -51,11 +55,11 @@ def test_rows_of_several_adapters_in_one_pass_equal_each_alone(resident):
     ids = tokens(vocab, batch=sum(rows), length=24, seed=5)
     weights = torch.randn(ids.shape[0], ids.shape[1], vocab, generator=torch.Generator().manual_seed(6))
     starts = [0, 2, 3, 4, 6]
-    want = [alone(base, a, ids[s:e], weights[s:e]) for a, s, e in zip(order, starts, starts[1:])]
+    want = [alone(base, a, ids[s:e], weights[s:e]) for a, (s, e) in zip(order, itertools.pairwise(starts), strict=True)]
     with base.use_many(order, rows) as model:
         logits = model(ids)
         (logits * weights).sum().backward()
-    for (ref_logits, ref_grads), a, s, e in zip(want, order, starts, starts[1:]):
+    for (ref_logits, ref_grads), a, (s, e) in zip(want, order, itertools.pairwise(starts), strict=True):
         assert (logits[s:e].detach() - ref_logits).abs().max() < TOL
         for k, g in ref_grads.items():
             assert (a.params[k].grad - g).abs().max() < TOL * max(1.0, float(g.abs().max())), k
@@ -107,8 +111,11 @@ def ep_worker(rank: int, world: int, folder: str) -> None:
 
     ref = ResidentBase(trillora.load_model(folder))
     g = torch.Generator().manual_seed(3)
-    adapters = [ref.new_adapter(4, ("attention", "mlp", "shared_experts", "experts", "lm_head"), seed=1),
-                ref.new_adapter(2, ("mlp", "shared_experts", "experts"), seed=2), ref.new_adapter(8, ("attention",), seed=3)]
+    adapters = [
+        ref.new_adapter(4, ("attention", "mlp", "shared_experts", "experts", "lm_head"), seed=1),
+        ref.new_adapter(2, ("mlp", "shared_experts", "experts"), seed=2),
+        ref.new_adapter(8, ("attention",), seed=3),
+    ]
     with torch.no_grad():
         for a in adapters:
             for p in a.params.values():
@@ -134,7 +141,7 @@ def ep_worker(rank: int, world: int, folder: str) -> None:
         w = torch.cat([weights[r][part(r, k)] for r in rows])
         logits, grads = alone(ref, None if a is None else adapters[a], both, w)
         split = [len(range(4)[part(r, k)]) for r in rows]
-        want_logits[k] = dict(zip(rows, logits.split(split)))
+        want_logits[k] = dict(zip(rows, logits.split(split), strict=True))
         if a is not None:
             for name, grad in grads.items():
                 adapters[a].params[name].grad = grad
@@ -144,7 +151,7 @@ def ep_worker(rank: int, world: int, folder: str) -> None:
     for k in range(4):
         if rows[rank][k]:
             assert (logits[part(rank, k)].detach() - want_logits[k][rank]).abs().max() < TOL, k
-    for a, ours in zip(adapters, mine):
+    for a, ours in zip(adapters, mine, strict=True):
         for name, p in ours.params.items():
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             if base.placement.is_expert(name):  # every rank's rows routed to these experts came here
@@ -171,15 +178,15 @@ def test_one_generate_samples_several_revisions_as_each_alone(resident):
     prompts = [[5, 9, 2, 7], [3, 3], [8, 1, 4]]
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     want = []
-    for r, p in zip(revisions, prompts):
+    for r, p in zip(revisions, prompts, strict=True):
         with base.use(r):
             engine.forget()
             want.append(engine.generate([p], 2, params)[0])
     with base.use_many(revisions, [1, 1, 1]):
         engine.forget()
         got = engine.generate(prompts, 2, params)  # prefill [3, T], then decode [6, 1]
-    for w, g in zip(want, got):
-        for a, b in zip(w, g):
+    for w, g in zip(want, got, strict=True):
+        for a, b in zip(w, g, strict=True):
             assert a.token_ids == b.token_ids
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < TOL
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < TOL
     assert len({tuple(c[0].token_ids) for c in got}) > 1  # the revisions really differ

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
+from hf_models import GPT_OSS, hf_model, tokens
 from safetensors.torch import save_file
 
 import trillora
-from hf_models import GPT_OSS, hf_model, tokens
 from trillora.checkpoint.hf import CheckpointError
 from trillora.models.gpt_oss.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
@@ -67,8 +67,15 @@ def _release(model, path, drop: str | None = None):
     path.mkdir()
     save_file(tensors, str(path / "model.safetensors"))
     config = model.config.to_dict()
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
-                                     "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -82,9 +89,16 @@ def test_mxfp4_release_loads_like_transformers(tmp_path):
     path = _release(model, tmp_path / "mxfp4")
     ids = tokens(model.config.vocab_size)
     ours = trillora.load_model(path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32,
-        quantization_config=transformers.Mxfp4Config(dequantize=True)).float().eval()
+    ref = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            path,
+            attn_implementation="eager",
+            dtype=torch.float32,
+            quantization_config=transformers.Mxfp4Config(dequantize=True),
+        )
+        .float()
+        .eval()
+    )
     with torch.no_grad():
         got, want, unquantised = ours(ids), ref(ids).logits, model(ids).logits
     assert (got - want).abs().max().item() <= 1e-4

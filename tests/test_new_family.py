@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import QWEN3_MOE, hf_model, tokens
 
 import trillora
-from hf_models import QWEN3_MOE, hf_model, tokens
 from trillora import lora
 from trillora.checkpoint import resolve_model_path
 from trillora.config import load_config
@@ -32,8 +32,11 @@ def toy_family(tmp_path, monkeypatch):
     shutil.copytree(MODELS / "qwen3_moe", folder, ignore=shutil.ignore_patterns("__pycache__"))
     init = folder / "__init__.py"
     text = init.read_text()
-    for old, new in (('name="qwen3_moe"', 'name="toy_moe"'), ('model_types=("qwen3_moe", "qwen3")', 'model_types=("toy_moe",)'),
-                     ('{"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen3ForCausalLM": "qwen3"}', '{"ToyMoeForCausalLM": "toy_moe"}')):
+    for old, new in (
+        ('name="qwen3_moe"', 'name="toy_moe"'),
+        ('model_types=("qwen3_moe", "qwen3")', 'model_types=("toy_moe",)'),
+        ('{"Qwen3MoeForCausalLM": "qwen3_moe", "Qwen3ForCausalLM": "qwen3"}', '{"ToyMoeForCausalLM": "toy_moe"}'),
+    ):
         assert old in text, old
         text = text.replace(old, new)
     init.write_text(text)
@@ -69,9 +72,20 @@ def test_a_new_family_loads_and_matches_transformers(toy_family, tmp_path):
 
 def test_a_new_family_trains_a_lora_step(toy_family, tmp_path):
     checkpoint = as_toy(Path(shutil.copytree(resolve_model_path("tiny-moe"), tmp_path / "toy")))
-    cfg = load_config(None, [f"out_dir={tmp_path}", f"model.path={checkpoint}", "steps=1", "eval_every=1",
-                             "rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_problems=8",
-                             "task.eval_samples=1", "task.retention=\"\""])
+    cfg = load_config(
+        None,
+        [
+            f"out_dir={tmp_path}",
+            f"model.path={checkpoint}",
+            "steps=1",
+            "eval_every=1",
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=4",
+            "task.eval_problems=8",
+            "task.eval_samples=1",
+            'task.retention=""',
+        ],
+    )
     trainer = Trainer(cfg)
     trainer.run()
     assert trainer.model.args.family == "toy_moe"
@@ -83,8 +97,9 @@ def test_a_new_family_trains_a_lora_step(toy_family, tmp_path):
 
 
 def test_a_model_type_is_read_by_one_family(toy_family):
-    clash = type(toy_family)(name="other", model_types=("toy_moe",), architectures={}, parse=toy_family.parse,
-                             build=toy_family.build)
+    clash = type(toy_family)(
+        name="other", model_types=("toy_moe",), architectures={}, parse=toy_family.parse, build=toy_family.build
+    )
     with pytest.raises(ConfigError, match="'toy_moe' is already read by family 'toy_moe'"):
         registry.register(clash)
     assert from_hf_config(dict(QWEN3_MOE, model_type="toy_moe")).family == "toy_moe"

@@ -17,21 +17,26 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
-
 from engine_helpers import free_port
 from gloo_ranks import run_ranks
 from hf_models import DEEPSEEK_V3, GLM4_MOE, GPT_OSS, QWEN3_MOE
+from torch.distributed.tensor import Shard
+
 from trillora import lora
 from trillora.models import build_model, from_hf_config
-from trillora.policy.logprobs import token_logprobs
 from trillora.parallel import ParallelDims, ParallelError, build_meshes, parallelize
 from trillora.parallel.data_parallel import expert_parameter_names
+from trillora.policy.logprobs import token_logprobs
 
 pytestmark = pytest.mark.slow  # spawned multi-rank layouts
 
 # gpt-oss with a 4-token window, so the T = 10 rows (and cp's chunks) cross it
-FAMILIES = {"qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE, "gpt_oss": dict(GPT_OSS, sliding_window=4)}
+FAMILIES = {
+    "qwen3_moe": QWEN3_MOE,
+    "deepseek_v3": DEEPSEEK_V3,
+    "glm4_moe": GLM4_MOE,
+    "gpt_oss": dict(GPT_OSS, sliding_window=4),
+}
 TARGETS = ("attention", "mlp", "shared_experts", "experts", "router")
 B, T = 8, 10
 
@@ -68,8 +73,10 @@ def train_loss(model, par, ids, adv, n_tokens: int) -> torch.Tensor:
     loss = 0
     for rows in torch.arange(ids.shape[0]).chunk(pipeline_calls(par, ids.shape[0])):
         a = adv[rows]
-        loss = loss + par.pipeline.train_step(ids[rows], lambda logp, entropy, r, a=a: -(a[r, None] * logp).sum() / n_tokens
-                                              - 0.01 * entropy.sum() / n_tokens)
+        loss = loss + par.pipeline.train_step(
+            ids[rows],
+            lambda logp, entropy, r, a=a: -(a[r, None] * logp).sum() / n_tokens - 0.01 * entropy.sum() / n_tokens,
+        )
     return loss
 
 
@@ -82,7 +89,7 @@ def ep_view(ref: torch.Tensor, is_expert: bool, par, meshes) -> torch.Tensor:
     """This rank's experts of a full reference tensor (everything, for non-expert tensors)."""
     if is_expert and par.dims.ep > 1:
         local = ref.shape[0] // par.dims.ep
-        ref = ref[meshes.rank("ep") * local:(meshes.rank("ep") + 1) * local]
+        ref = ref[meshes.rank("ep") * local : (meshes.rank("ep") + 1) * local]
     return ref
 
 
@@ -122,8 +129,13 @@ def run_layout(family: str, dims: ParallelDims, base_dtype: str = "float32") -> 
     rows = slice(dp_rank * B // dims.dp, (dp_rank + 1) * B // dims.dp)
     seen = []  # what the first norm receives: sequence shards under sp; twice when checkpointing recomputes
     first = model.model.layers[0] if par.pipeline is None or 0 in par.pipeline.stage_ids else None
-    hook = first.input_layernorm.register_forward_hook(
-        lambda m, args, out: seen.append(getattr(args[0], "placements", None))) if first is not None else None
+    hook = (
+        first.input_layernorm.register_forward_hook(
+            lambda m, args, out: seen.append(getattr(args[0], "placements", None))
+        )
+        if first is not None
+        else None
+    )
     loss = train_loss(model, par, ids[rows], adv[rows], n_tokens)
     if dims.sp:
         assert seen[0] == (Shard(1),), seen
@@ -131,7 +143,8 @@ def run_layout(family: str, dims: ParallelDims, base_dtype: str = "float32") -> 
         hook.remove()
         forwards = (dims.pp_microbatches or dims.num_stages) if par.pipeline else 1  # per call of the pipeline
         assert len(seen) == (2 if dims.activation_checkpoint_every else 1) * forwards * (
-            pipeline_calls(par, B // dims.dp) if par.pipeline else 1), seen  # static stage shapes: no extra forward
+            pipeline_calls(par, B // dims.dp) if par.pipeline else 1
+        ), seen  # static stage shapes: no extra forward
     sent = par.grad_sync()
     total = loss.detach().clone()
     dist.all_reduce(total, group=meshes.group("dp"))
@@ -157,7 +170,6 @@ def run_layout(family: str, dims: ParallelDims, base_dtype: str = "float32") -> 
         return
     check_traffic(model, ref, params, par, sent, pipeline_calls(par, B // dims.dp) if par.pipeline else 1)
 
-
     # three optimiser steps on both sides give the same adapter
     # eps 1e-5 (not 1e-8): Adam divides by sqrt(v), so with a tiny eps a gradient that is ~0 turns
     # summation-order rounding (1e-7 relative) into a large part of a step; 1e-5 bounds that (with
@@ -175,8 +187,13 @@ def run_layout(family: str, dims: ParallelDims, base_dtype: str = "float32") -> 
     ref_params = dict(lora.lora_parameters(ref))
     for name, p in params.items():
         want = ep_view(ref_params[name].detach(), name in experts, par, meshes)
-        torch.testing.assert_close(full(p.detach()), want, rtol=1e-4, atol=5e-5,  # 0.5% of one lr step
-                                   msg=lambda m, n=name: f"{n} after 3 steps: {m}")
+        torch.testing.assert_close(
+            full(p.detach()),
+            want,
+            rtol=1e-4,
+            atol=5e-5,  # 0.5% of one lr step
+            msg=lambda m, n=name: f"{n} after 3 steps: {m}",
+        )
 
 
 def check_traffic(model, ref, params, par, sent: int, backwards: int) -> None:
@@ -225,39 +242,75 @@ def spawn(world: int, family: str, layouts: list[dict]) -> None:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_two_rank_layouts_match_single_process(family):
-    spawn(2, family, [dict(dp=2), dict(dp=2, fsdp=False), dict(tp=2), dict(tp=2, sp=True), dict(tp=2, vocab_parallel=True),
-                      dict(dp=2, ep=2, activation_checkpoint_every=1), dict(dp=2, base_dtype="bfloat16")])
+    spawn(
+        2,
+        family,
+        [
+            dict(dp=2),
+            dict(dp=2, fsdp=False),
+            dict(tp=2),
+            dict(tp=2, sp=True),
+            dict(tp=2, vocab_parallel=True),
+            dict(dp=2, ep=2, activation_checkpoint_every=1),
+            dict(dp=2, base_dtype="bfloat16"),
+        ],
+    )
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_pipeline_and_context_parallel_match_single_process(family):
     """pp2 under every schedule (interleaved and zero-bubble ones: 4 stages, the first of embeddings
     only), cp2 with and without FSDP over the context ranks; loss, gradients, logprob pass, 3 steps."""
-    spawn(2, family, [dict(pp=2, pp_schedule=s) for s in ("gpipe", "1f1b", "interleaved_1f1b",
-                                                           "interleaved_zero_bubble", "zbv")]
-          + [dict(cp=2), dict(cp=2, fsdp=False)])
+    spawn(
+        2,
+        family,
+        [dict(pp=2, pp_schedule=s) for s in ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv")]
+        + [dict(cp=2), dict(cp=2, fsdp=False)],
+    )
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_four_rank_layouts_match_single_process(family):
-    spawn(4, family, [dict(dp=4, ep=4), dict(dp=2, tp=2, ep=2), dict(dp=4, ep=2), dict(dp=2, tp=2),
-                      dict(dp=2, tp=2, fsdp=False), dict(dp=2, tp=2, ep=2, sp=True, vocab_parallel=True,
-                                                                   activation_checkpoint_every=1)])
+    spawn(
+        4,
+        family,
+        [
+            dict(dp=4, ep=4),
+            dict(dp=2, tp=2, ep=2),
+            dict(dp=4, ep=2),
+            dict(dp=2, tp=2),
+            dict(dp=2, tp=2, fsdp=False),
+            dict(dp=2, tp=2, ep=2, sp=True, vocab_parallel=True, activation_checkpoint_every=1),
+        ],
+    )
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_four_rank_pipeline_and_context_layouts_match_single_process(family):
     """pp2×tp2, pp2×ep2 (over dp2, with and without FSDP), cp2×tp2 with sequence-parallel norms,
     cp2×ep2, and pp2×cp2: stages that see only their context rank's tokens."""
-    spawn(4, family, [dict(pp=2, tp=2), dict(pp=2, tp=2, vocab_parallel=True, pp_schedule="zbv"),
-                      dict(pp=2, dp=2, ep=2), dict(pp=2, dp=2, ep=2, fsdp=False, pp_schedule="interleaved_1f1b"),
-                      dict(cp=2, tp=2, sp=True), dict(cp=2, dp=2, ep=2), dict(pp=2, cp=2, activation_checkpoint_every=1)])
+    spawn(
+        4,
+        family,
+        [
+            dict(pp=2, tp=2),
+            dict(pp=2, tp=2, vocab_parallel=True, pp_schedule="zbv"),
+            dict(pp=2, dp=2, ep=2),
+            dict(pp=2, dp=2, ep=2, fsdp=False, pp_schedule="interleaved_1f1b"),
+            dict(cp=2, tp=2, sp=True),
+            dict(cp=2, dp=2, ep=2),
+            dict(pp=2, cp=2, activation_checkpoint_every=1),
+        ],
+    )
 
 
-@pytest.mark.parametrize("family, layout", [
-    ("deepseek_v3", dict(pp=2, dp=2, tp=2, ep=2, pp_schedule="interleaved_1f1b")),
-    ("qwen3_moe", dict(pp=2, cp=2, tp=2, vocab_parallel=True)),
-])
+@pytest.mark.parametrize(
+    "family, layout",
+    [
+        ("deepseek_v3", dict(pp=2, dp=2, tp=2, ep=2, pp_schedule="interleaved_1f1b")),
+        ("qwen3_moe", dict(pp=2, cp=2, tp=2, vocab_parallel=True)),
+    ],
+)
 def test_eight_rank_3d_layouts_match_single_process(family, layout):
     """Three axes at once on 8 processes: pp2 × dp2 × tp2 with ep2 (expert shards over dp), and
     pp2 × cp2 × tp2 with the head split over the vocabulary; one family each (8 processes on two
@@ -285,10 +338,21 @@ def test_layout_errors_name_the_failing_product():
         ParallelDims(tp=3).check_model(args)
 
 
-TRAIN_ARGS = ["steps=2", "eval_every=2", "rollout.prompts_per_step=8", "rollout.group_size=4", "rollout.precision=\"policy\"",
-              "lora.targets=[\"attention\", \"experts\"]", "task.eval_problems=16", "task.eval_samples=1",
-              "task.retention=\"\"", "optim.lr=0.01", "optim.eps=1e-6", "algorithm.minibatches=2",
-              "algorithm.kl_coef=0.01"]
+TRAIN_ARGS = [
+    "steps=2",
+    "eval_every=2",
+    "rollout.prompts_per_step=8",
+    "rollout.group_size=4",
+    'rollout.precision="policy"',
+    'lora.targets=["attention", "experts"]',
+    "task.eval_problems=16",
+    "task.eval_samples=1",
+    'task.retention=""',
+    "optim.lr=0.01",
+    "optim.eps=1e-6",
+    "algorithm.minibatches=2",
+    "algorithm.kl_coef=0.01",
+]
 
 
 def run_train(out_dir, name: str, *overrides: str, ranks: int = 1):
@@ -314,10 +378,15 @@ def single_run(tmp_path_factory):
     return run_train(tmp_path_factory.mktemp("single"), "one")
 
 
-@pytest.mark.parametrize("layout", [("parallel.tp=2", "parallel.ep=2"),
-                                    ("parallel.pp=2", "parallel.cp=2", "parallel.pp_schedule=\"interleaved_1f1b\""),
-                                    ("parallel.pp=2", "parallel.tp=2", "parallel.pp_microbatches=4")],
-                         ids=["dp2xtp2xep2", "pp2xcp2", "pp2xtp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("parallel.tp=2", "parallel.ep=2"),
+        ("parallel.pp=2", "parallel.cp=2", 'parallel.pp_schedule="interleaved_1f1b"'),
+        ("parallel.pp=2", "parallel.tp=2", "parallel.pp_microbatches=4"),
+    ],
+    ids=["dp2xtp2xep2", "pp2xcp2", "pp2xtp2"],
+)
 def test_torchrun_train_matches_single_process(tmp_path, single_run, layout):
     """`trillora train` on 4 ranks for two steps writes the same adapter as one process."""
     from safetensors.torch import load_file
@@ -331,10 +400,14 @@ def test_torchrun_train_matches_single_process(tmp_path, single_run, layout):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     one = [json.loads(line) for line in (single_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["sync_bytes"] == 0 for r in rows[1:])  # no copy to sync
-    for r, o in zip(rows[1:], one[1:]):  # the loss's metrics reach rank 0 from the last stage, averaged alike
+    for r, o in zip(
+        rows[1:], one[1:], strict=True
+    ):  # the loss's metrics reach rank 0 from the last stage, averaged alike
         for k in ("loss", "kl_ref", "entropy", "clip_frac", "grad_norm"):
             assert r[k] == pytest.approx(o[k], rel=1e-3, abs=1e-6), k
-    if "parallel.ep=2" in layout:  # per-step traffic: FSDP gathers the base, reduce-scatters LoRA gradients; EP sends tokens
+    if (
+        "parallel.ep=2" in layout
+    ):  # per-step traffic: FSDP gathers the base, reduce-scatters LoRA gradients; EP sends tokens
         for r in rows[1:]:
             assert r["comm_fsdp_all_gather_bytes"] > r["comm_fsdp_reduce_scatter_bytes"] > 0
             assert r["comm_ep_all_to_all_bytes"] > 0 and r["comm_dp_all_reduce_bytes"] == 0
@@ -370,7 +443,7 @@ def test_in_process_vllm_is_refused_under_torchrun(tmp_path, monkeypatch):
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets; refused before any process group starts
     with pytest.raises(ConfigError, match="under torchrun serve vLLM and use rollout.engine='openai'"):
-        Trainer(load_config(None, ["rollout.engine=\"vllm\"", f"out_dir={tmp_path}"]))
+        Trainer(load_config(None, ['rollout.engine="vllm"', f"out_dir={tmp_path}"]))
 
 
 def test_a_merged_engine_is_refused_under_torchrun_and_policy_samples_with_the_model(tmp_path, monkeypatch):
@@ -403,7 +476,9 @@ def test_micro_batches_accumulate_to_the_same_update(tmp_path):
         torch.testing.assert_close(ta[k], tb[k], rtol=1e-5, atol=3e-5, msg=lambda m, k=k: f"{k}: {m}")
     ra = [json.loads(line) for line in (a / "metrics.jsonl").read_text().splitlines()][1:]
     rb = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()][1:]
-    assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=1e-5, abs=1e-6)  # ~0: advantages sum to 0
+    assert [r["loss"] for r in ra] == pytest.approx(
+        [r["loss"] for r in rb], rel=1e-5, abs=1e-6
+    )  # ~0: advantages sum to 0
 
 
 def test_activation_checkpointing_in_one_process_changes_nothing_but_memory(tmp_path):
@@ -412,8 +487,17 @@ def test_activation_checkpointing_in_one_process_changes_nothing_but_memory(tmp_
     from trillora.config import load_config
     from trillora.trainer import Trainer
 
-    common = [f"out_dir={tmp_path}", "steps=1", "eval_every=1", "rollout.prompts_per_step=4", "rollout.group_size=4",
-              "task.eval_problems=8", "task.eval_samples=1", "task.retention=\"\"", "optim.lr=0.01"]
+    common = [
+        f"out_dir={tmp_path}",
+        "steps=1",
+        "eval_every=1",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=4",
+        "task.eval_problems=8",
+        "task.eval_samples=1",
+        'task.retention=""',
+        "optim.lr=0.01",
+    ]
     Trainer(load_config(None, ["name=plain", *common])).run()
     trainer = Trainer(load_config(None, ["name=ac", "parallel.activation_checkpoint_every=1", *common]))
     calls = []
@@ -426,8 +510,14 @@ def test_activation_checkpointing_in_one_process_changes_nothing_but_memory(tmp_
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-7)
 
 
-ENV_ARGS = ('task.name="env"', 'task.options={env = "trillora.envs.guessing:dataset", low = 1, high = 8}',
-            "task.max_turns=3", "rollout.max_new_tokens=3", "task.eval_problems=4", "optim.eps=1e-3")
+ENV_ARGS = (
+    'task.name="env"',
+    'task.options={env = "trillora.envs.guessing:dataset", low = 1, high = 8}',
+    "task.max_turns=3",
+    "rollout.max_new_tokens=3",
+    "task.eval_problems=4",
+    "optim.eps=1e-3",
+)
 """Every episode starts from the same observation, so the prompt's gradient contributions cancel to ~0
 across groups; Adam's eps=1e-3 keeps their summation-order noise from turning into visible steps."""
 
@@ -437,11 +527,15 @@ def single_env_run(tmp_path_factory):
     return run_train(tmp_path_factory.mktemp("env"), "one", *ENV_ARGS)
 
 
-@pytest.mark.parametrize("ranks, layout", [
-    (2, ("parallel.ep=2",)),
-    (2, ("parallel.tp=2",)),
-    (4, ("parallel.tp=2",)),
-], ids=["dp2xep2", "tp2", "dp2xtp2"])
+@pytest.mark.parametrize(
+    "ranks, layout",
+    [
+        (2, ("parallel.ep=2",)),
+        (2, ("parallel.tp=2",)),
+        (4, ("parallel.tp=2",)),
+    ],
+    ids=["dp2xep2", "tp2", "dp2xtp2"],
+)
 def test_torchrun_multi_turn_env_matches_single_process(tmp_path, single_env_run, ranks, layout):
     """Masked multi-turn rows (the guessing game: observations mask 0 between actions, rows of
     different lengths) train to the same adapter under data, expert and tensor parallelism as in
@@ -455,7 +549,7 @@ def test_torchrun_multi_turn_env_matches_single_process(tmp_path, single_env_run
     rows = [json.loads(line) for line in (par / "metrics.jsonl").read_text().splitlines()]
     ref_rows = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
     assert all(r["turns_mean"] > 1.0 for r in ref_rows[1:])
-    for r, o in zip(rows[1:], ref_rows[1:]):
+    for r, o in zip(rows[1:], ref_rows[1:], strict=True):
         assert r["turns_mean"] == o["turns_mean"]
         assert r["loss"] == pytest.approx(o["loss"], rel=1e-3, abs=1e-6)
         assert r["grad_norm"] == pytest.approx(o["grad_norm"], rel=1e-4)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from hf_models import CONFIGS, hf_model, save_fused, tokens
 
 import trillora
 from trillora.checkpoint.hf import CheckpointError
-from hf_models import CONFIGS, hf_model, save_fused, tokens
 
 TOL = 1e-4
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from gloo_ranks import run_ranks
 from hf_models import DEEPSEEK_V3, QWEN3_MOE
-from trillora.models.params import resolve_args
+
 from trillora.models import from_hf_config
+from trillora.models.params import resolve_args
 from trillora.parallel import ParallelDims
 from trillora.plan.clusters import CLUSTERS
 from trillora.plan.cost import Footprint, Training, Workload, activation_elements, estimate
@@ -58,7 +58,7 @@ def test_traffic_and_bubble_formulas_by_hand():
 def test_training_flops_by_hand():
     """Attention: 2 · 3 layers · (T/2 = 5) · 4 heads · (16 + 16) = 3840 per token. Full-parameter
     backward is two forwards; LoRA's is one forward plus the adapters' weight gradients."""
-    from trillora.plan.cost import training_flops
+    from trillora.plan.flops import training_flops
 
     args = from_hf_config(QWEN3_MOE, where="q")
     lora_fp, full_fp = Footprint(args, TINY), Footprint(args, Training(full=True))
@@ -93,7 +93,9 @@ def test_kimi_k2_lora_fits_64_h800_and_full_parameter_needs_five_times_more():
     training, work, h800 = Training(lora_rank=128), Workload(seq_len=16384, rollouts_per_step=512), CLUSTERS["h800"]
     p = plan(Footprint(args, training), 64, h800, work)
     assert p.fits and p.best[0].memory_total <= 72 * 2**30
-    assert p.best[0].memory["base weights"] == pytest.approx(1.0264e12 * 2 / 64, rel=0.05)  # bf16 base over 64 (+ stage imbalance)
+    assert p.best[0].memory["base weights"] == pytest.approx(
+        1.0264e12 * 2 / 64, rel=0.05
+    )  # bf16 base over 64 (+ stage imbalance)
     assert lora_vs_full(args, training, h800, work) == {"lora_min_gpus": 64, "full_min_gpus": 320, "ratio": 64 / 320}
     r = rollout_layout(args, 64, h800, weight_bytes=1)  # fp8 weights: 958 GiB needs 4 nodes per replica
     assert (r.tp, r.pp, r.replicas) == (8, 4, 2)
@@ -101,8 +103,24 @@ def test_kimi_k2_lora_fits_64_h800_and_full_parameter_needs_five_times_more():
 
 @pytest.mark.slow
 def test_plan_cli(tmp_path):
-    cmd = [sys.executable, "-m", "trillora", "plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu", "h100",
-           "--seq-len", "8192", "--rollouts", "64", "--lora-rank", "32"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trillora",
+        "plan",
+        "--model",
+        "qwen3-30b-a3b",
+        "--gpus",
+        "8",
+        "--gpu",
+        "h100",
+        "--seq-len",
+        "8192",
+        "--rollouts",
+        "64",
+        "--lora-rank",
+        "32",
+    ]
     out = subprocess.run(cmd + ["--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
@@ -110,12 +128,20 @@ def test_plan_cli(tmp_path):
     assert report["lora_vs_full"]["lora_min_gpus"] == 8 <= report["lora_vs_full"]["full_min_gpus"]  # one node at least
     text = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert "chosen layout on 8 GPUs" in text.stdout and "memory per GPU" in text.stdout
-    bad = subprocess.run([sys.executable, "-m", "trillora", "plan", "--model", "no-such-model"], capture_output=True,
-                         text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "trillora", "plan", "--model", "no-such-model"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "no-such-model" in bad.stderr
     # 97 ranks: a prime above the 48 layers, and 5 rows per step allow dp = 1 only
-    odd = subprocess.run([sys.executable, "-m", "trillora", "plan", "--model", "qwen3-30b-a3b", "--gpus", "97",
-                          "--rollouts", "5"], capture_output=True, text=True, timeout=60)
+    odd = subprocess.run(
+        [sys.executable, "-m", "trillora", "plan", "--model", "qwen3-30b-a3b", "--gpus", "97", "--rollouts", "5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert odd.returncode == 2 and "no layout of 97 ranks" in odd.stderr
 
 
@@ -128,9 +154,9 @@ def measure(family: str, dims) -> dict:
     """This rank's parameter bytes, measured activation peak, and counted collective bytes for
     one forward + backward of ROWS × T tokens (each data-parallel rank takes its share)."""
     from trillora import lora
-    from trillora.plan.memory_probe import MemoryProbe
     from trillora.models import build_model
     from trillora.parallel import build_meshes, parallelize
+    from trillora.plan.memory_probe import MemoryProbe
     from trillora.policy.logprobs import token_logprobs
 
     args = from_hf_config({"qwen3_moe": QWEN3_MOE, "deepseek_v3": DEEPSEEK_V3}[family], where=family)
@@ -148,9 +174,13 @@ def measure(family: str, dims) -> dict:
         else:
             (-token_logprobs(model, ids)[0].sum() / (ROWS * T)).backward()
     sent = par.grad_sync()
-    return {"param_bytes": sum(p.numel() * p.element_size() for p in local), "peak": probe.report.peak_bytes,
-            "reduce_scatter": par.fsdp.reduce_scatter_in if par.fsdp else 0, "all_reduce": sent,
-            "all_gather": par.fsdp.all_gather_out if par.fsdp else 0}
+    return {
+        "param_bytes": sum(p.numel() * p.element_size() for p in local),
+        "peak": probe.report.peak_bytes,
+        "reduce_scatter": par.fsdp.reduce_scatter_in if par.fsdp else 0,
+        "all_reduce": sent,
+        "all_gather": par.fsdp.all_gather_out if par.fsdp else 0,
+    }
 
 
 def worker(rank, world, family, layouts, results):
@@ -214,9 +244,14 @@ def test_parallel_auto_picks_a_layout_the_trainer_runs(tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{chosen} {k}: {m}")
 
 
-@pytest.mark.parametrize("example,model,gpus,gpu", [("kimi-k2-64xh800.toml", "kimi-k2", 64, "h800"),
-                                                    ("qwen3-30b-a3b-8gpu.toml", "qwen3-30b-a3b", 8, "h100"),
-                                                    ("gpt-oss-20b-python-tool.toml", "gpt-oss-20b", 8, "h100")])
+@pytest.mark.parametrize(
+    "example,model,gpus,gpu",
+    [
+        ("kimi-k2-64xh800.toml", "kimi-k2", 64, "h800"),
+        ("qwen3-30b-a3b-8gpu.toml", "qwen3-30b-a3b", 8, "h100"),
+        ("gpt-oss-20b-python-tool.toml", "gpt-oss-20b", 8, "h100"),
+    ],
+)
 def test_scale_examples_load_validate_and_fit(example, model, gpus, gpu):
     """The shipped scale configs: they load and validate, their layout suits the model and the
     world size, and the planner says that layout fits the GPUs' memory."""
@@ -230,8 +265,12 @@ def test_scale_examples_load_validate_and_fit(example, model, gpus, gpu):
     assert rows // dims.dp // dims.pp_microbatches == 1  # the 1-row microbatches the plan assumes
     lora = cfg.lora
     training = Training(lora_rank=lora.rank, expert_rank=lora.rank_for_experts(args.top_k), targets=tuple(lora.targets))
-    e = estimate(Footprint(args, training), dims, Workload(seq_len=cfg.rollout.max_model_len, rollouts_per_step=rows),
-                 CLUSTERS[gpu])
+    e = estimate(
+        Footprint(args, training),
+        dims,
+        Workload(seq_len=cfg.rollout.max_model_len, rollouts_per_step=rows),
+        CLUSTERS[gpu],
+    )
     assert e.memory_total <= CLUSTERS[gpu].memory_gib * 2**30 * 0.9, {k: v / 2**30 for k, v in e.memory.items()}
 
 
@@ -255,17 +294,44 @@ def test_service_plan_counts_what_an_expert_parallel_service_holds():
     held_base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
     held_client = sum(p.numel() for p in adapter.params.values())
     found = plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=8, seq_len=64, rows=4, base_bytes=4)
-    assert sorted((x.layout.pp, x.layout.cp, x.layout.tp, x.layout.sp, x.layout.vocab_parallel, x.layout.ep,
-                   x.layout.fsdp, x.layout.activation_checkpoint_every) for x in found) == \
-        [(pp, cp, tp, sp, v, ep, f, ac) for pp, cp, tp, sp, v, ep, fsdp in
-         [(1, 1, 1, False, False, 1, True), (1, 1, 1, False, False, 2, True), (1, 1, 2, False, False, 1, False),
-          (1, 1, 2, False, True, 1, False), (1, 1, 2, True, False, 1, False), (1, 1, 2, True, True, 1, False),
-          (1, 2, 1, False, False, 1, True), (2, 1, 1, False, False, 1, False)]
-         for f in sorted({False, fsdp}) for ac in (0, 1)]  # FSDP where there are dp × cp ranks to shard over
-    layouts = {x.layout.ep: x for x in found if (x.layout.pp, x.layout.cp, x.layout.tp, x.layout.activation_checkpoint_every,
-                                                 x.layout.fsdp) == (1, 1, 1, 0, False)}
-    sharded = next(x for x in found if x.layout.fsdp and x.layout.ep == 1 and not x.layout.activation_checkpoint_every
-                   and x.layout.cp == 1)
+    assert sorted(
+        (
+            x.layout.pp,
+            x.layout.cp,
+            x.layout.tp,
+            x.layout.sp,
+            x.layout.vocab_parallel,
+            x.layout.ep,
+            x.layout.fsdp,
+            x.layout.activation_checkpoint_every,
+        )
+        for x in found
+    ) == [
+        (pp, cp, tp, sp, v, ep, f, ac)
+        for pp, cp, tp, sp, v, ep, fsdp in [
+            (1, 1, 1, False, False, 1, True),
+            (1, 1, 1, False, False, 2, True),
+            (1, 1, 2, False, False, 1, False),
+            (1, 1, 2, False, True, 1, False),
+            (1, 1, 2, True, False, 1, False),
+            (1, 1, 2, True, True, 1, False),
+            (1, 2, 1, False, False, 1, True),
+            (2, 1, 1, False, False, 1, False),
+        ]
+        for f in sorted({False, fsdp})
+        for ac in (0, 1)
+    ]  # FSDP where there are dp × cp ranks to shard over
+    layouts = {
+        x.layout.ep: x
+        for x in found
+        if (x.layout.pp, x.layout.cp, x.layout.tp, x.layout.activation_checkpoint_every, x.layout.fsdp)
+        == (1, 1, 1, 0, False)
+    }
+    sharded = next(
+        x
+        for x in found
+        if x.layout.fsdp and x.layout.ep == 1 and not x.layout.activation_checkpoint_every and x.layout.cp == 1
+    )
     assert sharded.estimate.memory["base weights"] == pytest.approx(layouts[1].estimate.memory["base weights"] / 2)
     assert sharded.per_client_bytes == layouts[1].per_client_bytes  # the clients' adapters stay whole
     two = layouts[2]
@@ -286,19 +352,36 @@ def test_service_plan_counts_a_vocabulary_parallel_head_and_context_parallel_row
     model = load_model(resolve_model_path("tiny-moe-chat"))
     head, rank = model.lm_head.weight, 8
     found = plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=rank, seq_len=64, rows=4, base_bytes=4)
-    pick = {(x.layout.cp, x.layout.tp, x.layout.vocab_parallel): x for x in found
-            if x.layout.pp == 1 and x.layout.ep == 1 and not x.layout.activation_checkpoint_every and not x.layout.sp
-            and not x.layout.fsdp}
-    sp = next(x for x in found if x.layout.sp and not x.layout.vocab_parallel and not x.layout.activation_checkpoint_every)
-    assert sp.estimate.memory["activations"] < pick[1, 2, False].estimate.memory["activations"]  # norms on half the tokens
+    pick = {
+        (x.layout.cp, x.layout.tp, x.layout.vocab_parallel): x
+        for x in found
+        if x.layout.pp == 1
+        and x.layout.ep == 1
+        and not x.layout.activation_checkpoint_every
+        and not x.layout.sp
+        and not x.layout.fsdp
+    }
+    sp = next(
+        x for x in found if x.layout.sp and not x.layout.vocab_parallel and not x.layout.activation_checkpoint_every
+    )
+    assert (
+        sp.estimate.memory["activations"] < pick[1, 2, False].estimate.memory["activations"]
+    )  # norms on half the tokens
     whole, split = pick[1, 2, False], pick[1, 2, True]
     assert whole.estimate.memory["base weights"] - split.estimate.memory["base weights"] == head.numel() // 2 * 4
     assert whole.per_client_bytes - split.per_client_bytes == head.shape[0] // 2 * rank * (16 + REVISION_BYTES)
     assert split.estimate.memory["activations"] < whole.estimate.memory["activations"]
-    one = next(x for x in plan_service(model.args, 1, CLUSTERS["cpu"], clients=3, lora_rank=rank, seq_len=64, rows=4,
-                                       base_bytes=4) if not x.layout.activation_checkpoint_every)
+    one = next(
+        x
+        for x in plan_service(
+            model.args, 1, CLUSTERS["cpu"], clients=3, lora_rank=rank, seq_len=64, rows=4, base_bytes=4
+        )
+        if not x.layout.activation_checkpoint_every
+    )
     cp = pick[2, 1, False]  # the same 4 rows as one rank, half of each row's positions, and the gathered K/V
-    assert one.estimate.memory["activations"] / 2 < cp.estimate.memory["activations"] < one.estimate.memory["activations"]
+    assert (
+        one.estimate.memory["activations"] / 2 < cp.estimate.memory["activations"] < one.estimate.memory["activations"]
+    )
     assert cp.estimate.comm["cp K/V"] > 0 and cp.estimate.memory["base weights"] == one.estimate.memory["base weights"]
 
 
@@ -316,7 +399,11 @@ def test_service_plan_counts_what_a_pipeline_stage_holds():
     held_client = sum(p.numel() for p in adapter.params.values())
     found = plan_service(model.args, 2, CLUSTERS["cpu"], clients=3, lora_rank=8, seq_len=64, rows=4, base_bytes=4)
     staged = next(x for x in found if x.layout.pp == 2 and not x.layout.activation_checkpoint_every)
-    whole = next(x for x in found if (x.layout.pp, x.layout.tp, x.layout.ep, x.layout.activation_checkpoint_every) == (1, 1, 1, 0))
+    whole = next(
+        x
+        for x in found
+        if (x.layout.pp, x.layout.tp, x.layout.ep, x.layout.activation_checkpoint_every) == (1, 1, 1, 0)
+    )
     assert staged.estimate.memory["base weights"] == held_base * 4
     assert staged.per_client_bytes == held_client * (16 + REVISION_BYTES)
     assert staged.estimate.memory["base weights"] < whole.estimate.memory["base weights"]
@@ -340,9 +427,9 @@ def readme_plan(command: str) -> tuple[dict, str]:
     import contextlib
     import io
 
-    from trillora.cli import main
-
     from docs_pages import TEXT
+
+    from trillora.cli import main
 
     readme = " ".join(TEXT.split())
     assert command in readme
@@ -354,92 +441,164 @@ def readme_plan(command: str) -> tuple[dict, str]:
 
 def test_readme_service_plan_command():
     """The README's `trillora plan --tinker` example and the figures it quotes."""
-    out, readme = readme_plan("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 4096 "
-                              "--rollouts 8 --lora-rank 8 --clients 8")
-    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 8, "cp": 1, "sp": False, "fsdp": False, "vocab_parallel": False, "activation_checkpoint_every": 0,
-                             "pp_microbatches": 1}
+    out, readme = readme_plan(
+        "trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 4096 "
+        "--rollouts 8 --lora-rank 8 --clients 8"
+    )
+    assert out["chosen"] == {
+        "pp": 1,
+        "tp": 1,
+        "ep": 8,
+        "cp": 1,
+        "sp": False,
+        "fsdp": False,
+        "vocab_parallel": False,
+        "activation_checkpoint_every": 0,
+        "pp_microbatches": 1,
+    }
     assert "--ep 8" in out["command"]
     assert "--tp" not in out["command"] and "--pp" not in out["command"] and "--activation" not in out["command"]
     assert [x["call_s"] for x in out["layouts"]] == sorted(x["call_s"] for x in out["layouts"])
     eight = next(x for x in out["layouts"] if (x["pp"], x["cp"], x["tp"], x["ep"], x["fsdp"]) == (1, 1, 1, 8, False))
     m = eight["memory_gib"]
-    assert (round(m["base weights"], 1), round(m["activations"] + m["transient"], 1), round(eight["per_client_gib"], 1),
-            eight["max_clients"]) == (9.6, 45.9, 1.1, 14)
-    assert [(x["ep"], x["activation_checkpoint_every"]) for x in out["layouts"]
-            if x["fits"] and x["tp"] == 1 and x["pp"] == 1 and x["cp"] == 1 and not x["fsdp"]] == \
-        [(8, 0), (2, 1), (4, 1), (8, 1)]  # fastest first; without ac only ep=8 holds 8 clients
+    assert (
+        round(m["base weights"], 1),
+        round(m["activations"] + m["transient"], 1),
+        round(eight["per_client_gib"], 1),
+        eight["max_clients"],
+    ) == (9.6, 45.9, 1.1, 14)
+    assert [
+        (x["ep"], x["activation_checkpoint_every"])
+        for x in out["layouts"]
+        if x["fits"] and x["tp"] == 1 and x["pp"] == 1 and x["cp"] == 1 and not x["fsdp"]
+    ] == [(8, 0), (2, 1), (4, 1), (8, 1)]  # fastest first; without ac only ep=8 holds 8 clients
     one = next(x for x in out["layouts"] if (x["pp"], x["tp"], x["ep"]) == (1, 1, 1))
     assert one["memory_gib"]["base weights"] + one["memory_gib"]["activations"] > 72 and not one["fits"]
-    assert (f"this gives ep={out['chosen']['ep']} ({eight['max_clients']} clients would fit). The base takes "
-            f"{m['base weights']:.1f} GiB of each GPU and one pass of a 4096-token datum per GPU takes "
-            f"{m['activations'] + m['transient']:.1f} GiB. Each client costs {eight['per_client_gib']:.1f} GiB") in readme
+    assert (
+        f"this gives ep={out['chosen']['ep']} ({eight['max_clients']} clients would fit). The base takes "
+        f"{m['base weights']:.1f} GiB of each GPU and one pass of a 4096-token datum per GPU takes "
+        f"{m['activations'] + m['transient']:.1f} GiB. Each client costs {eight['per_client_gib']:.1f} GiB"
+    ) in readme
 
 
 def test_readme_service_plan_for_kimi_k2():
-    out, readme = readme_plan("trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 "
-                              "--rollouts 64 --lora-rank 8 --clients 2")
-    assert out["chosen"] == {"pp": 8, "pp_microbatches": 8, "tp": 1, "ep": 8, "cp": 1, "sp": False, "fsdp": False,
-                             "vocab_parallel": False, "activation_checkpoint_every": 1}
+    out, readme = readme_plan(
+        "trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 "
+        "--rollouts 64 --lora-rank 8 --clients 2"
+    )
+    assert out["chosen"] == {
+        "pp": 8,
+        "pp_microbatches": 8,
+        "tp": 1,
+        "ep": 8,
+        "cp": 1,
+        "sp": False,
+        "fsdp": False,
+        "vocab_parallel": False,
+        "activation_checkpoint_every": 1,
+    }
     sharded = next(x for x in out["layouts"] if x["fits"] and x["fsdp"] and (x["pp"], x["ep"]) == (1, 64))
     flat = next(x for x in out["layouts"] if x["fits"] and not x["fsdp"] and (x["pp"], x["ep"]) == (1, 64))
     assert sharded["per_client_gib"] == flat["per_client_gib"]
-    assert (f"With `--fsdp` the dense layers are sharded too: ep=64 then keeps "
-            f"{sharded['memory_gib']['base weights']:.1f} GiB of base per GPU and holds {sharded['max_clients']} clients, "
-            f"at {sharded['call_s'] / flat['call_s']:.2f}× the time per call") in readme
+    assert (
+        f"With `--fsdp` the dense layers are sharded too: ep=64 then keeps "
+        f"{sharded['memory_gib']['base weights']:.1f} GiB of base per GPU and holds {sharded['max_clients']} clients, "
+        f"at {sharded['call_s'] / flat['call_s']:.2f}× the time per call"
+    ) in readme
     assert "--pp 8 --pp-microbatches 8 --ep 8 --activation-checkpoint-every 1" in out["command"]
     fit = [x for x in out["layouts"] if x["fits"]]
     fit = [x for x in fit if not x["fsdp"]]
-    assert [(x["pp"], x["pp_microbatches"], x["cp"], x["tp"], x["ep"], x["activation_checkpoint_every"]) for x in fit] == \
-        [(8, 8, 1, 1, 8, 1), (1, 1, 1, 1, 64, 1), (2, 2, 1, 1, 32, 1), (4, 4, 1, 1, 16, 1)]
+    assert [
+        (x["pp"], x["pp_microbatches"], x["cp"], x["tp"], x["ep"], x["activation_checkpoint_every"]) for x in fit
+    ] == [(8, 8, 1, 1, 8, 1), (1, 1, 1, 1, 64, 1), (2, 2, 1, 1, 32, 1), (4, 4, 1, 1, 16, 1)]
     best, flat, two = fit[0], fit[1], fit[2]
-    assert (f"Without pipeline stages only ep=64 with activation checkpointing fits: "
-            f"{flat['memory_gib']['base weights']:.1f} GiB of base per GPU and {flat['per_client_gib']:.1f} GiB per "
-            f"client (rank 8 on each of the 384 experts), so {flat['max_clients']} clients.") in readme
-    assert (f"{best['memory_gib']['base weights']:.1f} GiB of base per GPU leave room for {best['max_clients']} clients, "
-            f"and a call takes {best['call_s']:.2f} s against ep=64's {flat['call_s']:.2f} s") in readme
+    assert (
+        f"Without pipeline stages only ep=64 with activation checkpointing fits: "
+        f"{flat['memory_gib']['base weights']:.1f} GiB of base per GPU and {flat['per_client_gib']:.1f} GiB per "
+        f"client (rank 8 on each of the 384 experts), so {flat['max_clients']} clients."
+    ) in readme
+    assert (
+        f"{best['memory_gib']['base weights']:.1f} GiB of base per GPU leave room for {best['max_clients']} clients, "
+        f"and a call takes {best['call_s']:.2f} s against ep=64's {flat['call_s']:.2f} s"
+    ) in readme
     assert f"({best['comm_s']:.2f} s of traffic per call against {flat['comm_s']:.2f} s across 64 GPUs)" in readme
-    assert (f"Two stages (`--pp 2 --pp-microbatches 2 --ep 32`) hold {two['memory_gib']['base weights']:.1f} GiB of base "
-            f"per GPU and room for {two['max_clients']} clients, at {two['call_s'] / flat['call_s']:.1f}× ep=64's time "
-            f"per call") in readme
+    assert (
+        f"Two stages (`--pp 2 --pp-microbatches 2 --ep 32`) hold {two['memory_gib']['base weights']:.1f} GiB of base "
+        f"per GPU and room for {two['max_clients']} clients, at {two['call_s'] / flat['call_s']:.1f}× ep=64's time "
+        f"per call"
+    ) in readme
 
 
 def test_readme_service_plan_for_a_long_datum():
-    out, readme = readme_plan("trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 32768 "
-                              "--rollouts 1 --lora-rank 8 --clients 8")
-    assert out["chosen"] == {"pp": 1, "tp": 1, "ep": 4, "cp": 2, "sp": False, "fsdp": False, "vocab_parallel": False,
-                             "activation_checkpoint_every": 1, "pp_microbatches": 1}
+    out, readme = readme_plan(
+        "trillora plan --model qwen3-30b-a3b --tinker --gpus 8 --gpu h100 --seq-len 32768 "
+        "--rollouts 1 --lora-rank 8 --clients 8"
+    )
+    assert out["chosen"] == {
+        "pp": 1,
+        "tp": 1,
+        "ep": 4,
+        "cp": 2,
+        "sp": False,
+        "fsdp": False,
+        "vocab_parallel": False,
+        "activation_checkpoint_every": 1,
+        "pp_microbatches": 1,
+    }
     assert "--cp 2 --ep 4 --activation-checkpoint-every 1" in out["command"]
 
     def layout(pp, cp, tp, sp, vocab, ep):
-        return next(x for x in out["layouts"] if (x["pp"], x["cp"], x["tp"], x["sp"], x["vocab_parallel"], x["ep"]) ==
-                    (pp, cp, tp, sp, vocab, ep) and x["activation_checkpoint_every"] and not x["fsdp"])
+        return next(
+            x
+            for x in out["layouts"]
+            if (x["pp"], x["cp"], x["tp"], x["sp"], x["vocab_parallel"], x["ep"]) == (pp, cp, tp, sp, vocab, ep)
+            and x["activation_checkpoint_every"]
+            and not x["fsdp"]
+        )
 
     def one_pass(x):
         return x["memory_gib"]["activations"] + x["memory_gib"]["transient"]
 
-    best, whole, vocab = layout(1, 2, 1, False, False, 4), layout(1, 1, 1, False, False, 4), layout(1, 1, 2, True, True, 4)
+    best, whole, vocab = (
+        layout(1, 2, 1, False, False, 4),
+        layout(1, 1, 1, False, False, 4),
+        layout(1, 1, 2, True, True, 4),
+    )
     fit = [x for x in out["layouts"] if x["fits"] and not x["fsdp"]]
     assert fit[:2] == [best, vocab] and not whole["fits"] and whole["max_clients"] == 0
     assert one_pass(best) < one_pass(vocab) < one_pass(whole)
-    assert (f"This picks `--cp 2 --ep 4 --activation-checkpoint-every 1` ({best['call_s']:.2f} s per call, "
-            f"{best['max_clients']} clients fit): the datum's pass takes {one_pass(best):.1f} GiB of a GPU. Without cp one "
-            f"rank runs the whole datum, and the same layout needs {one_pass(whole):.1f} GiB for it") in readme
-    assert (f"`--tp 2 --sp --vocab-parallel --ep 4` ({vocab['call_s']:.2f} s per call, {vocab['max_clients']} clients), needs "
-            f"{one_pass(vocab):.1f} GiB") in readme
+    assert (
+        f"This picks `--cp 2 --ep 4 --activation-checkpoint-every 1` ({best['call_s']:.2f} s per call, "
+        f"{best['max_clients']} clients fit): the datum's pass takes {one_pass(best):.1f} GiB of a GPU. Without cp one "
+        f"rank runs the whole datum, and the same layout needs {one_pass(whole):.1f} GiB for it"
+    ) in readme
+    assert (
+        f"`--tp 2 --sp --vocab-parallel --ep 4` ({vocab['call_s']:.2f} s per call, {vocab['max_clients']} clients), "
+        f"needs "
+        f"{one_pass(vocab):.1f} GiB"
+    ) in readme
 
 
 def test_readme_service_plan_with_divided_expert_rank(capsys):
     from trillora.cli import main
 
-    out, readme = readme_plan("trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 "
-                              "--rollouts 64 --lora-rank 8 --clients 2 --expert-rank 1")
+    out, readme = readme_plan(
+        "trillora plan --model kimi-k2 --tinker --gpus 64 --gpu h800 --seq-len 4096 "
+        "--rollouts 64 --lora-rank 8 --clients 2 --expert-rank 1"
+    )
     fit = [x for x in out["layouts"] if x["fits"]]
     best, flat = fit[0], fit[1]
     assert (best["pp"], best["ep"], flat["pp"], flat["ep"]) == (8, 8, 1, 64)
     assert "--expert-rank-rule divide_by_top_k" in out["command"]
-    assert (f"a client costs {flat['per_client_gib']:.2f} GiB at ep=64, which then holds {flat['max_clients']} clients; "
-            f"`--pp 8 --ep 8` holds {best['max_clients']}.") in readme
+    assert (
+        f"a client costs {flat['per_client_gib']:.2f} GiB at ep=64, which then holds {flat['max_clients']} clients; "
+        f"`--pp 8 --ep 8` holds {best['max_clients']}."
+    ) in readme
     capsys.readouterr()
-    assert main(["plan", "--model", "kimi-k2", "--tinker", "--lora-rank", "8", "--expert-rank", "3"]) != 0  # no such service
-    assert "--expert-rank 3 with --tinker: a service's expert adapters take the client's rank (8) or rank // top_k (1" \
+    assert (
+        main(["plan", "--model", "kimi-k2", "--tinker", "--lora-rank", "8", "--expert-rank", "3"]) != 0
+    )  # no such service
+    assert (
+        "--expert-rank 3 with --tinker: a service's expert adapters take the client's rank (8) or rank // top_k (1"
         in capsys.readouterr().err
+    )

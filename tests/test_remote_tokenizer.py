@@ -19,9 +19,12 @@ FOLDER = Path(__file__).parent / "data" / "kimi_tokenizer"
 
 def test_tokenizer_code_runs_only_when_allowed(tmp_path):
     folder = shutil.copytree(FOLDER, tmp_path / "kimi")
-    with pytest.raises(CheckpointError, match=r"tokenizer_config.json: the tokenizer is code \(tokenization_kimi.py, "
-                                              r"auto_map.AutoTokenizer\); read it, then allow it with model.trust_remote_code=true \(train\) "
-                                              r"or --trust-remote-code \(serve, eval, generate\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tokenizer_config.json: the tokenizer is code \(tokenization_kimi.py, "
+        r"auto_map.AutoTokenizer\); read it, then allow it with model.trust_remote_code=true \(train\) "
+        r"or --trust-remote-code \(serve, eval, generate\)",
+    ):
         load_tokenizer(folder)
 
 
@@ -59,18 +62,16 @@ def test_train_config_takes_the_option(tmp_path):
 def test_the_commands_take_the_option(tmp_path):
     """A checkpoint folder whose tokenizer is code: `generate` refuses it until told, and both
     server loads it with the option."""
+    import json
     import subprocess
     import sys
-
-    from trillora.checkpoint import resolve_model_path
-    from trillora.serve.tinker_service import ServeConfig, TinkerService
-
-    import json
 
     import torch
 
     from trillora import save_model
+    from trillora.checkpoint import resolve_model_path
     from trillora.models import build_model, from_hf_config
+    from trillora.serve.tinker_service import ServeConfig, TinkerService
 
     config = json.loads((resolve_model_path("tiny-moe") / "config.json").read_text())
     config["vocab_size"] = 288  # the test tokenizer's 276 ids, padded
@@ -86,9 +87,12 @@ def test_the_commands_take_the_option(tmp_path):
     shutil.copytree(folder, small)
     shutil.copy(resolve_model_path("tiny-moe") / "config.json", small / "config.json")
     shutil.copy(resolve_model_path("tiny-moe") / "model.safetensors", small / "model.safetensors")
-    mismatch = subprocess.run([*cmd[:4], str(small), *cmd[5:], "--trust-remote-code"], capture_output=True, text=True,
-                              timeout=300)
-    assert mismatch.returncode == 2 and "the tokenizer has 276 tokens but the model's vocab_size is 100" in mismatch.stderr
+    mismatch = subprocess.run(
+        [*cmd[:4], str(small), *cmd[5:], "--trust-remote-code"], capture_output=True, text=True, timeout=300
+    )
+    assert (
+        mismatch.returncode == 2 and "the tokenizer has 276 tokens but the model's vocab_size is 100" in mismatch.stderr
+    )
     allowed = subprocess.run(cmd + ["--trust-remote-code"], capture_output=True, text=True, timeout=300)
     assert allowed.returncode == 0 and allowed.stdout.startswith("the 12"), allowed.stderr
     service = TinkerService(ServeConfig(model=str(folder), state_dir=str(tmp_path / "state"), trust_remote_code=True))

@@ -20,8 +20,14 @@ from trillora.checkpoint import train_state
 
 pytestmark = pytest.mark.slow  # killed and resumed training runs, torchrun
 
-FAST = ["rollout.prompts_per_step=8", "rollout.group_size=4", "task.eval_problems=16", "task.eval_samples=1",
-        'task.retention=""', "deterministic=true"]
+FAST = [
+    "rollout.prompts_per_step=8",
+    "rollout.group_size=4",
+    "task.eval_problems=16",
+    "task.eval_samples=1",
+    'task.retention=""',
+    "deterministic=true",
+]
 
 
 def train(out_dir: Path, name: str, *overrides: str, ranks: int = 1, wait: bool = True):
@@ -29,8 +35,14 @@ def train(out_dir: Path, name: str, *overrides: str, ranks: int = 1, wait: bool 
     if ranks > 1:
         from engine_helpers import free_port
 
-        cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(ranks), "--master-port",
-               str(free_port()), *args]
+        cmd = [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--nproc-per-node",
+            str(ranks),
+            "--master-port",
+            str(free_port()),
+            *args,
+        ]
     else:
         cmd = [sys.executable, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -130,21 +142,27 @@ def test_sigkill_ten_times_then_resume_ends_bit_identical(tmp_path):
         found = train_state.find_latest(root)
         if found.path is not None:
             train_state.verify(found.path)  # what the next resume will pick is whole
-        kills.append((moment, json.loads((found.path / "state.json").read_text())["step"] if found.path else 0, in_write))
+        kills.append(
+            (moment, json.loads((found.path / "state.json").read_text())["step"] if found.path else 0, in_write)
+        )
     assert len(kills) == 10, kills
     assert any(w for _, _, w in kills) and kills[-1][1] < 24, kills  # at least one kill cut a write short
     train(tmp_path, "killed", *steps, "resume=true")
     assert_same(adapter(tmp_path / "killed"), adapter(tmp_path / "whole"))
-    last = [load_file(str(tmp_path / r / "checkpoints" / "step-000024" / "rank-0.safetensors")) for r in ("whole", "killed")]
+    last = [
+        load_file(str(tmp_path / r / "checkpoints" / "step-000024" / "rank-0.safetensors")) for r in ("whole", "killed")
+    ]
     assert_same(*last)  # AdamW state and the torch RNG too
     one = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     two = [json.loads(x) for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r.get("loss"), r.get("eval_accuracy"), r.get("flops_total")) for r in one] == \
-           [(r["step"], r.get("loss"), r.get("eval_accuracy"), r.get("flops_total")) for r in two]  # FLOPs carry over
+    assert [(r["step"], r.get("loss"), r.get("eval_accuracy"), r.get("flops_total")) for r in one] == [
+        (r["step"], r.get("loss"), r.get("eval_accuracy"), r.get("flops_total")) for r in two
+    ]  # FLOPs carry over
 
 
-@pytest.mark.parametrize("overrides", [("parallel.dp=2",), ("parallel.ep=2",), ("parallel.pp=2",)],
-                         ids=["dp2-fsdp", "dp2xep2", "pp2"])
+@pytest.mark.parametrize(
+    "overrides", [("parallel.dp=2",), ("parallel.ep=2",), ("parallel.pp=2",)], ids=["dp2-fsdp", "dp2xep2", "pp2"]
+)
 def test_resume_under_torchrun_equals_an_uninterrupted_run(tmp_path, overrides):
     train(tmp_path, "whole", "steps=4", "eval_every=4", *overrides, ranks=2)
     train(tmp_path, "split", "steps=2", "eval_every=4", *overrides, ranks=2)  # stops after 2 steps (a checkpoint)
@@ -163,8 +181,16 @@ def test_a_dead_rollout_server_fails_clearly_and_leaves_the_checkpoints_intact(t
     root = tmp_path / "run" / "checkpoints"
     before = {p.name: p.read_bytes() for p in (root / "step-000002").rglob("*") if p.is_file()}
     url = f"http://127.0.0.1:{free_port()}"
-    proc = train(tmp_path, "run", "steps=4", "eval_every=2", "resume=true", "rollout.engine=openai", f'rollout.urls=["{url}"]',
-                 wait=False)
+    proc = train(
+        tmp_path,
+        "run",
+        "steps=4",
+        "eval_every=2",
+        "resume=true",
+        "rollout.engine=openai",
+        f'rollout.urls=["{url}"]',
+        wait=False,
+    )
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 2 and f"trillora train: error: {url}" in err and "Traceback" not in err
     assert train_state.find_latest(root).path == root / "step-000002"

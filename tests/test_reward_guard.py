@@ -38,10 +38,17 @@ def boom(_):
     raise KeyError("score")
 
 
-@pytest.mark.parametrize("behaviour,cause", [(boom, "KeyError: 'score'"), (lambda _: float("nan"), "not a finite number"),
-                                             (lambda _: "high", "could not convert"), (spin, "no result after 0.2 s"),
-                                             (lambda _: time.sleep(30), "no result after 0.2 s")],
-                         ids=["raises", "nan", "not-a-number", "busy-loop", "sleep"])
+@pytest.mark.parametrize(
+    "behaviour,cause",
+    [
+        (boom, "KeyError: 'score'"),
+        (lambda _: float("nan"), "not a finite number"),
+        (lambda _: "high", "could not convert"),
+        (spin, "no result after 0.2 s"),
+        (lambda _: time.sleep(30), "no result after 0.2 s"),
+    ],
+    ids=["raises", "nan", "not-a-number", "busy-loop", "sleep"],
+)
 def test_a_bad_reward_fails_with_the_prompt_named_or_scores_zero(behaviour, cause):
     problem = Problem(prompt="12+30=", answer="42")
     with pytest.raises(RewardError, match=r"reward of task 'scripted' (failed|timed out) on prompt '12\+30='") as e:
@@ -60,24 +67,43 @@ def test_on_reward_error_is_validated():
 
 @pytest.mark.slow
 def test_train_stops_with_the_users_traceback_or_counts_failures(tmp_path):
-    (tmp_path / "flaky_reward.py").write_text(textwrap.dedent('''
+    (tmp_path / "flaky_reward.py").write_text(
+        textwrap.dedent("""
         def score(completion, row):
             if int(row["answer"]) % 3 == 0:
                 return row["missing"]  # the user's bug, on some rows only
             return float(completion.strip() == row["answer"])
-    '''))
+    """)
+    )
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(40) for b in range(40)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     options = f'task.options={{path = "{tmp_path / "data.jsonl"}", reward_fn = "flaky_reward:score"}}'
-    common = ["-m", "trillora", "train", f"out_dir={tmp_path}", "task.name=jsonl", options, 'task.retention=""', "steps=2",
-              "eval_every=2", "rollout.prompts_per_step=8", "rollout.group_size=4", "task.eval_problems=8"]
+    common = [
+        "-m",
+        "trillora",
+        "train",
+        f"out_dir={tmp_path}",
+        "task.name=jsonl",
+        options,
+        'task.retention=""',
+        "steps=2",
+        "eval_every=2",
+        "rollout.prompts_per_step=8",
+        "rollout.group_size=4",
+        "task.eval_problems=8",
+    ]
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run([sys.executable, *common, "name=fail"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 2
-    assert "flaky_reward.py\", line 4, in score" in out.stderr and "KeyError: 'missing'" in out.stderr
+    assert 'flaky_reward.py", line 4, in score' in out.stderr and "KeyError: 'missing'" in out.stderr
     assert "error: reward of task 'jsonl' failed on prompt '" in out.stderr
-    out = subprocess.run([sys.executable, *common, "name=zero", "task.on_reward_error=zero"], capture_output=True,
-                         text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, *common, "name=zero", "task.on_reward_error=zero"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads((tmp_path / "zero" / "summary.json").read_text())
     metrics = [json.loads(x) for x in (tmp_path / "zero" / "metrics.jsonl").read_text().splitlines()]

@@ -60,7 +60,9 @@ def test_aggregation_gradient_is_split_invariant(mode):
     old = logp.detach() + 0.1 * torch.randn(6, 5, generator=g)
     whole, _ = rl.policy_loss(logp, old, adv, mask, **kw)
     (g_whole,) = torch.autograd.grad(whole, logp)
-    parts = sum(rl.policy_loss(logp[s], old[s], adv[s], mask[s], **kw)[0] for s in (slice(0, 2), slice(2, 3), slice(3, 6)))
+    parts = sum(
+        rl.policy_loss(logp[s], old[s], adv[s], mask[s], **kw)[0] for s in (slice(0, 2), slice(2, 3), slice(3, 6))
+    )
     (g_parts,) = torch.autograd.grad(parts, logp)
     assert torch.allclose(whole, parts, atol=1e-6) and torch.allclose(g_whole, g_parts, atol=1e-6)
 
@@ -85,8 +87,16 @@ def test_policy_loss_clip_higher_by_hand():
 def test_policy_loss_weights_and_kl():
     logp = torch.zeros(1, 2, requires_grad=True)
     loss, m = rl.policy_loss(
-        logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), global_tokens=2, global_seqs=1,
-        is_weights_BT=torch.tensor([[2.0, 0.5]]), ref_logp_BT=torch.tensor([[-1.0, 0.0]]), kl_coef=0.1, kl_kind="k1",
+        logp,
+        torch.zeros(1, 2),
+        torch.tensor([1.0]),
+        torch.ones(1, 2),
+        global_tokens=2,
+        global_seqs=1,
+        is_weights_BT=torch.tensor([[2.0, 0.5]]),
+        ref_logp_BT=torch.tensor([[-1.0, 0.0]]),
+        kl_coef=0.1,
+        kl_kind="k1",
     )
     # pg: -(2·1 + 0.5·1)/2 = -1.25 ; kl k1: (1 + 0)/2 · 0.1 = 0.05
     assert loss.item() == pytest.approx(-1.25 + 0.05)
@@ -101,7 +111,11 @@ ONES = torch.ones(1, 2)
 def test_token_tis_caps_by_hand():
     w, m = rl.mismatch_weights(TRAINER, ROLLOUT, ONES, "token_tis", cap=1.5)
     assert torch.allclose(w, torch.tensor([[1.5, 0.5]]))
-    assert m["is_limited_frac"] == 0.5 and m["is_ratio_max"] == pytest.approx(2.0) and m["is_ratio_min"] == pytest.approx(0.5)
+    assert (
+        m["is_limited_frac"] == 0.5
+        and m["is_ratio_max"] == pytest.approx(2.0)
+        and m["is_ratio_min"] == pytest.approx(0.5)
+    )
     assert m["is_ess"] == pytest.approx(4 / 5)  # (1.5 + 0.5)^2 / (2 (2.25 + 0.25))
     assert m["mismatch_kl_k1"] == pytest.approx(0.0, abs=1e-6)  # -(ln 2 + ln 0.5) / 2
     assert m["mismatch_kl_k3"] == pytest.approx(((1 - math.log(2)) + (-0.5 + math.log(2))) / 2)

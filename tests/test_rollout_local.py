@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_models import CONFIGS
+
 from trillora import lora, rl
 from trillora.models import build_model, from_hf_config
-from trillora.rollout.routing import record_routing
-from trillora.trainer.batch import build_batch
 from trillora.policy.logprobs import token_logprobs
 from trillora.rollout import LocalEngine, SamplingParams
+from trillora.rollout.routing import record_routing
+from trillora.trainer.batch import build_batch
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 6], [11]]
 
@@ -29,7 +29,7 @@ def greedy_by_recompute(model, prompt, steps):
     with torch.no_grad():
         for _ in range(steps):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
@@ -37,7 +37,7 @@ def test_kv_cache_greedy_equals_full_recompute(name):
     model = tiny(name)
     engine = LocalEngine(model, precision="fp32")
     out = engine.generate(PROMPTS, 1, SamplingParams(max_new_tokens=12, temperature=0))
-    for prompt, group in zip(PROMPTS, out):
+    for prompt, group in zip(PROMPTS, out, strict=True):
         assert group[0].token_ids == greedy_by_recompute(model, prompt, 12)
         assert group[0].finish_reason == "length"
 

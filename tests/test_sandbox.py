@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from trillora.tasks import make_task
-from trillora.tasks.code import program_of, passes_tests
 from trillora.sandbox.jail import Limits, run_python
+from trillora.tasks import make_task
+from trillora.tasks.code import passes_tests, program_of
 
 FAST = Limits(cpu_seconds=1, wall_seconds=3.0)
 
@@ -75,10 +75,29 @@ def test_code_task_scores_programs_in_the_sandbox():
 
 @pytest.mark.slow
 def test_train_runs_the_code_task(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "trillora", "train", f"out_dir={tmp_path}", "name=code", "task.name=code",
-                          "task.options={tests = 2}", 'task.retention=""', "steps=1", "eval_every=1",
-                          "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
-                          "task.eval_problems=2", "task.eval_samples=1"], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trillora",
+            "train",
+            f"out_dir={tmp_path}",
+            "name=code",
+            "task.name=code",
+            "task.options={tests = 2}",
+            'task.retention=""',
+            "steps=1",
+            "eval_every=1",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=8",
+            "task.eval_problems=2",
+            "task.eval_samples=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads((tmp_path / "code" / "summary.json").read_text())
     assert summary["steps"] == 1 and 0.0 <= summary["eval_after"] <= 1.0

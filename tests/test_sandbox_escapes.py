@@ -4,6 +4,7 @@ Programs print what they managed; the host checks what they left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import trillora
-from trillora.tasks.guard import RewardTimeout, time_limit
 from trillora.sandbox.jail import LAUNCHER, Limits, jail_spec, run_python
+from trillora.tasks.guard import RewardTimeout, time_limit
 
 FAST = Limits(cpu_seconds=2, wall_seconds=5.0)
 SETNS = """
@@ -81,8 +82,9 @@ def server():
 
 def test_setns_into_the_host_network_fails(server):
     code = SETNS.replace("PORT", str(server))
-    control = subprocess.run(["unshare", "--net", sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=60)
+    control = subprocess.run(
+        ["unshare", "--net", sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert "connected" in control.stdout  # a network namespace alone, as root: setns back out and connect
     r = run_python(code, limits=FAST)
     assert "connected" not in r.stdout, r.stdout
@@ -106,7 +108,9 @@ print('root', sorted(os.listdir('/')))
 """
     r = run_python(code, limits=FAST)
     assert r.ok, r.stderr
-    seen = {line.split()[1]: line.split()[0] for line in r.stdout.splitlines() if line.split()[0] in ("read", "refused")}
+    seen = {
+        line.split()[1]: line.split()[0] for line in r.stdout.splitlines() if line.split()[0] in ("read", "refused")
+    }
     assert [seen[t] for t in targets] == ["refused", "refused", "refused", "read", "refused"], r.stdout
     assert "the key" not in r.stdout  # /root, when listed, holds only the Python install's path
     top = r.stdout.split("root ", 1)[1]
@@ -115,8 +119,13 @@ print('root', sorted(os.listdir('/')))
 
 def test_writes_stay_in_the_jail(tmp_path):
     tmp_path.chmod(0o777)
-    outside = [str(tmp_path / "escaped"), "/usr/escaped", os.path.join(sys.base_prefix, "escaped"), "/escaped",
-               "/proc/sys/kernel/hostname"]
+    outside = [
+        str(tmp_path / "escaped"),
+        "/usr/escaped",
+        os.path.join(sys.base_prefix, "escaped"),
+        "/escaped",
+        "/proc/sys/kernel/hostname",
+    ]
     code = f"""
 for t in {outside!r} + ['/box/ok', '/tmp/ok']:
     try:
@@ -155,7 +164,9 @@ def test_no_privilege_comes_back():
 import os
 status = dict(l.split(':\\t') for l in open('/proc/self/status').read().splitlines() if ':\\t' in l)
 print('uid', os.getuid(), os.geteuid(), 'caps', status['CapEff'], status['CapBnd'], 'nnp', status['NoNewPrivs'])
-for attempt in (lambda: os.setuid(0), lambda: os.chroot('/tmp'), lambda: os.mknod('/tmp/sda', 0o60600, os.makedev(8, 0))):
+attempts = (lambda: os.setuid(0), lambda: os.chroot('/tmp'),
+            lambda: os.mknod('/tmp/sda', 0o60600, os.makedev(8, 0)))
+for attempt in attempts:
     try:
         attempt(); print('allowed')
     except OSError as e:
@@ -180,13 +191,12 @@ def test_descendants_die_with_the_program(then, wall):
 
 def test_the_escape_works_without_the_jail():
     marker = f"trillora-escape-{uuid.uuid4().hex}"
-    proc = subprocess.Popen([sys.executable, "-c", _escaper(marker, "")], stdout=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _escaper(marker, "")], stdout=subprocess.PIPE, start_new_session=True
+    )
     proc.wait(timeout=30)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, 9)
-    except ProcessLookupError:
-        pass
     time.sleep(0.2)
     survivors = _alive(marker)
     for pid in survivors:
@@ -196,14 +206,15 @@ def test_the_escape_works_without_the_jail():
 
 def test_a_reward_time_limit_during_the_wait_kills_the_jail():
     marker = f"trillora-escape-{uuid.uuid4().hex}"
-    with pytest.raises(RewardTimeout):
-        with time_limit(1.5):
-            run_python(_escaper(marker, "time.sleep(60)"), limits=Limits(cpu_seconds=2, wall_seconds=60.0))
+    with pytest.raises(RewardTimeout), time_limit(1.5):
+        run_python(_escaper(marker, "time.sleep(60)"), limits=Limits(cpu_seconds=2, wall_seconds=60.0))
     assert _alive(marker) == []
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"),
-                    reason="needs root (to become another user), setpriv and a system python3")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"),
+    reason="needs root (to become another user), setpriv and a system python3",
+)
 def test_the_jail_as_a_normal_user(tmp_path, server):
     """The same jail started by an unprivileged user: user namespaces instead of root."""
     folder = Path(tempfile.mkdtemp(prefix="trillora-sandbox-user-"))
@@ -216,21 +227,38 @@ def test_the_jail_as_a_normal_user(tmp_path, server):
         secret = tmp_path / "secret.txt"
         secret.write_text("the key")
         secret.chmod(0o644)
-        code = SETNS.replace("PORT", str(server)) + f"""
+        code = (
+            SETNS.replace("PORT", str(server))
+            + f"""
 print('uid', os.getuid())
 try:
     print('read', open({str(secret)!r}).read())
 except OSError as e:
     print('refused', type(e).__name__)
 """
+        )
         python = os.path.realpath("/usr/bin/python3")
         spec = jail_spec(code, folder / "root", FAST, python, ["/usr"], ["/usr/lib/python3/dist-packages"])
         spec["seccomp_module"] = str(folder / "pyseccomp.py")
         read_end, write_end = os.pipe()
         spec["report_fd"] = write_end
-        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I", "-S",
-                              str(folder / "launcher.py"), json.dumps(spec)], capture_output=True, text=True,
-                             pass_fds=(write_end,), timeout=60)
+        out = subprocess.run(
+            [
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                python,
+                "-I",
+                "-S",
+                str(folder / "launcher.py"),
+                json.dumps(spec),
+            ],
+            capture_output=True,
+            text=True,
+            pass_fds=(write_end,),
+            timeout=60,
+        )
         os.close(write_end)
         with os.fdopen(read_end) as f:
             reports = [json.loads(line) for line in f.read().splitlines()]
@@ -252,7 +280,8 @@ print('session', libc.syscall(NR, 0, -3, 0), errno.errorcode.get(ctypes.get_errn
 found = libc.syscall(NR, 10, -3, b"user", b"trillora-test", 0)  # KEYCTL_SEARCH in @s
 print('search', found, errno.errorcode.get(ctypes.get_errno()))
 buf = ctypes.create_string_buffer(64)
-print('read', libc.syscall(NR, 11, KEY, buf, 64), errno.errorcode.get(ctypes.get_errno()), buf.value)  # KEYCTL_READ, by id
+# KEYCTL_READ, by id
+print('read', libc.syscall(NR, 11, KEY, buf, 64), errno.errorcode.get(ctypes.get_errno()), buf.value)
 print('proc', 'trillora-test' in open('/proc/keys').read())
 """
 
@@ -267,7 +296,9 @@ def test_the_host_keyring_is_out_of_reach():
     nr = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
     if nr is None or libc.syscall(nr, 1, None) < 0:  # KEYCTL_JOIN_SESSION_KEYRING: a keyring for this test
         pytest.skip("no kernel keyrings here")
-    key = libc.syscall(248 if nr == 250 else 217, b"user", b"trillora-test", b"HOST-SECRET-1234", 16, -3)  # add_key to @s
+    key = libc.syscall(
+        248 if nr == 250 else 217, b"user", b"trillora-test", b"HOST-SECRET-1234", 16, -3
+    )  # add_key to @s
     assert key > 0, os.strerror(ctypes.get_errno())
     buf = ctypes.create_string_buffer(64)
     assert libc.syscall(nr, 11, key, buf, 64) == 16 and buf.value == b"HOST-SECRET-1234"  # the host reads it
@@ -303,8 +334,15 @@ def test_namespaces_mounts_io_uring_and_ptrace_are_refused():
     r = run_python(ESCAPES, limits=FAST)
     assert r.ok, r.stderr
     got = dict(line.split(" ", 1) for line in r.stdout.splitlines())
-    assert got == {"unshare-user": "EPERM", "unshare-mount": "EPERM", "mount-tmpfs": "EPERM", "io_uring_setup": "EPERM",
-                   "ptrace": "EPERM", "fork": "7", "thread": "ok"}, got
+    assert got == {
+        "unshare-user": "EPERM",
+        "unshare-mount": "EPERM",
+        "mount-tmpfs": "EPERM",
+        "io_uring_setup": "EPERM",
+        "ptrace": "EPERM",
+        "fork": "7",
+        "thread": "ok",
+    }, got
 
 
 MEMORY = """

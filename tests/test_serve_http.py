@@ -4,15 +4,17 @@ refusal is a JSON body; a client with the key is still served."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-
 from engine_helpers import free_port, running_server, wait_for_health
+
 from trillora.serve.config import ServeConfig
 
 KEY = "test-key"
@@ -21,8 +23,19 @@ KEY = "test-key"
 @pytest.fixture(scope="module")
 def server():
     """tiny-moe's OpenAI routes with the Tinker ones, short body and header limits for the tests."""
-    yield from running_server(ServeConfig(model="tiny-moe", tinker=True, port=0, api_key=KEY, header_seconds=60,
-                                          idle_seconds=60, body_seconds=2, max_connections=100, max_body_bytes=1 << 16))
+    yield from running_server(
+        ServeConfig(
+            model="tiny-moe",
+            tinker=True,
+            port=0,
+            api_key=KEY,
+            header_seconds=60,
+            idle_seconds=60,
+            body_seconds=2,
+            max_connections=100,
+            max_body_bytes=1 << 16,
+        )
+    )
 
 
 def request(port: int, raw: bytes, timeout: float = 30.0) -> bytes:
@@ -49,8 +62,9 @@ def status_and_json(reply: bytes) -> tuple[int, dict]:
 
 
 def models(port: int, timeout: float = 20.0) -> tuple[int, dict]:
-    return status_and_json(request(port, f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode(),
-                                   timeout))
+    return status_and_json(
+        request(port, f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode(), timeout)
+    )
 
 
 def test_64_half_requests_without_the_key_do_not_hold_the_server(server):
@@ -99,39 +113,60 @@ def test_a_request_whose_headers_stall_gets_408_and_is_closed():
 
 
 def test_a_body_that_stalls_gets_408(server):
-    reply = request(server.cfg.port, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                                     f"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"prompt\"".encode())
+    reply = request(
+        server.cfg.port,
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"prompt"'.encode(),
+    )
     status, out = status_and_json(reply)
     assert status == 408 and "did not arrive within 2 s" in out["error"]["message"]
 
 
 def test_bodies_over_the_limit_are_refused_declared_or_chunked(server):
     port = server.cfg.port
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+    )
     status, out = status_and_json(request(port, (head + f"Content-Length: {1 << 30}\r\n\r\n").encode()))
     assert status == 413 and "at most 65536" in out["error"]["message"]
     chunk = b"x" * 50_000
-    chunked = (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(3))
+    chunked = (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"".join(
+        b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(3)
+    )
     status, out = status_and_json(request(port, chunked))
     assert status == 413 and "over 65536 bytes" in out["error"]["message"]
     # a chunked body within the limit is read whole
     body = json.dumps({"prompt": "rev abc=", "max_tokens": 5, "temperature": 0}).encode()
     parts = [body[:7], body[7:]]
-    ok = (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+    ok = (
+        (head + "Transfer-Encoding: chunked\r\n\r\n").encode()
+        + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts)
+        + b"0\r\n\r\n"
+    )
     status, out = status_and_json(request(port, ok))
     assert status == 200 and out["choices"][0]["text"] == "cba"
     # the Tinker routes take the same key, by either header, and answer in their SDK's shape
-    status, out = status_and_json(request(port, b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"))
+    status, out = status_and_json(
+        request(port, b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    )
     assert status == 401 and "API key" in out["error"]
-    status, out = status_and_json(request(port, f"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY}\r\n"
-                                                f"Content-Length: 2\r\n\r\n{{}}".encode()))
+    status, out = status_and_json(
+        request(
+            port,
+            f"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY}\r\n"
+            f"Content-Length: 2\r\n\r\n{{}}".encode(),
+        )
+    )
     assert status == 200 and out["session_id"].startswith("session-")
 
 
 @pytest.mark.parametrize("length", ["-1", "x", "1, 2"])
 def test_a_malformed_content_length_gets_a_json_400(server, length):
-    reply = request(server.cfg.port, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                                     f"Content-Length: {length}\r\n\r\n{{}}".encode())
+    reply = request(
+        server.cfg.port,
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Length: {length}\r\n\r\n{{}}".encode(),
+    )
     status, out = status_and_json(reply)
     assert status == 400 and "Content-Length" in out["error"]["message"], out
     assert models(server.cfg.port)[0] == 200  # and it serves on
@@ -160,7 +195,7 @@ def test_connections_past_the_cap_get_503():
 
 def rss_kib(pid: int, field: str = "VmRSS") -> int:
     """The process's resident memory now (VmRSS) or at its peak (VmHWM)."""
-    for line in open(f"/proc/{pid}/status"):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"no {field}")
@@ -171,8 +206,11 @@ def test_a_body_without_the_key_is_not_read():
     """A 1 GiB body announced without the key: 401 at once and the connection closed, so the
     client cannot push more than the sockets' buffers; the server's memory does not grow."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "trillora", "serve", "tiny-moe", "--port", str(port), "--api-key", KEY],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trillora", "serve", "tiny-moe", "--port", str(port), "--api-key", KEY],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         failure = wait_for_health(proc, f"http://127.0.0.1:{port}", 120)
         assert failure is None, failure
@@ -188,10 +226,8 @@ def test_a_body_without_the_key_is_not_read():
                         sent += len(block)
                 except OSError:  # reset: the server closed after its 401
                     pass
-                try:
+                with contextlib.suppress(OSError):
                     reply = read_reply(sock) or reply
-                except OSError:
-                    pass
         after = rss_kib(proc.pid)
         print(f"sent {sent >> 20} MiB of 1 GiB over 4 connections; server RSS {before} -> {after} KiB")
         assert sent < 4 * 64 << 20  # the kernel's buffers, not the body
@@ -200,8 +236,14 @@ def test_a_body_without_the_key_is_not_read():
         # with the key, a body over the 1 MiB limit (but within 16×) is read so the client sees the 413, and dropped
         body, peak = b"x" * (15 << 20), rss_kib(proc.pid, "VmHWM")
         for _ in range(3):
-            status, out = status_and_json(request(port, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
-                                                        f"{KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body))
+            status, out = status_and_json(
+                request(
+                    port,
+                    f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                    f"{KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                    + body,
+                )
+            )
             assert status == 413 and "at most 1048576" in out["error"]["message"]
         drained = rss_kib(proc.pid, "VmHWM")
         print(f"3 keyed 15 MiB bodies drained: server peak RSS {peak} -> {drained} KiB")
@@ -213,7 +255,10 @@ def test_a_body_without_the_key_is_not_read():
 
 def keyed(port: int, method: str, path: str, body: object = None, raw: bytes | None = None) -> tuple[int, dict]:
     data = raw if raw is not None else json.dumps(body).encode() if body is not None else b""
-    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
     return status_and_json(request(port, head.encode() + data))
 
 
@@ -256,24 +301,37 @@ def test_errors_do_not_echo_a_long_field_back(server):
 def test_the_openai_revisions_are_out_of_the_tinker_routes_reach(server):
     """The session holding the OpenAI routes' revisions (the base among them) is no Tinker session."""
     port = server.cfg.port
-    for path, body in [("/api/v1/create_sampling_session", {"session_id": "served", "sampling_session_seq_id": "evil",
-                                                            "base_model": "tiny-moe"}),
-                       ("/api/v1/create_model", {"session_id": "served", "model_seq_id": 0, "base_model": "tiny-moe",
-                                                 "lora_config": {"rank": 1}}),
-                       ("/api/v1/asample", {"sampling_session_id": "served:sample:tiny-moe",
-                                            "prompt": {"chunks": [{"tokens": [5, 6]}]}})]:
+    for path, body in [
+        (
+            "/api/v1/create_sampling_session",
+            {"session_id": "served", "sampling_session_seq_id": "evil", "base_model": "tiny-moe"},
+        ),
+        (
+            "/api/v1/create_model",
+            {"session_id": "served", "model_seq_id": 0, "base_model": "tiny-moe", "lora_config": {"rank": 1}},
+        ),
+        (
+            "/api/v1/asample",
+            {"sampling_session_id": "served:sample:tiny-moe", "prompt": {"chunks": [{"tokens": [5, 6]}]}},
+        ),
+    ]:
         status, out = keyed(port, "POST", path, body)
         assert status == 404 and "served" in out["error"], (path, out)
     assert keyed(port, "GET", "/api/v1/sessions/served")[0] == 404
     assert [m["id"] for m in models(port)[1]["data"]] == ["tiny-moe"]
 
 
-@pytest.mark.parametrize("field,value,message", [("top_k", "Infinity", "OverflowError|cannot convert float infinity"),
-                                                 ("temperature", "NaN", "temperature=nan"),
-                                                 ("temperature", "1e-320", "temperature="),
-                                                 ("seed", str(2**64), "seed must be in 0..2\\*\\*63-1"),
-                                                 ("seed", "Infinity", "seed must be an integer"),
-                                                 ("seed", '"x"', "seed must be an integer")])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("top_k", "Infinity", "OverflowError|cannot convert float infinity"),
+        ("temperature", "NaN", "temperature=nan"),
+        ("temperature", "1e-320", "temperature="),
+        ("seed", str(2**64), "seed must be in 0..2\\*\\*63-1"),
+        ("seed", "Infinity", "seed must be an integer"),
+        ("seed", '"x"', "seed must be an integer"),
+    ],
+)
 def test_sampling_settings_out_of_range_get_400_on_both_faces(server, field, value, message):
     import re
 
@@ -282,8 +340,10 @@ def test_sampling_settings_out_of_range_get_400_on_both_faces(server, field, val
     status, out = keyed(port, "POST", "/v1/completions", raw=raw)
     assert status == 400 and re.search(message, out["error"]["message"]), out
     session = keyed(port, "POST", "/api/v1/create_session", {})[1]["session_id"]
-    raw = (f'{{"base_model": "tiny-moe", "prompt": {{"chunks": [{{"tokens": [5, 6]}}]}}, '
-           f'"sampling_params": {{"max_tokens": 2, "{field}": {value}}}, "num_samples": 1}}').encode()
+    raw = (
+        f'{{"base_model": "tiny-moe", "prompt": {{"chunks": [{{"tokens": [5, 6]}}]}}, '
+        f'"sampling_params": {{"max_tokens": 2, "{field}": {value}}}, "num_samples": 1}}'
+    ).encode()
     status, out = keyed(port, "POST", "/api/v1/asample", raw=raw)
     assert session and status == 400 and "sampling_params" in out["error"], out
 
@@ -337,8 +397,10 @@ def test_a_failing_group_of_samples_fails_alone():
         return real(prompts, n, sp)
 
     service.engine.generate = failing_on_one_prompt
-    calls = [SampleCall(base, [7, 7, 7], 1, {"max_tokens": 2}),
-             SampleCall(base, [5, 6], 1, {"max_tokens": 3, "temperature": 0.0})]  # other settings: another group
+    calls = [
+        SampleCall(base, [7, 7, 7], 1, {"max_tokens": 2}),
+        SampleCall(base, [5, 6], 1, {"max_tokens": 3, "temperature": 0.0}),
+    ]  # other settings: another group
     failed, ok = service.sample_many(calls)
     assert isinstance(failed, RuntimeError) and str(failed) == "injected"
     assert len(ok[0]) == 1 and len(ok[0][0][0]) >= 1
@@ -349,9 +411,16 @@ def test_a_refused_numbered_request_keeps_its_clients_order_and_the_worker_alive
     a refused request still takes its place in its client's order, so the next one is not held."""
     port = server.cfg.port
     sid = keyed(port, "POST", "/api/v1/create_session", {})[1]["session_id"]
-    created = keyed(port, "POST", "/api/v1/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": "tiny-moe",
-                                                           "lora_config": {"rank": 2}})[1]
-    assert keyed(port, "POST", "/api/v1/retrieve_future", {"request_id": created["request_id"]})[1]["model_id"] == created["model_id"]
+    created = keyed(
+        port,
+        "POST",
+        "/api/v1/create_model",
+        {"session_id": sid, "model_seq_id": 0, "base_model": "tiny-moe", "lora_config": {"rank": 2}},
+    )[1]
+    assert (
+        keyed(port, "POST", "/api/v1/retrieve_future", {"request_id": created["request_id"]})[1]["model_id"]
+        == created["model_id"]
+    )
     mid = created["model_id"]
     status, out = keyed(port, "POST", "/api/v1/optim_step", {"model_id": mid, "seq_id": "x", "adam_params": {}})
     assert status == 400 and "seq_id='x'" in out["error"]

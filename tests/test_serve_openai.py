@@ -13,13 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from engine_helpers import free_port, post_json, running_server, trainer_logprobs, wait_for_health
 
 from trillora import lora
-from trillora.checkpoint import load_model
-from trillora.tasks.prompts import encode_prompt
+from trillora.checkpoint import load_model, resolve_model_path
 from trillora.rollout import EngineError, OpenAIEngine, SamplingParams
-from engine_helpers import free_port, post_json, running_server, trainer_logprobs, wait_for_health
-from trillora.checkpoint import resolve_model_path
+from trillora.tasks.prompts import encode_prompt
 
 KEY = "test-key"
 
@@ -27,8 +26,23 @@ KEY = "test-key"
 def start_server(root):
     """A `trillora serve` process on a free loopback port; None if it exited (e.g. the port was taken meanwhile)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "trillora", "serve", "tiny-moe", "--port", str(port),
-                             "--api-key", KEY, "--adapter-root", str(root)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trillora",
+            "serve",
+            "tiny-moe",
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--adapter-root",
+            str(root),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     failure = wait_for_health(proc, url, 120)
     return (None if failure else proc), url, failure or ""
@@ -68,11 +82,13 @@ def test_completions_and_refusals(server):
     status, out = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert status == 400 and "no chat template" in out["error"]["message"]
     # fields of the wrong type, too many or too long prompts: a JSON 400 naming the field, never a drop
-    for body, message in [({"prompt": "1+1=", "seed": "x"}, "seed must be an integer"),
-                          ({"prompt": "1+1=", "stop_token_ids": "x"}, "stop_token_ids must be a list"),
-                          ({"prompt": "1+1=", "temperature": "hot"}, "could not convert"),
-                          ({"prompt": [[5, 6]] * 65}, "65 prompts; at most 64"),
-                          ({"prompt": [[5] * 500], "max_tokens": 20}, "over the model's 512 positions")]:
+    for body, message in [
+        ({"prompt": "1+1=", "seed": "x"}, "seed must be an integer"),
+        ({"prompt": "1+1=", "stop_token_ids": "x"}, "stop_token_ids must be a list"),
+        ({"prompt": "1+1=", "temperature": "hot"}, "could not convert"),
+        ({"prompt": [[5, 6]] * 65}, "65 prompts; at most 64"),
+        ({"prompt": [[5] * 500], "max_tokens": 20}, "over the model's 512 positions"),
+    ]:
         status, out = post(url, "/v1/completions", body)
         assert status == 400 and message in out["error"]["message"], (body, out)
 
@@ -85,8 +101,10 @@ def test_a_negative_or_bad_content_length_is_refused_not_read_to_eof(server, len
     url, _ = server
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n{{}}".encode())
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n{{}}".encode()
+        )
         reply = b""
         while chunk := sock.recv(65536):  # until the server closes; its 10 s timeout fails a blocked handler
             reply += chunk
@@ -107,17 +125,23 @@ def test_chat_completions_with_a_real_chat_template(tmp_path):
     server = next(gen)
     url, tok = f"http://127.0.0.1:{server.cfg.port}", server.service.tokenizer
     messages = [{"role": "user", "content": "12+34="}]
-    status, out = post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0}, key=None)
-    want = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"]
+    status, out = post(
+        url, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0}, key=None
+    )
+    want = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)[
+        "input_ids"
+    ]
     assert status == 200 and out["usage"]["prompt_tokens"] == len(want)
     engine = LocalEngine(load_model(resolve_model_path("tiny-moe-chat")), precision="fp32")
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    greedy = engine.generate([want], 1, SamplingParams(max_new_tokens=12, temperature=0.0,
-                                                       stop_token_ids=(tok.eos_token_id, end)))[0][0]
+    greedy = engine.generate(
+        [want], 1, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(tok.eos_token_id, end))
+    )[0][0]
     assert greedy.token_ids[-1] == end and out["choices"][0]["finish_reason"] == "stop"
     assert out["choices"][0]["message"]["content"] == tok.decode(greedy.token_ids[:-1], skip_special_tokens=True)
-    status, out = post(url, "/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": 5}]},
-                       key=None)
+    status, out = post(
+        url, "/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": 5}]}, key=None
+    )
     assert status == 400 and "messages do not fit the chat template" in out["error"]["message"]
     next(gen, None)
 
@@ -131,10 +155,14 @@ def test_adapters_are_slots_bounded_by_memory(tmp_path):
     lora.apply_lora(model, lora.LoraConfig(rank=2))
     lora.save_adapter(model, tmp_path / "a")
     size = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".lora_" in n)
-    gen = running_server(ServeConfig(model="tiny-moe", port=0, adapter_root=str(tmp_path), adapter_memory_mib=1.5 * size / 2**20))
+    gen = running_server(
+        ServeConfig(model="tiny-moe", port=0, adapter_root=str(tmp_path), adapter_memory_mib=1.5 * size / 2**20)
+    )
     url = f"http://127.0.0.1:{next(gen).cfg.port}"
     assert post(url, "/v1/load_lora_adapter", {"lora_name": "one", "lora_path": "a"}, key=None)[0] == 200
-    assert post(url, "/v1/load_lora_adapter", {"lora_name": "one", "lora_path": "a"}, key=None)[0] == 200  # replaced, not one more
+    assert (
+        post(url, "/v1/load_lora_adapter", {"lora_name": "one", "lora_path": "a"}, key=None)[0] == 200
+    )  # replaced, not one more
     status, out = post(url, "/v1/load_lora_adapter", {"lora_name": "two", "lora_path": "a"}, key=None)
     assert status == 400 and "of the adapter memory is free" in out["error"]["message"]
     for bad in ({"lora_name": "x" * 200, "lora_path": "a"}, {"lora_name": ["x"], "lora_path": "a"}):
@@ -198,10 +226,24 @@ def test_rl_steps_through_the_server(server, tmp_path):
     from trillora.trainer import Trainer
 
     url, root = server
-    cfg = load_config(None, [f"out_dir={tmp_path}", "name=http", "steps=2", "eval_every=2", "rollout.engine=\"openai\"",
-                             f"rollout.urls=[\"{url}\"]", f"rollout.api_key=\"{KEY}\"", f"rollout.sync_dir=\"{root / 'rl'}\"",
-                             "rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_problems=16",
-                             "task.eval_samples=1", "task.retention=\"\""])
+    cfg = load_config(
+        None,
+        [
+            f"out_dir={tmp_path}",
+            "name=http",
+            "steps=2",
+            "eval_every=2",
+            'rollout.engine="openai"',
+            f'rollout.urls=["{url}"]',
+            f'rollout.api_key="{KEY}"',
+            f'rollout.sync_dir="{root / "rl"}"',
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=4",
+            "task.eval_problems=16",
+            "task.eval_samples=1",
+            'task.retention=""',
+        ],
+    )
     summary = Trainer(cfg).run()
     rows = [json.loads(line) for line in (tmp_path / "http" / "metrics.jsonl").read_text().splitlines()][1:]
     assert summary["steps"] == 2 and all(r["sync_bytes"] > 0 for r in rows)
@@ -215,10 +257,23 @@ def test_multi_turn_episodes_through_the_server(server, tmp_path):
     from trillora.trainer import Trainer
 
     url, root = server
-    cfg = load_config("examples/guessing.toml", [
-        f"out_dir={tmp_path}", "name=turns", "steps=2", "eval_every=2", "rollout.engine=\"openai\"",
-        f"rollout.urls=[\"{url}\"]", f"rollout.api_key=\"{KEY}\"", f"rollout.sync_dir=\"{root / 'turns'}\"",
-        "rollout.prompts_per_step=2", "rollout.group_size=4", "task.eval_problems=4", "task.max_turns=3"])
+    cfg = load_config(
+        "examples/guessing.toml",
+        [
+            f"out_dir={tmp_path}",
+            "name=turns",
+            "steps=2",
+            "eval_every=2",
+            'rollout.engine="openai"',
+            f'rollout.urls=["{url}"]',
+            f'rollout.api_key="{KEY}"',
+            f'rollout.sync_dir="{root / "turns"}"',
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=4",
+            "task.eval_problems=4",
+            "task.max_turns=3",
+        ],
+    )
     Trainer(cfg).run()
     rows = [json.loads(line) for line in (tmp_path / "turns" / "metrics.jsonl").read_text().splitlines()][1:]
     assert all(r["turns_mean"] > 1.0 for r in rows)
@@ -244,19 +299,42 @@ def test_asynchronous_rl_through_the_server_corrects_against_the_sampling_revisi
     from trillora.trainer import Trainer
 
     url, root = server
-    cfg = load_config(None, [f"out_dir={tmp_path}", "name=async", "steps=3", "eval_every=3", "rollout.engine=\"openai\"",
-                             f"rollout.urls=[\"{url}\"]", f"rollout.api_key=\"{KEY}\"", f"rollout.sync_dir=\"{root / 'async'}\"",
-                             "rollout.prompts_per_step=4", "rollout.group_size=4", "task.eval_problems=16",
-                             "task.eval_samples=1", "task.retention=\"\"", "rollout.asynchronous=true",
-                             "rollout.max_staleness=1", "optim.lr=0.02", "optim.warmup_steps=1"])
+    cfg = load_config(
+        None,
+        [
+            f"out_dir={tmp_path}",
+            "name=async",
+            "steps=3",
+            "eval_every=3",
+            'rollout.engine="openai"',
+            f'rollout.urls=["{url}"]',
+            f'rollout.api_key="{KEY}"',
+            f'rollout.sync_dir="{root / "async"}"',
+            "rollout.prompts_per_step=4",
+            "rollout.group_size=4",
+            "task.eval_problems=16",
+            "task.eval_samples=1",
+            'task.retention=""',
+            "rollout.asynchronous=true",
+            "rollout.max_staleness=1",
+            "optim.lr=0.02",
+            "optim.warmup_steps=1",
+        ],
+    )
     trainer = Trainer(cfg)
     trainer.run(close_engine=False)
     rows = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()][1:]
     assert [r["staleness"] for r in rows] == [0.0, 1.0, 1.0]
     assert rows[0]["mismatch_kl_k3"] < 1e-6 and all(r["mismatch_kl_k3"] > 1e-6 for r in rows[1:])
     # two revisions stay loaded (a batch sampled from the older one may still be running), older ones go
-    served = {m["id"] for m in json.loads(urllib.request.urlopen(urllib.request.Request(
-        url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}), timeout=30).read())["data"]}
+    served = {
+        m["id"]
+        for m in json.loads(
+            urllib.request.urlopen(
+                urllib.request.Request(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}), timeout=30
+            ).read()
+        )["data"]
+    }
     mine = {m for m in served if trainer.engine.tag in m}
     assert mine == set(trainer.engine.loaded) and len(mine) == 2 and trainer.engine.model in mine
     trainer.engine.close()
@@ -283,8 +361,10 @@ def test_requests_for_different_adapters_share_a_pass_and_answer_as_alone(tmp_pa
     url = f"http://127.0.0.1:{server.cfg.port}"
     for i in range(2):
         assert post(url, "/v1/load_lora_adapter", {"lora_name": f"a{i}", "lora_path": f"a{i}"}, key=None)[0] == 200
-    bodies = [{"model": m, "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 8, "temperature": 0, "logprobs": 1}
-              for m in ("a0", "a1", "tiny-moe")]
+    bodies = [
+        {"model": m, "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 8, "temperature": 0, "logprobs": 1}
+        for m in ("a0", "a1", "tiny-moe")
+    ]
     alone = [post(url, "/v1/completions", b, key=None)[1]["choices"] for b in bodies]
     before, together = server.worker.fused_batches, [None] * 3
 
@@ -297,15 +377,32 @@ def test_requests_for_different_adapters_share_a_pass_and_answer_as_alone(tmp_pa
     next(gen, None)
     assert server.worker.fused_batches > before
     assert alone[0] != alone[1] != alone[2]  # three different policies
-    for a, b in zip(alone, together):
+    for a, b in zip(alone, together, strict=True):
         assert [c["token_ids"] for c in a] == [c["token_ids"] for c in b]
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             np.testing.assert_allclose(x["logprobs"]["token_logprobs"], y["logprobs"]["token_logprobs"], atol=1e-5)
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "served_adapters.py"
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, str(script), "--adapters", "3", "--clients", "2", "--requests", "2",
-                          "--max-tokens", "4", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--adapters",
+            "3",
+            "--clients",
+            "2",
+            "--requests",
+            "2",
+            "--max-tokens",
+            "4",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["models_listed"] == 4 and report["completion_tokens"]["waiting requests share a pass"] == 2 * 2 * 4

@@ -7,14 +7,14 @@ import dataclasses
 
 import pytest
 import torch
-
 from hf_models import CONFIGS
+
 from trillora import lora, rl
 from trillora.config import load_config
 from trillora.models import build_model, from_hf_config
-from trillora.trainer.batch import build_batch
 from trillora.policy.logprobs import shared_prompt_logprobs, token_logprobs
 from trillora.trainer import Trainer
+from trillora.trainer.batch import build_batch
 
 
 def _model(name):
@@ -32,8 +32,10 @@ def _batch(vocab, group=4, longest=6):
     g = torch.Generator().manual_seed(2)
     prompts = [[1, 5, 6, 7, 8], [1, 9], [1, 10, 11, 12]]  # different lengths: left-padded prompt keys
     rows = [p for p in prompts for _ in range(group)]
-    completions = [torch.randint(3, vocab, (int(n),), generator=g).tolist()
-                   for n in torch.randint(1, longest + 1, (len(rows),), generator=g)]
+    completions = [
+        torch.randint(3, vocab, (int(n),), generator=g).tolist()
+        for n in torch.randint(1, longest + 1, (len(rows),), generator=g)
+    ]
     return build_batch(rows, completions, [[0.0] * len(c) for c in completions])
 
 
@@ -51,11 +53,13 @@ def test_shared_prompt_equals_whole_rows(name, longest):
         return logp.detach(), ent.detach(), torch.autograd.grad(loss, params)
 
     whole = run(lambda: token_logprobs(model, batch.input_ids, 0.7, with_entropy=True))
-    shared = run(lambda: shared_prompt_logprobs(model, batch.input_ids, batch.prompt_lengths, clen, 4, 0.7, with_entropy=True))
+    shared = run(
+        lambda: shared_prompt_logprobs(model, batch.input_ids, batch.prompt_lengths, clen, 4, 0.7, with_entropy=True)
+    )
     on = mask.bool()
     assert (whole[0] - shared[0])[on].abs().max() <= 1e-5
     assert (whole[1] - shared[1])[on].abs().max() <= 1e-5
-    for gw, gs in zip(whole[2], shared[2]):
+    for gw, gs in zip(whole[2], shared[2], strict=True):
         assert gw.abs().max() > 0
         assert (gs - gw).abs().max() <= 1e-4 * gw.abs().max()  # summation order only
     before = torch.arange(mask.shape[1])[None] < (batch.prompt_lengths[:, None] - 1)
@@ -78,13 +82,25 @@ def test_trainer_update_with_and_without_shared_prompts(tmp_path, monkeypatch):
     import trillora.trainer.update
 
     calls = []
-    monkeypatch.setattr(trillora.trainer.update, "shared_prompt_logprobs",
-                        lambda *a, **k: calls.append(1) or shared_prompt_logprobs(*a, **k))
+    monkeypatch.setattr(
+        trillora.trainer.update,
+        "shared_prompt_logprobs",
+        lambda *a, **k: calls.append(1) or shared_prompt_logprobs(*a, **k),
+    )
     results = []
     for share in (True, False):
-        cfg = load_config(None, [f"out_dir={tmp_path}", f"parallel.share_prompts={str(share).lower()}",
-                                 "rollout.prompts_per_step=4", "rollout.group_size=4", "algorithm.minibatches=2",
-                                 "algorithm.kl_coef=0.05", 'lora.targets=["attention","experts"]'])
+        cfg = load_config(
+            None,
+            [
+                f"out_dir={tmp_path}",
+                f"parallel.share_prompts={str(share).lower()}",
+                "rollout.prompts_per_step=4",
+                "rollout.group_size=4",
+                "algorithm.minibatches=2",
+                "algorithm.kl_coef=0.05",
+                'lora.targets=["attention","experts"]',
+            ],
+        )
         trainer = Trainer(cfg)
         assert trainer.update.share_prompts is share
         batch = trainer.sampler.sample(0)

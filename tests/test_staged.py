@@ -1,20 +1,20 @@
 """`parallel.staged.StagedModel` on three gloo ranks (first, middle and last stage) against the whole
 model in one process: logits of right-padded rows, LoRA gradients of a loss at arbitrary [N, K]
 targets (the last stage's backward carried back through the others), and KV-cache sampling from
-left-padded prompts on every stage, fp32 and on a bf16 base. Families: DeepSeek-V3 (MLA, a dense first layer) and gpt-oss
+left-padded prompts on every stage, fp32 and on a bf16 base. Families: DeepSeek-V3 (MLA, a dense first layer) and
+gpt-oss
 (sliding windows on alternate layers, sinks, 4 layers over 3 stages)."""
 
 from __future__ import annotations
 
-import pytest
-
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
-
 from gloo_ranks import run_ranks
 from hf_models import DEEPSEEK_V3, GPT_OSS
+
 from trillora import lora
 from trillora.models import build_model, from_hf_config
 from trillora.models.transformer import OtherStage
@@ -30,7 +30,9 @@ def reference(family: str):
     args = from_hf_config(FAMILIES[family], where=family)
     model = build_model(args, device="cpu")
     model.init_weights(std=0.08, generator=torch.Generator().manual_seed(0))
-    lora.apply_lora(model, lora.LoraConfig(rank=4, targets=("attention", "mlp", "shared_experts", "experts", "lm_head")))
+    lora.apply_lora(
+        model, lora.LoraConfig(rank=4, targets=("attention", "mlp", "shared_experts", "experts", "lm_head"))
+    )
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for _, p in lora.lora_parameters(model):
@@ -82,7 +84,9 @@ def check_family(family: str, rank: int) -> None:
         staged.backward(target_loss(logits, targets, weights) if staged.last else None)
         for n, p in staged.named_parameters():
             if p.requires_grad:
-                torch.testing.assert_close(p.grad, want[n].grad, msg=lambda m, n=n: f"rank {rank} chunks {chunks} {n}: {m}")
+                torch.testing.assert_close(
+                    p.grad, want[n].grad, msg=lambda m, n=n, chunks=chunks: f"rank {rank} chunks {chunks} {n}: {m}"
+                )
     staged.microbatches = 1
 
     # decoding: every stage runs the same loop on the last stage's logits and picks the same tokens
@@ -131,7 +135,25 @@ def test_the_pipeline_microbatches_benchmark_runs(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "pipeline_microbatches.py"
     out = tmp_path / "pm.json"
-    subprocess.run([sys.executable, str(script), "--rows", "4", "--tokens", "16", "--chunks", "1", "2", "--reps", "1",
-                    "--out", str(out)], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--rows",
+            "4",
+            "--tokens",
+            "16",
+            "--chunks",
+            "1",
+            "2",
+            "--reps",
+            "1",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     r = json.loads(out.read_text())
     assert set(r["seconds_best_of_reps"]) == {"1", "2"} and r["max_grad_rel_diff_vs_whole"] < 1e-4

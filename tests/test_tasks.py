@@ -68,8 +68,11 @@ def test_jsonl_errors_name_file_and_line(tmp_path, content, message):
 
 def test_reward_fn_spec_errors(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"prompt": "a"}\n')
-    for spec, msg in [("reward_fns", "must be given as 'module:function'"), ("reward_fns:nope", "cannot be imported"),
-                      ("reward_fns:NOT_CALLABLE", "is not callable")]:
+    for spec, msg in [
+        ("reward_fns", "must be given as 'module:function'"),
+        ("reward_fns:nope", "cannot be imported"),
+        ("reward_fns:NOT_CALLABLE", "is not callable"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             JsonlTask(path=str(tmp_path / "d.jsonl"), reward_fn=spec)
 
@@ -82,8 +85,11 @@ def test_an_unknown_task_option_is_named_with_the_allowed_ones():
     from trillora.errors import ConfigError
     from trillora.tasks import make_task
 
-    with pytest.raises(ConfigError, match="task.options for task 'jsonl': unknown key 'pathh'; allowed: path, reward_fn, "
-                                         "prompt_key, answer_key, messages_key, split, bad_rows, name"):
+    with pytest.raises(
+        ConfigError,
+        match="task.options for task 'jsonl': unknown key 'pathh'; allowed: path, reward_fn, "
+        "prompt_key, answer_key, messages_key, split, bad_rows, name",
+    ):
         make_task("jsonl", pathh="data.jsonl")
     with pytest.raises(ConfigError, match="unknown key 'digitz'; allowed: digits, ops, name"):
         make_task("arithmetic", digitz=3)
@@ -110,4 +116,7 @@ def test_configs_naming_the_built_in_envs_under_tasks_still_load(env):
 
     from trillora.tasks.base import load_callable
 
-    assert load_callable(f"trillora.tasks.{env}:dataset", "env dataset") is importlib.import_module(f"trillora.envs.{env}").dataset
+    assert (
+        load_callable(f"trillora.tasks.{env}:dataset", "env dataset")
+        is importlib.import_module(f"trillora.envs.{env}").dataset
+    )

@@ -34,8 +34,9 @@ def clients(server):
 
 def test_runs_and_checkpoints_have_a_local_lifecycle(server, clients):
     sc, rest = clients
-    tc = sc.create_lora_training_client(base_model=MODEL, rank=4, train_unembed=False,
-                                        user_metadata={"renderer_name": "role_colon"}).result()
+    tc = sc.create_lora_training_client(
+        base_model=MODEL, rank=4, train_unembed=False, user_metadata={"renderer_name": "role_colon"}
+    ).result()
     a = tc.save_state("a").result().path
     b = tc.save_state("b", ttl_seconds=3600).result().path
     s = tc.save_weights_for_sampler("s").result().path
@@ -93,7 +94,9 @@ def test_the_training_clients_tokenizer_loads_without_a_hub(server, clients, mon
     sc, _ = clients
     tokenizer = sc.create_lora_training_client(base_model=MODEL, rank=2).result().get_tokenizer()
     text = "12+30=42"
-    assert tokenizer.encode(text, add_special_tokens=False) == server.service.tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.encode(text, add_special_tokens=False) == server.service.tokenizer.encode(
+        text, add_special_tokens=False
+    )
 
 
 def test_sampling_scores_equal_the_full_softmax_of_transformers(server, clients):
@@ -113,13 +116,21 @@ def test_sampling_scores_equal_the_full_softmax_of_transformers(server, clients)
     targets = np.full((n - 1, 3), -1, dtype=np.int64)
     targets[:, 0], targets[2:, 1] = prompt[1:], 7
     sampler = sc.create_sampling_client(base_model=MODEL).result()
-    res = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=2,
-                         sampling_params=types.SamplingParams(max_tokens=4, temperature=0.7, seed=5),
-                         include_prompt_logprobs=True, topk_prompt_logprobs=5, topk_sample_logprobs=3,
-                         target_prompt_logprobs=types.TensorData.from_numpy(targets), prompt_alt_tokens_k=4,
-                         prompt_logprobs_last_n=n - 2).result()
+    res = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=4, temperature=0.7, seed=5),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=5,
+        topk_sample_logprobs=3,
+        target_prompt_logprobs=types.TensorData.from_numpy(targets),
+        prompt_alt_tokens_k=4,
+        prompt_logprobs_last_n=n - 2,
+    ).result()
     got = res.prompt_logprobs
-    assert got[:2] == [None, None] and np.allclose(got[2:], want[1:-1].gather(-1, torch.tensor(prompt[2:])[:, None])[:, 0], atol=1e-5)
+    assert got[:2] == [None, None] and np.allclose(
+        got[2:], want[1:-1].gather(-1, torch.tensor(prompt[2:])[:, None])[:, 0], atol=1e-5
+    )
     topk = res.topk_prompt_logprobs
     assert topk[:2] == [None, None]
     for i in range(2, n):
@@ -127,29 +138,41 @@ def test_sampling_scores_equal_the_full_softmax_of_transformers(server, clients)
         assert [t for t, _ in topk[i]] == ids.tolist() and np.allclose([v for _, v in topk[i]], values, atol=1e-5)
     scored = res.target_prompt_logprobs.to_numpy()
     assert np.allclose(scored[:, 0], want[:-1].gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=1e-5)
-    assert np.allclose(scored[2:, 1], want[2:-1, 7], atol=1e-5) and (scored[:, 2] == 0).all() and (scored[:2, 1] == 0).all()
+    assert (
+        np.allclose(scored[2:, 1], want[2:-1, 7], atol=1e-5)
+        and (scored[:, 2] == 0).all()
+        and (scored[:2, 1] == 0).all()
+    )
     alt = res.prompt_alt_tokens
     draws, lps = alt.tokens.to_numpy(), alt.logprobs.to_numpy()
     scaled = (hf(torch.tensor([prompt])).logits[0, :-1] / 0.7).log_softmax(-1).detach()
     assert draws.shape == (n - 1, 4) and np.allclose(lps, scaled.gather(-1, torch.tensor(draws)), atol=1e-5)
     for seq in res.sequences:
         full = torch.tensor([prompt + seq.tokens[:-1]])
-        dist = (hf(full).logits[0, n - 1:] / 0.7).log_softmax(-1).detach()  # what each token was drawn from
+        dist = (hf(full).logits[0, n - 1 :] / 0.7).log_softmax(-1).detach()  # what each token was drawn from
         values, ids = dist.topk(3)
         assert len(seq.topk_logprobs) == len(seq.tokens)
-        for row, v, i in zip(seq.topk_logprobs, values, ids):
+        for row, v, i in zip(seq.topk_logprobs, values, ids, strict=True):
             assert [t for t, _ in row] == i.tolist() and np.allclose([x for _, x in row], v, atol=1e-5)
         assert np.allclose(seq.logprobs, dist.gather(-1, torch.tensor(seq.tokens)[:, None])[:, 0], atol=1e-4)
     last = sampler.compute_logprobs(types.ModelInput.from_ints(prompt), prompt_logprobs_last_n=2).result()
     assert last[:-2] == [None] * (n - 2) and np.allclose(last[-2:], got[-2:], atol=1e-6)
     sparse = types.TensorData.from_torch_sparse(torch.tensor(targets), pad_value=-1)
-    again = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1, target_prompt_logprobs=sparse,
-                           sampling_params=types.SamplingParams(max_tokens=1)).result().target_prompt_logprobs
+    again = (
+        sampler.sample(
+            types.ModelInput.from_ints(prompt),
+            num_samples=1,
+            target_prompt_logprobs=sparse,
+            sampling_params=types.SamplingParams(max_tokens=1),
+        )
+        .result()
+        .target_prompt_logprobs
+    )
     dense = np.zeros((n - 1, 3), np.float32)
     data = again.to_numpy() if again.sparse_crow_indices is None else None
     if data is None:  # only the cells named come back
         crow, col, values = again.sparse_crow_indices, again.sparse_col_indices, np.asarray(again.data)
         for r in range(n - 1):
-            dense[r, col[crow[r]:crow[r + 1]]] = values[crow[r]:crow[r + 1]]
+            dense[r, col[crow[r] : crow[r + 1]]] = values[crow[r] : crow[r + 1]]
         data = dense
     assert np.allclose(data, scored, atol=1e-6)

@@ -36,7 +36,9 @@ def one_call(service: TinkerService) -> tuple[list, dict, int]:
 
 def test_checkpointed_layers_give_the_same_call_and_keep_less(tmp_path):
     plain = TinkerService(ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path / "a")))
-    ckpt = TinkerService(ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path / "b"), activation_checkpoint_every=1))
+    ckpt = TinkerService(
+        ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path / "b"), activation_checkpoint_every=1)
+    )
     lp_plain, g_plain, saved_plain = one_call(plain)
     lp_ckpt, g_ckpt, saved_ckpt = one_call(ckpt)
     for x, y in zip(lp_plain, lp_ckpt, strict=True):

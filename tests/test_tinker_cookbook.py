@@ -31,8 +31,15 @@ def server(tmp_path_factory):
 
 
 def recipe(server, *args: str) -> None:
-    env = {**os.environ, "TINKER_API_KEY": KEY, "TINKER_BASE_URL": f"http://127.0.0.1:{server.cfg.port}",
-           "TINKER_TELEMETRY": "0", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "TINKER_API_KEY": KEY,
+        "TINKER_BASE_URL": f"http://127.0.0.1:{server.cfg.port}",
+        "TINKER_TELEMETRY": "0",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     out = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
@@ -50,8 +57,19 @@ def test_cookbook_supervised_then_rl_loop_run_unchanged(server, tmp_path):
     final = rows(sl / "checkpoints.jsonl")[-1]
     assert final["state_path"].startswith("tinker://") and final["sampler_path"].startswith("tinker://")
 
-    recipe(server, "rl", f"log_path={rl}", f"start_from={sl}", "batch_size=4", "group_size=4", "max_tokens=32",
-           "max_steps=3", "learning_rate=1e-3", "loss_fn=gspo", "save_every=0")
+    recipe(
+        server,
+        "rl",
+        f"log_path={rl}",
+        f"start_from={sl}",
+        "batch_size=4",
+        "group_size=4",
+        "max_tokens=32",
+        "max_steps=3",
+        "learning_rate=1e-3",
+        "loss_fn=gspo",
+        "save_every=0",
+    )
     metrics = rows(rl / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2] and all(0.0 <= m["reward/total"] <= 1.0 for m in metrics)
     assert rows(rl / "checkpoints.jsonl")[-1]["name"] == "final"
@@ -63,8 +81,18 @@ def test_rolling_checkpoints_are_deleted_and_periodic_ones_expire(server, tmp_pa
     retried for minutes) and periodic ones with a TTL: what is left is the periodic ones (with their
     expiry) and the final one (with none)."""
     sl = tmp_path / "sl"
-    recipe(server, "train", f"log_path={sl}", "batch_size=16", "max_steps=4", "learning_rate=3e-3", "save_every=2",
-           "rolling_save_every=1", "ttl_seconds=3600", "lora_rank=8")  # the README's command
+    recipe(
+        server,
+        "train",
+        f"log_path={sl}",
+        "batch_size=16",
+        "max_steps=4",
+        "learning_rate=3e-3",
+        "save_every=2",
+        "rolling_save_every=1",
+        "ttl_seconds=3600",
+        "lora_rank=8",
+    )  # the README's command
     saved = rows(sl / "checkpoints.jsonl")
     run = saved[-1]["state_path"].split("/")[2]
     store = server.tinker.store
@@ -83,8 +111,16 @@ def test_the_full_rl_trainer_runs_async_with_one_documented_argument(server, tmp
     `stable_reinforce`, is refused with a 400 naming the alternative (its objective is unpublished);
     `async_config.loss_fn=ppo` is the one argument it takes (the README's command)."""
     log = tmp_path / "rl"
-    recipe(server, "rl-train", f"log_path={log}", "max_steps=2", "async=1", "async_config.loss_fn=ppo",
-           "eval_every=0", "save_every=0")
+    recipe(
+        server,
+        "rl-train",
+        f"log_path={log}",
+        "max_steps=2",
+        "async=1",
+        "async_config.loss_fn=ppo",
+        "eval_every=0",
+        "save_every=0",
+    )
     metrics = [m for m in rows(log / "metrics.jsonl") if "async/staleness_max" in m]
     assert [m["step"] for m in metrics] == [0, 1] and all(m["async/staleness_max"] <= 1 for m in metrics)
 
@@ -97,14 +133,20 @@ def test_the_registered_renderer_writes_what_the_chat_template_writes():
     example.register()
     tok = example.tokenizer()
     renderer = renderers.get_renderer(example.RENDERER, tok)
-    convo = [{"role": "user", "content": "How many a's are in banana?"}, {"role": "assistant", "content": "\\boxed{3}"},
-             {"role": "user", "content": "123+456="}]
+    convo = [
+        {"role": "user", "content": "How many a's are in banana?"},
+        {"role": "assistant", "content": "\\boxed{3}"},
+        {"role": "user", "content": "123+456="},
+    ]
     want = tok.apply_chat_template(convo, add_generation_prompt=True, tokenize=False)
     assert tok.decode(renderer.build_generation_prompt(convo).to_ints()) == want
     tokens, weights = renderer.build_supervised_example([*convo, {"role": "assistant", "content": "\\boxed{579}"}])
     full = tok.apply_chat_template([*convo, {"role": "assistant", "content": "\\boxed{579}"}], tokenize=False)
     assert tok.decode(tokens.to_ints()) == full
-    assert tok.decode([t for t, w in zip(tokens.to_ints(), weights.tolist()) if w > 0]) == "\\boxed{579}<|im_end|>"
+    assert (
+        tok.decode([t for t, w in zip(tokens.to_ints(), weights.tolist(), strict=True) if w > 0])
+        == "\\boxed{579}<|im_end|>"
+    )
 
 
 def test_the_committed_cookbook_curve_rises_as_the_readme_says():
@@ -129,8 +171,13 @@ def test_the_checkpoint_benchmark_runs_small(tmp_path):
     spans, the rolling checkpoints gone from the store (the committed run's figures are in the README)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "cookbook_checkpoints.py"
     out = tmp_path / "ckpt.json"
-    run = subprocess.run([sys.executable, str(script), "--steps", "2", "--save-every", "1", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.run(
+        [sys.executable, str(script), "--steps", "2", "--save-every", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["arms"]) == {"no checkpoints", "rolling + periodic", "rolling + periodic, submit_ahead=1"}

@@ -17,10 +17,9 @@ import pytest
 import torch
 
 tinker = pytest.importorskip("tinker")
-from tinker import types  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
 from engine_helpers import free_port, tinker_server  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from tinker import types  # noqa: E402
 
 pytestmark = pytest.mark.slow  # torchrun services
 
@@ -54,9 +53,16 @@ def train(port: int, state_dir: Path, tokenizer) -> dict:
         for text, prompt_len in (("123+456=579", 8), ("12+7=19", 5), ("reverse abc: cba", 12)):
             tokens = tokenizer.encode(text, add_special_tokens=False)
             adv = [0.0] * (prompt_len - 1) + [1.0 - 0.5 * len(data)] * (len(tokens) - prompt_len)
-            data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                                    loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": [-1.0] * (len(tokens) - 1),
-                                                    "advantages": adv}))
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": tokens[1:],
+                        "logprobs": [-1.0] * (len(tokens) - 1),
+                        "advantages": adv,
+                    },
+                )
+            )
         losses, logprobs = [], []
         for step in range(3):
             out = tc.forward_backward(data, "importance_sampling").result()
@@ -69,13 +75,20 @@ def train(port: int, state_dir: Path, tokenizer) -> dict:
         path = tc.save_state("after-3").result().path
         sampler = tc.save_weights_and_get_sampling_client().result()
         prompt = tokenizer.encode("12+7=", add_special_tokens=False)
-        res = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=2,
-                             sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=1)).result()
+        res = sampler.sample(
+            types.ModelInput.from_ints(prompt),
+            num_samples=2,
+            sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=1),
+        ).result()
     finally:
         sc.close("success").result()
     folder = state_dir / path.split("://", 1)[1].split("/")[0].replace(":", "_") / "weights" / "after-3"
-    return {"losses": losses, "logprobs": logprobs, "state": load_file(str(folder / "adapter.safetensors")),
-            "samples": res.sequences}
+    return {
+        "losses": losses,
+        "logprobs": logprobs,
+        "state": load_file(str(folder / "adapter.safetensors")),
+        "samples": res.sequences,
+    }
 
 
 def more(port: int, state_dir: Path, tokenizer) -> dict:
@@ -86,13 +99,18 @@ def more(port: int, state_dir: Path, tokenizer) -> dict:
     try:
         tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=2).result()
         tokens = tokenizer.encode("987+12=999", add_special_tokens=False)
-        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+        )
         losses, norms = [], []
         for _ in range(2):
             losses.append(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
-            norms.append(tc.optim_step(types.AdamParams(learning_rate=2e-2, grad_clip_norm=0.05)).result()
-                         .metrics["grad_norm:mean"])
+            norms.append(
+                tc.optim_step(types.AdamParams(learning_rate=2e-2, grad_clip_norm=0.05))
+                .result()
+                .metrics["grad_norm:mean"]
+            )
         path = tc.save_state("two").result().path
         resumed = sc.create_training_client_from_state_with_optimizer(path).result()
         resumed.forward_backward([datum], "cross_entropy").result()
@@ -101,10 +119,19 @@ def more(port: int, state_dir: Path, tokenizer) -> dict:
         prompt = types.ModelInput.from_ints(tokenizer.encode("98+12=", add_special_tokens=False))
         named = sc.create_sampling_client(model_path=resumed.save_weights_for_sampler("named").result().path).result()
         base = sc.create_sampling_client(base_model=MODEL).result()
-        greedy = named.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=5, temperature=0.0)
-                              ).result().sequences[0]
-        return {"losses": losses, "norms": norms, "named": named.compute_logprobs(prompt).result()[1:],
-                "base": base.compute_logprobs(prompt).result()[1:], "greedy": greedy.tokens, "greedy_lp": greedy.logprobs}
+        greedy = (
+            named.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=5, temperature=0.0))
+            .result()
+            .sequences[0]
+        )
+        return {
+            "losses": losses,
+            "norms": norms,
+            "named": named.compute_logprobs(prompt).result()[1:],
+            "base": base.compute_logprobs(prompt).result()[1:],
+            "greedy": greedy.tokens,
+            "greedy_lp": greedy.logprobs,
+        }
     finally:
         sc.close("success").result()
 
@@ -127,10 +154,32 @@ def launch_healthy(state_dir: Path, *extra: str, ranks: int = 2) -> tuple[int, s
 
 
 def launch(port: int, state_dir: Path, *extra: str, ranks: int = 2) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-                             str(free_port()), "-m", "trillora", "serve", MODEL, "--tinker", "--port", str(port),
-                             "--api-key", KEY, "--state-dir", str(state_dir), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(ranks),
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "trillora",
+            "serve",
+            MODEL,
+            "--tinker",
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--state-dir",
+            str(state_dir),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -140,29 +189,48 @@ def alone(tmp_path_factory) -> dict:
     gen = tinker_server(folder, KEY)
     one = next(gen)
     try:
-        return {"train": train(one.cfg.port, folder, one.service.tokenizer),
-                "more": more(one.cfg.port, folder, one.service.tokenizer), "tokenizer": one.service.tokenizer}
+        return {
+            "train": train(one.cfg.port, folder, one.service.tokenizer),
+            "more": more(one.cfg.port, folder, one.service.tokenizer),
+            "tokenizer": one.service.tokenizer,
+        }
     finally:
         next(gen, None)
 
 
-LAYOUTS = {"dp": (2, [], "data parallel over 2 ranks"), "ep": (2, ["--ep", "2"], "data parallel over 2 ranks, experts over ep=2"),
-           "tp": (2, ["--tp", "2"], "data parallel over 1 ranks, layers over tp=2"),
-           # recomputing layers in backward runs their all-reduces and all-to-alls again, in order on every rank
-           "tp-ep": (4, ["--tp", "2", "--ep", "2", "--activation-checkpoint-every", "1"],
-                     "data parallel over 2 ranks, layers over tp=2, experts over ep=2"),
-           # 3 datums a call: two chunks in flight through the stages
-           "pp": (2, ["--pp", "2", "--pp-microbatches", "2"], "data parallel over 1 ranks, stages over pp=2"),
-           # a 1-datum call leaves dp rank 1's two stages one filler token to pass down and back
-           "pp-ep": (4, ["--pp", "2", "--ep", "2"], "data parallel over 2 ranks, stages over pp=2, experts over ep=2"),
-           "pp-tp": (4, ["--pp", "2", "--tp", "2", "--activation-checkpoint-every", "1"],
-                     "data parallel over 1 ranks, stages over pp=2, layers over tp=2"),
-           # each row's positions split over 2 ranks in training; sampling decodes whole rows on both
-           "cp": (2, ["--cp", "2", "--activation-checkpoint-every", "1"], "data parallel over 1 ranks, rows over cp=2"),
-           # the dense layers sharded over both ranks; each expert shard has one owner, left out of FSDP
-           "fsdp-ep": (2, ["--fsdp", "--ep", "2"], "data parallel over 2 ranks, the base sharded over them (FSDP), experts over ep=2"),
-           "tp-sp-vocab": (2, ["--tp", "2", "--sp", "--vocab-parallel"], "data parallel over 1 ranks, layers over tp=2 "
-                           "(sequence-parallel norms, the head over the vocabulary)")}
+LAYOUTS = {
+    "dp": (2, [], "data parallel over 2 ranks"),
+    "ep": (2, ["--ep", "2"], "data parallel over 2 ranks, experts over ep=2"),
+    "tp": (2, ["--tp", "2"], "data parallel over 1 ranks, layers over tp=2"),
+    # recomputing layers in backward runs their all-reduces and all-to-alls again, in order on every rank
+    "tp-ep": (
+        4,
+        ["--tp", "2", "--ep", "2", "--activation-checkpoint-every", "1"],
+        "data parallel over 2 ranks, layers over tp=2, experts over ep=2",
+    ),
+    # 3 datums a call: two chunks in flight through the stages
+    "pp": (2, ["--pp", "2", "--pp-microbatches", "2"], "data parallel over 1 ranks, stages over pp=2"),
+    # a 1-datum call leaves dp rank 1's two stages one filler token to pass down and back
+    "pp-ep": (4, ["--pp", "2", "--ep", "2"], "data parallel over 2 ranks, stages over pp=2, experts over ep=2"),
+    "pp-tp": (
+        4,
+        ["--pp", "2", "--tp", "2", "--activation-checkpoint-every", "1"],
+        "data parallel over 1 ranks, stages over pp=2, layers over tp=2",
+    ),
+    # each row's positions split over 2 ranks in training; sampling decodes whole rows on both
+    "cp": (2, ["--cp", "2", "--activation-checkpoint-every", "1"], "data parallel over 1 ranks, rows over cp=2"),
+    # the dense layers sharded over both ranks; each expert shard has one owner, left out of FSDP
+    "fsdp-ep": (
+        2,
+        ["--fsdp", "--ep", "2"],
+        "data parallel over 2 ranks, the base sharded over them (FSDP), experts over ep=2",
+    ),
+    "tp-sp-vocab": (
+        2,
+        ["--tp", "2", "--sp", "--vocab-parallel"],
+        "data parallel over 1 ranks, layers over tp=2 (sequence-parallel norms, the head over the vocabulary)",
+    ),
+}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -207,15 +275,30 @@ def test_two_ranks_train_as_one_process(tmp_path, alone, layout):
 
 
 def test_an_expert_layout_that_cannot_work_is_named(tmp_path):
-    alone = subprocess.run([sys.executable, "-m", "trillora", "serve", MODEL, "--tinker", "--ep", "2"],
-                           capture_output=True, text=True, timeout=120)
+    alone = subprocess.run(
+        [sys.executable, "-m", "trillora", "serve", MODEL, "--tinker", "--ep", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert alone.returncode != 0 and "a sharded base needs several ranks" in alone.stderr
-    staged = subprocess.run([sys.executable, "-m", "trillora", "serve", MODEL, "--tinker", "--pp", "3"],
-                            capture_output=True, text=True, timeout=120)
+    staged = subprocess.run(
+        [sys.executable, "-m", "trillora", "serve", MODEL, "--tinker", "--pp", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert staged.returncode != 0 and "--pp 3 --cp 1: a sharded base needs several ranks" in staged.stderr
-    split = subprocess.run([sys.executable, "-m", "trillora", "serve", MODEL, "--tinker", "--vocab-parallel"],
-                           capture_output=True, text=True, timeout=120)
-    assert split.returncode != 0 and "vocab_parallel splits over the tensor-parallel ranks; it needs tp >= 2" in split.stderr
+    split = subprocess.run(
+        [sys.executable, "-m", "trillora", "serve", MODEL, "--tinker", "--vocab-parallel"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        split.returncode != 0
+        and "vocab_parallel splits over the tensor-parallel ranks; it needs tp >= 2" in split.stderr
+    )
     proc = launch(free_port(), tmp_path, "--ep", "4")
     out = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0

@@ -20,6 +20,7 @@ def test_worker_fuses_waiting_requests_of_one_kind_and_keeps_each_clients_order(
     ran: list = []
     gate = threading.Event()
     done = threading.Semaphore(0)
+
     def fuser(payloads):
         ran.append(("fused", tuple(payloads)))
         return list(payloads)
@@ -30,12 +31,19 @@ def test_worker_fuses_waiting_requests_of_one_kind_and_keeps_each_clients_order(
         def run():
             ran.append(("alone", name))
             return name
+
         return Job(run, lambda out: done.release(), model, fuse, name)
 
     worker.submit(Job(gate.wait, lambda out: done.release()))  # holds the worker while the rest queue up
-    for name, model, seq, fuse in [("fbA1", "A", 1, "fb"), ("fbB1", "B", 1, "fb"), ("optA2", "A", 2, None),
-                                   ("fbA3", "A", 3, "fb"), ("fbC1", "C", 1, "fb"), ("s1", None, None, "sample"),
-                                   ("s2", None, None, "sample")]:
+    for name, model, seq, fuse in [
+        ("fbA1", "A", 1, "fb"),
+        ("fbB1", "B", 1, "fb"),
+        ("optA2", "A", 2, None),
+        ("fbA3", "A", 3, "fb"),
+        ("fbC1", "C", 1, "fb"),
+        ("s1", None, None, "sample"),
+        ("s2", None, None, "sample"),
+    ]:
         worker.submit(job(name, model, fuse), seq)
     gate.set()
     for _ in range(8):
@@ -55,8 +63,15 @@ def test_a_client_behind_a_busy_one_waits_only_for_the_passes_before_it():
     gate, done = threading.Event(), threading.Semaphore(0)
     worker = Worker({"fb": lambda payloads: (ran.append(tuple(payloads)), list(payloads))[1]}, max_fused=2)
     worker.submit(Job(gate.wait, lambda out: done.release()))  # holds the worker while the rest queue up
-    arrivals = [("A1", "A", 1, "fb"), ("A2", "A", 2, "fb"), ("B1", "B", 1, None), ("A3", "A", 3, "fb"),
-                ("A4", "A", 4, "fb"), ("A5", "A", 5, "fb"), ("A6", "A", 6, "fb")]
+    arrivals = [
+        ("A1", "A", 1, "fb"),
+        ("A2", "A", 2, "fb"),
+        ("B1", "B", 1, None),
+        ("A3", "A", 3, "fb"),
+        ("A4", "A", 4, "fb"),
+        ("A5", "A", 5, "fb"),
+        ("A6", "A", 6, "fb"),
+    ]
     for name, model, seq, fuse in arrivals:
         worker.submit(Job(lambda name=name: ran.append((name,)), lambda out: done.release(), model, fuse, name), seq)
     gate.set()
@@ -74,8 +89,14 @@ def datum(service, text: str, prompt_len: int, **extra) -> Datum:
     ids = service.tokenizer.encode(text, add_special_tokens=False)
     n = len(ids) - 1
     weights = np.array([0.0] * (prompt_len - 1) + [1.0] * (n - prompt_len + 1), dtype=np.float32)
-    return Datum(ids[:-1], {"target_tokens": np.array(ids[1:]), "weights": weights,
-                            **{k: np.full(n, v, np.float32) for k, v in extra.items()}})
+    return Datum(
+        ids[:-1],
+        {
+            "target_tokens": np.array(ids[1:]),
+            "weights": weights,
+            **{k: np.full(n, v, np.float32) for k, v in extra.items()},
+        },
+    )
 
 
 def call(service, model_id, data, loss_fn="cross_entropy", forward_only=False) -> FwdBwd:
@@ -99,24 +120,28 @@ def test_forward_backward_of_several_clients_in_one_pass_equals_each_alone(servi
         with torch.no_grad():
             for p in service.client(m).adapter.params.values():
                 p.normal_(0.0, 0.05)
-    calls = [call(service, a, [datum(service, "123+456=579", 5)]),
-             call(service, b, [datum(service, "7+8=15", 3), datum(service, "999+1=1000", 5)]),
-             call(service, a, [datum(service, "40+2=42", 4)], forward_only=True),
-             call(service, a, [datum(service, "12+30=42", 4, advantages=0.5, logprobs=-2.0)], "importance_sampling")]
+    calls = [
+        call(service, a, [datum(service, "123+456=579", 5)]),
+        call(service, b, [datum(service, "7+8=15", 3), datum(service, "999+1=1000", 5)]),
+        call(service, a, [datum(service, "40+2=42", 4)], forward_only=True),
+        call(service, a, [datum(service, "12+30=42", 4, advantages=0.5, logprobs=-2.0)], "importance_sampling"),
+    ]
     alone = []
     for c in calls:
         alone.append(service.forward_backward_many([c])[0])
     want_a, want_b = grads(service, a), grads(service, b)
     fused = service.forward_backward_many(calls)
     got_a, got_b = grads(service, a), grads(service, b)
-    for (lp1, m1), (lp2, m2) in zip(alone, fused):
+    for (lp1, m1), (lp2, m2) in zip(alone, fused, strict=True):
         assert m1["loss:sum"] == pytest.approx(m2["loss:sum"], rel=1e-5, abs=1e-6)
-        for x, y in zip(lp1, lp2):
+        for x, y in zip(lp1, lp2, strict=True):
             np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)  # fp32 sums reordered; logprobs reach -20
     assert want_a.keys() == got_a.keys() and want_b.keys() == got_b.keys() and want_a.keys() != want_b.keys()
     for want, got in ((want_a, got_a), (want_b, got_b)):
         for k in want:
-            assert (got[k] - want[k]).abs().max() <= 5e-5 * max(1.0, float(want[k].abs().max())), k  # fp32 sums reordered
+            assert (got[k] - want[k]).abs().max() <= 5e-5 * max(1.0, float(want[k].abs().max())), (
+                k
+            )  # fp32 sums reordered
 
 
 def test_samples_of_several_samplers_in_one_generate_equal_each_alone(service):
@@ -129,13 +154,17 @@ def test_samples_of_several_samplers_in_one_generate_equal_each_alone(service):
     base = service.create_sampler(sid, 2, None, None)
     greedy = {"max_tokens": 5, "temperature": 0.0}
     prompts = [service.tokenizer.encode(t, add_special_tokens=False) for t in ("12+34=", "500+500=", "9+9=")]
-    calls = [SampleCall(tuned, prompts[0], 2, greedy), SampleCall(base, prompts[1], 2, greedy),
-             SampleCall(tuned, prompts[2], 2, greedy), SampleCall(base, [], 2, greedy)]  # the last one is refused
+    calls = [
+        SampleCall(tuned, prompts[0], 2, greedy),
+        SampleCall(base, prompts[1], 2, greedy),
+        SampleCall(tuned, prompts[2], 2, greedy),
+        SampleCall(base, [], 2, greedy),
+    ]  # the last one is refused
     alone = [service.sample_many([c])[0] for c in calls]
     fused = service.sample_many(calls)
     assert isinstance(fused[3], Exception) and "non-empty" in str(fused[3])
-    for (want, *_), (got, *_) in zip(alone[:3], fused[:3]):
-        for (t1, lp1, r1), (t2, lp2, r2) in zip(want, got):
+    for (want, *_), (got, *_) in zip(alone[:3], fused[:3], strict=True):
+        for (t1, lp1, r1), (t2, lp2, r2) in zip(want, got, strict=True):
             assert t1 == t2 and r1 == r2
             # fp32 sums in another order (batches of other sizes; adapters drawn at std 0.2 make logits
             # large): 2.3e-5 seen on a -0.80 logprob; a row with the wrong adapter moves by O(0.1)
@@ -151,8 +180,12 @@ def test_fusing_settings_are_checked_where_they_are_given():
         ServeConfig(model="tiny-moe-chat", max_fused=0)
     with pytest.raises(TrilloraError, match="gather_seconds=-1"):
         ServeConfig(model="tiny-moe-chat", gather_seconds=-1)
-    out = subprocess.run([sys.executable, "-m", "trillora", "serve", "tiny-moe-chat", "--tinker", "--max-fused", "0"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "trillora", "serve", "tiny-moe-chat", "--tinker", "--max-fused", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0 and "max_fused=0; allowed" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -177,8 +210,29 @@ def test_the_fused_adapters_benchmark_runs_on_expert_parallel_ranks(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "fused_adapters.py"
     out = tmp_path / "ep2.json"
-    run = subprocess.run([sys.executable, str(script), "--ep", "2", "--adapters", "2", "--rows", "4", "--samples", "2",
-                          "--max-tokens", "4", "--reps", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--ep",
+            "2",
+            "--adapters",
+            "2",
+            "--rows",
+            "4",
+            "--samples",
+            "2",
+            "--max-tokens",
+            "4",
+            "--reps",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["expert_parallel_ranks"] == 2 and set(r["speedup_one_pass"]) == {"forward_backward", "sample"}
@@ -208,7 +262,7 @@ def test_expert_rank_rule_gives_each_client_rank_over_top_k_expert_adapters(tmp_
     want_a, want_b = grads(svc, a), grads(svc, b)
     fused = svc.forward_backward_many(calls)
     got_a, got_b = grads(svc, a), grads(svc, b)
-    for (lp1, _), (lp2, _) in zip(alone, fused):
+    for (lp1, _), (lp2, _) in zip(alone, fused, strict=True):
         np.testing.assert_allclose(lp1[0], lp2[0], atol=1e-5, rtol=1e-5)
     for want, got in ((want_a, got_a), (want_b, got_b)):
         for k in want:
@@ -216,9 +270,15 @@ def test_expert_rank_rule_gives_each_client_rank_over_top_k_expert_adapters(tmp_
     sampler = svc.save_for_sampler(a, None, sid, 3)["sampling_session_id"]
     prompt = data[0].tokens
     _, scored, _ = svc.sample(sampler, prompt, 1, {"max_tokens": 1}, True)
-    forward = svc.forward_backward(a, "cross_entropy", {}, [datum(svc, "123+456=579", 5)],
-                                   svc.check_data("cross_entropy", {}, [datum(svc, "123+456=579", 5)]), True)[0][0]
-    np.testing.assert_allclose(scored[1:], forward[:len(prompt) - 1], atol=1e-4)
+    forward = svc.forward_backward(
+        a,
+        "cross_entropy",
+        {},
+        [datum(svc, "123+456=579", 5)],
+        svc.check_data("cross_entropy", {}, [datum(svc, "123+456=579", 5)]),
+        True,
+    )[0][0]
+    np.testing.assert_allclose(scored[1:], forward[: len(prompt) - 1], atol=1e-4)
     svc.optim_step(a, {"learning_rate": 5e-2})  # moments to save
     path = svc.save_state(a, "divided")["path"]
     resumed = svc.load_state(sid, 4, path, True)["model_id"]

@@ -9,11 +9,11 @@ import json
 import time
 
 import pytest
-
 from engine_helpers import running_server
 from test_serve_http import KEY, keyed
 from test_tinker_wire import request as datum_bytes
 from test_tinker_wire import tensor
+
 from trillora.serve import wire
 from trillora.serve.config import ServeConfig
 
@@ -22,9 +22,19 @@ POSITIONS = 512  # tiny-moe's
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from running_server(ServeConfig(model="tiny-moe", tinker=True, port=0, api_key=KEY, max_clients=2, max_samplers=2,
-                                          max_sessions=6, max_call_tokens=600,
-                                          state_dir=str(tmp_path_factory.mktemp("state"))))
+    yield from running_server(
+        ServeConfig(
+            model="tiny-moe",
+            tinker=True,
+            port=0,
+            api_key=KEY,
+            max_clients=2,
+            max_samplers=2,
+            max_sessions=6,
+            max_call_tokens=600,
+            state_dir=str(tmp_path_factory.mktemp("state")),
+        )
+    )
 
 
 def post(server, path: str, body: dict) -> tuple[int, dict]:
@@ -42,16 +52,21 @@ def session(server) -> str:
 
 
 def client(server, sid: str, seq: int = 0) -> str:
-    status, created = post(server, "/api/v1/create_model", {"session_id": sid, "model_seq_id": seq, "base_model": "tiny-moe",
-                                                            "lora_config": {"rank": 2}})
+    status, created = post(
+        server,
+        "/api/v1/create_model",
+        {"session_id": sid, "model_seq_id": seq, "base_model": "tiny-moe", "lora_config": {"rank": 2}},
+    )
     assert status == 200, created
     return result(server, created)["model_id"]
 
 
 def forward_backward(server, model_id: str, seq: int, datums: bytes) -> tuple[int, dict]:
     body = wire.put_bytes(1, model_id.encode()) + wire.put_varint(2, seq) + datums + wire.put_bytes(4, b"cross_entropy")
-    head = (f"POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY}\r\n"
-            f"Content-Type: application/x-protobuf\r\nContent-Length: {len(body)}\r\n\r\n")
+    head = (
+        f"POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY}\r\n"
+        f"Content-Type: application/x-protobuf\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
     from test_serve_http import request, status_and_json
 
     return status_and_json(request(server.cfg.port, head.encode() + body))
@@ -65,7 +80,9 @@ def test_ids_cannot_be_guessed_and_a_result_is_read_once(server):
     a, b = session(server), session(server)
     assert len(a) > 20 and a != b
     mid = client(server, a)
-    created = post(server, "/api/v1/optim_step", {"model_id": mid, "seq_id": 1, "adam_params": {"learning_rate": 0.0}})[1]
+    created = post(server, "/api/v1/optim_step", {"model_id": mid, "seq_id": 1, "adam_params": {"learning_rate": 0.0}})[
+        1
+    ]
     assert len(created["request_id"]) > 20
     assert "metrics" in result(server, created)
     status, out = post(server, "/api/v1/retrieve_future", {"request_id": created["request_id"]})
@@ -78,10 +95,17 @@ def test_declared_shapes_and_token_counts_are_bounded(server):
     sid = session(server)
     mid = client(server, sid)
     cases = [
-        (datum_bytes([1, 2, 3], target_tokens=tensor([3], 2, bytes(24)), weights=tensor([3, 50_000_000])), "at most 192 values"),
+        (
+            datum_bytes([1, 2, 3], target_tokens=tensor([3], 2, bytes(24)), weights=tensor([3, 50_000_000])),
+            "at most 192 values",
+        ),
         (datum_bytes([1, 2, 3], target_tokens=tensor([3, 2_000_000], 2)), "at most 192 values"),
-        (datum_bytes([1, 2, 3], target_tokens=tensor([3], 2, bytes(24)),
-                     weights=tensor([2, 4], csr=([1.0], [0, 1, 1], [-1]))), "columns"),
+        (
+            datum_bytes(
+                [1, 2, 3], target_tokens=tensor([3], 2, bytes(24)), weights=tensor([2, 4], csr=([1.0], [0, 1, 1], [-1]))
+            ),
+            "columns",
+        ),
         (datum_bytes(list(range(550)), target_tokens=tensor([550], 2, bytes(8 * 550))), f"{POSITIONS} positions"),
         (datum_bytes(list(range(400)), target_tokens=tensor([400], 2, bytes(8 * 400))) * 2, "more than 600 tokens"),
     ]
@@ -90,8 +114,12 @@ def test_declared_shapes_and_token_counts_are_bounded(server):
         assert status == 400 and message in out["error"], (message, out)
     ok = forward_backward(server, mid, len(cases) + 1, datum_bytes([1, 2, 3], target_tokens=tensor([3], 2, bytes(24))))
     assert ok[0] == 200, ok  # a datum within the bounds is taken
-    sample = {"base_model": "tiny-moe", "prompt": {"chunks": [{"tokens": [5] * 500}]},
-              "sampling_params": {"max_tokens": 100}, "num_samples": 1}
+    sample = {
+        "base_model": "tiny-moe",
+        "prompt": {"chunks": [{"tokens": [5] * 500}]},
+        "sampling_params": {"max_tokens": 100},
+        "num_samples": 1,
+    }
     status, out = post(server, "/api/v1/asample", sample)
     assert status == 400 and f"the model has {POSITIONS}" in out["error"], out
     sample["sampling_params"], sample["num_samples"] = {"max_tokens": 10}, 2  # 2 × 510 tokens > 600
@@ -107,7 +135,9 @@ def test_a_model_is_created_once_and_a_seq_id_runs_once(server):
     mid = client(server, sid)
     status, out = post(server, "/api/v1/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": "tiny-moe"})
     assert status == 409 and "taken" in out["error"], out
-    status, out = post(server, "/api/v1/create_model", {"session_id": sid, "model_seq_id": {"a": 1}, "base_model": "tiny-moe"})
+    status, out = post(
+        server, "/api/v1/create_model", {"session_id": sid, "model_seq_id": {"a": 1}, "base_model": "tiny-moe"}
+    )
     assert status == 400 and "model_seq_id" in out["error"], out
     step = {"model_id": mid, "seq_id": 1, "adam_params": {"learning_rate": 0.0}}
     result(server, post(server, "/api/v1/optim_step", step)[1])
@@ -122,10 +152,19 @@ def test_finishing_a_session_frees_its_clients_and_samplers(server):
     status, out = post(server, "/api/v1/create_model", {"session_id": sid, "model_seq_id": 2, "base_model": "tiny-moe"})
     assert status == 200 and "--max-clients" in json.dumps(result(server, out))  # 2 held: the third is refused
     for seq in (0, 1):
-        assert post(server, "/api/v1/create_sampling_session", {"session_id": sid, "sampling_session_seq_id": seq,
-                                                                "base_model": "tiny-moe"})[0] == 200
-    status, out = post(server, "/api/v1/create_sampling_session", {"session_id": sid, "sampling_session_seq_id": 2,
-                                                                   "base_model": "tiny-moe"})
+        assert (
+            post(
+                server,
+                "/api/v1/create_sampling_session",
+                {"session_id": sid, "sampling_session_seq_id": seq, "base_model": "tiny-moe"},
+            )[0]
+            == 200
+        )
+    status, out = post(
+        server,
+        "/api/v1/create_sampling_session",
+        {"session_id": sid, "sampling_session_seq_id": 2, "base_model": "tiny-moe"},
+    )
     assert status == 429 and "--max-samplers" in out["error"], out
     finish(server, sid)
     status, out = post(server, "/api/v1/session_heartbeat", {"session_id": sid})
@@ -140,12 +179,21 @@ def test_a_recipes_per_step_samplers_make_room_for_the_next(server):
     session's oldest unnamed one goes; a sampler made by name stays."""
     sid = session(server)
     mid = client(server, sid)
-    assert post(server, "/api/v1/create_sampling_session", {"session_id": sid, "sampling_session_seq_id": 0,
-                                                            "base_model": "tiny-moe"})[0] == 200
+    assert (
+        post(
+            server,
+            "/api/v1/create_sampling_session",
+            {"session_id": sid, "sampling_session_seq_id": 0, "base_model": "tiny-moe"},
+        )[0]
+        == 200
+    )
     made = []
     for step in range(1, 4):
-        out = post(server, "/api/v1/save_weights_for_sampler", {"model_id": mid, "seq_id": step,
-                                                                "sampling_session_seq_id": step})[1]
+        out = post(
+            server,
+            "/api/v1/save_weights_for_sampler",
+            {"model_id": mid, "seq_id": step, "sampling_session_seq_id": step},
+        )[1]
         made.append(result(server, out)["sampling_session_id"])
     held = server.service.sessions[sid].samplers
     assert list(held) == [f"{sid}:sample:0", made[-1]]  # the named one and the newest
@@ -156,7 +204,9 @@ def test_a_recipes_per_step_samplers_make_room_for_the_next(server):
 
 
 def test_sessions_are_capped_and_idle_ones_end():
-    gen = running_server(ServeConfig(model="tiny-moe", tinker=True, port=0, api_key=KEY, max_sessions=2, session_seconds=1.0))
+    gen = running_server(
+        ServeConfig(model="tiny-moe", tinker=True, port=0, api_key=KEY, max_sessions=2, session_seconds=1.0)
+    )
     srv = next(gen)
     try:
         a = session(srv)
@@ -177,7 +227,9 @@ def test_names_with_a_newline_and_planted_links_are_refused(server, tmp_path):
     mid = client(server, sid)
     status, out = post(server, "/api/v1/save_weights", {"model_id": mid, "path": "ok\n", "seq_id": 1})
     assert status == 400 and "checkpoint name" in out["error"], out
-    saved = result(server, post(server, "/api/v1/save_weights", {"model_id": mid, "path": "good", "seq_id": 2})[1])["path"]
+    saved = result(server, post(server, "/api/v1/save_weights", {"model_id": mid, "path": "good", "seq_id": 2})[1])[
+        "path"
+    ]
     folder = server.service.resolve(saved)[2]
     secret = tmp_path / "secret.json"
     secret.write_text(json.dumps({"rank": 987654321}))
@@ -200,8 +252,12 @@ def test_the_attack_benchmark_keeps_every_honest_request_answered(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "tinker_under_attack.py"
     out = tmp_path / "attack.json"
-    run = subprocess.run([sys.executable, str(script), "--clients", "2", "--samplers", "2", "--steps", "2", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(script), "--clients", "2", "--samplers", "2", "--steps", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["honest_requests"]["failed"] == 0 and r["honest_requests"]["ok"] == 2 * 2 * 2 + 2 * 2, r["honest_requests"]

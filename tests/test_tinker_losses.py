@@ -15,8 +15,12 @@ R0 = math.exp(0.2)
 
 
 def inputs(**extra):
-    return {"target_tokens": torch.tensor([5, 6]), "logprobs": torch.tensor([-1.2, -0.5]),
-            "advantages": torch.tensor([2.0, -1.0]), **extra}
+    return {
+        "target_tokens": torch.tensor([5, 6]),
+        "logprobs": torch.tensor([-1.2, -0.5]),
+        "advantages": torch.tensor([2.0, -1.0]),
+        **extra,
+    }
 
 
 def run(name, config=None, **extra):
@@ -46,7 +50,9 @@ def test_ppo_takes_the_clipped_branch_above_1_2():
     loss, grad = run("ppo", {"clip_high_threshold": 1.5})
     assert loss == pytest.approx(-(2 * R0 - 1)) and grad == pytest.approx([-2 * R0, 1.0])
     # per-token bounds from loss_fn_inputs win over the config's
-    assert run("ppo", {"clip_high_threshold": 1.5}, clip_high_threshold=torch.tensor([1.1, 1.1]))[0] == pytest.approx(-(2.2 - 1))
+    assert run("ppo", {"clip_high_threshold": 1.5}, clip_high_threshold=torch.tensor([1.1, 1.1]))[0] == pytest.approx(
+        -(2.2 - 1)
+    )
 
 
 def test_cispo_weights_logp_by_the_stopped_clipped_ratio():
@@ -78,15 +84,18 @@ def test_gspo_gives_every_token_the_sequence_ratio_and_its_own_gradient():
         run("gspo", sequence_ratio_mask=torch.tensor([0.0, 0.0]))
 
 
-@pytest.mark.parametrize("name, keys, config, message", [
-    ("stable_reinforce", {"target_tokens", "logprobs", "advantages"}, None, "'stable_reinforce' is not served"),
-    ("gspo", {"target_tokens", "logprobs", "advantages"}, None, "'gspo' needs loss_fn_inputs sequence_ratio_mask"),
-    ("grpo", {"target_tokens"}, None, "unknown loss_fn 'grpo'; choose one of cross_entropy, importance_sampling"),
-    ("ppo", {"target_tokens", "logprobs"}, None, "'ppo' needs loss_fn_inputs advantages"),
-    ("ppo", {"target_tokens", "logprobs", "advantages"}, {"beta": 1.0}, r"\['beta'\] are not used by 'ppo'"),
-    ("dro", {"target_tokens", "logprobs", "advantages"}, None, "'dro' needs loss_fn_config"),
-    ("cross_entropy", {"weights"}, None, "needs loss_fn_inputs target_tokens"),
-])
+@pytest.mark.parametrize(
+    "name, keys, config, message",
+    [
+        ("stable_reinforce", {"target_tokens", "logprobs", "advantages"}, None, "'stable_reinforce' is not served"),
+        ("gspo", {"target_tokens", "logprobs", "advantages"}, None, "'gspo' needs loss_fn_inputs sequence_ratio_mask"),
+        ("grpo", {"target_tokens"}, None, "unknown loss_fn 'grpo'; choose one of cross_entropy, importance_sampling"),
+        ("ppo", {"target_tokens", "logprobs"}, None, "'ppo' needs loss_fn_inputs advantages"),
+        ("ppo", {"target_tokens", "logprobs", "advantages"}, {"beta": 1.0}, r"\['beta'\] are not used by 'ppo'"),
+        ("dro", {"target_tokens", "logprobs", "advantages"}, None, "'dro' needs loss_fn_config"),
+        ("cross_entropy", {"weights"}, None, "needs loss_fn_inputs target_tokens"),
+    ],
+)
 def test_bad_loss_requests_name_the_culprit(name, keys, config, message):
     with pytest.raises(LossInputError, match=message):
         check_loss(name, keys, config)

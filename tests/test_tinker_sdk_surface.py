@@ -13,37 +13,80 @@ import pytest
 import torch
 
 tinker = pytest.importorskip("tinker")
-from tinker import types  # noqa: E402
-
 from engine_helpers import tinker_server  # noqa: E402
+from tinker import types  # noqa: E402
 
 MODEL, KEY = "tiny-moe-chat", "tml-test-key"
 SERVED, CLIENT, REFUSED = "served", "client", "refused"
 DECISIONS = {
     "ServiceClient": {
-        "close": SERVED, "copy_weights": REFUSED, "create_custom_loss": SERVED, "create_lora_training_client": SERVED,
-        "create_rest_client": CLIENT, "create_sampling_client": SERVED, "create_training_client_from_state": SERVED,
-        "create_training_client_from_state_with_optimizer": SERVED, "get_console_url": CLIENT,
-        "get_server_capabilities": SERVED, "get_telemetry": CLIENT},
+        "close": SERVED,
+        "copy_weights": REFUSED,
+        "create_custom_loss": SERVED,
+        "create_lora_training_client": SERVED,
+        "create_rest_client": CLIENT,
+        "create_sampling_client": SERVED,
+        "create_training_client_from_state": SERVED,
+        "create_training_client_from_state_with_optimizer": SERVED,
+        "get_console_url": CLIENT,
+        "get_server_capabilities": SERVED,
+        "get_telemetry": CLIENT,
+    },
     "TrainingClient": {
-        "create_sampling_client": SERVED, "forward": SERVED, "forward_backward": SERVED, "forward_backward_custom": SERVED,
-        "get_console_url": CLIENT, "get_info": SERVED, "get_telemetry": CLIENT, "get_tokenizer": SERVED,
-        "load_state": REFUSED, "load_state_with_optimizer": REFUSED, "optim_step": SERVED, "save_state": SERVED,
-        "save_weights_and_get_sampling_client": SERVED, "save_weights_external": REFUSED,
-        "save_weights_for_sampler": SERVED},
+        "create_sampling_client": SERVED,
+        "forward": SERVED,
+        "forward_backward": SERVED,
+        "forward_backward_custom": SERVED,
+        "get_console_url": CLIENT,
+        "get_info": SERVED,
+        "get_telemetry": CLIENT,
+        "get_tokenizer": SERVED,
+        "load_state": REFUSED,
+        "load_state_with_optimizer": REFUSED,
+        "optim_step": SERVED,
+        "save_state": SERVED,
+        "save_weights_and_get_sampling_client": SERVED,
+        "save_weights_external": REFUSED,
+        "save_weights_for_sampler": SERVED,
+    },
     "SamplingClient": {
-        "compute_logprobs": SERVED, "create": CLIENT, "from_sampler_handle": CLIENT, "get_base_model": CLIENT,
-        "get_sampler_handle": CLIENT, "get_telemetry": CLIENT, "get_tokenizer": CLIENT, "on_queue_state_change": CLIENT,
-        "sample": SERVED},
+        "compute_logprobs": SERVED,
+        "create": CLIENT,
+        "from_sampler_handle": CLIENT,
+        "get_base_model": CLIENT,
+        "get_sampler_handle": CLIENT,
+        "get_telemetry": CLIENT,
+        "get_tokenizer": CLIENT,
+        "on_queue_state_change": CLIENT,
+        "sample": SERVED,
+    },
     "RestClient": {
-        "assign_session_project": REFUSED, "copy_weights": REFUSED, "delete_checkpoint": SERVED,
-        "delete_checkpoint_from_tinker_path": SERVED, "export_session_trace": REFUSED, "get_audit_log": REFUSED,
-        "get_billing_usage": REFUSED, "get_current_checkpoint_storage_usage": REFUSED, "get_external_weights_urls": REFUSED,
-        "get_sampler": SERVED, "get_server_capabilities": SERVED, "get_session": SERVED, "get_telemetry": CLIENT,
-        "get_training_run": SERVED, "get_training_run_by_tinker_path": SERVED, "get_weights_info_by_tinker_path": SERVED,
-        "list_checkpoints": SERVED, "list_sessions": REFUSED, "list_training_runs": REFUSED, "list_user_checkpoints": REFUSED,
-        "publish_checkpoint_from_tinker_path": SERVED, "search_sessions": REFUSED,
-        "set_checkpoint_ttl_from_tinker_path": SERVED, "unpublish_checkpoint_from_tinker_path": SERVED, "whoami": CLIENT},
+        "assign_session_project": REFUSED,
+        "copy_weights": REFUSED,
+        "delete_checkpoint": SERVED,
+        "delete_checkpoint_from_tinker_path": SERVED,
+        "export_session_trace": REFUSED,
+        "get_audit_log": REFUSED,
+        "get_billing_usage": REFUSED,
+        "get_current_checkpoint_storage_usage": REFUSED,
+        "get_external_weights_urls": REFUSED,
+        "get_sampler": SERVED,
+        "get_server_capabilities": SERVED,
+        "get_session": SERVED,
+        "get_telemetry": CLIENT,
+        "get_training_run": SERVED,
+        "get_training_run_by_tinker_path": SERVED,
+        "get_weights_info_by_tinker_path": SERVED,
+        "list_checkpoints": SERVED,
+        "list_sessions": REFUSED,
+        "list_training_runs": REFUSED,
+        "list_user_checkpoints": REFUSED,
+        "publish_checkpoint_from_tinker_path": SERVED,
+        "search_sessions": REFUSED,
+        "set_checkpoint_ttl_from_tinker_path": SERVED,
+        "unpublish_checkpoint_from_tinker_path": SERVED,
+        "whoami": CLIENT,
+    },
 }
 """SamplingClient.get_tokenizer resolves the base model's name in the client: it loads with no hub when
 the server was started with the model's folder as its name. `create` and `from_sampler_handle` are
@@ -68,8 +111,9 @@ def server(tmp_path_factory):
 def datum(tok, text: str, prompt_len: int) -> types.Datum:
     ids = tok.encode(text, add_special_tokens=False)
     weights = [0.0] * (prompt_len - 1) + [1.0] * (len(ids) - prompt_len)
-    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                       loss_fn_inputs={"target_tokens": ids[1:], "weights": weights})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={"target_tokens": ids[1:], "weights": weights}
+    )
 
 
 def test_the_served_methods_answer_with_reference_values(server):
@@ -87,14 +131,24 @@ def test_the_served_methods_answer_with_reference_values(server):
     tc = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
     info = tc.get_info()
     assert info.model_data.model_name == MODEL and info.lora_rank == 4
-    assert tc.get_tokenizer().encode("7+8=15", add_special_tokens=False) == tok.encode("7+8=15", add_special_tokens=False)
+    assert tc.get_tokenizer().encode("7+8=15", add_special_tokens=False) == tok.encode(
+        "7+8=15", add_special_tokens=False
+    )
     data = [datum(tok, "12+30=42", 6), datum(tok, "7+8=15", 4)]
     fwd = tc.forward(data, "cross_entropy").result()
-    for d, out in zip(data, fwd.loss_fn_outputs):  # a fresh adapter adds nothing: the base's logprobs
+    for d, out in zip(data, fwd.loss_fn_outputs, strict=True):  # a fresh adapter adds nothing: the base's logprobs
         ids = torch.tensor([d.model_input.to_ints()])
-        want = hf(ids).logits[0].log_softmax(-1).gather(-1, torch.tensor(d.loss_fn_inputs["target_tokens"].tolist())[:, None])[:, 0]
+        want = (
+            hf(ids)
+            .logits[0]
+            .log_softmax(-1)
+            .gather(-1, torch.tensor(d.loss_fn_inputs["target_tokens"].tolist())[:, None])[:, 0]
+        )
         np.testing.assert_allclose(out["logprobs"].to_numpy(), want.detach().numpy(), atol=1e-5)
-    nll = sum(-(o["logprobs"].to_numpy() * d.loss_fn_inputs["weights"].to_numpy()).sum() for d, o in zip(data, fwd.loss_fn_outputs))
+    nll = sum(
+        -(o["logprobs"].to_numpy() * d.loss_fn_inputs["weights"].to_numpy()).sum()
+        for d, o in zip(data, fwd.loss_fn_outputs, strict=True)
+    )
     assert tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(nll, rel=1e-5)
 
     def neg_ll(logprobs, weights):
@@ -109,14 +163,20 @@ def test_the_served_methods_answer_with_reference_values(server):
 
     state = tc.save_state("step-1").result().path
     weights = tc.save_weights_for_sampler("w-1").result().path
-    for clone in (sc.create_training_client_from_state(state).result(),
-                  sc.create_training_client_from_state_with_optimizer(state).result()):
-        np.testing.assert_allclose(clone.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy(),
-                                   after, atol=1e-6)
+    for clone in (
+        sc.create_training_client_from_state(state).result(),
+        sc.create_training_client_from_state_with_optimizer(state).result(),
+    ):
+        np.testing.assert_allclose(
+            clone.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy(), after, atol=1e-6
+        )
     prompt = types.ModelInput.from_ints(tok.encode("12+30=", add_special_tokens=False))
     greedy = types.SamplingParams(max_tokens=3, temperature=0.0)
-    samplers = [tc.save_weights_and_get_sampling_client(), tc.create_sampling_client(weights).result(),
-                sc.create_sampling_client(model_path=weights).result()]
+    samplers = [
+        tc.save_weights_and_get_sampling_client(),
+        tc.create_sampling_client(weights).result(),
+        sc.create_sampling_client(model_path=weights).result(),
+    ]
     outs = [s.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0].tokens for s in samplers]
     assert outs[0] == outs[1] == outs[2] and len(outs[0]) >= 1  # the same revision three ways
     base = sc.create_sampling_client(base_model=MODEL).result()
@@ -163,8 +223,9 @@ def test_the_refused_methods_say_why(server, monkeypatch):
         "RestClient.get_audit_log": lambda: rest.get_audit_log().result(),
         "RestClient.get_billing_usage": lambda: rest.get_billing_usage("2026-01-01", "2026-02-01").result(),
         "RestClient.get_current_checkpoint_storage_usage": lambda: rest.get_current_checkpoint_storage_usage().result(),
-        "RestClient.get_external_weights_urls":
-            lambda: rest.get_external_weights_urls(state.replace("/weights/", "/external_weights/")).result(),
+        "RestClient.get_external_weights_urls": lambda: rest.get_external_weights_urls(
+            state.replace("/weights/", "/external_weights/")
+        ).result(),
         "RestClient.list_sessions": lambda: rest.list_sessions().result(),
         "RestClient.list_training_runs": lambda: rest.list_training_runs().result(),
         "RestClient.list_user_checkpoints": lambda: rest.list_user_checkpoints().result(),
@@ -182,8 +243,12 @@ def test_the_refused_methods_say_why(server, monkeypatch):
 def test_the_readme_table_is_the_decisions():
 
     from docs_pages import TEXT as readme
+
     for cls, decided in DECISIONS.items():
         row = next(line for line in readme.splitlines() if line.startswith(f"| `{cls}` |"))
         cells = [c.strip() for c in row.split("|")[2:5]]
-        for column, kind in zip(cells, (SERVED, CLIENT, REFUSED)):
-            assert set(column.replace("`", "").split(", ")) - {"—"} == {m for m, v in decided.items() if v == kind}, (cls, kind)
+        for column, kind in zip(cells, (SERVED, CLIENT, REFUSED), strict=True):
+            assert set(column.replace("`", "").split(", ")) - {"—"} == {m for m, v in decided.items() if v == kind}, (
+                cls,
+                kind,
+            )

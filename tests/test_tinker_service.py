@@ -11,9 +11,8 @@ import pytest
 import torch
 
 tinker = pytest.importorskip("tinker")
-from tinker import types  # noqa: E402
-
 from engine_helpers import tinker_server  # noqa: E402
+from tinker import types  # noqa: E402
 
 MODEL = "tiny-moe-chat"
 KEY = "tml-test-key"
@@ -37,8 +36,10 @@ def encode(server, text: str) -> list[int]:
 
 def sft_datum(tokens: list[int], prompt_len: int) -> types.Datum:
     weights = [0.0] * (prompt_len - 1) + [1.0] * (len(tokens) - prompt_len)
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
 
 
 def adapter_of(server, tc) -> dict[str, torch.Tensor]:
@@ -65,16 +66,25 @@ def test_supervised_steps_lower_the_loss_and_the_sampler_agrees_with_forward(ser
 
     sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = encode(server, "123+456=")
-    res = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=3,
-                         sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)).result()
+    res = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        num_samples=3,
+        sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=3),
+    ).result()
     assert len(res.sequences) == 3
     for seq in res.sequences:
         assert len(seq.tokens) == len(seq.logprobs) >= 1 and seq.stop_reason in ("stop", "length")
         # forward on prompt + sample, same adapter, fp32: the sampler's logprobs to 1e-4
         full = prompt + seq.tokens
-        fwd = tc.forward([types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                                      loss_fn_inputs={"target_tokens": full[1:]})], "cross_entropy").result()
-        got = fwd.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1:]
+        fwd = tc.forward(
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs={"target_tokens": full[1:]}
+                )
+            ],
+            "cross_entropy",
+        ).result()
+        got = fwd.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :]
         np.testing.assert_allclose(got, seq.logprobs, atol=1e-4)
     # a forward pass leaves no gradient behind: the next step equals one without it
     assert all(p.grad is None for p in server.service.client(tc.model_id).adapter.params.values())
@@ -86,21 +96,28 @@ def test_rl_losses_return_logprobs_and_their_documented_sums(server, service_cli
     n = len(tokens) - 1
     sampling = np.full(n, -1.0, dtype=np.float32)
     adv = np.linspace(-1, 1, n).astype(np.float32)
-    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                        loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": sampling, "advantages": adv})
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": sampling, "advantages": adv},
+    )
     lp = np.array(tc.forward([datum], "importance_sampling").result().loss_fn_outputs[0]["logprobs"].tolist())
     r = np.exp(lp - sampling)
-    want = {"importance_sampling": -(r * adv).sum(),
-            "ppo": -np.minimum(r * adv, np.clip(r, 0.8, 1.2) * adv).sum(),
-            "cispo": -(np.clip(r, 0.8, 1.2) * lp * adv).sum(),
-            "dro": -(lp * adv - 0.5 * 0.1 * (lp - sampling) ** 2).sum()}
+    want = {
+        "importance_sampling": -(r * adv).sum(),
+        "ppo": -np.minimum(r * adv, np.clip(r, 0.8, 1.2) * adv).sum(),
+        "cispo": -(np.clip(r, 0.8, 1.2) * lp * adv).sum(),
+        "dro": -(lp * adv - 0.5 * 0.1 * (lp - sampling) ** 2).sum(),
+    }
     mask = (np.arange(n) >= n // 2).astype(np.float32)  # gspo: the sequence ratio over the second half
     s = np.exp((lp - sampling)[mask > 0].mean())
     want["gspo"] = -np.minimum(s * adv, np.clip(s, 0.8, 1.2) * adv).sum()
     for name, value in want.items():
         inputs = {**datum.loss_fn_inputs, "sequence_ratio_mask": mask} if name == "gspo" else datum.loss_fn_inputs
-        out = tc.forward_backward([types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs)], name,
-                                  loss_fn_config={"beta": 0.1} if name == "dro" else None).result()
+        out = tc.forward_backward(
+            [types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs)],
+            name,
+            loss_fn_config={"beta": 0.1} if name == "dro" else None,
+        ).result()
         assert out.metrics["loss:sum"] == pytest.approx(value, rel=1e-4, abs=1e-5), name
     step = tc.optim_step(types.AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)).result()
     assert step.metrics["grad_norm:mean"] > 0
@@ -157,7 +174,9 @@ def test_two_clients_at_once_train_as_each_alone(server, service_client):
 
 def raw(server, method: str, path: str, body: bytes = b"", headers: dict | None = None):
     conn = http.client.HTTPConnection("127.0.0.1", server.cfg.port, timeout=30)
-    conn.request(method, path, body=body, headers={"X-API-Key": KEY, "Content-Type": "application/json", **(headers or {})})
+    conn.request(
+        method, path, body=body, headers={"X-API-Key": KEY, "Content-Type": "application/json", **(headers or {})}
+    )
     resp = conn.getresponse()
     data = resp.read()
     conn.close()
@@ -172,14 +191,36 @@ def test_bad_requests_get_4xx_with_a_message(server, service_client):
     status, body = post(server, "/api/v1/create_session", {"tags": [], "type": "create_session"})
     sid = json.loads(body)["session_id"]
     cases = [
-        (post(server, "/api/v1/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": "Qwen/Qwen3-8B",
-                                               "lora_config": {"rank": 4}}), 404, "unknown base_model 'Qwen/Qwen3-8B'"),
-        (post(server, "/api/v1/create_model", {"session_id": sid, "model_seq_id": 0, "base_model": MODEL,
-                                               "lora_config": {"rank": 0}}), 400, "lora_config.rank=0"),
-        (post(server, "/api/v1/optim_step", {"model_id": "nobody:train:0", "seq_id": 1, "adam_params": {}}), 404,
-         "unknown model_id 'nobody:train:0'"),
-        (raw(server, "POST", "/api/v1/forward_backward", b"\x1a\x05\x0a", {"Content-Type": "application/x-protobuf"}),
-         400, "forward_backward body"),
+        (
+            post(
+                server,
+                "/api/v1/create_model",
+                {"session_id": sid, "model_seq_id": 0, "base_model": "Qwen/Qwen3-8B", "lora_config": {"rank": 4}},
+            ),
+            404,
+            "unknown base_model 'Qwen/Qwen3-8B'",
+        ),
+        (
+            post(
+                server,
+                "/api/v1/create_model",
+                {"session_id": sid, "model_seq_id": 0, "base_model": MODEL, "lora_config": {"rank": 0}},
+            ),
+            400,
+            "lora_config.rank=0",
+        ),
+        (
+            post(server, "/api/v1/optim_step", {"model_id": "nobody:train:0", "seq_id": 1, "adam_params": {}}),
+            404,
+            "unknown model_id 'nobody:train:0'",
+        ),
+        (
+            raw(
+                server, "POST", "/api/v1/forward_backward", b"\x1a\x05\x0a", {"Content-Type": "application/x-protobuf"}
+            ),
+            400,
+            "forward_backward body",
+        ),
         (raw(server, "POST", "/api/v1/create_session", b"{not json"), 400, "invalid JSON"),
         (raw(server, "POST", "/api/v1/create_session", b"x" * (2 << 20)), 413, "at most 1048576"),
         (raw(server, "POST", "/api/v1/create_session", b"{}", {"X-API-Key": "tml-wrong"}), 401, "API key"),
@@ -187,10 +228,21 @@ def test_bad_requests_get_4xx_with_a_message(server, service_client):
     ]
     cases += [  # paths: names become folders under --state-dir, nothing outside it is read or written
         (post(server, "/api/v1/weights_info", {"tinker_path": "tinker://../weights/x"}), 400, "model id '..'"),
-        (post(server, "/api/v1/weights_info", {"tinker_path": "tinker://a:train:0/weights/.."}), 400, "checkpoint name '..'"),
-        (post(server, "/api/v1/weights_info", {"tinker_path": "tinker://a/../../etc/weights/x"}), 400, "is not tinker://"),
-        (post(server, "/api/v1/create_sampling_session", {"session_id": sid, "model_path": "/etc/passwd"}), 400,
-         "is not tinker://"),
+        (
+            post(server, "/api/v1/weights_info", {"tinker_path": "tinker://a:train:0/weights/.."}),
+            400,
+            "checkpoint name '..'",
+        ),
+        (
+            post(server, "/api/v1/weights_info", {"tinker_path": "tinker://a/../../etc/weights/x"}),
+            400,
+            "is not tinker://",
+        ),
+        (
+            post(server, "/api/v1/create_sampling_session", {"session_id": sid, "model_path": "/etc/passwd"}),
+            400,
+            "is not tinker://",
+        ),
     ]
     for (status, body), want_status, message in cases:
         assert status == want_status and message in json.loads(body)["error"], (status, body)
@@ -206,9 +258,20 @@ def test_bad_requests_get_4xx_with_a_message(server, service_client):
         ([datum(target_tokens=good[1:], weights=[1.0, 2.0])], "cross_entropy", None, "loss_fn_inputs['weights']"),
         ([datum(target_tokens=good[1:])], "ppo", None, "'ppo' needs loss_fn_inputs logprobs, advantages"),
         ([datum(target_tokens=good[1:])], "stable_reinforce", None, "'stable_reinforce' is not served"),
-        ([datum(target_tokens=good[1:], logprobs=[0.0] * (len(good) - 1), advantages=[1.0] * (len(good) - 1),
-                sequence_ratio_mask=[0.0] * (len(good) - 1))], "gspo", None, "sequence_ratio_mask marks no token"),
-        ([datum(target_tokens=[10 ** 6] * (len(good) - 1))], "cross_entropy", None, "target_tokens must be in"),
+        (
+            [
+                datum(
+                    target_tokens=good[1:],
+                    logprobs=[0.0] * (len(good) - 1),
+                    advantages=[1.0] * (len(good) - 1),
+                    sequence_ratio_mask=[0.0] * (len(good) - 1),
+                )
+            ],
+            "gspo",
+            None,
+            "sequence_ratio_mask marks no token",
+        ),
+        ([datum(target_tokens=[10**6] * (len(good) - 1))], "cross_entropy", None, "target_tokens must be in"),
     ]
     for data, loss, config, message in bad:
         with pytest.raises(tinker.BadRequestError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -252,9 +315,25 @@ def test_the_cli_serves_it(tmp_path):
     from engine_helpers import free_port
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "trillora", "serve", "tiny-moe-chat", "--tinker", "--api-key", KEY,
-                             "--port", str(port), "--state-dir", str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trillora",
+            "serve",
+            "tiny-moe-chat",
+            "--tinker",
+            "--api-key",
+            KEY,
+            "--port",
+            str(port),
+            "--state-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         conn = None
         for _ in range(300):

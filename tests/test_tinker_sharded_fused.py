@@ -13,9 +13,9 @@ import os
 import numpy as np
 import pytest
 import torch
+from gloo_ranks import run_ranks
 from safetensors.torch import load_file
 
-from gloo_ranks import run_ranks
 from trillora.models.transformer import DecoderLayer
 from trillora.serve.tinker_service import FwdBwd, SampleCall, ServeConfig, TinkerService
 from trillora.serve.wire import Datum
@@ -30,8 +30,14 @@ def datum(tokenizer, text: str, prompt_len: int, **extra) -> Datum:
     ids = tokenizer.encode(text, add_special_tokens=False)
     n = len(ids) - 1
     weights = np.array([0.0] * (prompt_len - 1) + [1.0] * (n - prompt_len + 1), dtype=np.float32)
-    return Datum(ids[:-1], {"target_tokens": np.array(ids[1:]), "weights": weights,
-                            **{k: np.full(n, v, np.float32) for k, v in extra.items()}})
+    return Datum(
+        ids[:-1],
+        {
+            "target_tokens": np.array(ids[1:]),
+            "weights": weights,
+            **{k: np.full(n, v, np.float32) for k, v in extra.items()},
+        },
+    )
 
 
 def scenario(service, out: dict) -> dict:
@@ -45,11 +51,13 @@ def scenario(service, out: dict) -> dict:
     def call(model_id, data, loss_fn="cross_entropy", forward_only=False):
         return FwdBwd(model_id, loss_fn, {}, data, service.check_data(loss_fn, {}, data), forward_only)
 
-    calls = [call(a, [datum(tok, "123+456=579", 5)]),  # one datum: the second dp rank has none of it
-             call(b, [datum(tok, "7+8=15", 3), datum(tok, "999+1=1000", 5), datum(tok, "5+5=10", 3)]),
-             call(b, [datum(tok, f"{x}+{x}={2 * x}", 3) for x in (11, 23, 40, 7)]),  # 2 per dp rank: chunks under ep
-             call(a, [datum(tok, "40+2=42", 4)], forward_only=True),
-             call(a, [datum(tok, "12+30=42", 4, advantages=0.5, logprobs=-2.0)], "importance_sampling")]
+    calls = [
+        call(a, [datum(tok, "123+456=579", 5)]),  # one datum: the second dp rank has none of it
+        call(b, [datum(tok, "7+8=15", 3), datum(tok, "999+1=1000", 5), datum(tok, "5+5=10", 3)]),
+        call(b, [datum(tok, f"{x}+{x}={2 * x}", 3) for x in (11, 23, 40, 7)]),  # 2 per dp rank: chunks under ep
+        call(a, [datum(tok, "40+2=42", 4)], forward_only=True),
+        call(a, [datum(tok, "12+30=42", 4, advantages=0.5, logprobs=-2.0)], "importance_sampling"),
+    ]
     results, norms = [], []
     for _ in range(2):
         if out["alone"]:
@@ -62,12 +70,13 @@ def scenario(service, out: dict) -> dict:
     samplers = [service.save_for_sampler(m, None, sid, seq)["sampling_session_id"] for seq, m in ((3, a), (4, b))]
     greedy = {"max_tokens": 5, "temperature": 0.0}
     prompts = [tok.encode(t, add_special_tokens=False) for t in ("12+34=", "500+500=", "9+9=")]
-    sampling = [SampleCall(samplers[0], prompts[0], 2, greedy), SampleCall(samplers[1], prompts[1], 2, greedy),
-                SampleCall(samplers[0], prompts[2], 1, greedy)]
-    if out["alone"]:
-        samples = [service.sample_many([c])[0] for c in sampling]
-    else:  # the first two share one generate, each prompt with its client's revision
-        samples = service.sample_many(sampling)
+    sampling = [
+        SampleCall(samplers[0], prompts[0], 2, greedy),
+        SampleCall(samplers[1], prompts[1], 2, greedy),
+        SampleCall(samplers[0], prompts[2], 1, greedy),
+    ]
+    # together, the first two share one generate, each prompt with its client's revision
+    samples = [service.sample_many([c])[0] for c in sampling] if out["alone"] else service.sample_many(sampling)
     return {"results": results, "norms": norms, "paths": paths, "samples": samples}
 
 
@@ -90,11 +99,16 @@ def worker(rank: int, world: int, flags: dict, root: str) -> None:
         from trillora.plan.planner import plan_service
 
         held = sum(_local(p).numel() for n, p in service.base.model.named_parameters() if ".lora_" not in n)
-        planned = next(x for x in plan_service(service.base.model.args, 2, CLUSTERS["cpu"], 2, 8, 64, 4, base_bytes=4)
-                       if x.layout.fsdp and x.layout.ep == 1 and x.layout.cp == 1)
+        planned = next(
+            x
+            for x in plan_service(service.base.model.args, 2, CLUSTERS["cpu"], 2, 8, 64, 4, base_bytes=4)
+            if x.layout.fsdp and x.layout.ep == 1 and x.layout.cp == 1
+        )
         assert held == pytest.approx(planned.estimate.memory["base weights"] / 4, rel=1e-3)
     seen = set()  # under sp: what the final norm receives, a sequence shard
-    service.base.model.model.norm.register_forward_pre_hook(lambda m, args: seen.add(str(getattr(args[0], "placements", ""))))
+    service.base.model.model.norm.register_forward_pre_hook(
+        lambda m, args: seen.add(str(getattr(args[0], "placements", "")))
+    )
     if rank > 0:
         service.follow()
         assert not flags.get("sp") or seen == {"(Shard(dim=1),)"}, seen
@@ -105,9 +119,10 @@ def worker(rank: int, world: int, flags: dict, root: str) -> None:
         service.stop()
     assert not flags.get("sp") or seen == {"(Shard(dim=1),)"}, seen
     rule = flags.get("expert_rank_rule", "same")
-    want = scenario(TinkerService(ServeConfig(model=MODEL, state_dir=os.path.join(root, "one"), expert_rank_rule=rule),
-                                  alone=True),
-                    {"alone": True})
+    want = scenario(
+        TinkerService(ServeConfig(model=MODEL, state_dir=os.path.join(root, "one"), expert_rank_rule=rule), alone=True),
+        {"alone": True},
+    )
     for (lp1, m1), (lp2, m2) in zip(want["results"], got["results"], strict=True):
         assert m2["loss:sum"] == pytest.approx(m1["loss:sum"], rel=1e-5, abs=1e-6)
         for x, y in zip(lp1, lp2, strict=True):
@@ -119,7 +134,7 @@ def worker(rank: int, world: int, flags: dict, root: str) -> None:
             assert t1 == t2 and r1 == r2
             np.testing.assert_allclose(lp2, lp1, atol=5e-5)
     assert got["samples"][0][0][0][0] != got["samples"][1][0][0][0]  # other prompt, other revision
-    for p_got, p_want in zip(got["paths"], want["paths"]):
+    for p_got, p_want in zip(got["paths"], want["paths"], strict=True):
         mine, one = state_of(os.path.join(root, "sharded"), p_got), state_of(os.path.join(root, "one"), p_want)
         assert set(mine) == set(one)
         for k, t in one.items():

@@ -4,14 +4,13 @@ and gradients against log_softmax over the whole logits (2 gloo ranks for the sp
 
 from __future__ import annotations
 
-import pytest
-
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
-
 from gloo_ranks import run_ranks
+
 from trillora.parallel.context_parallel import ContextParallel
 from trillora.policy.logprobs import target_logprobs
 
@@ -28,8 +27,11 @@ def problem(seed: int = 0):
     """Logits [3, 7, 8] and three datums: 7 tokens [N], 5 tokens [N, 3], 2 tokens [N, 1]."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(3, 7, 8, generator=g)
-    targets = [torch.randint(0, 8, (7,), generator=g), torch.randint(0, 8, (5, 3), generator=g),
-               torch.randint(0, 8, (2, 1), generator=g)]
+    targets = [
+        torch.randint(0, 8, (7,), generator=g),
+        torch.randint(0, 8, (5, 3), generator=g),
+        torch.randint(0, 8, (2, 1), generator=g),
+    ]
     weights = [torch.randn(t.shape, generator=g) for t in targets]  # a loss that weighs every logprob differently
     return logits, targets, weights
 
@@ -37,8 +39,8 @@ def problem(seed: int = 0):
 def oracle(logits, targets, weights):
     logits = logits.clone().requires_grad_()
     logp = torch.log_softmax(logits, -1)
-    outs = [logp[i, :t.shape[0]].gather(-1, t.reshape(t.shape[0], -1)).reshape(t.shape) for i, t in enumerate(targets)]
-    sum((o * w).sum() for o, w in zip(outs, weights)).backward()
+    outs = [logp[i, : t.shape[0]].gather(-1, t.reshape(t.shape[0], -1)).reshape(t.shape) for i, t in enumerate(targets)]
+    sum((o * w).sum() for o, w in zip(outs, weights, strict=True)).backward()
     return outs, logits.grad
 
 
@@ -47,7 +49,7 @@ def test_whole_logits_equal_log_softmax():
     want, want_grad = oracle(logits, targets, weights)
     mine = logits.clone().requires_grad_()
     got = target_logprobs(mine, targets)
-    sum((o * w).sum() for o, w in zip(got, weights)).backward()
+    sum((o * w).sum() for o, w in zip(got, weights, strict=True)).backward()
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
         torch.testing.assert_close(g, w)
@@ -63,17 +65,17 @@ def worker(rank: int, world: int) -> None:
     whole = torch.nn.functional.pad(logits, (0, 0, 0, padded - logits.shape[1]))
     local = whole[:, cp.query_positions].clone().requires_grad_()  # [3, 4, 8]: this rank's positions
     got = target_logprobs(local, targets, cp=cp)
-    sum((o * w).sum() for o, w in zip(got, weights)).backward()
+    sum((o * w).sum() for o, w in zip(got, weights, strict=True)).backward()
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)  # whole rows on every cp rank
     grad = torch.zeros_like(whole)
     grad[:, cp.query_positions] = local.grad
     dist.all_reduce(grad)  # each rank's positions' gradient, put together
-    torch.testing.assert_close(grad[:, :logits.shape[1]], want_grad)
+    torch.testing.assert_close(grad[:, : logits.shape[1]], want_grad)
 
     part = logits.chunk(2, -1)[rank].clone().requires_grad_()  # [3, 7, 4]: this rank's vocabulary
     got = target_logprobs(part, targets, vocab_group=dist.group.WORLD)
-    sum((o * w).sum() for o, w in zip(got, weights)).backward()
+    sum((o * w).sum() for o, w in zip(got, weights, strict=True)).backward()
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
     torch.testing.assert_close(part.grad, want_grad.chunk(2, -1)[rank])
@@ -96,8 +98,25 @@ def test_the_long_datum_benchmark_runs(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "service_long_datum.py"
     out = tmp_path / "long.json"
-    run = subprocess.run([sys.executable, str(script), "--seq-len", "512", "--vocab", "4096", "--layouts", "one process",
-                          "--cp 2", "--tp 2 --vocab-parallel", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--seq-len",
+            "512",
+            "--vocab",
+            "4096",
+            "--layouts",
+            "one process",
+            "--cp 2",
+            "--tp 2 --vocab-parallel",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["layout"]: r for r in json.loads(out.read_text())}
     one = rows["one process"]

@@ -19,7 +19,7 @@ def test_history_fills_its_budget_with_correct_exchanges():
         turns = history(rng, chars)
         assert sum(len(m["content"]) + 16 for m in turns) <= chars
         assert [m["role"] for m in turns] == ["user", "assistant"] * (len(turns) // 2)
-        for ask, say in zip(turns[::2], turns[1::2]):
+        for ask, say in zip(turns[::2], turns[1::2], strict=True):
             q, a = ask["content"], say["content"]
             if "+" in q:
                 x, y = q.rstrip("=").split("+")
@@ -34,8 +34,13 @@ def test_history_fills_its_budget_with_correct_exchanges():
 
 def test_the_chat_model_starts_from_tiny_moe_with_new_rows_untouched():
     tok = build_chat_tokenizer()
-    config = dict(TINY_QWEN3_MOE, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                  pad_token_id=tok.pad_token_id)
+    config = dict(
+        TINY_QWEN3_MOE,
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     model = build_model(from_hf_config(config, where="test"), device="cpu")
     model.init_weights(std=0.02, generator=torch.Generator().manual_seed(0))
     fresh = model.lm_head.weight.detach().clone()

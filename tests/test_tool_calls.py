@@ -8,23 +8,28 @@ from typing import Literal
 import pytest
 from transformers.utils import get_json_schema
 
-from trillora.errors import ConfigError
 from trillora.chat.tool_calls import TOOL_FORMATS, ToolCall, detect_format, format_tool_call, parse_tool_calls
 from trillora.envs.tools import function_schema
+from trillora.errors import ConfigError
 from trillora.tiny import build_chat_tokenizer, build_tokenizer
 
 
 def test_hermes_calls_text_and_errors():
-    text = ('Let me compute.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 3}}\n</tool_call>'
-            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    text = (
+        'Let me compute.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 3}}\n</tool_call>'
+        '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    )
     p = parse_tool_calls(text, "hermes")
     assert p.content == "Let me compute."
     assert [(c.name, c.arguments) for c in p.tool_calls] == [("multiply", {"a": 12, "b": 3}), ("add", {"a": 1})]
     assert p.errors == []
-    bad = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>'
-                           '<tool_call>{"arguments": {}}</tool_call>'
-                           '<tool_call>{"name": "g", "arguments": [1, 2]}</tool_call>'
-                           '<tool_call>{"name": "h", "arguments": "{not json"}</tool_call>', "hermes")
+    bad = parse_tool_calls(
+        '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>'
+        '<tool_call>{"arguments": {}}</tool_call>'
+        '<tool_call>{"name": "g", "arguments": [1, 2]}</tool_call>'
+        '<tool_call>{"name": "h", "arguments": "{not json"}</tool_call>',
+        "hermes",
+    )
     assert bad.tool_calls == [] and len(bad.errors) == 4
     assert "not valid JSON" in bad.errors[0] and "name" in bad.errors[1]
     assert "must be a JSON object, got list" in bad.errors[2] and "arguments are not valid JSON" in bad.errors[3]
@@ -34,30 +39,43 @@ def test_hermes_calls_text_and_errors():
 
 
 def test_kimi_k2_section():
-    text = ("I'll check both.<|tool_calls_section_begin|>"
-            "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Beijing\"}<|tool_call_end|>"
-            "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
-            "<|tool_calls_section_end|>")
+    text = (
+        "I'll check both.<|tool_calls_section_begin|>"
+        '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Beijing"}<|tool_call_end|>'
+        "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+        "<|tool_calls_section_end|>"
+    )
     p = parse_tool_calls(text, "kimi_k2")
     assert p.content == "I'll check both."
     assert [(c.name, c.arguments, c.id) for c in p.tool_calls] == [
-        ("get_weather", {"city": "Beijing"}, "functions.get_weather:0"), ("get_time", {}, "functions.get_time:1")]
-    bad = parse_tool_calls("<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
-                           "{oops}<|tool_call_end|><|tool_calls_section_end|>", "kimi_k2")
+        ("get_weather", {"city": "Beijing"}, "functions.get_weather:0"),
+        ("get_time", {}, "functions.get_time:1"),
+    ]
+    bad = parse_tool_calls(
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+        "{oops}<|tool_call_end|><|tool_calls_section_end|>",
+        "kimi_k2",
+    )
     assert bad.tool_calls == [] and "not valid JSON" in bad.errors[0] and "functions.f:0" in bad.errors[0]
     assert parse_tool_calls("<|tool_calls_section_begin|>garbage", "kimi_k2").errors
 
 
 def test_deepseek_v3_and_v31_calls():
-    v3 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
-          "{\"city\": \"Hangzhou\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    v3 = (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        '{"city": "Hangzhou"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    )
     p = parse_tool_calls(v3, "deepseek_v3")
     assert [(c.name, c.arguments) for c in p.tool_calls] == [("get_weather", {"city": "Hangzhou"})] and p.errors == []
-    v31 = ("Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{\"tz\": \"UTC\"}<｜tool▁call▁end｜>"
-           "<｜tool▁calls▁end｜>")
+    v31 = (
+        'Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"tz": "UTC"}<｜tool▁call▁end｜>'
+        "<｜tool▁calls▁end｜>"
+    )
     p = parse_tool_calls(v31, "deepseek_v3")
     assert p.content == "Sure." and [(c.name, c.arguments) for c in p.tool_calls] == [("get_time", {"tz": "UTC"})]
-    bad = parse_tool_calls("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>", "deepseek_v3")
+    bad = parse_tool_calls(
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>", "deepseek_v3"
+    )
     assert bad.tool_calls == [] and "JSON object" in bad.errors[0]
 
 
@@ -95,9 +113,16 @@ def test_glm45_calls_as_its_chat_template_writes_them():
     tok = build_chat_tokenizer()
     tok.chat_template = GLM45_CALLS
     args = {"city": "北京", "days": 3, "units": {"t": "c"}, "tags": ["a", "b"], "exact": False}
-    messages = [{"role": "assistant", "content": "checking", "tool_calls": [
-        {"type": "function", "function": {"name": "weather", "arguments": args}},
-        {"type": "function", "function": {"name": "clock", "arguments": {}}}]}]
+    messages = [
+        {
+            "role": "assistant",
+            "content": "checking",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "weather", "arguments": args}},
+                {"type": "function", "function": {"name": "clock", "arguments": {}}},
+            ],
+        }
+    ]
     text = tok.apply_chat_template(messages, tokenize=False).split("<|assistant|>", 1)[1]
     assert "<arg_key>city</arg_key>\n<arg_value>北京</arg_value>" in text  # the template's own layout
     p = parse_tool_calls(text, detect_format(tok))
@@ -112,12 +137,20 @@ def test_format_chosen_by_the_tokenizer_or_named_or_refused():
     assert detect_format(build_tokenizer(), "kimi_k2") == "kimi_k2"
     with pytest.raises(ConfigError, match="hermes, kimi_k2, deepseek_v3, glm45, harmony"):
         detect_format(build_tokenizer())
-    with pytest.raises(ConfigError, match="unknown tool-call format 'mistral'; allowed: hermes, kimi_k2, deepseek_v3, glm45, harmony"):
+    with pytest.raises(
+        ConfigError, match="unknown tool-call format 'mistral'; allowed: hermes, kimi_k2, deepseek_v3, glm45, harmony"
+    ):
         parse_tool_calls("x", "mistral")
 
 
-def search(query: str, limit: int = 5, exact: bool = False, sort: Literal["date", "score"] = "score",
-           tags: list[str] | None = None, weight: float = 1.0):
+def search(
+    query: str,
+    limit: int = 5,
+    exact: bool = False,
+    sort: Literal["date", "score"] = "score",
+    tags: list[str] | None = None,
+    weight: float = 1.0,
+):
     """Search the archive for documents.
 
     Longer explanation that is not part of the description.
@@ -156,5 +189,11 @@ def test_function_schema_without_docs():
     def f(x, y: float = 1.0):
         pass
 
-    assert function_schema(f) == {"type": "function", "function": {"name": "f", "description": "", "parameters": {
-        "type": "object", "properties": {"x": {}, "y": {"type": "number"}}, "required": ["x"]}}}
+    assert function_schema(f) == {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "description": "",
+            "parameters": {"type": "object", "properties": {"x": {}, "y": {"type": "number"}}, "required": ["x"]},
+        },
+    }

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from trillora.envs import calculator
-from trillora.envs.python_tool import dataset as python_dataset, make_python_tool, puzzle
+from trillora.envs.python_tool import dataset as python_dataset
+from trillora.envs.python_tool import make_python_tool, puzzle
 from trillora.sandbox.jail import Limits
 from trillora.tiny import build_chat_tokenizer
 
@@ -24,7 +25,7 @@ def encode(tok, text):
 
 
 def call(name: str, **args) -> str:
-    return f'<tool_call>{json.dumps({"name": name, "arguments": args})}</tool_call><|im_end|>'
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call><|im_end|>"
 
 
 def test_calculator_batches_are_deterministic_and_held_out(tok):
@@ -50,8 +51,11 @@ def test_python_tool_runs_programs_in_the_sandbox(tok):
     env.initial_observation()
     assert "python(code)" in tok.decode(env.tokens, skip_special_tokens=False)
     q = env.messages[0]["content"]
-    program = {"digits": "print(sum(int(d) for d in str({})))", "primes": "n={}\nprint(sum(all(k%d for d in range(2,int(k**.5)+1)) for k in range(2,n)))",
-               "divisors": "n={}\nprint(sum(d for d in range(1,n+1) if n%d==0))"}
+    program = {
+        "digits": "print(sum(int(d) for d in str({})))",
+        "primes": "n={}\nprint(sum(all(k%d for d in range(2,int(k**.5)+1)) for k in range(2,n)))",
+        "divisors": "n={}\nprint(sum(d for d in range(1,n+1) if n%d==0))",
+    }
     if "digits" in q:
         code = program["digits"].format(q.split("of ")[-1].rstrip("?"))
     elif "primes" in q:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from engine_helpers import post_json, running_server, serve_process
 from pg_server import postgres_server
+
 from trillora import lora
 from trillora.checkpoint import load_model, resolve_model_path
 from trillora.policy.logprobs import token_logprobs
@@ -50,22 +50,49 @@ def store_at(request, tmp_path):
     return fresh_database(request.getfixturevalue("postgres"), f"t_{abs(hash(request.node.name)) % 10**8}")
 
 
-def call(response: str, trace: str, owner: str = "k1", user: str = "", created: float | None = None, choice: int = 0,
-         prompt=(1, 2, 3), completion=(4, 5), logprobs=(-0.5, -0.25)) -> Call:
-    return Call(response, choice, trace, owner, "tiny", "r0", "chat", list(prompt), list(completion), list(logprobs),
-                {"temperature": 1.0}, "stop", [], user, created=created if created is not None else time.time())
+def call(
+    response: str,
+    trace: str,
+    owner: str = "k1",
+    user: str = "",
+    created: float | None = None,
+    choice: int = 0,
+    prompt=(1, 2, 3),
+    completion=(4, 5),
+    logprobs=(-0.5, -0.25),
+) -> Call:
+    return Call(
+        response,
+        choice,
+        trace,
+        owner,
+        "tiny",
+        "r0",
+        "chat",
+        list(prompt),
+        list(completion),
+        list(logprobs),
+        {"temperature": 1.0},
+        "stop",
+        [],
+        user,
+        created=created if created is not None else time.time(),
+    )
 
 
 def test_store_round_trip_feedback_and_delete(store_at):
     store = TraceStore(store_at)
     old = time.time() - 3 * 86400
     store.record([call("r1", "a", user="alice", created=old), call("r1", "a", user="alice", created=old, choice=1)])
-    store.record([call("r2", "a", user="alice", created=old + 1, prompt=(1, 2, 3, 4, 5, 6), completion=(7,),
-                       logprobs=(-1.0,))])
+    store.record(
+        [call("r2", "a", user="alice", created=old + 1, prompt=(1, 2, 3, 4, 5, 6), completion=(7,), logprobs=(-1.0,))]
+    )
     store.record([call("r3", "b", owner="k2", user="bob")])
     got = store.calls("a")
     assert [(c.response_id, c.choice) for c in got] == [("r1", 0), ("r1", 1), ("r2", 0)]
-    assert got[2].prompt_ids == [1, 2, 3, 4, 5, 6] and got[2].logprobs == [-1.0] and got[0].params == {"temperature": 1.0}
+    assert (
+        got[2].prompt_ids == [1, 2, 3, 4, 5, 6] and got[2].logprobs == [-1.0] and got[0].params == {"temperature": 1.0}
+    )
     assert store.calls("a", owner="k2") == []  # another key's traffic is not its to read
 
     store.add_feedback(Feedback("a", "k1", 1.0, label="thumbs_up"))
@@ -115,8 +142,9 @@ def test_a_recorded_session_trains_on_the_ids_it_was_served(tmp_path):
             p.copy_(torch.randn(p.shape, generator=g) * 0.01)
     lora.save_adapter(model, tmp_path / "policy")
     store = tmp_path / "traces.db"
-    gen = running_server(ServeConfig(model="tiny-moe-chat", port=0, api_key="k1", adapter_root=str(tmp_path),
-                                     record=str(store)))
+    gen = running_server(
+        ServeConfig(model="tiny-moe-chat", port=0, api_key="k1", adapter_root=str(tmp_path), record=str(store))
+    )
     server = next(gen)
     url = f"http://127.0.0.1:{server.cfg.port}"
     assert post(url, "/v1/load_lora_adapter", {"lora_name": "policy", "lora_path": "policy"})[0] == 200
@@ -124,12 +152,22 @@ def test_a_recorded_session_trains_on_the_ids_it_was_served(tmp_path):
     messages = [{"role": "user", "content": "What is 12+30?"}]
     served = []
     for turn in range(2):
-        r = client.chat.completions.create(model="policy", messages=messages, max_tokens=40, temperature=0.7, seed=turn,
-                                           logprobs=True, extra_headers={"X-Trace-Id": "session-1"},
-                                           extra_body={"return_token_ids": True, "user": "alice"})
+        r = client.chat.completions.create(
+            model="policy",
+            messages=messages,
+            max_tokens=40,
+            temperature=0.7,
+            seed=turn,
+            logprobs=True,
+            extra_headers={"X-Trace-Id": "session-1"},
+            extra_body={"return_token_ids": True, "user": "alice"},
+        )
         assert r.model_extra["trace_id"] == "session-1"
         served.append(r)
-        messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "And 5+5?"}]
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content},
+            {"role": "user", "content": "And 5+5?"},
+        ]
     health = json.loads(urllib.request.urlopen(url + "/health").read())["recording"]
     assert health["recorded"] == 2 and health["failed"] == 0
     next(gen, None)
@@ -152,8 +190,9 @@ def test_a_recorded_session_trains_on_the_ids_it_was_served(tmp_path):
         for s in samples:
             logp, _ = token_logprobs(oracle, torch.tensor([s.tokens]), temperature=0.7)  # [1, T-1]
             at = [i for i, m in enumerate(s.mask) if m]
-            torch.testing.assert_close(logp[0, [i - 1 for i in at]], torch.tensor([s.logprobs[i] for i in at]),
-                                       rtol=0, atol=1e-4)
+            torch.testing.assert_close(
+                logp[0, [i - 1 for i in at]], torch.tensor([s.logprobs[i] for i in at]), rtol=0, atol=1e-4
+            )
 
 
 def post(url: str, path: str, body: dict, key: str | None = "k1") -> tuple[int, dict]:
@@ -173,11 +212,21 @@ def test_feedback_errors_name_the_culprit_and_a_failing_store_never_blocks_servi
     cases = [
         ({"trace_id": "t-1", "reward": 1.0}, "k2", 404, "no trace 't-1' in this key's recorded traffic"),
         ({"trace_id": "nope", "reward": 1.0}, "k1", 404, "no trace 'nope'"),
-        ({"trace_id": "t-1", "reward": math.nan}, "k1", 400, "reward must be a finite number in [-1e+06, 1e+06], not nan"),
+        (
+            {"trace_id": "t-1", "reward": math.nan},
+            "k1",
+            400,
+            "reward must be a finite number in [-1e+06, 1e+06], not nan",
+        ),
         ({"trace_id": "t-1", "reward": "good"}, "k1", 400, "not 'good'"),
         ({"trace_id": "t-1", "reward": 10**30}, "k1", 400, "reward must be a finite number in [-1e+06, 1e+06]"),
         ({"trace_id": "t-1", "reward": 1.0, "comment": "\ud800"}, "k1", 400, "comment is not valid Unicode"),
-        ({"trace_id": "t-1", "response_id": made["id"], "reward": 1.0}, "k1", 400, "one string field: trace_id or response_id"),
+        (
+            {"trace_id": "t-1", "response_id": made["id"], "reward": 1.0},
+            "k1",
+            400,
+            "one string field: trace_id or response_id",
+        ),
         ({"reward": 1.0}, "k1", 400, "one string field: trace_id or response_id"),
         ({"trace_id": "t-1", "reward": 1.0, "label": 7}, "k1", 400, "label must be a string of at most 256 characters"),
     ]
@@ -208,7 +257,9 @@ def test_feedback_errors_name_the_culprit_and_a_failing_store_never_blocks_servi
     assert json.loads(urllib.request.urlopen(url + "/health").read())["recording"]["recorded"] == 3
     next(gen, None)
     gen = running_server(ServeConfig(model="tiny-moe-chat", port=0))
-    status, out = post(f"http://127.0.0.1:{next(gen).cfg.port}", "/v1/feedback", {"trace_id": "t-1", "reward": 1.0}, key=None)
+    status, out = post(
+        f"http://127.0.0.1:{next(gen).cfg.port}", "/v1/feedback", {"trace_id": "t-1", "reward": 1.0}, key=None
+    )
     assert status == 400 and "start the server with --record STORE" in out["error"]["message"]
     next(gen, None)
 
@@ -223,7 +274,9 @@ def test_traces_command_lists_exports_and_deletes(tmp_path):
     store.add_feedback(Feedback("b", "k1", 1.0, label="thumbs_up"))
 
     def traces(*args: str) -> str:
-        out = subprocess.run([sys.executable, "-m", "trillora", "traces", str(db), *args], capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "trillora", "traces", str(db), *args], capture_output=True, text=True
+        )
         assert out.returncode == 0, out.stderr
         return out.stdout
 
@@ -237,10 +290,15 @@ def test_traces_command_lists_exports_and_deletes(tmp_path):
     table = pq.read_table(tmp_path / "t.parquet").to_pylist()
     assert [r["trace_id"] for r in table] == ["a"] and table[0]["records"][0]["prompt_ids"] == [1, 2, 3]
     assert "deleted 1 traces" in traces("delete", "--older-than", "7d")
-    bad = subprocess.run([sys.executable, "-m", "trillora", "traces", str(db), "delete"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "trillora", "traces", str(db), "delete"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "needs --older-than, --user or --trace" in bad.stderr
-    bad = subprocess.run([sys.executable, "-m", "trillora", "traces", str(db), "list", "--older-than", "soon"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "trillora", "traces", str(db), "list", "--older-than", "soon"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "--older-than 'soon'" in bad.stderr
     assert [t["trace_id"] for t in TraceStore(str(db)).traces()] == ["b"]
 
@@ -256,8 +314,20 @@ every = 4
 
 def start_server(store_at: str, state: Path, learn: Path) -> tuple[subprocess.Popen, str]:
     """`trillora serve --record --learn` in its own process."""
-    return serve_process(["serve", "tiny-moe-chat", "--api-key", "k1", "--record", store_at, "--learn", str(learn),
-                          "--state-dir", str(state)])
+    return serve_process(
+        [
+            "serve",
+            "tiny-moe-chat",
+            "--api-key",
+            "k1",
+            "--record",
+            store_at,
+            "--learn",
+            str(learn),
+            "--state-dir",
+            str(state),
+        ]
+    )
 
 
 def current_revision(url: str) -> int:
@@ -284,8 +354,9 @@ def test_kill_9_under_load_keeps_every_acknowledged_record(store_at, tmp_path):
         while not stop.is_set():
             trace = f"c{i}-{n}"
             try:
-                status, out = post(url, "/v1/completions", {"prompt": f"{i}+{n}=", "max_tokens": 3,
-                                                            "metadata": {"trace_id": trace}})
+                status, out = post(
+                    url, "/v1/completions", {"prompt": f"{i}+{n}=", "max_tokens": 3, "metadata": {"trace_id": trace}}
+                )
                 if status == 200:
                     acked.append((out["id"], trace))
                     if post(url, "/v1/feedback", {"trace_id": trace, "reward": float(n % 2)})[0] == 200:
@@ -336,10 +407,17 @@ def test_the_readme_recording_commands_run_as_written(tmp_path):
     proc, url = serve_process(serve[1:], cwd=tmp_path)
     try:
         for user in ("alice", "bob"):
-            status, out = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "12+30="}],
-                                                             "max_tokens": 8, "user": user}, key=key)
+            status, out = post(
+                url,
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "12+30="}], "max_tokens": 8, "user": user},
+                key=key,
+            )
             assert status == 200
-        assert post(url, "/v1/feedback", {"trace_id": out["trace_id"], "reward": 1.0, "label": "thumbs_up"}, key=key)[0] == 200
+        assert (
+            post(url, "/v1/feedback", {"trace_id": out["trace_id"], "reward": 1.0, "label": "thumbs_up"}, key=key)[0]
+            == 200
+        )
     finally:
         proc.terminate()
         proc.wait(30)

@@ -8,10 +8,10 @@ import os
 import re
 
 import pytest
+from conftest import SMALL_RUN
 
 from trillora.config import ConfigError, load_config
 from trillora.trainer import Trainer
-from conftest import SMALL_RUN
 
 
 def test_tensorboard_and_offline_wandb_get_every_step(tmp_path, monkeypatch):
@@ -22,8 +22,17 @@ def test_tensorboard_and_offline_wandb_get_every_step(tmp_path, monkeypatch):
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)  # offline: nothing leaves the machine
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = load_config(None, [f"out_dir={tmp_path}", "name=tracked", *SMALL_RUN, "steps=3", "eval_every=3",
-                             'logging.backends=["tensorboard", "wandb"]'])
+    cfg = load_config(
+        None,
+        [
+            f"out_dir={tmp_path}",
+            "name=tracked",
+            *SMALL_RUN,
+            "steps=3",
+            "eval_every=3",
+            'logging.backends=["tensorboard", "wandb"]',
+        ],
+    )
     Trainer(cfg).run()
     run = tmp_path / "tracked"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -52,15 +61,23 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
         pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
-    base = [f"out_dir={tmp_path}", "name=tracked", *SMALL_RUN, "eval_every=2", 'logging.backends=["wandb"]',
-            "checkpoint.every=2"]
+    base = [
+        f"out_dir={tmp_path}",
+        "name=tracked",
+        *SMALL_RUN,
+        "eval_every=2",
+        'logging.backends=["wandb"]',
+        "checkpoint.every=2",
+    ]
     Trainer(load_config(None, [*base, "steps=2"])).run()
     run = tmp_path / "tracked"
     first_id = (run / "wandb" / "run_id").read_text()
     Trainer(load_config(None, [*base, "steps=4", "resume=true"])).run()
     folders = sorted((run / "wandb").glob("offline-run-*"))
     # both folders are the first run's id; wandb adds "-1" when the resumed one starts in the same second
-    assert len(folders) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{first_id}(-\d+)?", f.name) for f in folders)
+    assert len(folders) == 2 and all(
+        re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{first_id}(-\d+)?", f.name) for f in folders
+    )
     later = max(folders, key=lambda f: f.stat().st_mtime)
     (records,) = later.glob("run-*.wandb")
     assert sorted({h["_step"] for h in wandb_history(records)}) == [3, 4]
@@ -80,8 +97,8 @@ def wandb_history(path) -> list[dict]:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        parts += data[pos + 7:pos + 7 + length]
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        parts += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a whole record
             record = Record()

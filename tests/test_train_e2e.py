@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from trillora import lora
-from trillora.checkpoint import load_model
+from trillora.checkpoint import load_model, resolve_model_path
 from trillora.config import load_config
-from trillora.checkpoint import resolve_model_path
 from trillora.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # whole training runs
@@ -26,13 +25,33 @@ def run(tmp_path, *overrides):
 
 
 def test_run_writes_everything_and_reward_rises(tmp_path):
-    trainer, summary, run_dir = run(tmp_path, "name=rises", "steps=20", "eval_every=20", "task.eval_problems=256",
-                                    "rollout.prompts_per_step=32", "rollout.group_size=8")
-    for name in ("config.toml", "metrics.jsonl", "summary.json", "reward.png", "accuracy.png", "mismatch_kl.png",
-                 "is_weights.png", "adapter/per_expert/adapter_config.json", "adapter/fused/adapter_model.safetensors"):
+    trainer, summary, run_dir = run(
+        tmp_path,
+        "name=rises",
+        "steps=20",
+        "eval_every=20",
+        "task.eval_problems=256",
+        "rollout.prompts_per_step=32",
+        "rollout.group_size=8",
+    )
+    for name in (
+        "config.toml",
+        "metrics.jsonl",
+        "summary.json",
+        "reward.png",
+        "accuracy.png",
+        "mismatch_kl.png",
+        "is_weights.png",
+        "adapter/per_expert/adapter_config.json",
+        "adapter/fused/adapter_model.safetensors",
+    ):
         assert (run_dir / name).exists(), name
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0] == {"step": 0, "eval_accuracy": summary["eval_before"], "retention_accuracy": summary["retention_before"]}
+    assert rows[0] == {
+        "step": 0,
+        "eval_accuracy": summary["eval_before"],
+        "retention_accuracy": summary["retention_before"],
+    }
     rows = rows[1:]
     assert len(rows) == 20 and rows[-1]["eval_accuracy"] == summary["eval_after"]
     assert {"eval_before", "eval_after", "retention_before", "retention_after", "steps", "seconds"} <= set(summary)
@@ -54,25 +73,44 @@ def test_run_writes_everything_and_reward_rises(tmp_path):
 
 
 def test_mismatch_metrics_without_correction_and_tis_cap(tmp_path):
-    _, _, off = run(tmp_path, "name=off", "steps=2", "algorithm.mismatch=none", "rollout.precision=bf16_weights",
-                    "task.retention=\"\"")
+    _, _, off = run(
+        tmp_path,
+        "name=off",
+        "steps=2",
+        "algorithm.mismatch=none",
+        "rollout.precision=bf16_weights",
+        'task.retention=""',
+    )
     rows = [json.loads(line) for line in (off / "metrics.jsonl").read_text().splitlines()][1:]
     assert all(r["mismatch_kl_k3"] > 0 and r["is_ratio_max"] > r["is_ratio_min"] for r in rows)
     assert all(r["is_weight_mean"] == 1.0 for r in rows)  # no correction applied
-    _, _, tis = run(tmp_path, "name=tis", "steps=2", "algorithm.mismatch=token_tis", "algorithm.mismatch_cap=1.001",
-                    "rollout.precision=bf16_weights", "task.retention=\"\"")
+    _, _, tis = run(
+        tmp_path,
+        "name=tis",
+        "steps=2",
+        "algorithm.mismatch=token_tis",
+        "algorithm.mismatch_cap=1.001",
+        "rollout.precision=bf16_weights",
+        'task.retention=""',
+    )
     rows = [json.loads(line) for line in (tis / "metrics.jsonl").read_text().splitlines()][1:]
     assert all(r["is_weight_max"] <= 1.001 + 1e-6 and r["is_limited_frac"] > 0 for r in rows)
-    _, _, exact = run(tmp_path, "name=exact", "steps=1", "rollout.precision=fp32", "task.retention=\"\"")
+    _, _, exact = run(tmp_path, "name=exact", "steps=1", "rollout.precision=fp32", 'task.retention=""')
     row = json.loads((exact / "metrics.jsonl").read_text().splitlines()[1])
     # same weights in fp32: only kernel rounding (KV-cache decode vs full forward) remains; seen 2e-9 to
     # 4e-9 on different CPUs, against 6e-5 with bf16-rounded rollout weights
     assert row["mismatch_kl_k3"] < 1e-7
 
 
-@pytest.mark.parametrize("extra", [["algorithm.epochs=2", "algorithm.minibatches=2"], ["algorithm.kl_coef=0.1", "algorithm.aggregation=\"seq_mean_token_mean\""]])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["algorithm.epochs=2", "algorithm.minibatches=2"],
+        ["algorithm.kl_coef=0.1", 'algorithm.aggregation="seq_mean_token_mean"'],
+    ],
+)
 def test_multi_pass_and_kl_paths_run(tmp_path, extra):
-    _, summary, run_dir = run(tmp_path, "name=paths", "steps=2", "task.retention=\"\"", *extra)
+    _, summary, run_dir = run(tmp_path, "name=paths", "steps=2", 'task.retention=""', *extra)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     if "algorithm.kl_coef=0.1" in extra:

@@ -9,19 +9,25 @@ import json
 
 import pytest
 import torch
+from hf_models import CONFIGS
 from safetensors.torch import load_file
 
-from hf_models import CONFIGS
 from trillora import lora, rl
 from trillora.models import build_model, from_hf_config
+from trillora.policy.logprobs import token_logprobs
 from trillora.trainer import Trainer
 from trillora.trainer.batch import build_batch
-from trillora.policy.logprobs import token_logprobs
 from trillora.trainer.update import PolicyUpdate
 from trillora.trainer.world import World
 
-SETTINGS = ("algorithm.minibatches=2", "algorithm.mismatch=\"none\"", "parallel.share_prompts=false", "optim.lr=0.05",
-            "optim.grad_clip=0.5", "rollout.temperature=0.8")
+SETTINGS = (
+    "algorithm.minibatches=2",
+    'algorithm.mismatch="none"',
+    "parallel.share_prompts=false",
+    "optim.lr=0.05",
+    "optim.grad_clip=0.5",
+    "rollout.temperature=0.8",
+)
 
 
 def _policy():
@@ -46,8 +52,9 @@ def _batch():
 
 
 def _adam(model, o):
-    return torch.optim.AdamW([p for _, p in lora.lora_parameters(model)], lr=o.lr, betas=o.betas, eps=o.eps,
-                             weight_decay=o.weight_decay)
+    return torch.optim.AdamW(
+        [p for _, p in lora.lora_parameters(model)], lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+    )
 
 
 def test_two_minibatches_are_two_sequential_updates(small_config):
@@ -69,16 +76,27 @@ def test_two_minibatches_are_two_sequential_updates(small_config):
     for rows in (torch.tensor([0, 1]), torch.tensor([2, 3])):
         logp, entropy = token_logprobs(by_hand, batch.input_ids[rows], 0.8, with_entropy=True)
         mask = batch.completion_mask[rows]
-        loss, _ = rl.policy_loss(logp, old[rows], batch.advantages[rows], mask, global_tokens=float(mask.sum()),
-                                 global_seqs=2.0, clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation,
-                                 norm_len=float(cfg.rollout.max_new_tokens), entropy_BT=entropy, entropy_coef=a.entropy_coef)
+        loss, _ = rl.policy_loss(
+            logp,
+            old[rows],
+            batch.advantages[rows],
+            mask,
+            global_tokens=float(mask.sum()),
+            global_seqs=2.0,
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            aggregation=a.aggregation,
+            norm_len=float(cfg.rollout.max_new_tokens),
+            entropy_BT=entropy,
+            entropy_coef=a.entropy_coef,
+        )
         loss.backward()
         losses.append(float(loss.detach()))
         torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for (name, p), (_, q) in zip(lora.lora_parameters(model), lora.lora_parameters(by_hand)):
+    for (name, p), (_, q) in zip(lora.lora_parameters(model), lora.lora_parameters(by_hand), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
     assert metrics["optimizer_steps"] == 2.0
     assert metrics["loss"] == pytest.approx(sum(losses) / 2, rel=1e-6)

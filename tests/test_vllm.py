@@ -20,12 +20,12 @@ if os.environ.get("TRILLORA_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
 from engine_helpers import free_port, trainer_logprobs, wait_for_health
+
 from trillora import lora
-from trillora.checkpoint import load_model
+from trillora.checkpoint import load_model, resolve_model_path
 from trillora.rollout import OpenAIEngine, SamplingParams
 from trillora.rollout.vllm import VLLMEngine, choose_sync
 from trillora.rollout.vllm_sync import merged_tensors
-from trillora.checkpoint import resolve_model_path
 from trillora.tiny import write_random_checkpoint
 
 pytestmark = pytest.mark.slow  # vLLM servers
@@ -86,6 +86,7 @@ def test_merged_sync_reaches_vllm_on_gpt_oss(tmp_path):
     router `mlp.router`, gate/up interleaved rows for its clamped SwiGLU). vLLM's CPU kernels need
     64-wide heads, and clamp at the released limit (7) whatever the config says."""
     from hf_models import GPT_OSS, hf_model
+
     from trillora.tiny import build_tokenizer
 
     tok = build_tokenizer()
@@ -140,24 +141,42 @@ def test_routing_return_refused_clearly_on_cpu():
 def rl_config(tmp_path, *extra):
     from trillora.config import load_config
 
-    return load_config(None, [f"out_dir={tmp_path}", "name=run", "steps=2", "eval_every=2", "rollout.prompts_per_step=8",
-                              "rollout.group_size=4", "task.eval_problems=8", "task.eval_samples=1", "task.retention=\"\"",
-                              "optim.lr=0.01", *extra])
+    return load_config(
+        None,
+        [
+            f"out_dir={tmp_path}",
+            "name=run",
+            "steps=2",
+            "eval_every=2",
+            "rollout.prompts_per_step=8",
+            "rollout.group_size=4",
+            "task.eval_problems=8",
+            "task.eval_samples=1",
+            'task.retention=""',
+            "optim.lr=0.01",
+            *extra,
+        ],
+    )
 
 
 def moved(before, after, model) -> None:
     """The engine's logprobs of a fixed prompt moved with the update and equal the trainer's."""
     ours, theirs = trainer_logprobs(model, after)
     assert (ours - theirs).abs().max() < TOL
-    same = [(b, a) for b, a in zip(before, after) if b.token_ids == a.token_ids]
-    changed = len(same) < len(before) or max(abs(x - y) for b, a in same for x, y in zip(b.logprobs, a.logprobs)) > 1e-3
+    same = [(b, a) for b, a in zip(before, after, strict=True) if b.token_ids == a.token_ids]
+    changed = (
+        len(same) < len(before)
+        or max(abs(x - y) for b, a in same for x, y in zip(b.logprobs, a.logprobs, strict=True)) > 1e-3
+    )
     assert changed
 
 
 def test_rl_steps_with_vllm_in_process(tmp_path):
     from trillora.trainer import Trainer
 
-    trainer = Trainer(rl_config(tmp_path, "rollout.engine=\"vllm\""))  # as the README writes it: the model's 512 positions
+    trainer = Trainer(
+        rl_config(tmp_path, 'rollout.engine="vllm"')
+    )  # as the README writes it: the model's 512 positions
     assert trainer.cfg.rollout.max_model_len == 512
     try:
         assert isinstance(trainer.engine, VLLMEngine) and trainer.engine.sync_mode == "merged"
@@ -175,11 +194,35 @@ def test_rl_steps_with_vllm_in_process(tmp_path):
 
 def start_vllm_server(path, *extra, env=None):
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--served-model-name", "tiny",
-           "--dtype", "float32", "--enforce-eager", "--max-model-len", "128", "--host", "127.0.0.1", "--port", str(port),
-           "--logprobs-mode", "processed_logprobs", "--seed", "0", *extra]
-    proc = subprocess.Popen(cmd, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(path),
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "128",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--seed",
+        "0",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     failure = wait_for_health(proc, url, 300)
     if failure:
@@ -199,8 +242,12 @@ def test_rl_steps_against_vllm_server_merged(tmp_path):
     """MoE on a vLLM OpenAI server: merged tensors through /collective_rpc into our worker extension."""
     from trillora.trainer import Trainer
 
-    proc, url = start_vllm_server(resolve_model_path("tiny-moe"), "--worker-extension-cls", "trillora.rollout.vllm_sync.WeightSyncExtension",
-                                  env={"VLLM_SERVER_DEV_MODE": "1", "TRILLORA_SYNC_DIR": str(tmp_path / "run" / "sync")})
+    proc, url = start_vllm_server(
+        resolve_model_path("tiny-moe"),
+        "--worker-extension-cls",
+        "trillora.rollout.vllm_sync.WeightSyncExtension",
+        env={"VLLM_SERVER_DEV_MODE": "1", "TRILLORA_SYNC_DIR": str(tmp_path / "run" / "sync")},
+    )
     try:
         probe = OpenAIEngine(url, model="tiny")
         # an attacker on the port: /collective_rpc is not behind vLLM's --api-key; the extension refuses
@@ -208,8 +255,15 @@ def test_rl_steps_against_vllm_server_merged(tmp_path):
         assert all(r.startswith("refused:") for r in refused["results"]), refused
         fixed = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11, stop_token_ids=(2,))
         before = [c for g in probe.generate(PROMPTS, 2, fixed) for c in g]
-        trainer = Trainer(rl_config(tmp_path, "rollout.engine=\"openai\"", f"rollout.urls=[\"{url}\"]",
-                                    "rollout.server_model=\"tiny\"", "rollout.sync=\"merged\""))
+        trainer = Trainer(
+            rl_config(
+                tmp_path,
+                'rollout.engine="openai"',
+                f'rollout.urls=["{url}"]',
+                'rollout.server_model="tiny"',
+                'rollout.sync="merged"',
+            )
+        )
         summary = trainer.run()
         after = [c for g in probe.generate(PROMPTS, 2, fixed) for c in g]
         moved(before, after, trainer.model)
@@ -223,8 +277,9 @@ def test_rl_steps_against_vllm_server_adapter(dense_path, tmp_path):
     """A dense model on a vLLM OpenAI server: adapter revisions through the dynamic LoRA endpoints."""
     from trillora.trainer import Trainer
 
-    proc, url = start_vllm_server(dense_path, "--enable-lora", "--max-lora-rank", "8",
-                                  env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    proc, url = start_vllm_server(
+        dense_path, "--enable-lora", "--max-lora-rank", "8", env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    )
     try:
         model = load_model(dense_path)
         lora.apply_lora(model, lora.LoraConfig(rank=4, targets=("attention", "mlp")))
@@ -241,9 +296,18 @@ def test_rl_steps_against_vllm_server_adapter(dense_path, tmp_path):
         assert names == ["tiny", f"tiny-{engine.tag}-r2"]  # r1 unloaded
         engine.close()
         # and the trainer drives it (a random dense model earns little reward; the run checks the wiring)
-        trainer = Trainer(rl_config(tmp_path, f"model.path=\"{dense_path}\"", "lora.targets=[\"attention\", \"mlp\"]",
-                                    "lora.rank=4", "rollout.engine=\"openai\"", f"rollout.urls=[\"{url}\"]",
-                                    "rollout.server_model=\"tiny\"", f"rollout.sync_dir=\"{tmp_path / 'rl'}\""))
+        trainer = Trainer(
+            rl_config(
+                tmp_path,
+                f'model.path="{dense_path}"',
+                'lora.targets=["attention", "mlp"]',
+                "lora.rank=4",
+                'rollout.engine="openai"',
+                f'rollout.urls=["{url}"]',
+                'rollout.server_model="tiny"',
+                f'rollout.sync_dir="{tmp_path / "rl"}"',
+            )
+        )
         summary = trainer.run()
         assert summary["steps"] == 2 and sorted(p.name for p in (tmp_path / "rl").iterdir()) == [trainer.engine.model]
     finally:

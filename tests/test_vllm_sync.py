@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from trillora import lora
-from trillora.checkpoint import hf_state_dict, load_model
+from trillora.checkpoint import hf_state_dict, load_model, resolve_model_path
 from trillora.rollout.vllm import choose_sync
 from trillora.rollout.vllm_sync import _group, merged_tensors
-from trillora.checkpoint import resolve_model_path
 
 pytestmark = pytest.mark.slow  # vLLM engines
 
@@ -52,7 +50,9 @@ def test_experts_go_per_expert_and_merged_equals_the_adapted_forward():
         for name, m in plain.named_modules():
             if name.endswith(".mlp.experts"):
                 for e in range(8):
-                    m.gate_up_proj[e] = torch.cat([sent[f"{name}.{e}.gate_proj.weight"], sent[f"{name}.{e}.up_proj.weight"]])
+                    m.gate_up_proj[e] = torch.cat(
+                        [sent[f"{name}.{e}.gate_proj.weight"], sent[f"{name}.{e}.up_proj.weight"]]
+                    )
                     m.down_proj[e] = sent[f"{name}.{e}.down_proj.weight"]
         ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
         assert torch.allclose(plain(ids), model(ids), atol=1e-5)
@@ -68,6 +68,7 @@ def test_adapter_sync_writes_the_layout_vllm_reads_for_the_family():
     """vLLM keeps gpt-oss's experts 3-D (`is_3d_moe_weight`) and reads PEFT's fused form for it;
     the other families' experts it reads per expert."""
     from hf_models import GPT_OSS
+
     from trillora.lora.export import vllm_layout
     from trillora.models import build_model, from_hf_config
 
@@ -87,8 +88,13 @@ def test_the_worker_extension_loads_only_safetensors_inside_the_sync_dir(tmp_pat
     monkeypatch.delenv(SYNC_DIR_ENV, raising=False)
     assert ext.trillora_load_merged(str(inside)).startswith(f"refused: set {SYNC_DIR_ENV}")
     monkeypatch.setenv(SYNC_DIR_ENV, str(sync))
-    for attempt in ["/etc/passwd", str(tmp_path / "elsewhere.safetensors"), str(sync / ".." / "x.safetensors"),
-                    str(sync / "merged-r1.bin"), str(sync)]:
+    for attempt in [
+        "/etc/passwd",
+        str(tmp_path / "elsewhere.safetensors"),
+        str(sync / ".." / "x.safetensors"),
+        str(sync / "merged-r1.bin"),
+        str(sync),
+    ]:
         assert ext.trillora_load_merged(attempt).startswith("refused:"), attempt
     (sync / "evil.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
     assert ext.trillora_load_merged(str(sync / "evil.safetensors")).startswith("refused:")  # resolved, then checked

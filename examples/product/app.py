@@ -12,11 +12,21 @@ import json
 
 import openai
 
-MULTIPLY = {"type": "function", "function": {
-    "name": "multiply", "description": "Multiply two integers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "the first factor"},
-                                                   "b": {"type": "integer", "description": "the second factor"}},
-                   "required": ["a", "b"]}}}
+MULTIPLY = {
+    "type": "function",
+    "function": {
+        "name": "multiply",
+        "description": "Multiply two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "description": "the first factor"},
+                "b": {"type": "integer", "description": "the second factor"},
+            },
+            "required": ["a", "b"],
+        },
+    },
+}
 
 
 def multiply(a: int, b: int) -> int:
@@ -36,8 +46,9 @@ class Assistant:
         for _ in range(self.max_turns):
             metadata = {"task": "multiply", **({"trace_id": trace} if trace else {})}
             start = time.perf_counter()
-            reply = self.client.chat.completions.create(model=self.model, messages=messages, tools=[MULTIPLY],
-                                                        max_tokens=64, user=user, metadata=metadata)
+            reply = self.client.chat.completions.create(
+                model=self.model, messages=messages, tools=[MULTIPLY], max_tokens=64, user=user, metadata=metadata
+            )
             seconds.append(time.perf_counter() - start)
             trace = trace or (reply.model_extra or {}).get("trace_id")
             message = reply.choices[0].message
@@ -49,7 +60,9 @@ class Assistant:
                     result = str(multiply(**json.loads(call.function.arguments)))
                 except (TypeError, ValueError) as e:  # the model's arguments: the tool says what was wrong
                     result = f"error: {e}"
-                messages.append({"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result})
+                messages.append(
+                    {"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result}
+                )
         return "", trace, seconds
 
     def feedback(self, trace: str, reward: float) -> None:

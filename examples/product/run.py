@@ -84,12 +84,26 @@ def plot(report: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4))
     points = report["evaluations"]
-    ax.plot([p["conversations"] for p in points], [100 * p["success"] for p in points], marker="o",
-            label=f"held-out users ({report['eval_users']}), success %")
-    ax.plot([r["conversations"] for r in report["revisions"]], [2] * len(report["revisions"]), "|", color="grey",
-            markersize=10, label=f"a revision published ({len(report['revisions'])})")
-    ax.set(xlabel="conversations served to training users", ylabel="success %", ylim=(0, 100),
-           title="the product loop: tiny-moe-chat learning from its users' thumbs (2 cores)")
+    ax.plot(
+        [p["conversations"] for p in points],
+        [100 * p["success"] for p in points],
+        marker="o",
+        label=f"held-out users ({report['eval_users']}), success %",
+    )
+    ax.plot(
+        [r["conversations"] for r in report["revisions"]],
+        [2] * len(report["revisions"]),
+        "|",
+        color="grey",
+        markersize=10,
+        label=f"a revision published ({len(report['revisions'])})",
+    )
+    ax.set(
+        xlabel="conversations served to training users",
+        ylabel="success %",
+        ylim=(0, 100),
+        title="the product loop: tiny-moe-chat learning from its users' thumbs (2 cores)",
+    )
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -109,17 +123,36 @@ def main(argv: list[str] | None = None) -> dict:
 
     work, port = Path(tempfile.mkdtemp(prefix="product-")), free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "trillora", "serve", "tiny-moe-chat", "--port", str(port),
-                               "--api-key", KEY, "--record", str(work / "traces.db"), "--learn", args.learn,
-                               "--state-dir", str(work / "state")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trillora",
+            "serve",
+            "tiny-moe-chat",
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--record",
+            str(work / "traces.db"),
+            "--learn",
+            args.learn,
+            "--state-dir",
+            str(work / "state"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     for _ in range(1200):
         try:
             urllib.request.urlopen(url + "/health", timeout=1)
             break
         except OSError:
             if server.poll() is not None:
-                raise SystemExit(server.stdout.read())
+                raise SystemExit(server.stdout.read()) from None
             time.sleep(0.1)
     held_out, train = users("eval", args.eval_users, seed=0), users("train", 2048, seed=0)
     latencies = {"learner idle": [], "learner on": []}
@@ -129,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def client(i: int) -> None:
         assistant = Assistant(url + "/v1", KEY, "tiny-moe-chat")
-        for user in itertools.cycle(train[i::args.clients]):  # users come back with the same needs
+        for user in itertools.cycle(train[i :: args.clients]):  # users come back with the same needs
             for _ in range(2):  # a wrong answer is asked again once
                 if stop.is_set():
                     return
@@ -162,10 +195,14 @@ def main(argv: list[str] | None = None) -> dict:
         time.sleep(min(args.eval_every, max(0.0, 60 * args.minutes - (time.monotonic() - begun))))
         revision = get(url + "/v1/revisions")["current"] or 0
         success = evaluate(url, held_out, args.clients)
-        evaluations.append({"seconds": time.monotonic() - begun, "conversations": served[0], "revision": revision,
-                            "success": success})
-        print(f"  {evaluations[-1]['seconds']:.0f} s, {served[0]} conversations, revision {revision}: "
-              f"{100 * success:.1f}%", flush=True)
+        evaluations.append(
+            {"seconds": time.monotonic() - begun, "conversations": served[0], "revision": revision, "success": success}
+        )
+        print(
+            f"  {evaluations[-1]['seconds']:.0f} s, {served[0]} conversations, revision {revision}: "
+            f"{100 * success:.1f}%",
+            flush=True,
+        )
     stop.set()
     [t.join() for t in threads]
     listing = get(url + "/v1/revisions")
@@ -176,32 +213,56 @@ def main(argv: list[str] | None = None) -> dict:
     def at(t: float) -> int:  # conversations served by wall-clock time t
         return max((n for when, n in traffic if when <= t), default=0)
 
-    history = json.loads((work / "state" / "learner" / f"revision-{listing['current']}" / "learner.json").read_text())["history"]
+    history = json.loads((work / "state" / "learner" / f"revision-{listing['current']}" / "learner.json").read_text())[
+        "history"
+    ]
     report = {
         "command": "python examples/product/run.py " + " ".join(argv or sys.argv[1:]),
-        "model": "tiny-moe-chat", "clients": args.clients, "eval_users": args.eval_users, "minutes": args.minutes,
-        "learn_config": Path(args.learn).read_text(), "evaluations": evaluations,
-        "success_start": start_success, "success_end": evaluations[-1]["success"],
+        "model": "tiny-moe-chat",
+        "clients": args.clients,
+        "eval_users": args.eval_users,
+        "minutes": args.minutes,
+        "learn_config": Path(args.learn).read_text(),
+        "evaluations": evaluations,
+        "success_start": start_success,
+        "success_end": evaluations[-1]["success"],
         "gain_points": 100 * (evaluations[-1]["success"] - start_success),
-        "revisions": [{"revision": r["revision"], "conversations": at(r["time"]), "traces": r["traces"],
-                       "reward_mean": r["reward_mean"], "is_ratio_mean": r.get("is_ratio_mean"),
-                       "served_by_max_lag": r["served_by_max_lag"]} for r in history],
-        "revisions_published": listing["current"], "learning_failures": listing["failures"],
-        "requests_failed": failures[0], "recorded": health["recording"]["recorded"],
+        "revisions": [
+            {
+                "revision": r["revision"],
+                "conversations": at(r["time"]),
+                "traces": r["traces"],
+                "reward_mean": r["reward_mean"],
+                "is_ratio_mean": r.get("is_ratio_mean"),
+                "served_by_max_lag": r["served_by_max_lag"],
+            }
+            for r in history
+        ],
+        "revisions_published": listing["current"],
+        "learning_failures": listing["failures"],
+        "requests_failed": failures[0],
+        "recorded": health["recording"]["recorded"],
         "record_failures": health["recording"]["failed"],
-        "latency_s": {name: {"requests": len(v), "p50": statistics.median(v) if v else None,
-                             "p99": statistics.quantiles(v, n=100)[98] if len(v) > 1 else None}
-                      for name, v in latencies.items()},
+        "latency_s": {
+            name: {
+                "requests": len(v),
+                "p50": statistics.median(v) if v else None,
+                "p99": statistics.quantiles(v, n=100)[98] if len(v) > 1 else None,
+            }
+            for name, v in latencies.items()
+        },
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out.with_suffix(".png"))
-    print(f"held-out success {100 * start_success:.1f}% → {100 * report['success_end']:.1f}% "
-          f"({report['gain_points']:+.1f} points) over {served[0]} conversations, {listing['current']} revisions; "
-          f"{failures[0]} requests failed; latency p50/p99 idle {report['latency_s']['learner idle']['p50']:.3f}/"
-          f"{report['latency_s']['learner idle']['p99']:.3f} s, learning {report['latency_s']['learner on']['p50']:.3f}/"
-          f"{report['latency_s']['learner on']['p99']:.3f} s; wrote {out}")
+    print(
+        f"held-out success {100 * start_success:.1f}% → {100 * report['success_end']:.1f}% "
+        f"({report['gain_points']:+.1f} points) over {served[0]} conversations, {listing['current']} revisions; "
+        f"{failures[0]} requests failed; latency p50/p99 idle {report['latency_s']['learner idle']['p50']:.3f}/"
+        f"{report['latency_s']['learner idle']['p99']:.3f} s, learning {report['latency_s']['learner on']['p50']:.3f}/"
+        f"{report['latency_s']['learner on']['p99']:.3f} s; wrote {out}"
+    )
     return report
 
 

@@ -1,7 +1,8 @@
 """Simulated users with hidden goals: each needs the product of two numbers (4 digits × 3), asks
 the assistant in the form the model knows (`a*b=`), and is satisfied when the answer's first
 integer is the product. Training users send a thumbs up (1) or down (0), retry a wrong answer
-once and come back later with the same need (tasks recur, as in real traffic); held-out users ask questions of the split the chat
+once and come back later with the same need (tasks recur, as in real traffic); held-out users ask questions of the
+split the chat
 model never saw in pretraining and send nothing."""
 
 from __future__ import annotations

@@ -41,13 +41,13 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     rows = read_metrics(run_dir / "metrics.jsonl")
     written = []
     fig_all, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for (name, keys, title), ax_all in zip(PANELS, axes.flat):
+    for (name, keys, title), ax_all in zip(PANELS, axes.flat, strict=True):
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for target in (ax, ax_all):
             for key in keys:
                 pts = [(r["step"], r[key]) for r in rows if key in r]
                 if pts:
-                    xs, ys = zip(*pts)
+                    xs, ys = zip(*pts, strict=True)
                     target.plot(xs, ys, marker="o" if len(pts) < 30 else None, label=key)
             target.set_title(title)
             target.set_xlabel("step")
@@ -75,7 +75,7 @@ def _plot_episodes(plt, rows: list[dict], path: Path) -> Path:
     for key in keys:
         pts = [(r["step"], r[key]) for r in rows if key in r]
         if pts:
-            xs, ys = zip(*pts)
+            xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, label=key)
     ax.set_title("per episode: turns and env counters")
     ax.set_xlabel("step")

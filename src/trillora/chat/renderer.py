@@ -35,8 +35,10 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(f"tokenizer {name!r} has no chat template; message envs and chat data render "
-                              f"with it (use a chat model's tokenizer, or set tokenizer.chat_template)")
+            raise ConfigError(
+                f"tokenizer {name!r} has no chat template; message envs and chat data render "
+                f"with it (use a chat model's tokenizer, or set tokenizer.chat_template)"
+            )
         self._tool_format = tool_format
         self.end_text, self.separator = self._turn_end()
         ids = self._encode(self.end_text) if self.end_text else []
@@ -51,8 +53,9 @@ class ChatRenderer:
         return detect_format(self.tokenizer, self._tool_format)
 
     def _render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -61,19 +64,20 @@ class ChatRenderer:
         """What the template writes after an assistant's text: its end-of-turn token and the separator
         before the next message (Qwen: "<|im_end|>" and "\\n")."""
         text = self._render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}], None, False)
-        after = text[text.rindex(_PROBE) + len(_PROBE):]
+        after = text[text.rindex(_PROBE) + len(_PROBE) :]
         ids = self._encode(after)
         if not ids:
             return "", ""
         end = self.tokenizer.decode(ids[:1], skip_special_tokens=False)
-        return (end, after[len(end):]) if after.startswith(end) else ("", after)
+        return (end, after[len(end) :]) if after.startswith(end) else ("", after)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The whole conversation, ending with the assistant's generation prompt."""
         return self._encode(self._render(messages, tools, True))
 
-    def continuation(self, history: list[dict], added: list[dict], tools: list[dict] | None,
-                     ended: bool) -> list[int] | None:
+    def continuation(
+        self, history: list[dict], added: list[dict], tools: list[dict] | None, ended: bool
+    ) -> list[int] | None:
         """The tokens that follow an assistant turn (the last of `history`) when `added` messages come
         next, up to the next generation prompt; None when the template renders the history
         differently once `added` are there (then `prompt(history + added)` is the next context).
@@ -82,14 +86,14 @@ class ChatRenderer:
         after = self._render(history + added, tools, True)
         if not after.startswith(before):
             return None
-        text = ("" if ended else self.end_text) + self._tail(before) + after[len(before):]
+        text = ("" if ended else self.end_text) + self._tail(before) + after[len(before) :]
         return self._encode(text)
 
     def _tail(self, before: str) -> str:
         """The separator the template put after the last end-of-turn token of `before`."""
         if not self.end_text or self.end_text not in before:
             return self.separator
-        return before[before.rindex(self.end_text) + len(self.end_text):]
+        return before[before.rindex(self.end_text) + len(self.end_text) :]
 
     def parse(self, action: list[int], with_tools: bool) -> AssistantTurn:
         """The action's text (up to its end-of-turn token), its thinking and its tool calls."""
@@ -100,7 +104,7 @@ class ChatRenderer:
         reasoning = ""
         think = re.match(r"\s*<think>(.*?)</think>\s*", text, re.S)
         if think:
-            reasoning, text = think.group(1).strip(), text[think.end():]
+            reasoning, text = think.group(1).strip(), text[think.end() :]
         harmony = "<|channel|>" in text and self._tool_format in (None, "harmony")
         if with_tools or harmony:  # Harmony's channels carry the answer apart from the reasoning, calls or not
             parsed = parse_tool_calls(text, "harmony" if harmony else self.tool_format)
@@ -112,8 +116,10 @@ class ChatRenderer:
         parsed.content = _strip_specials(self.tokenizer, parsed.content)
         message: dict = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.tool_calls]
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in parsed.tool_calls
+            ]
         return AssistantTurn(text, parsed, truncated, reasoning, message)
 
 

@@ -74,7 +74,7 @@ def _hermes(text: str) -> ParsedTurn:
             errors.append(f"{where}: not valid JSON ({e.msg})")
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            errors.append(f"{where}: needs an object with a string \"name\"")
+            errors.append(f'{where}: needs an object with a string "name"')
             continue
         args, err = _arguments(obj.get("arguments", {}), where)
         if err:
@@ -85,7 +85,9 @@ def _hermes(text: str) -> ParsedTurn:
     return ParsedTurn(content, calls, errors)
 
 
-_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(.*?)\s*<\|tool_call_argument_begin\|>(.*?)(?:<\|tool_call_end\|>|$)", re.S)
+_KIMI_CALL = re.compile(
+    r"<\|tool_call_begin\|>\s*(.*?)\s*<\|tool_call_argument_begin\|>(.*?)(?:<\|tool_call_end\|>|$)", re.S
+)
 
 
 def _kimi_k2(text: str) -> ParsedTurn:
@@ -191,8 +193,13 @@ def _harmony(text: str) -> ParsedTurn:
 
 PARSERS = {"hermes": _hermes, "kimi_k2": _kimi_k2, "deepseek_v3": _deepseek_v3, "glm45": _glm45, "harmony": _harmony}
 
-_MARKERS = (("<|channel|>", "harmony"), ("<|tool_calls_section_begin|>", "kimi_k2"), ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
-            ("<arg_key>", "glm45"), ("<tool_call>", "hermes"))
+_MARKERS = (
+    ("<|channel|>", "harmony"),
+    ("<|tool_calls_section_begin|>", "kimi_k2"),
+    ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
+    ("<arg_key>", "glm45"),
+    ("<tool_call>", "hermes"),
+)
 
 
 def parse_tool_calls(text: str, fmt: str) -> ParsedTurn:
@@ -216,9 +223,11 @@ def detect_format(tokenizer, explicit: str | None = None) -> str:
         if marker in vocab or marker in template:
             return fmt
     name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-    raise ConfigError(f"cannot tell the tool-call format of tokenizer {name!r} (none of "
-                      f"{', '.join(m for m, _ in _MARKERS)} in its vocabulary or chat template); set "
-                      f"task.options.tool_format to one of: {', '.join(TOOL_FORMATS)}")
+    raise ConfigError(
+        f"cannot tell the tool-call format of tokenizer {name!r} (none of "
+        f"{', '.join(m for m, _ in _MARKERS)} in its vocabulary or chat template); set "
+        f"task.options.tool_format to one of: {', '.join(TOOL_FORMATS)}"
+    )
 
 
 def format_tool_call(call: ToolCall, fmt: str, index: int = 0) -> str:
@@ -227,13 +236,19 @@ def format_tool_call(call: ToolCall, fmt: str, index: int = 0) -> str:
     if fmt == "hermes":
         return f'<tool_call>\n{{"name": "{call.name}", "arguments": {args}}}\n</tool_call>'
     if fmt == "kimi_k2":
-        return (f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{call.name}:{index}"
-                f"<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>")
+        return (
+            f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{call.name}:{index}"
+            f"<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>"
+        )
     if fmt == "harmony":  # as gpt-oss writes it after the `<|start|>assistant` generation prompt
         return f"<|channel|>commentary to=functions.{call.name} <|constrain|>json<|message|>{args}<|call|>"
     if fmt == "glm45":
-        pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
-                        f"</arg_value>\n" for k, v in call.arguments.items())
+        pairs = "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
+            f"</arg_value>\n"
+            for k, v in call.arguments.items()
+        )
         return f"<tool_call>{call.name}\n{pairs}</tool_call>"
     check_format(fmt)
-    return f"<｜tool▁calls▁begin｜>{_DS_BEGIN}function{_DS_SEP}{call.name}\n```json\n{args}\n```{_DS_END}<｜tool▁calls▁end｜>"
+    call_text = f"{_DS_BEGIN}function{_DS_SEP}{call.name}\n```json\n{args}\n```{_DS_END}"
+    return f"<｜tool▁calls▁begin｜>{call_text}<｜tool▁calls▁end｜>"

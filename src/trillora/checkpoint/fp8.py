@@ -15,7 +15,9 @@ def dequantize_blockwise(w_OI: torch.Tensor, scale_inv: torch.Tensor, block: int
     o, i = w_OI.shape
     expected = (-(-o // block), -(-i // block))
     if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {expected} for a {o}x{i} weight")
+        raise ValueError(
+            f"weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {expected} for a {o}x{i} weight"
+        )
     scale = scale_inv.float().repeat_interleave(block, 0)[:o].repeat_interleave(block, 1)[:, :i]
     return w_OI.float() * scale
 

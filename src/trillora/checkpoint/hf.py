@@ -42,8 +42,11 @@ def resolve_model_path(path: str | Path) -> Path:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    experts: tuple[int, int] | None = None, layers: range | None = None,
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    experts: tuple[int, int] | None = None,
+    layers: range | None = None,
 ) -> CausalLM:
     """A model from a Hugging Face folder (config.json + safetensors), weights in `dtype` on `device`;
     `tiny-moe` loads the shipped one. `experts=(rank, size)`: only routed experts
@@ -53,8 +56,12 @@ def load_model(
     return fill_model(meta_model(path, dtype, experts, layers), path, device, experts)
 
 
-def meta_model(path: str | Path, dtype: torch.dtype = torch.float32, experts: tuple[int, int] | None = None,
-               layers: range | None = None) -> CausalLM:
+def meta_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    experts: tuple[int, int] | None = None,
+    layers: range | None = None,
+) -> CausalLM:
     """The checkpoint's model on the meta device (nothing allocated), cut as `load_model` cuts it:
     for a caller that splits it further (tensor parallelism) before `fill_model` allocates and
     reads this rank's parts."""
@@ -67,8 +74,9 @@ def meta_model(path: str | Path, dtype: torch.dtype = torch.float32, experts: tu
     model = build_model(args, device="meta", dtype=dtype)
     if experts is not None:
         if not args.num_experts or args.num_experts % experts[1] or not 0 <= experts[0] < experts[1]:
-            raise CheckpointError(f"{path}: cannot keep experts slice {experts[0]} of {experts[1]} "
-                                  f"(num_experts={args.num_experts})")
+            raise CheckpointError(
+                f"{path}: cannot keep experts slice {experts[0]} of {experts[1]} (num_experts={args.num_experts})"
+            )
         for m in model.modules():
             if isinstance(m, GroupedExperts):
                 shard_experts(m, *experts)  # on meta: nothing allocated yet
@@ -79,8 +87,9 @@ def meta_model(path: str | Path, dtype: torch.dtype = torch.float32, experts: tu
     return model
 
 
-def fill_model(model: nn.Module, path: str | Path, device: str | torch.device = "cpu",
-               experts: tuple[int, int] | None = None) -> nn.Module:
+def fill_model(
+    model: nn.Module, path: str | Path, device: str | torch.device = "cpu", experts: tuple[int, int] | None = None
+) -> nn.Module:
     """Allocate `model` (from `meta_model`, maybe split since) on `device` and read its weights; a
     tensor-parallel DTensor reads its own part of each checkpoint tensor."""
     path = resolve_model_path(path)
@@ -119,8 +128,10 @@ def hf_state_dict(model: CausalLM, expert_layout: str = "fused") -> dict[str, to
         raise ValueError(f"expert_layout={expert_layout!r}; allowed: {', '.join(EXPERT_LAYOUTS)}")
     release = release_of(model.args)
     if expert_layout not in release.expert_layouts:
-        raise CheckpointError(f"{model.args.family} checkpoints have one expert layout (as released and as transformers "
-                              f"loads them); use expert_layout={release.expert_layouts[0]!r}")
+        raise CheckpointError(
+            f"{model.args.family} checkpoints have one expert layout (as released and as transformers "
+            f"loads them); use expert_layout={release.expert_layouts[0]!r}"
+        )
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         if model.args.tie_word_embeddings and name == "lm_head.weight":
@@ -162,7 +173,9 @@ def save_model(
                 save_file(shard, str(tmp / fname), metadata={"format": "pt"})
                 weight_map.update({k: fname for k in shard})
             total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            (tmp / INDEX).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
         config = _config_for_save(model.args, dtype or next(iter(tensors.values())).dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if tokenizer_from is not None:
@@ -216,8 +229,10 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     code = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
     if code and not trust_remote_code:
         module = str(code[0] if isinstance(code, list) else code).split(".")[0]
-        raise CheckpointError(f"{config}: the tokenizer is code ({module}.py, auto_map.AutoTokenizer); read it, then "
-                              "allow it with model.trust_remote_code=true (train) or --trust-remote-code (serve, eval, generate)")
+        raise CheckpointError(
+            f"{config}: the tokenizer is code ({module}.py, auto_map.AutoTokenizer); read it, then "
+            "allow it with model.trust_remote_code=true (train) or --trust-remote-code (serve, eval, generate)"
+        )
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=bool(code) and trust_remote_code)
 
 
@@ -225,5 +240,7 @@ def check_tokenizer_fits(tokenizer, vocab_size: int, path: str | Path) -> None:
     """A tokenizer with ids past the model's embedding rows belongs to another model: say so at
     load, not as an IndexError in the first forward. (Fewer ids than rows is normal: padding.)"""
     if len(tokenizer) > vocab_size:
-        raise CheckpointError(f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                              f"{vocab_size} (config.json): they are not one model's")
+        raise CheckpointError(
+            f"{path}: the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+            f"{vocab_size} (config.json): they are not one model's"
+        )

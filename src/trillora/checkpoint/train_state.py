@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .atomic import AtomicFolder, atomic_write_text, fsync_path
 from ..errors import TrilloraError
+from .atomic import AtomicFolder, atomic_write_text, fsync_path
 
 LATEST = "latest"
 
@@ -77,23 +77,31 @@ def rank_tensors(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.O
     return out
 
 
-def restore_rank_tensors(tensors: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter],
-                         optimizer: torch.optim.Optimizer, where: Path) -> None:
+def restore_rank_tensors(
+    tensors: dict[str, torch.Tensor],
+    params: dict[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    where: Path,
+) -> None:
     """Put a rank file's tensors back in place, bit for bit; a missing or misshapen one names itself."""
     with torch.no_grad():
         for name, p in params.items():
             key = f"param.{name}"
             if key not in tensors:
-                raise CheckpointCorrupt(f"{where}: no tensor {key!r} (was the checkpoint written with other LoRA targets?)")
+                raise CheckpointCorrupt(
+                    f"{where}: no tensor {key!r} (was the checkpoint written with other LoRA targets?)"
+                )
             local = _local(p.data)
             if tuple(tensors[key].shape) != tuple(local.shape):
-                raise CheckpointCorrupt(f"{where}: {key!r} has shape {tuple(tensors[key].shape)}, the model wants "
-                                        f"{tuple(local.shape)} (another rank, layout or LoRA rank?)")
+                raise CheckpointCorrupt(
+                    f"{where}: {key!r} has shape {tuple(tensors[key].shape)}, the model wants "
+                    f"{tuple(local.shape)} (another rank, layout or LoRA rank?)"
+                )
             local.copy_(tensors[key])
     states: dict[str, list[str]] = {}  # parameter name -> its optimizer state keys, in one pass over the file
     for k in tensors:
         if k.startswith("optim."):
-            states.setdefault(k[len("optim."):].rsplit(".", 1)[0], []).append(k)
+            states.setdefault(k[len("optim.") :].rsplit(".", 1)[0], []).append(k)
     for name, p in params.items():
         keys = states.get(name, [])
         if not keys:
@@ -104,8 +112,18 @@ def restore_rank_tensors(tensors: dict[str, torch.Tensor], params: dict[str, tor
             if hasattr(p.data, "to_local"):  # a sharded parameter keeps sharded state
                 from torch.distributed.tensor import DTensor
 
-                value = DTensor.from_local(value, p.data.device_mesh, p.data.placements, run_check=False,
-                                           shape=p.data.shape, stride=p.data.stride()) if value.dim() else value
+                value = (
+                    DTensor.from_local(
+                        value,
+                        p.data.device_mesh,
+                        p.data.placements,
+                        run_check=False,
+                        shape=p.data.shape,
+                        stride=p.data.stride(),
+                    )
+                    if value.dim()
+                    else value
+                )
             state[k.rsplit(".", 1)[1]] = value
     torch.set_rng_state(tensors["rng.torch"])
 
@@ -182,7 +200,9 @@ def find_latest(root: Path) -> Found:
     found = Found(None)
     if not root.is_dir():
         return found
-    found.skipped += [f"{p}: half-written (the run stopped while saving it)" for p in sorted(root.glob(".step-*.partial"))]
+    found.skipped += [
+        f"{p}: half-written (the run stopped while saving it)" for p in sorted(root.glob(".step-*.partial"))
+    ]
     candidates = sorted(root.glob("step-*"), reverse=True)
     pointer = root / LATEST
     if pointer.is_file():

@@ -65,13 +65,19 @@ class _Filler:
         if experts is not None:
             local = self.args.num_experts // experts[1]
             self.rows = range(experts[0] * local, (experts[0] + 1) * local)
-        self.expert_params = {f"{n}.{p}" for n, m in model.named_modules() if isinstance(m, GroupedExperts)
-                              for p, _ in m.named_parameters(recurse=False)}
+        self.expert_params = {
+            f"{n}.{p}"
+            for n, m in model.named_modules()
+            if isinstance(m, GroupedExperts)
+            for p, _ in m.named_parameters(recurse=False)
+        }
         self.targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=True))
         self.targets.update(dict(model.named_buffers()))
         persistent = set(model.state_dict().keys())
         # adapter slots a service put on the model before allocating it are not in a base checkpoint
-        self.targets = {k: v for k, v in self.targets.items() if k in persistent and not k.rpartition(".")[2].startswith("lora_")}
+        self.targets = {
+            k: v for k, v in self.targets.items() if k in persistent and not k.rpartition(".")[2].startswith("lora_")
+        }
         self.elsewhere = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, OtherStage))
         """Modules another pipeline stage holds: their tensors are not read."""
         self.filled: dict[str, int] = defaultdict(int)
@@ -111,12 +117,13 @@ class _Filler:
                     return
                 index = (index[0] - self.rows.start, *index[1:])
             elif tensor.shape[0] == self.args.num_experts:
-                tensor = tensor[self.rows.start:self.rows.stop]
+                tensor = tensor[self.rows.start : self.rows.stop]
         dest = self.targets[target][index] if index else self.targets[target]
         if isinstance(dest, DTensor):  # a tensor-parallel weight: this rank's part
             if tuple(dest.shape) != tuple(tensor.shape):
-                raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                                      f"{tuple(dest.shape)}")
+                raise CheckpointError(
+                    f"{where}: tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)}"
+                )
             tensor, dest = _local_part(tensor, dest), dest.to_local()
         if tuple(dest.shape) != tuple(tensor.shape):
             raise CheckpointError(
@@ -140,11 +147,12 @@ def _local_part(whole: torch.Tensor, dest: DTensor) -> torch.Tensor:
     """The block of `whole` that `dest`'s rank holds: tensor-parallel chunks, and FSDP's chunks of
     those on a 2-D mesh (each a contiguous block, where DTensor puts its offset)."""
     shape, offset = compute_local_shape_and_global_offset(whole.shape, dest.device_mesh, dest.placements)
-    return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
 
 
-def load_weights(model: CausalLM, path: str | Path, block: int | None = None,
-                 experts: tuple[int, int] | None = None) -> None:
+def load_weights(
+    model: CausalLM, path: str | Path, block: int | None = None, experts: tuple[int, int] | None = None
+) -> None:
     """Stream every tensor of the checkpoint at `path` into `model` (already materialised; with
     `experts=(rank, size)` its routed experts already cut to that rank's slice)."""
     path = Path(path)
@@ -156,7 +164,7 @@ def load_weights(model: CausalLM, path: str | Path, block: int | None = None,
     pending: dict[str, torch.Tensor] = {}  # quantised weights or scales waiting for their partner (another shard)
     for file in shard_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safetensors file handle is not iterable
                 if not filler.wanted(name):
                     continue
                 tensor = f.get_tensor(name)
@@ -176,5 +184,7 @@ def load_weights(model: CausalLM, path: str | Path, block: int | None = None,
                     for ours, value in release.from_release(name, tensor, pending):
                         filler.put(ours, value, file.name)
     if pending:
-        raise CheckpointError(f"{path}: quantised tensors without their scales (or scales without weights): {sorted(pending)[:4]}")
+        raise CheckpointError(
+            f"{path}: quantised tensors without their scales (or scales without weights): {sorted(pending)[:4]}"
+        )
     filler.check_complete(path)

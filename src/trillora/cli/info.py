@@ -29,18 +29,27 @@ def cmd_info(args: argparse.Namespace) -> int:
     mxfp4 = release_of(model_args).quantized_experts == "mxfp4"
     embed = model_args.vocab_size * model_args.hidden_size
     if args.json:
-        print(json.dumps({
-            "model_type": model_args.model_type,
-            "total_params": counts.total,
-            "activated_params": counts.activated,
-            "activated_params_without_embedding": counts.activated - embed,
-            "routed_expert_params": counts.routed_experts,
-            "bytes_bf16": counts.bytes_bf16(),
-            "bytes_fp8": counts.bytes_fp8(),
-            **({"bytes_mxfp4_experts": counts.bytes_mxfp4_experts()} if mxfp4 else {}),
-            "structure": dict(structure(model_args)),
-            **({"lora": lora_size(model_args, args.lora_rank, args.expert_rank_rule)[0]} if args.lora_rank else {}),
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model_type": model_args.model_type,
+                    "total_params": counts.total,
+                    "activated_params": counts.activated,
+                    "activated_params_without_embedding": counts.activated - embed,
+                    "routed_expert_params": counts.routed_experts,
+                    "bytes_bf16": counts.bytes_bf16(),
+                    "bytes_fp8": counts.bytes_fp8(),
+                    **({"bytes_mxfp4_experts": counts.bytes_mxfp4_experts()} if mxfp4 else {}),
+                    "structure": dict(structure(model_args)),
+                    **(
+                        {"lora": lora_size(model_args, args.lora_rank, args.expert_rank_rule)[0]}
+                        if args.lora_rank
+                        else {}
+                    ),
+                },
+                indent=2,
+            )
+        )
         return 0
     table = Table(title=f"trillora info: {args.model}", show_header=False)
     table.add_column(style="bold")
@@ -48,12 +57,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     for label, value in structure(model_args):
         table.add_row(label, value)
     table.add_row("total parameters", f"{human(counts.total)} ({counts.total:,})")
-    table.add_row("activated / token", f"{human(counts.activated)} ({human(counts.activated - embed)} without the input embedding)")
-    table.add_row("routed experts", f"{human(counts.routed_experts)} ({100 * counts.routed_experts / counts.total:.1f}% of all)")
+    table.add_row(
+        "activated / token",
+        f"{human(counts.activated)} ({human(counts.activated - embed)} without the input embedding)",
+    )
+    table.add_row(
+        "routed experts", f"{human(counts.routed_experts)} ({100 * counts.routed_experts / counts.total:.1f}% of all)"
+    )
     table.add_row("weights at bf16", human_bytes(counts.bytes_bf16()))
     table.add_row("weights at fp8", human_bytes(counts.bytes_fp8()) + " (128×128 block scales, norms/embeddings bf16)")
     if mxfp4:
-        table.add_row("as released", human_bytes(counts.bytes_mxfp4_experts()) + " (MXFP4 routed experts, the rest bf16)")
+        table.add_row(
+            "as released", human_bytes(counts.bytes_mxfp4_experts()) + " (MXFP4 routed experts, the rest bf16)"
+        )
     if args.lora_rank:
         stats, expert_rank = lora_size(model_args, args.lora_rank, args.expert_rank_rule)
         table.add_row(
@@ -63,7 +79,6 @@ def cmd_info(args: argparse.Namespace) -> int:
         )
     Console().print(table)
     return 0
-
 
 
 def structure(args: ModelArgs) -> list[tuple[str, str]]:
@@ -86,21 +101,32 @@ def structure(args: ModelArgs) -> list[tuple[str, str]]:
         ("layers", f"{args.num_layers} ({len(args.moe_layers)} MoE, {args.num_layers - len(args.moe_layers)} dense)"),
         ("hidden / vocab", f"{args.hidden_size} / {args.vocab_size}"),
         ("attention", attention),
-        ("rope", f"{args.rope.kind}, theta {args.rope.theta:g}"
-         + (f", factor {args.rope.factor:g} over {args.rope.original_max_position}" if args.rope.kind == "yarn" else "")),
+        (
+            "rope",
+            f"{args.rope.kind}, theta {args.rope.theta:g}"
+            + (
+                f", factor {args.rope.factor:g} over {args.rope.original_max_position}"
+                if args.rope.kind == "yarn"
+                else ""
+            ),
+        ),
     ]
     if args.is_moe:
         router = (
             f"sigmoid + bias, groups {args.topk_group}/{args.n_group}, scale {args.routed_scaling_factor:g}"
             if args.router == "sigmoid"
-            else "biased logits, softmax over the top-k" if args.router == "topk_softmax"
+            else "biased logits, softmax over the top-k"
+            if args.router == "topk_softmax"
             else "softmax" + (", renormalised top-k" if args.norm_topk_prob else "")
         )
         rows += [
-            ("experts", f"{args.num_experts} routed (top-{args.top_k}, hidden {args.moe_intermediate_size})"
-             + (f" + {args.n_shared_experts} shared" if args.n_shared_experts else "")
-             + (", with biases" if args.expert_bias else "")
-             + (f", SwiGLU clamped at {args.swiglu_limit:g}" if args.swiglu_limit else "")),
+            (
+                "experts",
+                f"{args.num_experts} routed (top-{args.top_k}, hidden {args.moe_intermediate_size})"
+                + (f" + {args.n_shared_experts} shared" if args.n_shared_experts else "")
+                + (", with biases" if args.expert_bias else "")
+                + (f", SwiGLU clamped at {args.swiglu_limit:g}" if args.swiglu_limit else ""),
+            ),
             ("router", router),
         ]
     if args.num_mtp_layers:

@@ -1,9 +1,9 @@
 """`trillora traces STORE list | export | delete`: what `serve --record` wrote.
 
-    trillora traces runs/traces.db list [--user ID] [--older-than 7d] [--json]
-    trillora traces runs/traces.db export --out traces.jsonl      (or .parquet: one row per trace)
-    trillora traces postgresql://trillora@db/traces delete --older-than 30d
-    trillora traces runs/traces.db delete --user alice
+trillora traces runs/traces.db list [--user ID] [--older-than 7d] [--json]
+trillora traces runs/traces.db export --out traces.jsonl      (or .parquet: one row per trace)
+trillora traces postgresql://trillora@db/traces delete --older-than 30d
+trillora traces runs/traces.db delete --user alice
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def trace_rows(store, selected: list[dict]) -> list[dict]:
         calls = [asdict(c) for c in store.calls(t["trace_id"], owner=t["owner"])]
         for c in calls:
             c.pop("owner")  # a key's digest: who may score it, not part of the data
-        feedback = [{k: v for k, v in asdict(f).items() if k != "owner"} for f in store.feedback(t["trace_id"], t["owner"])]
+        feedback = [
+            {k: v for k, v in asdict(f).items() if k != "owner"} for f in store.feedback(t["trace_id"], t["owner"])
+        ]
         rows.append({**{k: v for k, v in t.items() if k != "owner"}, "records": calls, "feedback": feedback})
     return rows
 
@@ -56,9 +58,14 @@ def cmd_traces(args: argparse.Namespace) -> int:
     older = age_seconds(args.older_than) if args.older_than is not None else None
     if args.action == "delete":
         if older is None and args.user is None and args.trace is None:
-            raise ConfigError("trillora traces delete needs --older-than, --user or --trace (nothing is deleted without one)")
+            raise ConfigError(
+                "trillora traces delete needs --older-than, --user or --trace (nothing is deleted without one)"
+            )
         store = TraceStore(args.store)
-        print(f"deleted {store.delete(older_than=older, user_id=args.user, trace_id=args.trace)} traces from {store.shown}")
+        print(
+            f"deleted {store.delete(older_than=older, user_id=args.user, trace_id=args.trace)} traces from "
+            f"{store.shown}"
+        )
         return 0
     if args.trace is not None:
         raise ConfigError("--trace goes with delete; list and export select with --user and --older-than")
@@ -70,8 +77,10 @@ def cmd_traces(args: argparse.Namespace) -> int:
                 print(json.dumps({k: v for k, v in t.items() if k != "owner"}))
             else:
                 reward = "-" if t["mean_reward"] is None else f"{t['mean_reward']:.3f}"
-                print(f"{t['trace_id']}  user={t['user_id'] or '-'}  calls={t['calls']}  rewards={t['rewards']}  "
-                      f"mean_reward={reward}")
+                print(
+                    f"{t['trace_id']}  user={t['user_id'] or '-'}  calls={t['calls']}  rewards={t['rewards']}  "
+                    f"mean_reward={reward}"
+                )
         return 0
     if args.out is None or Path(args.out).suffix not in (".jsonl", ".parquet"):
         raise ConfigError(f"export needs --out FILE ending in .jsonl or .parquet, not {args.out!r}")

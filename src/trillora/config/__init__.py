@@ -19,6 +19,22 @@ from .sections import (
 )
 from .toml import load_config, parse_override, to_toml
 
-__all__ = ["FFN_TARGETS", "AlgorithmSection", "CheckpointSection", "ConfigError", "LearnSection", "LoggingSection", "MemorySection", "ModelSection", "OptimSection",
-           "ParallelSection", "RolloutSection", "RouterReplayMode", "TaskSection", "TrainConfig", "load_config",
-           "parse_override", "to_toml"]
+__all__ = [
+    "FFN_TARGETS",
+    "AlgorithmSection",
+    "CheckpointSection",
+    "ConfigError",
+    "LearnSection",
+    "LoggingSection",
+    "MemorySection",
+    "ModelSection",
+    "OptimSection",
+    "ParallelSection",
+    "RolloutSection",
+    "RouterReplayMode",
+    "TaskSection",
+    "TrainConfig",
+    "load_config",
+    "parse_override",
+    "to_toml",
+]

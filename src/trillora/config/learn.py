@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from .checks import check_positive as _check_positive
 
-
 GATES = ("", "env", "traces")
 
 
@@ -56,7 +55,9 @@ class LearnSection:
         if self.gate not in GATES:
             raise ConfigError(f"learn.gate={self.gate!r}; allowed: {', '.join(repr(g) for g in GATES)}")
         if self.gate == "traces" and not self.reward:
-            raise ConfigError("learn.gate='traces' scores each replayed trace with learn.reward: name a 'module:function'")
+            raise ConfigError(
+                "learn.gate='traces' scores each replayed trace with learn.reward: name a 'module:function'"
+            )
         if not 0.0 < self.holdout < 1.0:
             raise ConfigError(f"learn.holdout={self.holdout}; allowed: 0 < holdout < 1")
         _check_positive("learn.gate_traces", self.gate_traces)

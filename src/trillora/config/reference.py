@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import itertools
 import textwrap
 import typing
 from pathlib import Path
@@ -21,9 +22,14 @@ def field_docs(cls: type) -> dict[str, str]:
         if not dataclasses.is_dataclass(klass):
             continue
         body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
-        for node, after in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+        for node, after in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
     return docs
 
@@ -62,8 +68,13 @@ def markdown(root: type = TrainConfig) -> str:
         if dataclasses.is_dataclass(value):
             doc = (inspect.getdoc(type(value)) or "").split("\n\n")[0]
             generic = doc.startswith(type(value).__name__ + "(")  # the dataclass's own signature, not a docstring
-            out += ["", f"## [{f.name}]", "", *([] if generic else [" ".join(doc.split()), ""]),
-                    *table(type(value), f"{f.name}.", value)]
+            out += [
+                "",
+                f"## [{f.name}]",
+                "",
+                *([] if generic else [" ".join(doc.split()), ""]),
+                *table(type(value), f"{f.name}.", value),
+            ]
     return "\n".join(out) + "\n"
 
 

@@ -9,8 +9,6 @@ from typing import Literal
 
 from ..errors import ConfigError
 from ..lora.config import LoraConfig
-from .checks import check_positive as _check_positive
-from .learn import LearnSection
 from ..parallel.dims import ParallelDims
 from ..rl.advantages import AdvantageMode
 from ..rl.aggregation import Aggregation
@@ -18,6 +16,8 @@ from ..rl.kl import KLEstimator
 from ..rl.mismatch import MismatchMode
 from ..rollout.types import EngineName, Precision, SyncMode
 from ..tasks.guard import OnRewardError
+from .checks import check_positive as _check_positive
+from .learn import LearnSection
 
 RouterReplayMode = Literal["off", "all", "old"]
 """Which training passes route tokens to the experts the rollout chose (`trillora.trainer.router_replay`)."""
@@ -112,9 +112,13 @@ class RolloutSection:
         if self.engine == "openai" and not self.urls:
             raise ConfigError("rollout.engine='openai' needs rollout.urls (e.g. [\"http://127.0.0.1:8000\"])")
         if self.engine == "local" and self.sync not in ("auto", "merged"):
-            raise ConfigError(f"rollout.sync={self.sync!r} with rollout.engine='local': the local engine syncs merged weights")
+            raise ConfigError(
+                f"rollout.sync={self.sync!r} with rollout.engine='local': the local engine syncs merged weights"
+            )
         if self.engine == "vllm" and self.precision in ("bf16_weights", "policy"):
-            raise ConfigError(f"rollout.precision={self.precision!r} is for the local engine; vllm takes auto, fp32 or bf16")
+            raise ConfigError(
+                f"rollout.precision={self.precision!r} is for the local engine; vllm takes auto, fp32 or bf16"
+            )
         for key in ("prompts_per_step", "group_size", "max_new_tokens"):
             _check_positive(f"rollout.{key}", getattr(self, key))
         _check_positive("rollout.max_model_len", self.max_model_len, zero_ok=True)
@@ -245,8 +249,10 @@ class LoggingSection:
     def validate(self) -> None:
         for b in self.backends:
             if b not in TRACKERS:
-                raise ConfigError(f"logging.backends: {b!r} is not a backend; allowed: {', '.join(TRACKERS)} "
-                                  "(metrics.jsonl is always written)")
+                raise ConfigError(
+                    f"logging.backends: {b!r} is not a backend; allowed: {', '.join(TRACKERS)} "
+                    "(metrics.jsonl is always written)"
+                )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -281,8 +287,10 @@ class MemorySection:
         _check_positive("memory.keep_recent", self.keep_recent)
         _check_positive("memory.summary_tokens", self.summary_tokens)
         if not max_new_tokens < self.budget <= (max_model_len or self.budget):
-            raise ConfigError(f"memory.budget={self.budget}: it must be over rollout.max_new_tokens ({max_new_tokens}) "
-                              f"and at most rollout.max_model_len ({max_model_len or 'the model positions'})")
+            raise ConfigError(
+                f"memory.budget={self.budget}: it must be over rollout.max_new_tokens ({max_new_tokens}) "
+                f"and at most rollout.max_model_len ({max_model_len or 'the model positions'})"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -320,30 +328,46 @@ class TrainConfig:
     """Deterministic kernels only (`torch.use_deterministic_algorithms`); with a fixed seed an
     interrupted and resumed run ends with the same adapter, bit for bit, as an uninterrupted one."""
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         _check_positive("steps", self.steps)
         _check_positive("eval_every", self.eval_every)
         _check_positive("flops_budget", self.flops_budget, zero_ok=True)
-        for section in (self.task, self.rollout, self.algorithm, self.optim, self.parallel, self.checkpoint, self.logging,
-                        self.learn):
+        for section in (
+            self.task,
+            self.rollout,
+            self.algorithm,
+            self.optim,
+            self.parallel,
+            self.checkpoint,
+            self.logging,
+            self.learn,
+        ):
             section.validate()
         a, r = self.algorithm, self.rollout
         self.memory.validate(r.max_new_tokens, r.max_model_len)
         if self.finetune == "full" and (r.engine != "local" or a.kl_coef > 0):
-            raise ConfigError(f"finetune='full' trains every weight: it needs rollout.engine='local' (got {r.engine!r}; "
-                              f"the others sync adapters) and algorithm.kl_coef=0 (got {a.kl_coef}; the reference "
-                              f"would be a second frozen copy of the model)")
+            raise ConfigError(
+                f"finetune='full' trains every weight: it needs rollout.engine='local' (got {r.engine!r}; "
+                f"the others sync adapters) and algorithm.kl_coef=0 (got {a.kl_coef}; the reference "
+                f"would be a second frozen copy of the model)"
+            )
         if self.memory.policy != "none" and self.task.name != "env":
             raise ConfigError("memory.policy needs multi-turn episodes: task.name='env'")
         if (a.router_replay != "off" or a.routing_metrics) and r.engine == "openai":
-            raise ConfigError("algorithm.router_replay / routing_metrics need the experts the engine chose per token; "
-                              "rollout.engine='openai' does not return them: use rollout.engine='local' (or 'vllm' on a GPU)")
+            raise ConfigError(
+                "algorithm.router_replay / routing_metrics need the experts the engine chose per token; "
+                "rollout.engine='openai' does not return them: use rollout.engine='local' (or 'vllm' on a GPU)"
+            )
         if self.task.name == "env" and (a.dynamic_sampling or a.router_replay != "off" or a.routing_metrics):
-            raise ConfigError("task.name='env' does not combine yet with algorithm.dynamic_sampling or router replay "
-                              "(they sample single-turn batches)")
+            raise ConfigError(
+                "task.name='env' does not combine yet with algorithm.dynamic_sampling or router replay "
+                "(they sample single-turn batches)"
+            )
         if r.asynchronous and a.dynamic_sampling:
-            raise ConfigError("rollout.asynchronous samples each step's batch ahead, so it takes no "
-                              "algorithm.dynamic_sampling (which samples more when a batch falls short)")
+            raise ConfigError(
+                "rollout.asynchronous samples each step's batch ahead, so it takes no "
+                "algorithm.dynamic_sampling (which samples more when a batch falls short)"
+            )
         return self
 
     @property

@@ -20,8 +20,8 @@ from typing import Any, Literal
 from ..errors import ConfigError
 from .sections import TrainConfig
 
-
 # --- loading --------------------------------------------------------------------------
+
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Check `value` against a field's annotation; ints are accepted for floats, lists for tuples."""
@@ -52,9 +52,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table, got {type(value).__name__} {value!r}")
         return dict(value)
-    if annotation in (int, float, str, bool):
-        if type(value) is not annotation:
-            raise ConfigError(f"{key}: expected {annotation.__name__}, got {type(value).__name__} {value!r}")
+    if annotation in (int, float, str, bool) and type(value) is not annotation:
+        raise ConfigError(f"{key}: expected {annotation.__name__}, got {type(value).__name__} {value!r}")
     return value
 
 
@@ -101,8 +100,10 @@ def _read_toml(path: Path) -> dict:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 (byte {raw[e.start:e.start + 1]!r}); TOML files are UTF-8") from None
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 (byte {raw[e.start : e.start + 1]!r}); TOML files are UTF-8"
+        ) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -135,6 +136,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
 
 # --- writing --------------------------------------------------------------------------
 
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -157,8 +159,11 @@ def to_toml(cfg: TrainConfig) -> str:
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            rows = [f"{k.name} = {_toml_value(getattr(value, k.name))}" for k in dataclasses.fields(value)
-                    if getattr(value, k.name) is not None]
+            rows = [
+                f"{k.name} = {_toml_value(getattr(value, k.name))}"
+                for k in dataclasses.fields(value)
+                if getattr(value, k.name) is not None
+            ]
             tables.append(f"[{f.name}]\n" + "\n".join(rows))
         else:
             top.append(f"{f.name} = {_toml_value(value)}")

@@ -8,6 +8,19 @@ from .diffusion import MemoryDiffusion, Refill, attention_mass, policy_scores, r
 from .retrieval import Recall, bm25
 from .summary import Summarize
 
-__all__ = ["RULES", "Chunk", "MemoryContext", "MemoryDiffusion", "MemoryPolicy", "Recall", "Refill", "Summarize", "Truncate", "attention_mass",
-           "policy_scores",
-           "recency", "bm25", "split_spans"]
+__all__ = [
+    "RULES",
+    "Chunk",
+    "MemoryContext",
+    "MemoryDiffusion",
+    "MemoryPolicy",
+    "Recall",
+    "Refill",
+    "Summarize",
+    "Truncate",
+    "attention_mass",
+    "policy_scores",
+    "recency",
+    "bm25",
+    "split_spans",
+]

@@ -39,7 +39,7 @@ def split_spans(chunks: list[Chunk], span_tokens: int) -> list[Chunk]:
         if c.turn == 0 or len(c.tokens) <= span_tokens:
             out.append(c)
         else:
-            out += [Chunk(c.tokens[i:i + span_tokens], c.turn) for i in range(0, len(c.tokens), span_tokens)]
+            out += [Chunk(c.tokens[i : i + span_tokens], c.turn) for i in range(0, len(c.tokens), span_tokens)]
     return out
 
 
@@ -62,8 +62,8 @@ class MemoryContext:
     def step(self, action: list[int], observation: list[int], turn: int) -> list[int]:
         """The next context: the env's new tokens after the context the policy last saw + its action."""
         previous, full = self.full + list(action), list(observation)
-        if full[:len(previous)] == previous:
-            self.chunks.append(Chunk(list(action) + full[len(previous):], turn))
+        if full[: len(previous)] == previous:
+            self.chunks.append(Chunk(list(action) + full[len(previous) :], turn))
         else:  # the env rewrote its own history: start over from it
             self.chunks = [Chunk(full, 0)]
         self.full = full

@@ -55,13 +55,13 @@ def policy_scores(model, pad_id: int = 0) -> Importance:
         device = next(model.parameters()).device
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
         for k, r in enumerate(rows):  # right padding: causal, so the pads change nothing before them
-            ids[k, :len(r)] = torch.tensor(r, device=device)
+            ids[k, : len(r)] = torch.tensor(r, device=device)
         with torch.no_grad():
             logp = torch.log_softmax(model(ids).float(), dim=-1)  # [V+1, T, vocab]
         totals = []
         for k, r in enumerate(rows):
             start = len(r) - len(target)
-            picked = logp[k, start - 1:len(r) - 1].gather(-1, ids[k, start:len(r), None])
+            picked = logp[k, start - 1 : len(r) - 1].gather(-1, ids[k, start : len(r), None])
             totals.append(float(picked.sum()))
         return [totals[0] - t for t in totals[1:]]
 
@@ -82,8 +82,11 @@ def attention_mass(model) -> Importance:
             sinks = args[5] if len(args) > 5 else None  # gpt-oss: [H], in every row's denominator
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             s = q.shape[2]
-            logits = (q[:, :, s - turn:].float() @ k.float().transpose(-1, -2)) * scale  # [1, H, turn, S]
-            keys, queries = torch.arange(s, device=q.device)[None, :], torch.arange(s - turn, s, device=q.device)[:, None]
+            logits = (q[:, :, s - turn :].float() @ k.float().transpose(-1, -2)) * scale  # [1, H, turn, S]
+            keys, queries = (
+                torch.arange(s, device=q.device)[None, :],
+                torch.arange(s - turn, s, device=q.device)[:, None],
+            )
             seen = keys <= queries
             if module.window:  # gpt-oss's sliding-window layers
                 seen = seen & (keys > queries - module.window)
@@ -104,14 +107,22 @@ def attention_mass(model) -> Importance:
                 h.remove()
         per_token = torch.stack(mass).mean(dim=0)  # [S], averaged over layers
         bounds = torch.tensor([0] + [len(c.tokens) for c in chunks]).cumsum(0).tolist()
-        return [float(per_token[bounds[i]:bounds[i + 1]].sum()) for i in masked]
+        return [float(per_token[bounds[i] : bounds[i + 1]].sum()) for i in masked]
 
     return score
 
 
 class MemoryDiffusion:
-    def __init__(self, engine, tokenizer, params, importance: Importance, allocate: str = "proportional",
-                 keep_recent: int = 1, floor: float = 0.0):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        params,
+        importance: Importance,
+        allocate: str = "proportional",
+        keep_recent: int = 1,
+        floor: float = 0.0,
+    ):
         if allocate not in RULES:
             raise ValueError(f"memory.allocate={allocate!r}; allowed: {', '.join(RULES)}")
         self.engine, self.tokenizer, self.params, self.importance = engine, tokenizer, params, importance
@@ -123,7 +134,7 @@ class MemoryDiffusion:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def compress(self, chunks: list[Chunk], limit: int) -> list[Chunk]:
-        head, recent = chunks[:1], chunks[max(1, len(chunks) - self.keep_recent):]
+        head, recent = chunks[:1], chunks[max(1, len(chunks) - self.keep_recent) :]
         masked = list(range(1, len(chunks) - len(recent)))
         room = limit - size(head) - size(recent)
         if room < 0 or not masked:  # the latest turns alone overflow: nothing to refill, drop the oldest
@@ -131,9 +142,11 @@ class MemoryDiffusion:
         scores = self.importance(chunks, masked)
         lengths = [len(chunks[i].tokens) for i in masked]
         rule = RULES[self.allocate]
-        budgets = rule(scores, lengths, room, self.floor) if self.allocate == "threshold" else rule(scores, lengths, room)
+        budgets = (
+            rule(scores, lengths, room, self.floor) if self.allocate == "threshold" else rule(scores, lengths, room)
+        )
         kept = []
-        for i, n, b in zip(masked, lengths, budgets):
+        for i, n, b in zip(masked, lengths, budgets, strict=True):
             if b >= n:
                 kept.append(chunks[i])
             elif b > 0:

@@ -52,10 +52,10 @@ class Recall:
 
     def answer_to(self, action: list[int], stop: tuple[int, ...]) -> list[int] | None:
         """What the memory adds after a `recall:` turn (None: not a call; the env takes the turn)."""
-        if action[:len(self.call)] != self.call:
+        if action[: len(self.call)] != self.call:
             return None
         self.recalls += 1
-        query = [t for t in action[len(self.call):] if t not in stop]
+        query = [t for t in action[len(self.call) :] if t not in stop]
         scores = bm25(query, [c.tokens for c in self.store])
         best = max(range(len(scores)), key=lambda i: (scores[i], i), default=None)
         found = self.store[best].tokens if best is not None and scores[best] > 0 else []

@@ -13,10 +13,10 @@ from __future__ import annotations
 import random
 import re
 
+from ..chat.renderer import ChatRenderer
 from ..errors import ConfigError
 from ..tasks.base import in_eval_split
 from .env import EnvGroupBuilder
-from ..chat.renderer import ChatRenderer
 from .tools import ToolEnv
 
 _INTEGER = re.compile(r"-?\d+")
@@ -60,49 +60,103 @@ def demonstration(a: int, b: int, call: bool) -> list[dict]:
     ask = {"role": "user", "content": question(a, b)}
     if not call:
         return [ask, {"role": "assistant", "content": str(a * b)}]
-    return [ask, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}]},
+    return [
+        ask,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "call_0", "type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_0", "name": "multiply", "content": str(a * b)},
-        {"role": "assistant", "content": str(a * b)}]
+        {"role": "assistant", "content": str(a * b)},
+    ]
 
 
 class CalculatorGroup(EnvGroupBuilder):
-    def __init__(self, renderer: ChatRenderer, a: int, b: int, group_size: int, max_tool_calls: int, tool_timeout: float):
+    def __init__(
+        self, renderer: ChatRenderer, a: int, b: int, group_size: int, max_tool_calls: int, tool_timeout: float
+    ):
         self.renderer, self.a, self.b, self.group_size = renderer, a, b, group_size
         self.max_tool_calls, self.tool_timeout = max_tool_calls, tool_timeout
 
     def make_envs(self) -> list[ToolEnv]:
         product = self.a * self.b
-        return [ToolEnv(self.renderer, [{"role": "user", "content": question(self.a, self.b)}], [multiply],
-                        lambda text: answer_score(text, product), self.max_tool_calls, self.tool_timeout)
-                for _ in range(self.group_size)]
+        return [
+            ToolEnv(
+                self.renderer,
+                [{"role": "user", "content": question(self.a, self.b)}],
+                [multiply],
+                lambda text: answer_score(text, product),
+                self.max_tool_calls,
+                self.tool_timeout,
+            )
+            for _ in range(self.group_size)
+        ]
 
     def logging_tags(self) -> list[str]:
         return ["calculator"]
 
 
 class CalculatorDataset:
-    def __init__(self, renderer: ChatRenderer, batch_size: int, group_size: int, eval_size: int, seed: int,
-                 digits: tuple[int, int], max_tool_calls: int, tool_timeout: float):
+    def __init__(
+        self,
+        renderer: ChatRenderer,
+        batch_size: int,
+        group_size: int,
+        eval_size: int,
+        seed: int,
+        digits: tuple[int, int],
+        max_tool_calls: int,
+        tool_timeout: float,
+    ):
         self.renderer, self.batch_size, self.group_size, self.eval_size, self.seed = (
-            renderer, batch_size, group_size, eval_size, seed)
+            renderer,
+            batch_size,
+            group_size,
+            eval_size,
+            seed,
+        )
         self.digits, self.max_tool_calls, self.tool_timeout = digits, max_tool_calls, tool_timeout
 
     def _groups(self, rng: random.Random, n: int, split: str, group_size: int) -> list[CalculatorGroup]:
-        return [CalculatorGroup(self.renderer, *draw(rng, self.digits, split), group_size, self.max_tool_calls,
-                                self.tool_timeout) for _ in range(n)]
+        return [
+            CalculatorGroup(
+                self.renderer, *draw(rng, self.digits, split), group_size, self.max_tool_calls, self.tool_timeout
+            )
+            for _ in range(n)
+        ]
 
     def get_batch(self, index: int) -> list[CalculatorGroup]:
-        return self._groups(random.Random(f"calculator:train:{self.seed}:{index}"), self.batch_size, "train",
-                            self.group_size)
+        return self._groups(
+            random.Random(f"calculator:train:{self.seed}:{index}"), self.batch_size, "train", self.group_size
+        )
 
     def eval_batch(self) -> list[CalculatorGroup]:
         return self._groups(random.Random(f"calculator:eval:{self.seed}"), self.eval_size, "eval", 1)
 
 
-def dataset(tokenizer, batch_size: int, group_size: int, eval_size: int, seed: int, digits: list[int] = (4, 3),
-            tool_format: str | None = None, max_tool_calls: int = 2, tool_timeout: float = 5.0) -> CalculatorDataset:
+def dataset(
+    tokenizer,
+    batch_size: int,
+    group_size: int,
+    eval_size: int,
+    seed: int,
+    digits: list[int] = (4, 3),
+    tool_format: str | None = None,
+    max_tool_calls: int = 2,
+    tool_timeout: float = 5.0,
+) -> CalculatorDataset:
     if len(digits) != 2 or min(digits) < 1:
         raise ConfigError(f"calculator digits must be two positive counts like [4, 3], got {list(digits)}")
-    return CalculatorDataset(ChatRenderer(tokenizer, tool_format), batch_size, group_size, eval_size, seed,
-                             (int(digits[0]), int(digits[1])), max_tool_calls, tool_timeout)
+    return CalculatorDataset(
+        ChatRenderer(tokenizer, tool_format),
+        batch_size,
+        group_size,
+        eval_size,
+        seed,
+        (int(digits[0]), int(digits[1])),
+        max_tool_calls,
+        tool_timeout,
+    )

@@ -74,7 +74,7 @@ class TrajectoryGroup:
 
     def total_rewards(self) -> list[float]:
         """Each trajectory's return: its per-turn rewards plus its group reward."""
-        return [t.total_reward + g for t, g in zip(self.trajectories, self.group_rewards)]
+        return [t.total_reward + g for t, g in zip(self.trajectories, self.group_rewards, strict=True)]
 
 
 class Env:
@@ -109,8 +109,9 @@ def resolve(value: Any) -> Any:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(_await(value))
-    raise RuntimeError("an async env method was called from inside a running event loop; "
-                       "call the rollout from synchronous code")
+    raise RuntimeError(
+        "an async env method was called from inside a running event loop; call the rollout from synchronous code"
+    )
 
 
 async def _await(value):

@@ -31,8 +31,10 @@ def load_env_dataset(options: dict, **context) -> EnvDataset:
     options = dict(options)
     spec = options.pop("env", None)
     if not isinstance(spec, str):
-        raise ConfigError("task.name='env' needs task.options.env = \"module:function\" returning an EnvDataset "
-                          "(get_batch(index) -> list of EnvGroupBuilder)")
+        raise ConfigError(
+            "task.name='env' needs task.options.env = \"module:function\" returning an EnvDataset "
+            "(get_batch(index) -> list of EnvGroupBuilder)"
+        )
     fn = load_callable(spec, "env dataset")
     try:
         accepted = inspect.signature(fn).parameters

@@ -13,8 +13,8 @@ from __future__ import annotations
 import random
 import re
 
-from .env import Env, EnvGroupBuilder, StepResult
 from ..tasks.prompts import decode_completion, encode_prompt
+from .env import Env, EnvGroupBuilder, StepResult
 
 _NUMBER = re.compile(r"-?\d+")
 
@@ -60,15 +60,20 @@ class GuessDataset:
 
     def get_batch(self, index: int) -> list[GuessGroup]:
         rng = random.Random(f"guess:train:{self.seed}:{index}")
-        return [GuessGroup(rng.randint(self.low, self.high), self.low, self.high, self.tokenizer, self.group_size)
-                for _ in range(self.batch_size)]
+        return [
+            GuessGroup(rng.randint(self.low, self.high), self.low, self.high, self.tokenizer, self.group_size)
+            for _ in range(self.batch_size)
+        ]
 
     def eval_batch(self) -> list[GuessGroup]:
         rng = random.Random(f"guess:eval:{self.seed}")
-        return [GuessGroup(rng.randint(self.low, self.high), self.low, self.high, self.tokenizer, 1)
-                for _ in range(self.eval_size)]
+        return [
+            GuessGroup(rng.randint(self.low, self.high), self.low, self.high, self.tokenizer, 1)
+            for _ in range(self.eval_size)
+        ]
 
 
-def dataset(tokenizer, batch_size: int, group_size: int, eval_size: int, seed: int, low: int = 1,
-            high: int = 16) -> GuessDataset:
+def dataset(
+    tokenizer, batch_size: int, group_size: int, eval_size: int, seed: int, low: int = 1, high: int = 16
+) -> GuessDataset:
     return GuessDataset(tokenizer, batch_size, group_size, eval_size, seed, low, high)

@@ -20,8 +20,8 @@ import random
 import re
 import string
 
-from .env import Env, EnvGroupBuilder, StepResult
 from ..tasks.prompts import decode_completion, encode_prompt
+from .env import Env, EnvGroupBuilder, StepResult
 
 _DIGIT = re.compile(r"\d")
 KEYS, NOISE = string.ascii_lowercase, string.ascii_uppercase
@@ -58,7 +58,7 @@ def ledger(rng: random.Random, facts: int, distractors: int, asked_from: int) ->
     keys = rng.sample(KEYS, facts)
     values = [rng.randint(0, 9) for _ in keys]
     lines = []
-    for key, value in zip(keys, values):
+    for key, value in zip(keys, values, strict=True):
         parts = [f"{key}={value}"] + [f"{rng.choice(NOISE)}={rng.randint(0, 9)}" for _ in range(distractors)]
         rng.shuffle(parts)
         lines.append(" ".join(parts))
@@ -77,13 +77,29 @@ class LedgerGroup(EnvGroupBuilder):
 class LedgerDataset:
     """`batch_size` ledgers per step (each a group of `group_size` episodes); `eval_size` fixed held-out ones."""
 
-    def __init__(self, tokenizer, batch_size: int, group_size: int, eval_size: int, seed: int, facts: int,
-                 distractors: int, asked_from: int):
+    def __init__(
+        self,
+        tokenizer,
+        batch_size: int,
+        group_size: int,
+        eval_size: int,
+        seed: int,
+        facts: int,
+        distractors: int,
+        asked_from: int,
+    ):
         if facts < 1 or facts > len(KEYS) or distractors < 0 or asked_from < 1:
-            raise ValueError(f"ledger needs 1 <= facts <= {len(KEYS)}, distractors >= 0 and asked_from >= 1; got "
-                             f"facts={facts}, distractors={distractors}, asked_from={asked_from}")
-        self.tokenizer, self.batch_size, self.group_size, self.eval_size, self.seed = (tokenizer, batch_size, group_size,
-                                                                                       eval_size, seed)
+            raise ValueError(
+                f"ledger needs 1 <= facts <= {len(KEYS)}, distractors >= 0 and asked_from >= 1; got "
+                f"facts={facts}, distractors={distractors}, asked_from={asked_from}"
+            )
+        self.tokenizer, self.batch_size, self.group_size, self.eval_size, self.seed = (
+            tokenizer,
+            batch_size,
+            group_size,
+            eval_size,
+            seed,
+        )
         self.shape = (facts, distractors, asked_from)
 
     def _group(self, rng: random.Random, size: int) -> LedgerGroup:
@@ -98,6 +114,14 @@ class LedgerDataset:
         return [self._group(rng, 1) for _ in range(self.eval_size)]
 
 
-def dataset(tokenizer, batch_size: int, group_size: int, eval_size: int, seed: int, facts: int = 6,
-            distractors: int = 3, asked_from: int = 2) -> LedgerDataset:
+def dataset(
+    tokenizer,
+    batch_size: int,
+    group_size: int,
+    eval_size: int,
+    seed: int,
+    facts: int = 6,
+    distractors: int = 3,
+    asked_from: int = 2,
+) -> LedgerDataset:
     return LedgerDataset(tokenizer, batch_size, group_size, eval_size, seed, facts, distractors, asked_from)

@@ -14,9 +14,9 @@ rewards. Set `task.max_turns` to cover every episode's turns. An inner group rew
 
 from __future__ import annotations
 
+from ..errors import ConfigError
 from .env import Env, EnvGroupBuilder, StepResult, resolve
 from .env_dataset import load_env_dataset
-from ..errors import ConfigError
 
 
 class MarathonEnv(Env):
@@ -36,16 +36,18 @@ class MarathonEnv(Env):
         r = resolve(self.envs[self.k].step(action))
         metrics = {**r.metrics, "episodes_done": float(self.k + r.episode_done)}
         if not r.episode_done:
-            self.context = self.prefix + list(r.next_observation[self.cut:])
+            self.context = self.prefix + list(r.next_observation[self.cut :])
             return StepResult(r.reward, False, list(self.context), r.next_stop_condition, metrics)
-        closing = self.prefix + list(r.next_observation[self.cut:]) if r.next_observation else self.context + list(action)
+        closing = (
+            self.prefix + list(r.next_observation[self.cut :]) if r.next_observation else self.context + list(action)
+        )
         self.k += 1
         if self.k == len(self.envs):
             return StepResult(r.reward, True, closing, [], metrics)
         obs, stop = resolve(self.envs[self.k].initial_observation())
         self.cut = int(bool(obs) and self.bos is not None and obs[0] == self.bos)
         self.prefix = closing
-        self.context = self.prefix + list(obs[self.cut:])
+        self.context = self.prefix + list(obs[self.cut :])
         return StepResult(r.reward, False, list(self.context), stop, metrics)
 
 
@@ -55,8 +57,10 @@ class MarathonGroup(EnvGroupBuilder):
     def __init__(self, builders: list[EnvGroupBuilder], bos: int | None):
         for b in builders:
             if type(b).compute_group_rewards is not EnvGroupBuilder.compute_group_rewards:
-                raise ConfigError(f"marathon: {type(b).__name__} adds group rewards, which have no meaning across "
-                                  f"episodes; use an env without compute_group_rewards")
+                raise ConfigError(
+                    f"marathon: {type(b).__name__} adds group rewards, which have no meaning across "
+                    f"episodes; use an env without compute_group_rewards"
+                )
         self.builders, self.bos = builders, bos
 
     def make_envs(self) -> list[Env]:
@@ -71,7 +75,7 @@ class MarathonDataset:
     def _groups(self, builders) -> list[MarathonGroup]:
         builders = list(builders)
         n = self.episodes
-        return [MarathonGroup(builders[i:i + n], self.bos) for i in range(0, len(builders) - n + 1, n)]
+        return [MarathonGroup(builders[i : i + n], self.bos) for i in range(0, len(builders) - n + 1, n)]
 
     def get_batch(self, index: int) -> list[MarathonGroup]:
         return self._groups(self.inner.get_batch(index))
@@ -80,11 +84,27 @@ class MarathonDataset:
         return self._groups(self.inner.eval_batch())
 
 
-def dataset(tokenizer, batch_size: int, group_size: int, eval_size: int, seed: int, inner: str = "",
-            episodes: int = 4, **inner_options) -> MarathonDataset:
+def dataset(
+    tokenizer,
+    batch_size: int,
+    group_size: int,
+    eval_size: int,
+    seed: int,
+    inner: str = "",
+    episodes: int = 4,
+    **inner_options,
+) -> MarathonDataset:
     if not inner or episodes < 1:
-        raise ConfigError(f"marathon needs task.options.inner = \"module:function\" (an env dataset) and episodes >= 1; "
-                          f"got inner={inner!r}, episodes={episodes}")
-    data = load_env_dataset({"env": inner, **inner_options}, tokenizer=tokenizer, batch_size=batch_size * episodes,
-                            group_size=group_size, eval_size=eval_size * episodes, seed=seed)
+        raise ConfigError(
+            f'marathon needs task.options.inner = "module:function" (an env dataset) and episodes >= 1; '
+            f"got inner={inner!r}, episodes={episodes}"
+        )
+    data = load_env_dataset(
+        {"env": inner, **inner_options},
+        tokenizer=tokenizer,
+        batch_size=batch_size * episodes,
+        group_size=group_size,
+        eval_size=eval_size * episodes,
+        seed=seed,
+    )
     return MarathonDataset(data, episodes, tokenizer.bos_token_id)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .env import Env, Metrics, StepResult, resolve
 from ..chat.renderer import AssistantTurn, ChatRenderer
+from .env import Env, Metrics, StepResult, resolve
 
 
 @dataclass

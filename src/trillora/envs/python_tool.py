@@ -13,10 +13,10 @@ import random
 import re
 from collections.abc import Callable
 
-from ..tasks.base import in_eval_split
-from .env import EnvGroupBuilder
 from ..chat.renderer import ChatRenderer
 from ..sandbox.jail import Limits, run_python
+from ..tasks.base import in_eval_split
+from .env import EnvGroupBuilder
 from .tools import ToolEnv
 
 _INTEGER = re.compile(r"-?\d+")
@@ -48,9 +48,9 @@ def _digit_sum(n: int) -> int:
 def _primes_below(n: int) -> int:
     sieve = bytearray([1]) * n
     sieve[:2] = b"\x00\x00"[:n]
-    for p in range(2, int(n ** 0.5) + 1):
+    for p in range(2, int(n**0.5) + 1):
         if sieve[p]:
-            sieve[p * p::p] = bytearray(len(range(p * p, n, p)))
+            sieve[p * p :: p] = bytearray(len(range(p * p, n, p)))
     return sum(sieve)
 
 
@@ -59,7 +59,7 @@ def puzzle(rng: random.Random) -> tuple[str, int]:
     kind = rng.randrange(3)
     if kind == 0:
         b, e = rng.randint(2, 9), rng.randint(20, 90)
-        return f"What is the sum of the digits of {b}**{e}?", _digit_sum(b ** e)
+        return f"What is the sum of the digits of {b}**{e}?", _digit_sum(b**e)
     if kind == 1:
         n = rng.randint(1000, 50000)
         return f"How many primes are below {n}?", _primes_below(n)
@@ -71,19 +71,30 @@ def _score(answer: int) -> Callable[[str], float]:
     def score(text: str) -> float:
         found = _INTEGER.findall(text)
         return float(bool(found) and int(found[-1]) == answer)
+
     return score
 
 
 class PythonGroup(EnvGroupBuilder):
-    def __init__(self, renderer: ChatRenderer, question: str, answer: int, group_size: int, max_tool_calls: int,
-                 limits: Limits):
+    def __init__(
+        self, renderer: ChatRenderer, question: str, answer: int, group_size: int, max_tool_calls: int, limits: Limits
+    ):
         self.renderer, self.question, self.answer, self.group_size = renderer, question, answer, group_size
         self.max_tool_calls, self.limits = max_tool_calls, limits
 
     def make_envs(self) -> list[ToolEnv]:
         tool = make_python_tool(self.limits)
-        return [ToolEnv(self.renderer, [{"role": "user", "content": self.question}], [tool], _score(self.answer),
-                        self.max_tool_calls, tool_timeout=self.limits.wall_seconds + 5) for _ in range(self.group_size)]
+        return [
+            ToolEnv(
+                self.renderer,
+                [{"role": "user", "content": self.question}],
+                [tool],
+                _score(self.answer),
+                self.max_tool_calls,
+                tool_timeout=self.limits.wall_seconds + 5,
+            )
+            for _ in range(self.group_size)
+        ]
 
     def logging_tags(self) -> list[str]:
         return ["python"]
@@ -103,14 +114,26 @@ class PythonDataset:
         return out
 
     def get_batch(self, index: int) -> list[PythonGroup]:
-        return self._groups(random.Random(f"python:train:{self.seed}:{index}"), self.batch_size, "train", self.group_size)
+        return self._groups(
+            random.Random(f"python:train:{self.seed}:{index}"), self.batch_size, "train", self.group_size
+        )
 
     def eval_batch(self) -> list[PythonGroup]:
         return self._groups(random.Random(f"python:eval:{self.seed}"), self.eval_size, "eval", 1)
 
 
-def dataset(tokenizer, batch_size: int, group_size: int, eval_size: int, seed: int, tool_format: str | None = None,
-            max_tool_calls: int = 3, cpu_seconds: int = 2, wall_seconds: float = 5.0) -> PythonDataset:
+def dataset(
+    tokenizer,
+    batch_size: int,
+    group_size: int,
+    eval_size: int,
+    seed: int,
+    tool_format: str | None = None,
+    max_tool_calls: int = 3,
+    cpu_seconds: int = 2,
+    wall_seconds: float = 5.0,
+) -> PythonDataset:
     limits = Limits(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds)
-    return PythonDataset(ChatRenderer(tokenizer, tool_format), batch_size, group_size, eval_size, seed, max_tool_calls,
-                         limits)
+    return PythonDataset(
+        ChatRenderer(tokenizer, tool_format), batch_size, group_size, eval_size, seed, max_tool_calls, limits
+    )

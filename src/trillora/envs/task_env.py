@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..tasks.base import Problem, Task
-from .env import Env, EnvGroupBuilder, StepResult
 from ..tasks.prompts import decode_completion, encode_problem, stop_tokens
+from .env import Env, EnvGroupBuilder, StepResult
 
 
 class TaskEnv(Env):
@@ -16,8 +16,14 @@ class TaskEnv(Env):
     """Its calls need no time limit of the episode runner's: the observation is our own encoding,
     and the reward a guarded one (its own limit and failure policy) when the trainer passes it."""
 
-    def __init__(self, task: Task, problem: Problem, tokenizer, score: Callable[[Problem, str], float] | None = None,
-                 observation: tuple[list[int], list[int]] | None = None):
+    def __init__(
+        self,
+        task: Task,
+        problem: Problem,
+        tokenizer,
+        score: Callable[[Problem, str], float] | None = None,
+        observation: tuple[list[int], list[int]] | None = None,
+    ):
         """`score(problem, text)`: the reward (default `task.reward`; the trainer passes its guarded one);
         `observation`: the problem already encoded (a group's envs share one encoding)."""
         self.task, self.problem, self.tokenizer = task, problem, tokenizer
@@ -40,13 +46,27 @@ def observation_of(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
 class TaskGroupBuilder(EnvGroupBuilder):
     """`group_size` envs of one problem: a GRPO group."""
 
-    def __init__(self, task: Task, problem: Problem, tokenizer, group_size: int,
-                 score: Callable[[Problem, str], float] | None = None):
-        self.task, self.problem, self.tokenizer, self.group_size, self.score = task, problem, tokenizer, group_size, score
+    def __init__(
+        self,
+        task: Task,
+        problem: Problem,
+        tokenizer,
+        group_size: int,
+        score: Callable[[Problem, str], float] | None = None,
+    ):
+        self.task, self.problem, self.tokenizer, self.group_size, self.score = (
+            task,
+            problem,
+            tokenizer,
+            group_size,
+            score,
+        )
 
     def make_envs(self) -> list[Env]:
         observation = observation_of(self.tokenizer, self.problem)  # encoded once for the group
-        return [TaskEnv(self.task, self.problem, self.tokenizer, self.score, observation) for _ in range(self.group_size)]
+        return [
+            TaskEnv(self.task, self.problem, self.tokenizer, self.score, observation) for _ in range(self.group_size)
+        ]
 
     def logging_tags(self) -> list[str]:
         return [self.task.name]

@@ -23,10 +23,10 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from ..tasks.guard import RewardTimeout, time_limit
-from .messages import MessageEnv, Reply
 from ..chat.renderer import AssistantTurn, ChatRenderer
 from ..chat.tool_calls import ToolCall
+from ..tasks.guard import RewardTimeout, time_limit
+from .messages import MessageEnv, Reply
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
@@ -102,8 +102,13 @@ def _fits(value: Any, schema: dict) -> bool:
     return True
 
 
-def call_tool(functions: dict[str, Callable], call: ToolCall, timeout: float, max_output: int = 2000,
-              schemas: dict[str, dict] | None = None) -> tuple[str, str]:
+def call_tool(
+    functions: dict[str, Callable],
+    call: ToolCall,
+    timeout: float,
+    max_output: int = 2000,
+    schemas: dict[str, dict] | None = None,
+) -> tuple[str, str]:
     """(the tool message's content, what happened: "ok" or one of the failure counters). `schemas`:
     the tools' schemas by name when already built."""
     fn = functions.get(call.name)
@@ -135,8 +140,15 @@ class ToolEnv(MessageEnv):
 
     COUNTERS = ("tool_calls", "parse_error", "unknown_tool", "bad_arguments", "tool_error", "tool_timeout")
 
-    def __init__(self, renderer: ChatRenderer, messages: list[dict], tools: Sequence[Callable],
-                 score: Callable[[str], float], max_tool_calls: int = 4, tool_timeout: float = 5.0):
+    def __init__(
+        self,
+        renderer: ChatRenderer,
+        messages: list[dict],
+        tools: Sequence[Callable],
+        score: Callable[[str], float],
+        max_tool_calls: int = 4,
+        tool_timeout: float = 5.0,
+    ):
         super().__init__(renderer, messages, [function_schema(f) for f in tools])
         self.functions = {f.__name__: f for f in tools}
         self.schemas = {s["function"]["name"]: s for s in self.tools}

@@ -26,9 +26,13 @@ class Sample:
     prompt_length: int  # tokens before the first action token
 
     @staticmethod
-    def single_turn(prompt: list[int], completion: list[int], logprobs: list[float]) -> "Sample":
-        return Sample(list(prompt) + list(completion), [0] * len(prompt) + [1] * len(completion),
-                      [0.0] * len(prompt) + [float(x) for x in logprobs], len(prompt))
+    def single_turn(prompt: list[int], completion: list[int], logprobs: list[float]) -> Sample:
+        return Sample(
+            list(prompt) + list(completion),
+            [0] * len(prompt) + [1] * len(completion),
+            [0.0] * len(prompt) + [float(x) for x in logprobs],
+            len(prompt),
+        )
 
 
 def merge_trajectory(trajectory: Trajectory) -> list[Sample]:
@@ -39,8 +43,8 @@ def merge_trajectory(trajectory: Trajectory) -> list[Sample]:
         if len(t.logprobs) != len(t.action):
             raise ValueError(f"turn {turn}: {len(t.action)} action tokens but {len(t.logprobs)} logprobs")
         ob = list(t.observation)
-        if current is not None and len(ob) >= len(current.tokens) and ob[:len(current.tokens)] == current.tokens:
-            added = ob[len(current.tokens):]
+        if current is not None and len(ob) >= len(current.tokens) and ob[: len(current.tokens)] == current.tokens:
+            added = ob[len(current.tokens) :]
             current.tokens += added
             current.mask += [0] * len(added)
             current.logprobs += [0.0] * len(added)

@@ -8,10 +8,10 @@ from .apply import (
     disable_adapter,
     lora_modules,
     lora_parameters,
-    trained_parameters,
     lora_state_dict,
     merge,
     select_targets,
+    trained_parameters,
     unmerge,
 )
 from .config import ROLES, LoraConfig, LoraConfigError

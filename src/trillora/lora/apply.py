@@ -82,8 +82,11 @@ def adapter_skeleton(model: CausalLM, device: torch.device) -> CausalLM:
     apply_lora(skeleton, model.lora_config)
     for name, p in list(lora_parameters(skeleton)):
         owner, _, attr = name.rpartition(".")
-        setattr(skeleton.get_submodule(owner), attr,
-                nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=device), requires_grad=False))
+        setattr(
+            skeleton.get_submodule(owner),
+            attr,
+            nn.Parameter(torch.zeros(p.shape, dtype=p.dtype, device=device), requires_grad=False),
+        )
     return skeleton
 
 
@@ -153,5 +156,5 @@ def disable_adapter(model: nn.Module) -> Iterator[nn.Module]:
     try:
         yield model
     finally:
-        for m, state in zip(modules, before):
+        for m, state in zip(modules, before, strict=True):
             m.lora_enabled = state

@@ -33,11 +33,11 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoint.atomic import AtomicFolder
 from ..checkpoint.hf import EXPERT_LAYOUTS
+from ..errors import TrilloraError
+from ..models import ReleaseLayout, release_of
 from .apply import apply_lora, lora_modules
 from .config import LoraConfig
 from .layers import LoraGroupedExperts, LoraMixin, LoraRouterMixin
-from ..errors import TrilloraError
-from ..models import ReleaseLayout, release_of
 
 PREFIX = "base_model.model."
 
@@ -144,8 +144,11 @@ def save_adapter(
     path = Path(path)
     with AtomicFolder(path) as tmp:
         # rank 1 makes some reshapes views with odd strides; safetensors wants packed tensors
-        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: t.contiguous() for k, t in tensors.items()},
+            str(tmp / "adapter_model.safetensors"),
+            metadata={"format": "pt"},
+        )
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         ours = {**dataclasses.asdict(model.lora_config), "expert_layout": expert_layout}
         (tmp / "trillora_adapter.json").write_text(json.dumps(ours, indent=2))
@@ -252,15 +255,22 @@ def _load_experts(name, m: LoraGroupedExperts, tensors, fused, file_scale, where
         raise AdapterError(f"{where}: missing key {gu_key + '.lora_A.weight'!r}")
     rank_gu = a_gu.shape[0] // e
     if rank_gu not in (r, 2 * r):
-        raise AdapterError(f"{where}: fused gate_up adapter of {name} has rank {rank_gu}; this model's expert rank is {r} (accepts {r} or {2 * r})")
+        raise AdapterError(
+            f"{where}: fused gate_up adapter of {name} has rank {rank_gu}; this model's expert rank is {r} (accepts "
+            f"{r} or {2 * r})"
+        )
     a_gu = _take(tensors, f"{gu_key}.lora_A.weight", (e * rank_gu, c), where).view(e, rank_gu, c)
     b_gu = _take(tensors, f"{gu_key}.lora_B.weight", (2 * inter, e * rank_gu), where)
     b_gu = release.gate_up_from_release(b_gu, dim=0)
-    b_gu = b_gu.view(2 * inter, rank_gu, e).permute(2, 0, 1) * (file_scale(f"{name}.gate_up_proj", rank_gu) / s)  # [E, 2I, R]
+    b_gu = b_gu.view(2 * inter, rank_gu, e).permute(2, 0, 1) * (
+        file_scale(f"{name}.gate_up_proj", rank_gu) / s
+    )  # [E, 2I, R]
     if rank_gu == 2 * r:  # block diagonal, as we write it
         off = torch.cat([b_gu[:, :inter, r:], b_gu[:, inter:, :r]]).abs().max()
         if off > 0:
-            raise AdapterError(f"{where}: fused gate_up adapter of {name} is not block-diagonal; it needs expert rank {2 * r}")
+            raise AdapterError(
+                f"{where}: fused gate_up adapter of {name} is not block-diagonal; it needs expert rank {2 * r}"
+            )
         m.lora_gate_A.copy_(a_gu[:, :r]), m.lora_up_A.copy_(a_gu[:, r:])
         m.lora_gate_B.copy_(b_gu[:, :inter, :r]), m.lora_up_B.copy_(b_gu[:, inter:, r:])
     else:  # one shared A for gate and up (e.g. trained by PEFT): exact with A_gate = A_up = A

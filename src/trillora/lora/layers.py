@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .multi import RowAdapters
 from ..models.moe import GroupedExperts, SigmoidRouter, SoftmaxRouter, TopKSoftmaxRouter, compute_dtype, grouped_linear
+from .multi import RowAdapters
 
 
 class LoraMixin:
@@ -30,7 +30,7 @@ class LoraMixin:
     lora_enabled: bool
     lora_merged: bool
 
-    lora_multi: "tuple[RowAdapters, dict[str, torch.Tensor]] | None" = None
+    lora_multi: tuple[RowAdapters, dict[str, torch.Tensor]] | None = None
     """Several adapters at once (`lora.multi`): the rows' adapters and this module's stacked tensors."""
 
     def _init_lora(self, rank: int, scaling: float, dropout: float) -> None:
@@ -126,8 +126,14 @@ class LoraGroupedExperts(LoraMixin, GroupedExperts):
         self.lora_gate_B, self.lora_up_B = _new((e, i, rank), w, dtype), _new((e, i, rank), w, dtype)
         self.lora_down_A, self.lora_down_B = _new((e, rank, i), w, dtype), _new((e, c, rank), w, dtype)
 
-    def project(self, x_R: torch.Tensor, name: str, counts: torch.Tensor, token_R: torch.Tensor | None = None,
-                adapter_R: torch.Tensor | None = None) -> torch.Tensor:
+    def project(
+        self,
+        x_R: torch.Tensor,
+        name: str,
+        counts: torch.Tensor,
+        token_R: torch.Tensor | None = None,
+        adapter_R: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         y = super().project(x_R, name, counts)
         if not self.lora_active:
             return y
@@ -185,13 +191,20 @@ LORA_CLASSES: dict[type, type] = {
 
 
 def add_adapter(
-    module: nn.Module, rank: int, scaling: float, dropout: float, dtype: torch.dtype, init: str,
+    module: nn.Module,
+    rank: int,
+    scaling: float,
+    dropout: float,
+    dtype: torch.dtype,
+    init: str,
     generator: torch.Generator | None = None,
 ) -> LoraMixin:
     """Turn `module` (in place) into its LoRA subclass with fresh A (random) and B (zero)."""
     cls = LORA_CLASSES.get(type(module))
     if cls is None:
-        raise TypeError(f"cannot add LoRA to {type(module).__name__}; supported: {', '.join(c.__name__ for c in LORA_CLASSES)}")
+        raise TypeError(
+            f"cannot add LoRA to {type(module).__name__}; supported: {', '.join(c.__name__ for c in LORA_CLASSES)}"
+        )
     module.__class__ = cls
     module.add_lora(rank, scaling, dropout, dtype)
     for name in module.lora_names():

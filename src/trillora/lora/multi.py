@@ -33,8 +33,10 @@ class RowAdapters:
 
     def __init__(self, rows: list[int], scaling: list[float], device: torch.device):
         if len(rows) != len(scaling) or min(rows, default=0) < 0 or sum(rows) < 1:
-            raise ValueError(f"one row count >= 0 per adapter, some rows, one scaling per adapter; got rows={rows}, "
-                             f"scaling={scaling}")
+            raise ValueError(
+                f"one row count >= 0 per adapter, some rows, one scaling per adapter; got rows={rows}, "
+                f"scaling={scaling}"
+            )
         self.rows = torch.tensor(rows, device=device)
         self.scaling = torch.tensor(scaling, dtype=torch.float32, device=device)  # [K]
         self.k = len(rows)
@@ -54,8 +56,9 @@ class RowAdapters:
     def select_rows(self, lo: int, hi: int) -> None:
         """The next layers run rows [lo, hi) of the batch `begin` saw (a pipeline microbatch, in its
         forward and again in its backward's recompute); (0, whole) restores the whole batch."""
-        row_adapter = torch.repeat_interleave(torch.arange(self.k, device=self.rows.device),
-                                              self.rows * (self.whole // int(self.rows.sum())))[lo:hi]  # [hi - lo]
+        row_adapter = torch.repeat_interleave(
+            torch.arange(self.k, device=self.rows.device), self.rows * (self.whole // int(self.rows.sum()))
+        )[lo:hi]  # [hi - lo]
         self.batch = hi - lo
         self.counts = torch.bincount(row_adapter, minlength=self.k) * self.tokens  # rows stay grouped per adapter
         self.token_adapter = torch.repeat_interleave(row_adapter, self.tokens)
@@ -88,8 +91,9 @@ class RowAdapters:
         d_TO = grouped_linear(h_Tr, b_KOr.to(dt), counts) * self.scaling[token_adapter, None]
         return d_TO.to(like.dtype).reshape(*x.shape[:-1], -1)
 
-    def expert_groups(self, counts_E: torch.Tensor, token_R: torch.Tensor | None,
-                      adapter_R: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def expert_groups(
+        self, counts_E: torch.Tensor, token_R: torch.Tensor | None, adapter_R: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Rows per (expert, adapter) pair [E*K], each row's adapter [R] in that grouping, and the
         order that groups the rows (None: they already are).
 
@@ -109,21 +113,36 @@ class RowAdapters:
             adapter_R = adapter_R[order]
         return torch.bincount(key_R, minlength=counts_E.shape[0] * self.k), adapter_R, order
 
-    def experts(self, x_R: torch.Tensor, a_EKrN: torch.Tensor, b_EKOr: torch.Tensor, groups: torch.Tensor,
-                adapter_R: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    def experts(
+        self,
+        x_R: torch.Tensor,
+        a_EKrN: torch.Tensor,
+        b_EKOr: torch.Tensor,
+        groups: torch.Tensor,
+        adapter_R: torch.Tensor,
+        like: torch.Tensor,
+    ) -> torch.Tensor:
         """Each routed row through its (expert, adapter) pair's update."""
         dt = compute_dtype(x_R, a_EKrN)
         h_Rr = grouped_linear(x_R.to(dt), a_EKrN.flatten(0, 1).to(dt), groups)
         return self.experts_second(h_Rr, b_EKOr, groups, adapter_R, like)
 
-    def experts_second(self, h_Rr: torch.Tensor, b_EKOr: torch.Tensor, groups: torch.Tensor, adapter_R: torch.Tensor,
-                       like: torch.Tensor) -> torch.Tensor:
+    def experts_second(
+        self,
+        h_Rr: torch.Tensor,
+        b_EKOr: torch.Tensor,
+        groups: torch.Tensor,
+        adapter_R: torch.Tensor,
+        like: torch.Tensor,
+    ) -> torch.Tensor:
         """The B half of the expert update, scaled by each row's adapter: [R, r] -> [R, O]."""
         d = grouped_linear(h_Rr, b_EKOr.flatten(0, 1).to(h_Rr.dtype), groups) * self.scaling[adapter_R, None]
         return d.to(like.dtype)
 
 
-def stack_padded(tensors: list[torch.Tensor | None], like: torch.Tensor, rank_dim: int, rank: int, dim: int) -> torch.Tensor:
+def stack_padded(
+    tensors: list[torch.Tensor | None], like: torch.Tensor, rank_dim: int, rank: int, dim: int
+) -> torch.Tensor:
     """K adapters' tensors of one slot stacked along `dim`, ranks zero-padded to `rank`; an
     adapter without the tensor (None) stacks zeros of `like`'s shape at that rank."""
     out = []

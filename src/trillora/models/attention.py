@@ -15,8 +15,9 @@ from .kv_cache import KVCache
 from .layers import RMSNorm, apply_rope, yarn_mscale
 
 
-def causal_mask(attention_mask: torch.Tensor | None, t: int, offset: int, device: torch.device,
-                window: int = 0) -> torch.Tensor | None:
+def causal_mask(
+    attention_mask: torch.Tensor | None, t: int, offset: int, device: torch.device, window: int = 0
+) -> torch.Tensor | None:
     """Boolean mask [B, 1, t, S] (True = may attend) for t new queries after `offset` cached tokens,
     from a padding mask [B, S] over all S = offset + t tokens; None means plain causal, no cache.
     With a `window` each query sees only its last `window` keys (itself included).
@@ -36,8 +37,9 @@ def causal_mask(attention_mask: torch.Tensor | None, t: int, offset: int, device
     return mask | (k_pos == q_pos)[None, None]
 
 
-def add_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def add_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention sinks (gpt-oss) as one extra key that every query sees: softmax over [scores, sink_h]
     with a zero value row, so the sink only takes probability mass away.
 
@@ -61,8 +63,14 @@ def add_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return q, k, v, mask
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     # q [B, H, T, D], k [B, K, S, D], v [B, K, S, V] -> [B, T, H*V]; sinks [H]
     if sinks is not None:
         q, k, v, mask = add_sinks(q, k, v, mask, sinks, scale)
@@ -72,7 +80,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         # keeps the [T, S] scores; zero columns of V leave the first V output columns unchanged
         v = F.pad(v, (0, q.shape[-1] - dv))
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None and q.shape[2] > 1,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )[..., :dv]
     b, h, t, d = out.shape
     return out.transpose(1, 2).reshape(b, t, h * d)
@@ -88,7 +102,9 @@ class InnerAttention(nn.Module):
         super().__init__()
         self.window = window
 
-    def forward(self, q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return attend(q, k, v, mask, scale, sinks)
 
 
@@ -125,8 +141,14 @@ class GQAttention(nn.Module):
         turned, kept = x.split([self.rotary, self.head_dim - self.rotary], dim=-1)  # [B, H, T, R], [B, H, T, D-R]
         return torch.cat([apply_rope(turned, cos, sin), kept], dim=-1)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-                cache: KVCache | None = None, layer: int = 0):
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ):
         b, t, _ = x.shape
         # heads from the projections' widths (-1), so a tensor-parallel shard runs its own heads unchanged
         q = self.q_proj(x).view(b, t, -1, self.head_dim)  # [B, T, H, D]
@@ -175,8 +197,14 @@ class MLAttention(nn.Module):
             self.scale *= yarn_mscale(args.rope.factor, args.rope.mscale_all_dim) ** 2
         self.inner = InnerAttention()
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-                cache: KVCache | None = None, layer: int = 0):
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ):
         b, t, _ = x.shape
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(b, t, -1, self.nope + self.rope_dim).transpose(1, 2)  # [B, H, T, N+R]; H local under TP

@@ -36,7 +36,9 @@ def rope_args(cfg: dict, where: str) -> RopeArgs:
     if kind == "default":
         return RopeArgs(theta=theta)
     max_pos = int(get(cfg, "max_position_embeddings", default=4096))
-    original = int(params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_pos)
+    original = int(
+        params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_pos
+    )
     factor = params.get("factor")
     return RopeArgs(
         theta=theta,

@@ -33,8 +33,9 @@ class ReleaseLayout:
     quantized_experts: str | None = None
     """"mxfp4" where the release ships its routed experts quantised that way (sizes in `trillora info`)."""
 
-    def from_release(self, name: str, tensor: torch.Tensor,
-                     pending: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    def from_release(
+        self, name: str, tensor: torch.Tensor, pending: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """A checkpoint tensor as (our name, our layout) pairs; a tensor that needs a partner stored in
         another entry (quantised blocks and their scales) waits in `pending` and yields nothing yet."""
         yield name, tensor

@@ -66,8 +66,10 @@ class SharedPrefixCache:
             self.v.setdefault(layer, v)
             return k, v
         g = self.group_size  # the completions: k [P·G, K, Tc, D] after their prompt's [Tp]
-        return (torch.cat([self.k[layer].repeat_interleave(g, 0), k], dim=2),
-                torch.cat([self.v[layer].repeat_interleave(g, 0), v], dim=2))
+        return (
+            torch.cat([self.k[layer].repeat_interleave(g, 0), k], dim=2),
+            torch.cat([self.v[layer].repeat_interleave(g, 0), v], dim=2),
+        )
 
     def advance(self, t: int) -> None:
         self.length += t

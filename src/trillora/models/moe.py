@@ -32,7 +32,7 @@ class ExpertSort:
     counts: torch.Tensor  # [E] rows per expert (int64, on the same device)
 
     @staticmethod
-    def build(indices_TK: torch.Tensor, num_experts: int) -> "ExpertSort":
+    def build(indices_TK: torch.Tensor, num_experts: int) -> ExpertSort:
         flat = indices_TK.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=num_experts)
@@ -60,9 +60,12 @@ def _aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
 def _say_unaligned(inner: int, outer: int, dtype: torch.dtype) -> None:
     """Once per shape: the fallback is correct but a loop over experts, so a user should know."""
     per_row = 16 // torch.tensor([], dtype=dtype).element_size()
-    warnings.warn(f"grouped GEMM needs 16-byte rows: a {inner}-wide input or {outer}-wide output in {dtype} is not, so "
-                  f"these expert products run as a loop over experts (slower, same result); LoRA ranks and widths that "
-                  f"are multiples of {per_row} avoid it", stacklevel=3)
+    warnings.warn(
+        f"grouped GEMM needs 16-byte rows: a {inner}-wide input or {outer}-wide output in {dtype} is not, so "
+        f"these expert products run as a loop over experts (slower, same result); LoRA ranks and widths that "
+        f"are multiples of {per_row} avoid it",
+        stacklevel=3,
+    )
 
 
 @functools.cache
@@ -94,7 +97,9 @@ MAX_GROUPS = 512
 8 adapters x 128 experts), so longer group lists go through in slices of whole groups."""
 
 
-def grouped_linear(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, grouped: bool = True) -> torch.Tensor:
+def grouped_linear(
+    x_RI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tensor, grouped: bool = True
+) -> torch.Tensor:
     """Rows of x sorted by expert times each expert's weight transposed: [R, I] x [E, O, I] -> [R, O].
 
     `grouped=False` is the exact per-expert loop, kept as the reference and as
@@ -108,8 +113,14 @@ def grouped_linear(x_RI: torch.Tensor, w_EOI: torch.Tensor, counts_E: torch.Tens
     if grouped and grouped_mm_ok(x_RI, w_EOI):
         if counts_E.shape[0] > MAX_GROUPS:  # e.g. 128 experts x 8 adapters: in slices of whole groups
             sizes = [int(c.sum()) for c in counts_E.split(MAX_GROUPS)]
-            return torch.cat([grouped_linear(x, w, c) for x, w, c in
-                              zip(x_RI.split(sizes), w_EOI.split(MAX_GROUPS), counts_E.split(MAX_GROUPS))])
+            return torch.cat(
+                [
+                    grouped_linear(x, w, c)
+                    for x, w, c in zip(
+                        x_RI.split(sizes), w_EOI.split(MAX_GROUPS), counts_E.split(MAX_GROUPS), strict=True
+                    )
+                ]
+            )
         offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
         return _contiguous_grad(torch._grouped_mm(x_RI.contiguous(), w_EOI.transpose(-2, -1), offs=offs))
     chunks = torch.split(x_RI, counts_E.tolist())
@@ -124,7 +135,9 @@ class GroupedExperts(nn.Module):
     bring results back) without the module knowing. `num_experts` stays the global count.
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, bias: bool = False, limit: float = 0.0, alpha: float = 1.702):
+    def __init__(
+        self, num_experts: int, dim: int, hidden: int, bias: bool = False, limit: float = 0.0, alpha: float = 1.702
+    ):
         super().__init__()
         self.num_experts, self.hidden = num_experts, hidden
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
@@ -135,17 +148,25 @@ class GroupedExperts(nn.Module):
         self.limit, self.alpha = limit, alpha
         self.grouped = True  # False: per-expert loop (reference)
 
-    def forward(self, x_RC: torch.Tensor, counts_E: torch.Tensor, token_R: torch.Tensor | None = None,
-                adapter_R: torch.Tensor | None = None) -> torch.Tensor:
-        gate_up_R2I = self._biased(self.project(x_RC, "gate_up_proj", counts_E, token_R, adapter_R), "gate_up_proj_bias",
-                                   counts_E)
+    def forward(
+        self,
+        x_RC: torch.Tensor,
+        counts_E: torch.Tensor,
+        token_R: torch.Tensor | None = None,
+        adapter_R: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        gate_up_R2I = self._biased(
+            self.project(x_RC, "gate_up_proj", counts_E, token_R, adapter_R), "gate_up_proj_bias", counts_E
+        )
         gate, up = gate_up_R2I.chunk(2, dim=-1)
         if self.limit:  # gpt-oss: clamped, with a sharper sigmoid and up shifted by one
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
             h = (up + 1) * gate * torch.sigmoid(self.alpha * gate)
         else:
             h = F.silu(gate) * up
-        return self._biased(self.project(h, "down_proj", counts_E, token_R, adapter_R), "down_proj_bias", counts_E)  # [R, C]
+        return self._biased(
+            self.project(h, "down_proj", counts_E, token_R, adapter_R), "down_proj_bias", counts_E
+        )  # [R, C]
 
     def _biased(self, y_RO: torch.Tensor, name: str, counts_E: torch.Tensor) -> torch.Tensor:
         """Add each row's expert's bias (rows are sorted by expert, `counts_E` per expert)."""
@@ -154,18 +175,28 @@ class GroupedExperts(nn.Module):
             return y_RO
         return y_RO + bias.to(y_RO.dtype).repeat_interleave(counts_E, dim=0, output_size=y_RO.shape[0])
 
-    def project(self, x_R: torch.Tensor, name: str, counts_E: torch.Tensor, token_R: torch.Tensor | None = None,
-                adapter_R: torch.Tensor | None = None) -> torch.Tensor:
+    def project(
+        self,
+        x_R: torch.Tensor,
+        name: str,
+        counts_E: torch.Tensor,
+        token_R: torch.Tensor | None = None,
+        adapter_R: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One stacked projection over expert-sorted rows; the hook point for expert LoRA
         (`token_R`, each row's source token, tells per-row adapters which rows are whose; rows
         that expert parallelism brought from other ranks carry their adapter, `adapter_R`)."""
         return grouped_linear(x_R, getattr(self, name), counts_E, self.grouped)
 
 
-def dispatch_combine(experts: nn.Module, x_TC: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+def dispatch_combine(
+    experts: nn.Module, x_TC: torch.Tensor, indices_TK: torch.Tensor, weights_TK: torch.Tensor
+) -> torch.Tensor:
     """Sort the T·K (token, expert) pairs by expert, run the experts, weight and sum back per token."""
     sort = ExpertSort.build(indices_TK, experts.num_experts)
-    y_RC = experts(x_TC.index_select(0, sort.token), sort.counts, token_R=sort.token)  # backward: index_add, not a sorted index_put
+    y_RC = experts(
+        x_TC.index_select(0, sort.token), sort.counts, token_R=sort.token
+    )  # backward: index_add, not a sorted index_put
     y_RC = y_RC * weights_TK.reshape(-1)[sort.order, None].to(y_RC.dtype)
     return torch.zeros_like(x_TC).index_add_(0, sort.token, y_RC.to(x_TC.dtype))
 
@@ -260,7 +291,11 @@ class SigmoidRouter(nn.Module):
         return self._weights(self.scores(x_TC), indices_TK)
 
 
-ROUTERS: dict[str, type[nn.Module]] = {"softmax": SoftmaxRouter, "sigmoid": SigmoidRouter, "topk_softmax": TopKSoftmaxRouter}
+ROUTERS: dict[str, type[nn.Module]] = {
+    "softmax": SoftmaxRouter,
+    "sigmoid": SigmoidRouter,
+    "topk_softmax": TopKSoftmaxRouter,
+}
 
 
 class MoE(nn.Module):
@@ -271,8 +306,14 @@ class MoE(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.gate = ROUTERS[args.router](args)
-        self.experts = GroupedExperts(args.num_experts, args.hidden_size, args.moe_intermediate_size,
-                                      bias=args.expert_bias, limit=args.swiglu_limit, alpha=args.swiglu_alpha)
+        self.experts = GroupedExperts(
+            args.num_experts,
+            args.hidden_size,
+            args.moe_intermediate_size,
+            bias=args.expert_bias,
+            limit=args.swiglu_limit,
+            alpha=args.swiglu_alpha,
+        )
         if args.n_shared_experts:
             self.shared_experts = SwiGLU(args.hidden_size, args.moe_intermediate_size * args.n_shared_experts)
 

@@ -17,8 +17,16 @@ from .args import ModelArgs
 from .moe import GroupedExperts
 from .registry import build_model, from_hf_config, load_hf_config
 
-SHIPPED_CONFIGS = ("kimi-k2", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5", "glm-4.5-air", "gpt-oss-120b",
-                   "gpt-oss-20b")
+SHIPPED_CONFIGS = (
+    "kimi-k2",
+    "deepseek-v3",
+    "qwen3-30b-a3b",
+    "qwen3-235b-a22b",
+    "glm-4.5",
+    "glm-4.5-air",
+    "gpt-oss-120b",
+    "gpt-oss-20b",
+)
 """Architectures shipped as configs only (`configs/`, no weights): what `info` and `plan` size by name."""
 FP8_BLOCK = 128
 

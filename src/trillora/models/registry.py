@@ -40,7 +40,9 @@ register(gpt_oss.FAMILY)
 
 def family_of(args: ModelArgs) -> Family:
     if args.family not in FAMILIES:
-        raise ConfigError(f"model family {args.family!r} unknown; supported model types: {', '.join(sorted(MODEL_TYPES))}")
+        raise ConfigError(
+            f"model family {args.family!r} unknown; supported model types: {', '.join(sorted(MODEL_TYPES))}"
+        )
     return FAMILIES[args.family]
 
 

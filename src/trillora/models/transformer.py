@@ -62,8 +62,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-                cache: KVCache | None = None, index: int = 0):
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        index: int = 0,
+    ):
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, index)
         return x + self.mlp(self.post_attention_layernorm(x))
 

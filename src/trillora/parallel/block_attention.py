@@ -96,8 +96,16 @@ class BlockCausalAttention(torch.autograd.Function):
             args = (grad_out[:, :, rows].contiguous(), q[:, :, rows].contiguous())
             o, lse_rows = out[:, :, rows].contiguous(), lse[:, :, rows].contiguous()
             for keys, causal in parts:
-                gq, gk, gv = _flash_backward(*args, k[:, :, keys].contiguous(), v[:, :, keys].contiguous(), o, lse_rows,
-                                             0.0, causal, scale=ctx.scale)
+                gq, gk, gv = _flash_backward(
+                    *args,
+                    k[:, :, keys].contiguous(),
+                    v[:, :, keys].contiguous(),
+                    o,
+                    lse_rows,
+                    0.0,
+                    causal,
+                    scale=ctx.scale,
+                )
                 dq[:, :, rows] += gq
                 dk[:, :, keys] += gk
                 dv[:, :, keys] += gv
@@ -107,8 +115,9 @@ class BlockCausalAttention(torch.autograd.Function):
         return dq, _sum_heads(dk, k_kv.shape[1]), _sum_heads(dv, v_kv.shape[1]), d_sinks, None, None
 
 
-def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, scale: float,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+def block_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, scale: float, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """q [B, H, t, D], k [B, K, T, D], v [B, K, T, V] in global key order, sinks [H] -> [B, t, H·V].
 
     Heads of different sizes (MLA: V ≠ D) are zero-padded to the wider for the kernel and cut after."""

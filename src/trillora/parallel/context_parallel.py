@@ -125,7 +125,8 @@ class ContextParallel:
         return ids[:, self.query_positions + 1]
 
     def gather(self, x_Bt: torch.Tensor, length: int) -> torch.Tensor:
-        """Per-position values of this rank's tokens [B, t, ...] -> [B, length, ...] of the whole rows, on every rank."""
+        """Per-position values of this rank's tokens [B, t, ...] -> [B, length, ...] of the whole rows, on every
+        rank."""
         return _GatherSequence.apply(x_Bt, self.key_positions, self.query_positions, self.group)[:, :length]
 
 
@@ -147,7 +148,9 @@ class ContextParallelAttention(InnerAttention):
         k_all = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=cp.group)  # [B, K, T, D] rank order
         v_all = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=cp.group)
         if q.device.type == "cpu" and not self.window:  # flash blocks, no [t, T] mask or scores kept
-            return block_causal_attention(q, k_all[:, :, cp.key_order], v_all[:, :, cp.key_order], cp.plan, scale, sinks)
+            return block_causal_attention(
+                q, k_all[:, :, cp.key_order], v_all[:, :, cp.key_order], cp.plan, scale, sinks
+            )
         # sliding windows (gpt-oss) and CUDA: SDPA with a [t, T] mask of global positions
         q_pos, k_pos = cp.query_positions[:, None], cp.key_positions[None, :]
         allowed = k_pos <= q_pos  # [t, T] causal by global position
@@ -174,8 +177,10 @@ def apply_context_parallel(model: nn.Module, group, rank: int, size: int) -> Con
             return None
         input_ids, attention_mask, position_ids, cache = (list(args) + [None] * 4)[:4]
         if attention_mask is not None or position_ids is not None or cache is not None:
-            raise ValueError("under context parallelism the model takes right-padded input_ids only "
-                             "(no attention_mask, position_ids or cache)")
+            raise ValueError(
+                "under context parallelism the model takes right-padded input_ids only "
+                "(no attention_mask, position_ids or cache)"
+            )
         ids, positions = cp.shard(input_ids)
         return (ids, None, positions, None), {}
 

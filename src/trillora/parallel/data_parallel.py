@@ -37,8 +37,12 @@ def sharded_dims(t: torch.Tensor) -> list[int]:
 
 
 def expert_parameter_names(model: nn.Module) -> set[str]:
-    return {f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, GroupedExperts)
-            for p, _ in m.named_parameters(recurse=False)}
+    return {
+        f"{name}.{p}"
+        for name, m in model.named_modules()
+        if isinstance(m, GroupedExperts)
+        for p, _ in m.named_parameters(recurse=False)
+    }
 
 
 class GradientSync:
@@ -47,16 +51,29 @@ class GradientSync:
     `named`: the adapter's (name, parameter) pairs; `experts`: the names of routed-expert slices.
     `bytes_per_step` is what this rank sends into the sum (the local gradient bytes)."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], experts: set[str], dp_group, edp_group, dp_size: int,
-                 edp_size: int, ep_group=None, pp_group=None):
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        experts: set[str],
+        dp_group,
+        edp_group,
+        dp_size: int,
+        edp_size: int,
+        ep_group=None,
+        pp_group=None,
+    ):
         self.named, self.experts = named, experts
         self.dense = [p for n, p in named if n not in experts]
         self.expert_params = [p for n, p in named if n in experts]
         self.groups = [(self.dense, dp_group, dp_size), (self.expert_params, edp_group, edp_size)]
         self.ep_group, self.pp_group = ep_group, pp_group
         """Other ranks hold other expert slices (ep) or other layers (pp): the norm sums over them."""
-        self.bytes_per_step = sum(local_tensor(p).numel() * local_tensor(p).element_size()
-                                  for params, _, size in self.groups if size > 1 for p in params)
+        self.bytes_per_step = sum(
+            local_tensor(p).numel() * local_tensor(p).element_size()
+            for params, _, size in self.groups
+            if size > 1
+            for p in params
+        )
 
     @torch.no_grad()
     def __call__(self) -> int:
@@ -73,7 +90,7 @@ class GradientSync:
             sent += flat.numel() * flat.element_size()
             offset = 0
             for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         return sent
 

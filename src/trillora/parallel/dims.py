@@ -17,6 +17,7 @@ from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
+
 from ..errors import ConfigError
 
 
@@ -58,21 +59,33 @@ class ParallelDims:
         if self.pp_schedule not in PP_SCHEDULES:
             raise ParallelError(f"parallel.pp_schedule={self.pp_schedule!r}; allowed: {', '.join(PP_SCHEDULES)}")
         if not isinstance(self.pp_microbatches, int) or self.pp_microbatches < 0:
-            raise ParallelError(f"parallel.pp_microbatches={self.pp_microbatches!r}; must be an integer >= 0 (0 = stages)")
+            raise ParallelError(
+                f"parallel.pp_microbatches={self.pp_microbatches!r}; must be an integer >= 0 (0 = stages)"
+            )
         object.__setattr__(self, "pp_stage_layers", tuple(self.pp_stage_layers))
-        if self.pp_stage_layers and (len(self.pp_stage_layers) != self.num_stages
-                                     or any(not isinstance(n, int) or n < 0 for n in self.pp_stage_layers)):
-            raise ParallelError(f"parallel.pp_stage_layers={list(self.pp_stage_layers)}: need {self.num_stages} counts "
-                                f">= 0 (pp={self.pp} × {self.stages_per_rank} stages per rank for {self.pp_schedule})")
+        if self.pp_stage_layers and (
+            len(self.pp_stage_layers) != self.num_stages
+            or any(not isinstance(n, int) or n < 0 for n in self.pp_stage_layers)
+        ):
+            raise ParallelError(
+                f"parallel.pp_stage_layers={list(self.pp_stage_layers)}: need {self.num_stages} counts "
+                f">= 0 (pp={self.pp} × {self.stages_per_rank} stages per rank for {self.pp_schedule})"
+            )
         if self.pp > 1 and self.sp:
-            raise ParallelError("parallel.sp with parallel.pp > 1: sequence-sharded activations cannot cross pipeline "
-                                "stages yet; use sp=false")
+            raise ParallelError(
+                "parallel.sp with parallel.pp > 1: sequence-sharded activations cannot cross pipeline "
+                "stages yet; use sp=false"
+            )
         if not isinstance(self.activation_checkpoint_every, int) or self.activation_checkpoint_every < 0:
-            raise ParallelError(f"parallel.activation_checkpoint_every={self.activation_checkpoint_every!r}; "
-                                "must be an integer >= 0 (0 = off, 1 = every layer)")
+            raise ParallelError(
+                f"parallel.activation_checkpoint_every={self.activation_checkpoint_every!r}; "
+                "must be an integer >= 0 (0 = off, 1 = every layer)"
+            )
         if self.dp and self.dp % self.ep:
-            raise ParallelError(f"parallel.ep={self.ep} must divide parallel.dp={self.dp}: expert-parallel ranks are "
-                                f"data-parallel ranks (expert data parallel = dp / ep)")
+            raise ParallelError(
+                f"parallel.ep={self.ep} must divide parallel.dp={self.dp}: expert-parallel ranks are "
+                f"data-parallel ranks (expert data parallel = dp / ep)"
+            )
 
     @property
     def world_size(self) -> int:
@@ -91,20 +104,26 @@ class ParallelDims:
         """Replicas of each expert shard."""
         return self.dp // self.ep
 
-    def for_world(self, world: int) -> "ParallelDims":
+    def for_world(self, world: int) -> ParallelDims:
         """These degrees on `world` ranks, dp = 0 resolved to what pp × cp × tp leave."""
         rest = self.tp * self.pp * self.cp
         if world % rest:
-            raise ParallelError(f"parallel.tp={self.tp} × pp={self.pp} × cp={self.cp} = {rest} does not divide the "
-                                f"{world} ranks of this job")
-        dims = ParallelDims(**{f.name: getattr(self, f.name) for f in fields(ParallelDims)} | {"dp": self.dp or world // rest})
+            raise ParallelError(
+                f"parallel.tp={self.tp} × pp={self.pp} × cp={self.cp} = {rest} does not divide the "
+                f"{world} ranks of this job"
+            )
+        dims = ParallelDims(
+            **{f.name: getattr(self, f.name) for f in fields(ParallelDims)} | {"dp": self.dp or world // rest}
+        )
         dims.check_world(world)
         return dims
 
     def check_world(self, world: int) -> None:
         if world != self.world_size:
-            raise ParallelError(f"pp {self.pp} × dp {self.dp} × cp {self.cp} × tp {self.tp} = {self.world_size} ranks, "
-                                f"but the job has {world}")
+            raise ParallelError(
+                f"pp {self.pp} × dp {self.dp} × cp {self.cp} × tp {self.tp} = {self.world_size} ranks, "
+                f"but the job has {world}"
+            )
 
     def check_model(self, args) -> None:
         """Divisibility of the model's sizes by tp and ep, named."""
@@ -114,7 +133,13 @@ class ParallelDims:
         if len(args.moe_layers) < args.num_layers:  # some layers have the dense MLP
             checks.append(("intermediate_size", args.intermediate_size, self.tp))
         if args.n_shared_experts:
-            checks.append(("moe_intermediate_size × n_shared_experts", args.moe_intermediate_size * args.n_shared_experts, self.tp))
+            checks.append(
+                (
+                    "moe_intermediate_size × n_shared_experts",
+                    args.moe_intermediate_size * args.n_shared_experts,
+                    self.tp,
+                )
+            )
         if args.num_experts:
             checks.append(("num_experts", args.num_experts, self.ep))
         if self.vocab_parallel:
@@ -123,17 +148,26 @@ class ParallelDims:
             if size % by:
                 raise ParallelError(f"{name}={size} is not divisible by {'ep' if name == 'num_experts' else 'tp'}={by}")
         if self.pp_stage_layers and sum(self.pp_stage_layers) != args.num_layers:
-            raise ParallelError(f"parallel.pp_stage_layers={list(self.pp_stage_layers)} sums to "
-                                f"{sum(self.pp_stage_layers)}, but the model has {args.num_layers} layers")
+            raise ParallelError(
+                f"parallel.pp_stage_layers={list(self.pp_stage_layers)} sums to "
+                f"{sum(self.pp_stage_layers)}, but the model has {args.num_layers} layers"
+            )
         if self.pp > 1 and args.tie_word_embeddings:
-            raise ParallelError("tie_word_embeddings=true with parallel.pp > 1: the first and last stage would both need "
-                                "the shared matrix; use pp=1")
+            raise ParallelError(
+                "tie_word_embeddings=true with parallel.pp > 1: the first and last stage would both need "
+                "the shared matrix; use pp=1"
+            )
 
 
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"]
 # name -> "single" (one stage per rank) or "multi" (two: interleaved loop, or V for zbv)
-PP_SCHEDULES = {"gpipe": "single", "1f1b": "single", "interleaved_1f1b": "multi",
-                "interleaved_zero_bubble": "multi", "zbv": "multi"}
+PP_SCHEDULES = {
+    "gpipe": "single",
+    "1f1b": "single",
+    "interleaved_1f1b": "multi",
+    "interleaved_zero_bubble": "multi",
+    "zbv": "multi",
+}
 assert tuple(PP_SCHEDULES) == get_args(PipelineSchedule)
 
 
@@ -164,8 +198,9 @@ def build_meshes(dims: ParallelDims, device_type: str | None = None) -> Meshes:
     dims.check_world(dist.get_world_size())
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     dense = init_device_mesh(device_type, (dims.pp, dims.dp, dims.cp, dims.tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
-    experts = init_device_mesh(device_type, (dims.pp, dims.edp, dims.ep, dims.cp, dims.tp),
-                               mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+    experts = init_device_mesh(
+        device_type, (dims.pp, dims.edp, dims.ep, dims.cp, dims.tp), mesh_dim_names=("pp", "edp", "ep", "cp", "tp")
+    )
     dense["dp", "cp"]._flatten("dp_cp")
     experts["edp", "cp"]._flatten("edp_cp")
     return Meshes(dims, dense, experts)

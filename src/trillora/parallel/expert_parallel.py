@@ -42,10 +42,14 @@ class ExpertParallel:
         x_RC, counts_E = args
         send = counts_E.view(self.size, self.local)  # [dest rank, local expert]: rows this rank sends
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv.view(-1), send.reshape(-1).contiguous(), group=self.group)  # [src rank, local expert]
+        dist.all_to_all_single(
+            recv.view(-1), send.reshape(-1).contiguous(), group=self.group
+        )  # [src rank, local expert]
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         x_recv = all_to_all_single_autograd(x_RC.contiguous(), out_splits, in_splits, self.group)
-        expert_of_row = torch.repeat_interleave(torch.arange(self.local, device=x_RC.device).repeat(self.size), recv.reshape(-1))
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(self.local, device=x_RC.device).repeat(self.size), recv.reshape(-1)
+        )
         order = torch.argsort(expert_of_row, stable=True)  # rows by local expert, then by source rank
         self._pending.append((order, in_splits, out_splits))
         self.bytes_sent += (x_RC.shape[0] - in_splits[self.rank]) * x_RC.shape[1] * x_RC.element_size()

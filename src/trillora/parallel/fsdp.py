@@ -70,8 +70,13 @@ def _shard(module: nn.Module, mesh, counter: TrafficCounter, policy: MixedPrecis
     module.set_custom_reduce_scatter(_CountingReduceScatter(counter))
 
 
-def apply_fsdp(model: nn.Module, meshes, param_dtype: torch.dtype | None = None,
-               roots: list[nn.Module] | None = None, keep: set[nn.Parameter] = frozenset()) -> TrafficCounter | None:
+def apply_fsdp(
+    model: nn.Module,
+    meshes,
+    param_dtype: torch.dtype | None = None,
+    roots: list[nn.Module] | None = None,
+    keep: set[nn.Parameter] = frozenset(),
+) -> TrafficCounter | None:
     """Shard `model` over dp × cp (experts over edp × cp); None when that is 1 rank (nothing to
     shard over). `roots`: the modules that are called (pipeline stages), each one unit with what
     the layers leave; default the model.

@@ -22,10 +22,10 @@ from torch import nn
 
 from ..lora.apply import lora_parameters
 from ..models.transformer import OtherStage
-from .data_parallel import GradientSync, expert_parameter_names
-from .dims import Meshes, ParallelDims, ParallelError, build_meshes
 from .checkpointing import apply_activation_checkpointing
 from .context_parallel import ContextParallel, apply_context_parallel
+from .data_parallel import GradientSync, expert_parameter_names
+from .dims import Meshes, ParallelDims, ParallelError, build_meshes
 from .expert_parallel import ExpertParallel, apply_expert_parallel
 from .fsdp import TrafficCounter, apply_fsdp
 from .pipeline import Pipeline
@@ -51,8 +51,10 @@ class Parallelized:
 
     def traffic(self, dp_all_reduce_bytes: int = 0) -> dict[str, float]:
         """This rank's collective bytes since the last call (then reset), by collective."""
-        out = {"comm_dp_all_reduce_bytes": float(dp_all_reduce_bytes),
-               "comm_ep_all_to_all_bytes": float(self.expert_bytes())}
+        out = {
+            "comm_dp_all_reduce_bytes": float(dp_all_reduce_bytes),
+            "comm_ep_all_to_all_bytes": float(self.expert_bytes()),
+        }
         if self.fsdp is not None:
             out["comm_fsdp_all_gather_bytes"] = float(self.fsdp.all_gather_out)
             out["comm_fsdp_reduce_scatter_bytes"] = float(self.fsdp.reduce_scatter_in)
@@ -62,8 +64,13 @@ class Parallelized:
         return out
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = None,
-                keep: Callable[[str], bool] | None = None, staged: bool = False) -> Parallelized:
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    meshes: Meshes | None = None,
+    keep: Callable[[str], bool] | None = None,
+    staged: bool = False,
+) -> Parallelized:
     """`keep(name)`: the parameters FSDP leaves whole (a service's adapter slots, filled per call),
     named, since the plans before FSDP replace parameters. `staged`:
     `model` is already this rank's pipeline stage (`parallel.staged.StagedModel`, a service's): no
@@ -86,19 +93,31 @@ def parallelize(model: nn.Module, dims: ParallelDims, meshes: Meshes | None = No
     device = next(model.parameters()).device
     pipeline = Pipeline(model, dims, group("pp"), rank("pp"), device) if dims.pp > 1 and not staged else None
     ep_plans = apply_expert_parallel(model, group("ep"), rank("ep"), dims.ep)
-    tp_plan = apply_tensor_parallel(model, meshes.mesh("tp") if meshes is not None else None, dims.sp, dims.vocab_parallel)
+    tp_plan = apply_tensor_parallel(
+        model, meshes.mesh("tp") if meshes is not None else None, dims.sp, dims.vocab_parallel
+    )
     context = apply_context_parallel(model, group("cp"), rank("cp"), dims.cp)
     for stage in pipeline.modules if pipeline is not None else []:  # stages compute logprobs themselves
         stage.vocab_group, stage.context = getattr(model, "vocab_parallel_group", None), context
     apply_activation_checkpointing(model, dims.activation_checkpoint_every)
     roots = pipeline.modules if pipeline else None
     if staged:
-        roots = [m for m in (model.model.embed_tokens, model.model.norm, model.lm_head) if not isinstance(m, OtherStage)]
+        roots = [
+            m for m in (model.model.embed_tokens, model.model.norm, model.lm_head) if not isinstance(m, OtherStage)
+        ]
     kept = {p for name, p in model.named_parameters() if keep is not None and keep(name)}
     fsdp = apply_fsdp(model, meshes, roots=roots, keep=kept) if dims.fsdp and meshes else None
     # with FSDP the data-parallel reductions are its reduce-scatters; what is left is tp's partial sums
     dp, edp = (1, 1) if fsdp is not None else (dims.dp * dims.cp, dims.edp * dims.cp)
-    sync = GradientSync(list(lora_parameters(model)), expert_parameter_names(model), group("dp_cp"), group("edp_cp"), dp, edp,
-                        group("ep") if dims.ep > 1 else None, group("pp") if dims.pp > 1 else None)
+    sync = GradientSync(
+        list(lora_parameters(model)),
+        expert_parameter_names(model),
+        group("dp_cp"),
+        group("edp_cp"),
+        dp,
+        edp,
+        group("ep") if dims.ep > 1 else None,
+        group("pp") if dims.pp > 1 else None,
+    )
     model.parallel = dims
     return Parallelized(dims, meshes, sync, tp_plan, ep_plans, fsdp, pipeline, context)

@@ -37,12 +37,17 @@ from torch.distributed.pipelining.schedules import (
 from ..models.attention import causal_mask
 from ..models.kv_cache import KVCache
 from ..models.transformer import keep_stage, positions_of
-from .vocab_parallel import gather_vocab, head_logprobs
 from .context_parallel import padded_length
 from .dims import ParallelDims, ParallelError
+from .vocab_parallel import gather_vocab, head_logprobs
 
-SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
-                    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
 
 
 def split_layers(num_layers: int, num_stages: int, counts: tuple[int, ...] = ()) -> list[range]:
@@ -53,9 +58,11 @@ def split_layers(num_layers: int, num_stages: int, counts: tuple[int, ...] = ())
         order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), s))  # middle stages first
         counts = tuple(base + (order.index(s) < extra) for s in range(num_stages))
     if len(counts) != num_stages or sum(counts) != num_layers:
-        raise ParallelError(f"parallel.pp_stage_layers={list(counts)}: need {num_stages} counts summing to {num_layers}")
+        raise ParallelError(
+            f"parallel.pp_stage_layers={list(counts)}: need {num_stages} counts summing to {num_layers}"
+        )
     starts = [sum(counts[:s]) for s in range(num_stages)]
-    return [range(start, start + n) for start, n in zip(starts, counts)]
+    return [range(start, start + n) for start, n in zip(starts, counts, strict=True)]
 
 
 def stage_indices(pp_rank: int, dims: ParallelDims) -> list[int]:
@@ -119,9 +126,15 @@ class StageModule(nn.Module):
             logp, entropy = cp.gather(logp, t - 1), cp.gather(entropy, t - 1)
         return torch.stack([logp, entropy], dim=-1)  # [b, T-1, 2]
 
-
-    def _decode(self, x: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
-                cache: KVCache | None, logits_to_keep: int) -> torch.Tensor:
+    def _decode(
+        self,
+        x: torch.Tensor,
+        tokens: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        logits_to_keep: int,
+    ) -> torch.Tensor:
         """Left-padded rows after `cache`'s tokens: hidden states [b, t, C], or on the last stage the
         logits [b, logits_to_keep or t, V] (a vocabulary-parallel head's slices gathered)."""
         t = tokens.shape[1]
@@ -161,18 +174,28 @@ class Pipeline:
     def microbatches(self, rows: int) -> int:
         n = self.dims.pp_microbatches or self.dims.num_stages
         if n > rows or rows % n:
-            raise ParallelError(f"parallel.pp_microbatches={n} does not split the {rows} rows this rank trains per "
-                                f"pass into equal microbatches; use a divisor of {rows} or change the batch")
+            raise ParallelError(
+                f"parallel.pp_microbatches={n} does not split the {rows} rows this rank trains per "
+                f"pass into equal microbatches; use a divisor of {rows} or change the batch"
+            )
         return n
 
     def _schedule(self, shape: torch.Size, loss_fn):
         # stages and schedules are built per call: batch shapes change from step to step, and
         # a stage fixes its send/receive shapes on first use
         n = self.microbatches(shape[0])
-        stages = [PipelineStage(m, s, self.dims.num_stages, self.device, group=self.group,
-                                input_args=self._meta(s, shape[0] // n, shape[1], output=False),
-                                output_args=self._meta(s, shape[0] // n, shape[1], output=True))
-                  for s, m in zip(self.stage_ids, self.modules)]
+        stages = [
+            PipelineStage(
+                m,
+                s,
+                self.dims.num_stages,
+                self.device,
+                group=self.group,
+                input_args=self._meta(s, shape[0] // n, shape[1], output=False),
+                output_args=self._meta(s, shape[0] // n, shape[1], output=True),
+            )
+            for s, m in zip(self.stage_ids, self.modules, strict=True)
+        ]
         cls = SCHEDULE_CLASSES[self.dims.pp_schedule]
         return cls(stages[0] if len(stages) == 1 else stages, n, loss_fn=loss_fn, scale_grads=False)
 
@@ -186,8 +209,9 @@ class Pipeline:
             return torch.empty(m, t, dtype=torch.long, device="meta")
         if output and stage == self.dims.num_stages - 1:
             return torch.empty(m, t - 1, 2, device="meta", requires_grad=True)
-        return torch.empty(m, self.hidden_length(t), self.hidden_size, dtype=self.hidden_dtype, device="meta",
-                           requires_grad=True)
+        return torch.empty(
+            m, self.hidden_length(t), self.hidden_size, dtype=self.hidden_dtype, device="meta", requires_grad=True
+        )
 
     def hidden_length(self, t: int) -> int:
         """Tokens per row that cross a stage boundary: all T, or this rank's share under cp."""
@@ -214,9 +238,13 @@ class Pipeline:
         for p in params:
             p.grad = None
         schedule.step(input_ids, tokens=input_ids, target=rows, losses=losses)
-        for p, g in zip(params, kept):
+        for p, g in zip(params, kept, strict=True):
             p.grad = g if p.grad is None else p.grad + g
-        total = torch.stack([x.detach().float() for x in losses]).sum() if self.has_last else torch.zeros((), device=self.device)
+        total = (
+            torch.stack([x.detach().float() for x in losses]).sum()
+            if self.has_last
+            else torch.zeros((), device=self.device)
+        )
         return self._from_last(total)
 
     @torch.no_grad()
@@ -242,8 +270,13 @@ class Pipeline:
         return out[..., 0], out[..., 1]
 
     @torch.no_grad()
-    def decode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: KVCache | None = None,
-               logits_to_keep: int = 0) -> torch.Tensor:
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
         """Logits [b, logits_to_keep or T, V] on every pp rank for `input_ids` [b, T] after `cache`'s
         tokens: the stages in order, as `logprobs` runs them, keeping their keys and values."""
         b, t = input_ids.shape
@@ -266,10 +299,12 @@ class Pipeline:
                 dist.send(x.contiguous(), group=self.group, group_dst=self.owner(s + 1))
         if cache is not None:
             cache.advance(t)
-        logits = x.float() if self.has_last else torch.empty(b, logits_to_keep or t, self.vocab_size, device=self.device)
+        logits = (
+            x.float() if self.has_last else torch.empty(b, logits_to_keep or t, self.vocab_size, device=self.device)
+        )
         return self._from_last(logits.contiguous())
 
-    def decoder(self, model: nn.Module) -> "StagesDecoder":
+    def decoder(self, model: nn.Module) -> StagesDecoder:
         return StagesDecoder(self, model)
 
     def owner(self, stage: int) -> int:
@@ -297,6 +332,11 @@ class StagesDecoder(nn.Module):
         self.model = model.model  # the layers' places: an engine sizes its cache by them
         self.stages = nn.ModuleList(pipeline.modules)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: KVCache | None = None,
-                logits_to_keep: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
         return self.pipeline.decode(input_ids, attention_mask, cache, logits_to_keep)

@@ -73,16 +73,23 @@ class StagedModel(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                logits_to_keep: int = 0) -> torch.Tensor | None:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor | None:
         """Every pp rank calls it with the same arguments; logits [B, T or logits_to_keep, V] on the
         last stage (on every stage with `share_logits`), None elsewhere. A training pass (autograd
         on, no cache) runs as `microbatches` row chunks in flight one after another (GPipe)."""
         cp = getattr(self, "context_parallel", None)  # `parallel.context_parallel`: this rank's tokens of each row
         if cp is not None and cp.active:
             if attention_mask is not None or cache is not None:
-                raise ValueError("under context parallelism a stage takes right-padded input_ids only (no mask or cache)")
+                raise ValueError(
+                    "under context parallelism a stage takes right-padded input_ids only (no mask or cache)"
+                )
             input_ids, position_ids = cp.shard(input_ids)  # [B, t] and their global positions
         b, t = input_ids.shape
         offset = cache.length if cache is not None else 0
@@ -94,13 +101,24 @@ class StagedModel(nn.Module):
         for rows in torch.arange(b).tensor_split(chunks):
             lo, hi = int(rows[0]), int(rows[-1]) + 1
             self._enter(lo, hi, chunks)
-            runs.append(self._run(input_ids[lo:hi], None if attention_mask is None else attention_mask[lo:hi],
-                                  position_ids[lo:hi], cache, logits_to_keep, (lo, hi)))
+            runs.append(
+                self._run(
+                    input_ids[lo:hi],
+                    None if attention_mask is None else attention_mask[lo:hi],
+                    position_ids[lo:hi],
+                    cache,
+                    logits_to_keep,
+                    (lo, hi),
+                )
+            )
         self._pass = runs if training else None
         logits = torch.cat([r.logits for r in runs]) if self.last else None
         if self.share_logits:  # in fp32 whatever the head computed in: every stage allocates the same
-            logits = logits.float() if self.last else torch.empty(b, logits_to_keep or t, self.args.vocab_size,
-                                                                   device=input_ids.device)
+            logits = (
+                logits.float()
+                if self.last
+                else torch.empty(b, logits_to_keep or t, self.args.vocab_size, device=input_ids.device)
+            )
             dist.broadcast(logits, group=self.group, group_src=self.pp - 1)
         return logits
 
@@ -116,8 +134,15 @@ class StagedModel(nn.Module):
         if self.chunk_hook is not None and chunks > 1:
             self.chunk_hook(lo, hi)
 
-    def _run(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache: KVCache | None,
-             logits_to_keep: int, rows: tuple[int, int]) -> "_Run":
+    def _run(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        logits_to_keep: int,
+        rows: tuple[int, int],
+    ) -> _Run:
         """One batch of rows through this stage: received (or embedded), its layers, sent on (or the head)."""
         b, t = ids.shape
         if self.first:

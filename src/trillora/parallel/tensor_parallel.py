@@ -6,7 +6,8 @@ adapter follows its base layer so its math stays local: column-parallel W [O/tp,
 A [r, I] replicated and B [O/tp, r] split; row-parallel W [O, I/tp] gets A [r, I/tp] split
 and B [O, r] replicated, whose partial output joins the base's partial sum in the same
 all-reduce. Attention splits heads (q/k/v and MLA's up-projections column-wise, o_proj
-row-wise, gpt-oss's per-head sinks with them); MLA's small down-projections (q_a_proj, kv_a_proj_with_mqa) stay replicated.
+row-wise, gpt-oss's per-head sinks with them); MLA's small down-projections (q_a_proj, kv_a_proj_with_mqa) stay
+replicated.
 Routers, routed experts (see expert_parallel), norms, embeddings and the head are replicated.
 
 With sequence parallelism (`sp`), the residual stream between blocks is split over the
@@ -46,7 +47,9 @@ from ..models.transformer import DecoderLayer, OtherStage
 def _distribute(module: nn.Module, mesh, placements: dict[str, list]) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
         place = placements.get(name, [Replicate()])
-        module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, place), requires_grad=param.requires_grad))
+        module.register_parameter(
+            name, nn.Parameter(distribute_tensor(param, mesh, place), requires_grad=param.requires_grad)
+        )
 
 
 class LoraColwiseParallel(ColwiseParallel):
@@ -74,15 +77,16 @@ class _AllReduceGradColumns(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone()
-        part = grad[..., ctx.start:].contiguous()
+        part = grad[..., ctx.start :].contiguous()
         dist.all_reduce(part, group=ctx.group)
-        grad[..., ctx.start:] = part
+        grad[..., ctx.start :] = part
         return grad, None, None
 
 
 def _share_k_rope(attn: MLAttention, group) -> None:
     attn.kv_a_proj_with_mqa.register_forward_hook(
-        lambda mod, args, out: _AllReduceGradColumns.apply(out, attn.latent, group))
+        lambda mod, args, out: _AllReduceGradColumns.apply(out, attn.latent, group)
+    )
 
 
 def tp_plan(model: nn.Module, sequence_parallel: bool = False, vocab_parallel: bool = False) -> dict[str, object]:
@@ -113,22 +117,32 @@ def tp_plan(model: nn.Module, sequence_parallel: bool = False, vocab_parallel: b
             plan[f"{name}.input_layernorm"] = SequenceParallel()
             plan[f"{name}.post_attention_layernorm"] = SequenceParallel()
             # attention(x, rope, mask, cache, index): gather x; the other arguments pass through
-            plan[f"{name}.self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
-                                                           desired_input_layouts=(Replicate(), None, None, None, None),
-                                                           use_local_output=True)
+            plan[f"{name}.self_attn"] = PrepareModuleInput(
+                input_layouts=(Shard(1), None, None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None, None),
+                use_local_output=True,
+            )
             if isinstance(m.mlp, MoE):  # routing and experts see every token; the result goes back to sequence shards
                 plan[f"{name}.mlp"] = PrepareModuleInputOutput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_input=True,
+                    output_layouts=(Replicate(),),
+                    desired_output_layouts=(Shard(1),),
+                    use_local_output=False,
+                )
             else:
-                plan[f"{name}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                         use_local_output=True)
+                plan[f"{name}.mlp"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                )
     if sequence_parallel:
-        plan["model.embed_tokens"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
-                                                         use_local_output=False)
+        plan["model.embed_tokens"] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=False
+        )
         plan["model.norm"] = SequenceParallel()
-        plan["lm_head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                             use_local_output=True)
+        plan["lm_head"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
     if vocab_parallel:
         plan["lm_head"] = LoraColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate())
     # under pipeline parallelism the modules of other stages are placeholders: nothing to split there
@@ -142,8 +156,9 @@ def _has(model: nn.Module, name: str) -> bool:
         return False
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False,
-                          vocab_parallel: bool = False) -> dict[str, object]:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh, sequence_parallel: bool = False, vocab_parallel: bool = False
+) -> dict[str, object]:
     plan = tp_plan(model, sequence_parallel, vocab_parallel)
     if tp_mesh is not None and tp_mesh.size() > 1:
         parallelize_module(model, tp_mesh, plan)

@@ -62,8 +62,9 @@ def vocab_parallel_logprobs(
     return logp, entropy
 
 
-def head_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_group=None,
-                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_group=None, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs (and entropies) [B, T] of `targets` from the head's logits [B, T, V], whole or,
     with `vocab_group`, this rank's vocabulary slice combined over the group."""
     if vocab_group is None:

@@ -19,17 +19,28 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ..models.args import ModelArgs
-from .clusters import Cluster
 from ..parallel.dims import ParallelDims
+from .clusters import Cluster
+from .flops import training_flops
 
 
 def short(layout: ParallelDims) -> str:
     """pp2×dp16×cp2×ep16 +fsdp+ac: the degrees above 1 and the switches that are on."""
-    parts = [f"{k}{v}" for k, v in (("pp", layout.pp), ("dp", layout.dp), ("cp", layout.cp), ("tp", layout.tp),
-                                     ("ep", layout.ep)) if v > 1]
-    flags = [f for f, on in (("fsdp", layout.fsdp and layout.dp * layout.cp > 1), ("sp", layout.sp),
-                             ("vocab", layout.vocab_parallel), ("ac", layout.activation_checkpoint_every))
-             if on]
+    parts = [
+        f"{k}{v}"
+        for k, v in (("pp", layout.pp), ("dp", layout.dp), ("cp", layout.cp), ("tp", layout.tp), ("ep", layout.ep))
+        if v > 1
+    ]
+    flags = [
+        f
+        for f, on in (
+            ("fsdp", layout.fsdp and layout.dp * layout.cp > 1),
+            ("sp", layout.sp),
+            ("vocab", layout.vocab_parallel),
+            ("ac", layout.activation_checkpoint_every),
+        )
+        if on
+    ]
     return "×".join(parts or ["1"]) + (" +" + "+".join(flags) if flags else "")
 
 
@@ -70,8 +81,12 @@ class Footprint:
         self.args, self.training = args, training
         model = build_model(args, device="meta")
         if not training.full:
-            lora.apply_lora(model, lora.LoraConfig(rank=training.lora_rank, targets=training.targets,
-                                                   expert_rank=training.expert_rank or None))
+            lora.apply_lora(
+                model,
+                lora.LoraConfig(
+                    rank=training.lora_rank, targets=training.targets, expert_rank=training.expert_rank or None
+                ),
+            )
         plan = tp_plan(model)
         experts = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
         # (place, tp_split, expert, trainable) -> numel; place: layer index, "embed" or "head"
@@ -83,8 +98,9 @@ class Footprint:
             else:
                 place = "embed" if name.startswith("model.embed_tokens") else "head"
             style = type(plan.get(module)).__name__
-            split = (style == "LoraColwiseParallel" and leaf in ("weight", "bias", "lora_B")) or \
-                    (style == "LoraRowwiseParallel" and leaf in ("weight", "lora_A"))
+            split = (style == "LoraColwiseParallel" and leaf in ("weight", "bias", "lora_B")) or (
+                style == "LoraRowwiseParallel" and leaf in ("weight", "lora_A")
+            )
             if module == "lm_head" and leaf in ("weight", "lora_B"):
                 split = VOCAB  # split over tp only with a vocabulary-parallel head
             trainable = training.full or leaf.startswith("lora_")
@@ -208,8 +224,9 @@ class Estimate:
         return (self.compute_s + self.comm_s) * (1 + self.bubble)
 
 
-def estimate(fp: Footprint, layout: ParallelDims, work: Workload, cluster: Cluster,
-             fullest: str = "parameters") -> Estimate:
+def estimate(
+    fp: Footprint, layout: ParallelDims, work: Workload, cluster: Cluster, fullest: str = "parameters"
+) -> Estimate:
     """Memory, traffic and time of one optimizer step under `layout`, on its fullest pipeline stage:
     the one holding the most `parameters`, or needing the most `memory` (the head's logits count on
     the last stage; the service planner asks for this one).
@@ -218,7 +235,9 @@ def estimate(fp: Footprint, layout: ParallelDims, work: Workload, cluster: Clust
 
     def held(stage: int) -> Estimate:
         est = Estimate(layout)
-        _memory(est, fp, layout, work, cluster, stages[stage], sorted(p for p in stages[stage] if isinstance(p, int)), stage)
+        _memory(
+            est, fp, layout, work, cluster, stages[stage], sorted(p for p in stages[stage] if isinstance(p, int)), stage
+        )
         return est
 
     if fullest == "memory":
@@ -260,8 +279,11 @@ def _memory(est, fp, layout, work, cluster, places, layers_here, worst) -> None:
     tokens = work.micro_batch_rows * work.seq_len / layout.cp
     per = activation_elements(args, training, layout.tp)
     first = first_trained_layer(args, training)  # autograd saves nothing upstream of the first trained weight
-    kinds = [(per["attention"] if i > first or (i == first and _trains_attention(training)) else 0.0)
-             + (per["moe"] if i in args.moe_layers else per["mlp"]) * (i >= first) for i in layers_here]
+    kinds = [
+        (per["attention"] if i > first or (i == first and _trains_attention(training)) else 0.0)
+        + (per["moe"] if i in args.moe_layers else per["mlp"]) * (i >= first)
+        for i in layers_here
+    ]
     if layout.sp:  # norms and the residual on a tp-th of the tokens
         kinds = [x - (1 - 1 / layout.tp) * 2 * args.hidden_size for x in kinds]
     gathered_kv = (layout.cp - 1) / layout.cp * work.seq_len * work.micro_batch_rows * _kv_width(args, layout.tp)
@@ -301,8 +323,16 @@ def _traffic(est, fp, layout, work, cluster, places, layers_here, worst) -> None
         moe_here = len([i for i in layers_here if i in args.moe_layers])
         est.comm["ep all-to-all"] = (layout.ep - 1) / layout.ep * moe_here * tokens * args.top_k * c * act * 2 * calls
     if layout.cp > 1:
-        est.comm["cp K/V"] = (layout.cp - 1) / layout.cp * len(layers_here) * rows * work.seq_len \
-            * _kv_width(args, layout.tp) * act * calls
+        est.comm["cp K/V"] = (
+            (layout.cp - 1)
+            / layout.cp
+            * len(layers_here)
+            * rows
+            * work.seq_len
+            * _kv_width(args, layout.tp)
+            * act
+            * calls
+        )
     if layout.pp > 1:  # activations forward, their gradients backward (a middle stage sends both ways)
         est.comm["pp p2p"] = tokens * c * act * calls * (1 if worst in (0, layout.pp - 1) else 2)
     layers, root = {p for p in places if isinstance(p, int)}, {p for p in places if not isinstance(p, int)}
@@ -317,45 +347,14 @@ def _traffic(est, fp, layout, work, cluster, places, layers_here, worst) -> None
             # stays gathered from its forward through its backward
             lf, lt = fp.unit_numel(layers, layout, expert)
             rf, rt = fp.unit_numel(root, layout, expert)
-            gathered = (lf * training.base_bytes + lt * weight) * calls \
-                + (rf * training.base_bytes + rt * weight) * _forward_passes(layout, work)
+            gathered = (lf * training.base_bytes + lt * weight) * calls + (
+                rf * training.base_bytes + rt * weight
+            ) * _forward_passes(layout, work)
             _add(est.comm, "fsdp all-gather", (g - 1) / g * gathered)
             _add(est.comm, "fsdp reduce-scatter", (g - 1) / g * grad_bytes)
         else:
             _add(est.comm, "dp all-reduce", 2 * (g - 1) / g * grad_bytes)
     est.comm_s = sum(nbytes / (_bandwidth(name, layout, cluster) * 1e9) for name, nbytes in est.comm.items())
-
-
-def training_flops(fp: Footprint, seq_len: int) -> dict[str, float]:
-    """FLOPs per token of one training pass over rows of `seq_len` tokens, by direction.
-
-    Forward: 2 per weight a token multiplies through (routed experts: top-k of E; LoRA's A and
-    B included; the embedding is a lookup) plus causal attention, 2·(keys per query)·H·(D_qk + D_v)
-    per layer: T/2 keys on average, fewer in gpt-oss's sliding-window layers.
-    Backward: the input gradient costs a forward again; weight gradients another forward's
-    worth, but only for trained weights: all of them in full-parameter training, the
-    adapters alone under LoRA. Attention's backward ≈ 2 forwards."""
-    a = fp.args
-    frozen = trained = 0.0
-    for (place, _, expert, train), n in fp.buckets.items():
-        if place == "embed":
-            continue
-        n = n * a.top_k / a.num_experts if expert else n
-        if train:
-            trained += n
-        else:
-            frozen += n
-    keys = sum(_mean_keys(seq_len, a.window(i)) for i in range(a.num_layers))  # per query, all layers
-    attention = 2 * keys * a.num_heads * _qk_v(a)
-    forward = 2 * (frozen + trained) + attention
-    return {"forward": forward, "backward": 2 * (frozen + trained) + 2 * trained + 2 * attention}
-
-
-def _mean_keys(seq_len: int, window: int) -> float:
-    """Keys a query sees on average: T/2 under a causal mask; w - (w² - w)/(2T) under a window w < T."""
-    if not window or window >= seq_len:
-        return seq_len / 2
-    return window - window * (window - 1) / (2 * seq_len)
 
 
 def _time(est, fp, layout, work, cluster) -> None:
@@ -376,17 +375,14 @@ def _add(d: dict[str, float], key: str, value: float) -> None:
     d[key] = d.get(key, 0.0) + value
 
 
-def _qk_v(args: ModelArgs) -> float:
-    if args.kv_lora_rank:
-        return args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim
-    return 2 * args.head_dim
-
-
 def _bandwidth(collective: str, layout: ParallelDims, cluster: Cluster) -> float:
     """GB/s of the group a collective runs on: intra-node when its ranks fit in one node
     (ranks are laid out pp, dp, cp, tp with tp fastest; ep is the fastest part of dp)."""
-    stride_size = {"tp": (1, layout.tp), "cp K/V": (layout.tp, layout.cp),
-                   "ep all-to-all": (layout.tp * layout.cp, layout.ep),
-                   "pp p2p": (layout.tp * layout.cp * layout.dp, 2)}
+    stride_size = {
+        "tp": (1, layout.tp),
+        "cp K/V": (layout.tp, layout.cp),
+        "ep all-to-all": (layout.tp * layout.cp, layout.ep),
+        "pp p2p": (layout.tp * layout.cp * layout.dp, 2),
+    }
     stride, size = stride_size.get(collective, (layout.tp, layout.dp * layout.cp))
     return cluster.intra_node_gbps if stride * size <= cluster.gpus_per_node else cluster.inter_node_gbps

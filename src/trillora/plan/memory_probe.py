@@ -51,7 +51,7 @@ class MemoryProbe:
             self._storages[key] = size
         return t
 
-    def __enter__(self) -> "MemoryProbe":
+    def __enter__(self) -> MemoryProbe:
         import gc
 
         gc.collect()

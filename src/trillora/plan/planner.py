@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..models.args import ModelArgs
+from ..parallel.dims import ParallelDims, ParallelError
 from .clusters import CLUSTERS, Cluster
 from .cost import ADAPTER_STATE_BYTES, Estimate, Footprint, Training, Workload, estimate, short
-from ..parallel.dims import ParallelDims, ParallelError
 
 
 def divisors(n: int) -> list[int]:
@@ -40,9 +40,13 @@ def valid_layouts(args: ModelArgs, world: int, cluster: Cluster, work: Workload)
                 for ep in divisors(dp):
                     if args.num_experts % ep if args.num_experts else ep > 1:
                         continue
-                    for sp in ((False, True) if tp > 1 and pp == 1 else (False,)):
+                    for sp in (False, True) if tp > 1 and pp == 1 else (False,):
                         for ac in (False, True):
-                            out.append(ParallelDims(dp=dp, tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, activation_checkpoint_every=int(ac)))
+                            out.append(
+                                ParallelDims(
+                                    dp=dp, tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, activation_checkpoint_every=int(ac)
+                                )
+                            )
     return out
 
 
@@ -64,8 +68,10 @@ class Plan:
 def plan(fp: Footprint, world: int, cluster: Cluster, work: Workload, top: int = 5) -> Plan:
     estimates = [estimate(fp, layout, work, cluster) for layout in valid_layouts(fp.args, world, cluster, work)]
     if not estimates:
-        raise ValueError(f"no layout of {world} ranks divides this model and workload "
-                         f"(heads {fp.args.num_heads}, experts {fp.args.num_experts}, rows {work.rollouts_per_step})")
+        raise ValueError(
+            f"no layout of {world} ranks divides this model and workload "
+            f"(heads {fp.args.num_heads}, experts {fp.args.num_experts}, rows {work.rollouts_per_step})"
+        )
     ok = sorted((e for e in estimates if fits(e, cluster)), key=lambda e: (e.step_s, e.memory_total))
     return Plan(world, ok[:top], min(estimates, key=lambda e: e.memory_total))
 
@@ -115,7 +121,10 @@ def lora_vs_full(args: ModelArgs, training: Training, cluster: Cluster, work: Wo
     """The smallest cluster for LoRA and for full-parameter training of the same setup."""
     lora_plan = smallest_cluster(Footprint(args, training), cluster, work)
     full_plan = smallest_cluster(Footprint(args, replace(training, full=True, base_bytes=2)), cluster, work)
-    out = {"lora_min_gpus": lora_plan.world if lora_plan else None, "full_min_gpus": full_plan.world if full_plan else None}
+    out = {
+        "lora_min_gpus": lora_plan.world if lora_plan else None,
+        "full_min_gpus": full_plan.world if full_plan else None,
+    }
     if lora_plan and full_plan:
         out["ratio"] = lora_plan.world / full_plan.world
     return out
@@ -130,10 +139,15 @@ def auto_dims(args: ModelArgs, lora_cfg, world: int, seq_len: int, rows: int, mi
         cluster = replace(CLUSTERS["h100"], memory_gib=torch.cuda.get_device_properties(device).total_memory / 2**30)
     else:
         cluster = CLUSTERS["cpu"]
-    training = Training(lora_rank=lora_cfg.rank, expert_rank=lora_cfg.rank_for_experts(args.top_k),
-                        targets=tuple(lora_cfg.targets), base_bytes=4 if device.type == "cpu" else 2)
-    result = plan(Footprint(args, training), world, cluster, Workload(seq_len=seq_len, rollouts_per_step=rows),
-                  top=10**6)
+    training = Training(
+        lora_rank=lora_cfg.rank,
+        expert_rank=lora_cfg.rank_for_experts(args.top_k),
+        targets=tuple(lora_cfg.targets),
+        base_bytes=4 if device.type == "cpu" else 2,
+    )
+    result = plan(
+        Footprint(args, training), world, cluster, Workload(seq_len=seq_len, rollouts_per_step=rows), top=10**6
+    )
     for est in result.best:
         lay = est.layout
         per_rank = rows // (lay.dp * minibatches)  # rows one pipeline call trains: 1-row microbatches
@@ -145,8 +159,10 @@ def auto_dims(args: ModelArgs, lora_cfg, world: int, seq_len: int, rows: int, mi
         if rows % (lay.dp * minibatches) == 0 and per_rank >= dims.num_stages:
             return dims, est
     least = result.smallest
-    raise ParallelError(f"parallel='auto': no layout of {world} ranks fits {cluster.memory_gib:.0f} GiB per device; "
-                        f"the leanest ({short(least.layout)}) needs {least.memory_total / 2**30:.1f} GiB")
+    raise ParallelError(
+        f"parallel='auto': no layout of {world} ranks fits {cluster.memory_gib:.0f} GiB per device; "
+        f"the leanest ({short(least.layout)}) needs {least.memory_total / 2**30:.1f} GiB"
+    )
 
 
 SERVICE_TARGETS = ("attention", "mlp", "shared_experts", "experts", "lm_head")  # what a Tinker client may train
@@ -170,8 +186,17 @@ class ServiceLayout:
         return self.max_clients >= self.clients
 
 
-def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lora_rank: int, seq_len: int, rows: int,
-                 base_bytes: int = 2, expert_rank: int = 0) -> list[ServiceLayout]:
+def plan_service(
+    args: ModelArgs,
+    world: int,
+    cluster: Cluster,
+    clients: int,
+    lora_rank: int,
+    seq_len: int,
+    rows: int,
+    base_bytes: int = 2,
+    expert_rank: int = 0,
+) -> list[ServiceLayout]:
     """The service's layouts on `world` ranks, fastest first (the cost model's time for one call):
     pp stages of whole layers, tp within a node and dividing the heads (with or without sequence
     parallelism, without pp; the head whole or split over the vocabulary), cp (powers of two,
@@ -183,25 +208,42 @@ def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lo
     one datum per rank leaves the stages working in turn). Each client's adapter, AdamW state and
     one sampler revision are held at rank `lora_rank` on every role (`expert_rank` on routed
     experts: 0, the same), split with their layers; the stage that needs the most memory counts."""
-    fp = Footprint(args, Training(lora_rank=lora_rank, expert_rank=expert_rank, targets=SERVICE_TARGETS,
-                                  base_bytes=base_bytes))
+    fp = Footprint(
+        args, Training(lora_rank=lora_rank, expert_rank=expert_rank, targets=SERVICE_TARGETS, base_bytes=base_bytes)
+    )
     budget = cluster.memory_gib * 2**30 * (1 - cluster.reserve)
     out = []
     for tp in divisors(world):
         if tp > cluster.gpus_per_node or args.num_heads % tp or (not args.kv_lora_rank and args.num_kv_heads % tp):
             continue
-        for pp, cp in ((pp, cp) for pp in divisors(world // tp) for cp in divisors(world // (tp * pp))):
+        for pp, cp in ((p, c) for p in divisors(world // tp) for c in divisors(world // (tp * p))):
             if pp > args.num_layers or cp > 1 and (cp & (cp - 1) or cp > cluster.gpus_per_node // tp):
                 continue  # cp: powers of two within a node with its tp group (K/V all-gathers every layer)
             dp = world // (tp * pp * cp)
             split, shard = (False, True) if tp > 1 else (False,), (False, True) if dp * cp > 1 else (False,)
-            for ep, sp, vocab, fsdp, ac in ((e, s, v, f, a) for e in divisors(dp) for s in (split if pp == 1 else (False,))
-                                            for v in split for f in shard for a in (0, 1)):
+            for ep, sp, vocab, fsdp, ac in (
+                (e, s, v, f, a)
+                for e in divisors(dp)
+                for s in (split if pp == 1 else (False,))
+                for v in split
+                for f in shard
+                for a in (0, 1)
+            ):
                 if (args.num_experts % ep) if args.num_experts else ep > 1:
                     continue
-                layout = ParallelDims(dp=dp, tp=tp, ep=ep, pp=pp, cp=cp, fsdp=fsdp, sp=sp, vocab_parallel=vocab,
-                                      activation_checkpoint_every=ac, pp_schedule="gpipe",
-                                      pp_microbatches=-(-rows // dp) if pp > 1 else 1)  # a row per chunk: the least bubble
+                layout = ParallelDims(
+                    dp=dp,
+                    tp=tp,
+                    ep=ep,
+                    pp=pp,
+                    cp=cp,
+                    fsdp=fsdp,
+                    sp=sp,
+                    vocab_parallel=vocab,
+                    activation_checkpoint_every=ac,
+                    pp_schedule="gpipe",
+                    pp_microbatches=-(-rows // dp) if pp > 1 else 1,
+                )  # a row per chunk: the least bubble
                 try:
                     layout.check_model(args)
                 except ParallelError:
@@ -210,19 +252,33 @@ def plan_service(args: ModelArgs, world: int, cluster: Cluster, clients: int, lo
     return sorted(out, key=lambda x: (x.estimate.step_s, x.estimate.memory_total))
 
 
-def _service_layout(fp: Footprint, layout: ParallelDims, cluster: Cluster, clients: int, seq_len: int, rows: int,
-                    budget: float) -> ServiceLayout:
+def _service_layout(
+    fp: Footprint, layout: ParallelDims, cluster: Cluster, clients: int, seq_len: int, rows: int, budget: float
+) -> ServiceLayout:
     here = -(-rows // layout.dp)  # a call's rows on one dp rank, in pp_microbatches chunks (GPipe: all held at once)
     work = Workload(seq_len=seq_len, rollouts_per_step=rows, micro_batch_rows=-(-here // layout.pp_microbatches))
     est = estimate(fp, layout, work, cluster, fullest="memory")
     one = est.memory.pop("adapter + grads + optimizer")
     if layout.fsdp:  # the clients' adapters stay whole under FSDP (only the base is sharded): counted as without it
-        one = estimate(fp, replace(layout, fsdp=False), work, cluster, fullest="memory").memory["adapter + grads + optimizer"]
+        one = estimate(fp, replace(layout, fsdp=False), work, cluster, fullest="memory").memory[
+            "adapter + grads + optimizer"
+        ]
     per_client = one / ADAPTER_STATE_BYTES * (ADAPTER_STATE_BYTES + REVISION_BYTES)
     room = budget - est.memory_total
     est.memory["clients: adapter + grads + AdamW + revision"] = per_client * clients
     return ServiceLayout(layout, est, clients, per_client, max(0, int(room // per_client)))
 
 
-__all__ = ["auto_dims", "CLUSTERS", "Plan", "RolloutLayout", "lora_vs_full", "plan", "plan_service", "rollout_layout", "ServiceLayout", "smallest_cluster",
-           "valid_layouts"]
+__all__ = [
+    "auto_dims",
+    "CLUSTERS",
+    "Plan",
+    "RolloutLayout",
+    "lora_vs_full",
+    "plan",
+    "plan_service",
+    "rollout_layout",
+    "ServiceLayout",
+    "smallest_cluster",
+    "valid_layouts",
+]

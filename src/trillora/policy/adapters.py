@@ -36,11 +36,23 @@ from ..lora.multi import RowAdapters, stack_padded
 from ..models import release_of
 from .shards import Placement
 
-SLOT_TENSORS = ("lora_A", "lora_B", "lora_gate_A", "lora_gate_B", "lora_up_A", "lora_up_B", "lora_down_A", "lora_down_B")
+SLOT_TENSORS = (
+    "lora_A",
+    "lora_B",
+    "lora_gate_A",
+    "lora_gate_B",
+    "lora_up_A",
+    "lora_up_B",
+    "lora_down_A",
+    "lora_down_B",
+)
 SLOT_ROLES = ("attention", "mlp", "shared_experts", "experts", "lm_head")
 """Every module a client may adapt has a slot (the router does not: its LoRA changes routing)."""
-TINKER_ROLES = {"train_attn": ("attention",), "train_mlp": ("mlp", "shared_experts", "experts"),
-                "train_unembed": ("lm_head",)}
+TINKER_ROLES = {
+    "train_attn": ("attention",),
+    "train_mlp": ("mlp", "shared_experts", "experts"),
+    "train_unembed": ("lm_head",),
+}
 
 
 def roles_of(train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, ...]:
@@ -116,7 +128,9 @@ class ResidentBase:
                 params[key] = p
             m.lora_enabled = False
         if not params:
-            raise ValueError(f"LoRA roles {roles} match no module of this {'stage' if self.placement.stages else 'model'}")
+            raise ValueError(
+                f"LoRA roles {roles} match no module of this {'stage' if self.placement.stages else 'model'}"
+            )
         return Adapter(cfg, params)
 
     def adapter_from(self, config: lora.LoraConfig, tensors: dict[str, torch.Tensor]) -> Adapter:
@@ -129,8 +143,10 @@ class ResidentBase:
             for k, p in adapter.params.items():
                 local, part = p.to_local() if hasattr(p, "to_local") else p, self.placement.slice(k, tensors[k])
                 if local.shape != part.shape:
-                    raise ValueError(f"saved adapter tensor {k}: shape {tuple(tensors[k].shape)} does not fit "
-                                     f"{tuple(p.shape)} (this rank's part: {tuple(local.shape)})")
+                    raise ValueError(
+                        f"saved adapter tensor {k}: shape {tuple(tensors[k].shape)} does not fit "
+                        f"{tuple(p.shape)} (this rank's part: {tuple(local.shape)})"
+                    )
                 local.copy_(part)
         return adapter
 
@@ -139,12 +155,16 @@ class ResidentBase:
         its tensors only, never a copy of the base."""
         config = lora.adapter_config(folder)
         if config.patterns or config.exclude or not set(config.targets) <= set(SLOT_ROLES):
-            raise lora.AdapterError(f"{folder}: a served adapter adapts whole roles of {list(SLOT_ROLES)}; this one has "
-                                    f"targets={list(config.targets)}"
-                                    f"{', patterns' if config.patterns else ''}{', exclude' if config.exclude else ''}")
+            raise lora.AdapterError(
+                f"{folder}: a served adapter adapts whole roles of {list(SLOT_ROLES)}; this one has "
+                f"targets={list(config.targets)}"
+                f"{', patterns' if config.patterns else ''}{', exclude' if config.exclude else ''}"
+            )
         if self.sharded:
             raise lora.AdapterError("adapters are loaded from folders on one process only (not yet under torchrun)")
-        adapter = self.new_adapter(config.rank, config.targets, config.seed, config.rank_for_experts(self.model.args.top_k))
+        adapter = self.new_adapter(
+            config.rank, config.targets, config.seed, config.rank_for_experts(self.model.args.top_k)
+        )
         lora.fill_adapter([(m, self.slots[m]) for m in sorted(adapter.modules())], folder, release_of(self.model.args))
         return Revision(adapter.config, adapter.tensors())
 
@@ -165,8 +185,14 @@ class ResidentBase:
                     continue
                 for k in mine:
                     t = tensors[k]
-                    setattr(m, k.rpartition(".")[2], t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False))
-                m.lora_rank = config.rank_for_experts(self.model.args.top_k) if self.roles[name] == "experts" else config.rank
+                    setattr(
+                        m,
+                        k.rpartition(".")[2],
+                        t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False),
+                    )
+                m.lora_rank = (
+                    config.rank_for_experts(self.model.args.top_k) if self.roles[name] == "experts" else config.rank
+                )
                 m.lora_scaling = config.scaling(config.rank)
                 m.lora_enabled = True
             yield self.model
@@ -200,8 +226,13 @@ class ResidentBase:
                     if any(f is not None for f in found):
                         rank = max(f.shape[-1 if pname.endswith("_B") else -2] for f in found if f is not None)
                         like = next(f for f in found if f is not None)
-                        stacks[pname] = stack_padded(found, like, -1 if pname.endswith("_B") else -2, rank,
-                                                     dim=1 if isinstance(m, LoraGroupedExperts) else 0)
+                        stacks[pname] = stack_padded(
+                            found,
+                            like,
+                            -1 if pname.endswith("_B") else -2,
+                            rank,
+                            dim=1 if isinstance(m, LoraGroupedExperts) else 0,
+                        )
                 m.lora_multi = (multi, stacks) if stacks else None
                 m.lora_enabled = bool(stacks)
             yield self.model

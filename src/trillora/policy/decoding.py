@@ -54,8 +54,11 @@ class LockstepEngine:
         self.driver = par.meshes.rank("dp") == 0
         decoder = par.pipeline.decoder(model) if par.pipeline is not None else model
         self.forward = decoder  # what the followers run their token through
-        self.engine = LocalEngine(_Announcing(decoder, self._announce), precision="policy", device=device,
-                                  pad_id=pad_id) if self.driver else None
+        self.engine = (
+            LocalEngine(_Announcing(decoder, self._announce), precision="policy", device=device, pad_id=pad_id)
+            if self.driver
+            else None
+        )
 
     @property
     def reused_tokens(self) -> int:
@@ -159,4 +162,3 @@ class _Announcing(nn.Module):
     def forward(self, *args, **kwargs):
         self.announce(True)
         return self.decoder(*args, **kwargs)
-

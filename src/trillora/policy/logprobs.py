@@ -17,8 +17,9 @@ from ..models.transformer import CausalLM
 from ..parallel.vocab_parallel import head_logprobs
 
 
-def token_logprobs(model: CausalLM, input_ids: torch.Tensor, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    model: CausalLM, input_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature) of each next token: [B, T-1] (and the entropy [B, T-1]).
 
     Under context parallelism (`model.context_parallel`) the model returns this rank's tokens
@@ -29,7 +30,9 @@ def token_logprobs(model: CausalLM, input_ids: torch.Tensor, temperature: float 
         logits, targets = logits[:, :-1], input_ids[:, 1:]
     else:
         targets = cp.next_tokens(input_ids)
-    logp, entropy = head_logprobs(logits, targets, temperature, getattr(model, "vocab_parallel_group", None), with_entropy)
+    logp, entropy = head_logprobs(
+        logits, targets, temperature, getattr(model, "vocab_parallel_group", None), with_entropy
+    )
     if cp is not None:
         n = input_ids.shape[1] - 1
         logp = cp.gather(logp, n)
@@ -37,9 +40,15 @@ def token_logprobs(model: CausalLM, input_ids: torch.Tensor, temperature: float 
     return logp, entropy
 
 
-def shared_prompt_logprobs(model: CausalLM, input_ids: torch.Tensor, prompt_lengths: torch.Tensor,
-                           completion_lengths: torch.Tensor, group_size: int, temperature: float = 1.0,
-                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def shared_prompt_logprobs(
+    model: CausalLM,
+    input_ids: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    completion_lengths: torch.Tensor,
+    group_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` at the completion positions, with each group's prompt run once.
 
     Rows come in groups of `group_size` consecutive rows sharing one prompt (GRPO's G samples).
@@ -73,10 +82,13 @@ def shared_prompt_logprobs(model: CausalLM, input_ids: torch.Tensor, prompt_leng
     h = h_prompt[:, -1:].repeat_interleave(g, 0)  # [B, 1, C] predicts completion token 0
     if tc > 1:  # completion token k > 0 is predicted by completion token k-1
         full_mask = torch.cat([pmask, torch.ones(b, tc - 1, dtype=pmask.dtype, device=dev)], dim=1)
-        h = torch.cat([h, model.hidden_states(comp[:, :-1], attention_mask=full_mask, cache=cache)], dim=1)  # [B, Tc, C]
+        h = torch.cat(
+            [h, model.hidden_states(comp[:, :-1], attention_mask=full_mask, cache=cache)], dim=1
+        )  # [B, Tc, C]
     logits = model.lm_head(h).float()
-    logp, entropy = head_logprobs(logits, comp, temperature, getattr(model, "vocab_parallel_group", None),
-                                  with_entropy)  # [B, Tc]
+    logp, entropy = head_logprobs(
+        logits, comp, temperature, getattr(model, "vocab_parallel_group", None), with_entropy
+    )  # [B, Tc]
 
     # back to whole-row positions: target j predicts token j+1, so completion k sits at plen-1+k
     k = torch.arange(t - 1, device=dev) - (plen[:, None] - 1)  # [B, T-1]
@@ -101,10 +113,13 @@ def target_logprobs(logits: torch.Tensor, targets: list[torch.Tensor], cp=None, 
     width, k = max(t.shape[0] for t in as_nk), max(t.shape[1] for t in as_nk)
     ids = torch.zeros(len(targets), width, k, dtype=torch.long, device=logits.device)  # [B, T, K]
     for i, t in enumerate(as_nk):
-        ids[i, :t.shape[0], :t.shape[1]] = t
+        ids[i, : t.shape[0], : t.shape[1]] = t
     if cp is not None:
         ids = cp.split(ids)  # [B, t, K]: the targets of this rank's positions
     logp = head_logprobs(logits.float(), ids, 1.0, vocab_group)[0]  # [B, T or t, K]
     if cp is not None:
         logp = cp.gather(logp, width)  # [B, T, K] whole rows, on every cp rank
-    return [logp[i, :nk.shape[0], :nk.shape[1]].reshape(t.shape) for i, (t, nk) in enumerate(zip(targets, as_nk))]
+    return [
+        logp[i, : nk.shape[0], : nk.shape[1]].reshape(t.shape)
+        for i, (t, nk) in enumerate(zip(targets, as_nk, strict=True))
+    ]

@@ -19,8 +19,13 @@ from torch import nn
 from ..parallel.data_parallel import GradientSync, local_tensor
 
 
-def adamw(params: Iterable[nn.Parameter], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-          weight_decay: float = 1e-2) -> torch.optim.AdamW:
+def adamw(
+    params: Iterable[nn.Parameter],
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+) -> torch.optim.AdamW:
     """An adapter's AdamW (decoupled weight decay, as torch); defaults are torch's."""
     return torch.optim.AdamW(list(params), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
@@ -35,8 +40,9 @@ class StepOutcome:
 
 
 @torch.no_grad()
-def optimizer_step(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], sync: GradientSync | None,
-                   max_norm: float) -> StepOutcome:
+def optimizer_step(
+    optimizer: torch.optim.Optimizer, params: list[nn.Parameter], sync: GradientSync | None, max_norm: float
+) -> StepOutcome:
     """Sum, measure, clip (`max_norm` 0: never) and step; the gradients are cleared either way.
     `params`: what `optimizer` steps; `sync`: the ranks they live on (None: one process)."""
     if sync is None:

@@ -8,7 +8,8 @@ DTensors, since the layer computes in DTensors). A client's adapter is created p
 the split, so `Placement` cuts a whole tensor to this rank's part (`shard`), and puts the parts
 back together for a saved state (`full`): files always hold whole tensors and load into any
 layout. Under pipeline parallelism a rank holds only its stage's slots (`roles`): `here` keeps the
-tensors of those, and `full` joins the stages' tensors. Keys are adapter tensor names, bare ("m.lora_B") or as a saved state names them
+tensors of those, and `full` joins the stages' tensors. Keys are adapter tensor names, bare ("m.lora_B") or as a saved
+state names them
 ("param.m.lora_B", "optim.m.lora_B.exp_avg").
 """
 
@@ -46,7 +47,7 @@ class TensorShard:
     split: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, plan: dict, slots: dict, mesh) -> "TensorShard":
+    def of(cls, plan: dict, slots: dict, mesh) -> TensorShard:
         """From the tensor-parallel plan (`parallel.tensor_parallel.tp_plan`) over the adapter slots."""
         from ..parallel.tensor_parallel import LoraColwiseParallel, LoraRowwiseParallel
 
@@ -82,16 +83,18 @@ class Placement:
     @staticmethod
     def bare(key: str) -> str:
         if key.startswith("param."):
-            return key[len("param."):]
+            return key[len("param.") :]
         if key.startswith("optim."):
-            return key[len("optim."):].rpartition(".")[0]
+            return key[len("optim.") :].rpartition(".")[0]
         return key
 
     def here(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The tensors of this rank's slots, and those of no slot (a saved state's RNG)."""
+
         def holds(key: str) -> bool:
             module, _, name = self.bare(key).rpartition(".")
             return not name.startswith("lora_") or module in self.roles
+
         return {k: t for k, t in tensors.items() if holds(k)}
 
     def is_expert(self, key: str) -> bool:

@@ -13,7 +13,9 @@ AdvantageMode = Literal["grpo", "dr_grpo", "loo"]
 ADVANTAGE_MODES: tuple[str, ...] = get_args(AdvantageMode)
 
 
-def group_advantages(rewards_PG: torch.Tensor, mode: str = "grpo", normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards_PG: torch.Tensor, mode: str = "grpo", normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """Advantages [P, G].
 
     - `grpo` (DeepSeekMath, arXiv:2402.03300): r - mean(group), divided by the group's std when `normalize_std`.

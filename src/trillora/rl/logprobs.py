@@ -16,8 +16,9 @@ def scale_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tens
     return logits
 
 
-def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature)[target] for logits [B, T, V] and targets [B, T] (or [B, T, K]:
     K candidates per position): shaped as targets (and the entropy [B, T])."""
     logp_all = scale_by_temperature(logits, temperature).log_softmax(-1)  # [B, T, V]

@@ -57,9 +57,11 @@ class LossInputError(TrilloraError, ValueError):
 def check_loss(name: str, input_keys: set[str], config: dict | None) -> None:
     """Refuse an unknown loss, a missing input or an unknown config key before any compute."""
     if name == "stable_reinforce":
-        raise LossInputError("loss_fn 'stable_reinforce' is not served: its objective is not published; "
-                             f"choose one of {', '.join(TINKER_LOSSES)} (the cookbook's rl_loop takes loss_fn=gspo, rl/train.py's "
-                             "async mode async_config.loss_fn=ppo)")
+        raise LossInputError(
+            "loss_fn 'stable_reinforce' is not served: its objective is not published; "
+            f"choose one of {', '.join(TINKER_LOSSES)} (the cookbook's rl_loop takes loss_fn=gspo, rl/train.py's "
+            "async mode async_config.loss_fn=ppo)"
+        )
     if name not in TINKER_LOSSES:
         raise LossInputError(f"unknown loss_fn {name!r}; choose one of {', '.join(TINKER_LOSSES)}")
     missing = [k for k in REQUIRED_INPUTS[name] if k not in input_keys]
@@ -73,8 +75,9 @@ def check_loss(name: str, input_keys: set[str], config: dict | None) -> None:
         raise LossInputError(f"loss_fn_config keys {unknown} are not used by {name!r} (allowed: {allowed})")
 
 
-def datum_loss(name: str, target_logp: torch.Tensor, inputs: dict[str, torch.Tensor],
-               config: dict | None = None) -> torch.Tensor:
+def datum_loss(
+    name: str, target_logp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict | None = None
+) -> torch.Tensor:
     """One datum's summed loss (a scalar with the graph of `target_logp` [N])."""
     config = {**DEFAULTS, **(config or {})}
     logp = target_logp

@@ -14,4 +14,14 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["Completion", "EngineError", "LocalEngine", "OpenAIEngine", "RolloutEngine", "SamplingParams", "VLLMEngine", "filter_logits", "sample_next"]
+__all__ = [
+    "Completion",
+    "EngineError",
+    "LocalEngine",
+    "OpenAIEngine",
+    "RolloutEngine",
+    "SamplingParams",
+    "VLLMEngine",
+    "filter_logits",
+    "sample_next",
+]

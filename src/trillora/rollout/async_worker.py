@@ -6,7 +6,8 @@ sampled by a policy at most K updates old. An engine whose sync rewrites weights
 local engine, merged syncs) samples under the same lock its syncs take, so it never samples from
 half-written weights; a server engine with adapter revisions keeps the last K+1 loaded and samples
 from a pinned revision outside the lock, so a sync can land while a batch is being sampled. The
-trainer syncs after every update and the thread wakes. What the thread produced waits in a queue of at most K batches. Rewards are scored
+trainer syncs after every update and the thread wakes. What the thread produced waits in a queue of at most K batches.
+Rewards are scored
 by the trainer (its main thread, where reward time limits work), and each batch reports the
 revision it was sampled with; the mismatch correction already uses the sampler's own logprobs,
 i.e. the sampling revision's.
@@ -38,8 +39,14 @@ class Sampled:
 
 
 class RolloutWorker:
-    def __init__(self, engine: RolloutEngine, request: Callable[[int], tuple[Any, list[list[int]], int, SamplingParams]],
-                 first_step: int, last_step: int, staleness: int):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        request: Callable[[int], tuple[Any, list[list[int]], int, SamplingParams]],
+        first_step: int,
+        last_step: int,
+        staleness: int,
+    ):
         """`request(step)` -> (anything to hand back, prompts, n, sampling params) for that step; or
         (anything, job, None, None) where `job(engine)` samples the step itself (episodes)."""
         if staleness < 0:

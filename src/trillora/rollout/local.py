@@ -19,17 +19,18 @@ from torch import nn
 
 from ..lora.apply import lora_modules
 from ..models import KVCache, build_model
-from .routing import record_routing
 from ..models.transformer import CausalLM
+from .routing import record_routing
 from .sampling import sample_next
-from .types import Completion, PRECISIONS, SamplingParams
-
+from .types import PRECISIONS, Completion, SamplingParams
 
 
 class LocalEngine:
     returns_routing = True
 
-    def __init__(self, model: CausalLM, precision: str = "auto", device: str | torch.device | None = None, pad_id: int = 0):
+    def __init__(
+        self, model: CausalLM, precision: str = "auto", device: str | torch.device | None = None, pad_id: int = 0
+    ):
         """`precision="policy"`: sample with `model` itself, its own weights and precision, adapters
         applied unmerged as they are at each call. No copy of the base: what a resident base serving
         several adapters needs (it swaps the adapter in before `generate`), and a sharded policy
@@ -43,7 +44,9 @@ class LocalEngine:
         if precision == "policy":
             self.model = model
         else:
-            self.model = build_model(model.args, device=device, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+            self.model = build_model(
+                model.args, device=device, dtype=torch.bfloat16 if precision == "bf16" else torch.float32
+            )
             self.model.requires_grad_(False).eval()
             self.model.reset_buffers()
             self._copy_all(model)
@@ -56,7 +59,7 @@ class LocalEngine:
         self.keep_kv = True
 
     @classmethod
-    def sharing(cls, model: CausalLM, pad_id: int = 0) -> "LocalEngine":
+    def sharing(cls, model: CausalLM, pad_id: int = 0) -> LocalEngine:
         return cls(model, precision="policy", pad_id=pad_id)
 
     def pinned(self) -> None:
@@ -127,8 +130,11 @@ class LocalEngine:
         recorder = record_routing(self.model) if params.return_routing else contextlib.nullcontext()
         with recorder as routes:
             kept = self._continuing(prompts) if self.keep_kv and not params.return_routing else None
-            logits, cache, mask, width = (self._prefill(prompts, n, params) if kept is None
-                                          else self._extend(rows, [r for r in kept for _ in range(n)], params))
+            logits, cache, mask, width = (
+                self._prefill(prompts, n, params)
+                if kept is None
+                else self._extend(rows, [r for r in kept for _ in range(n)], params)
+            )
             first = mask.shape[1]  # the column of the first sampled token
             for _ in range(params.max_new_tokens):
                 tok, lp = sample_next(logits, params.temperature, params.top_k, params.top_p, self.generator)
@@ -150,15 +156,22 @@ class LocalEngine:
             stopped = k > 0 and tok_BT[i][k - 1] in params.stop_token_ids
             r = None
             if routed is not None:  # inputs were: left pads, prompt, completion[:-1]
-                r = routed[i, width - len(p): width - len(p) + len(p) + k - 1].cpu()
-            out.append(Completion(prompt_ids=list(p), token_ids=tok_BT[i][:k], logprobs=lp_BT[i][:k],
-                                  finish_reason="stop" if stopped else "length", routed_experts=r))
+                r = routed[i, width - len(p) : width - len(p) + len(p) + k - 1].cpu()
+            out.append(
+                Completion(
+                    prompt_ids=list(p),
+                    token_ids=tok_BT[i][:k],
+                    logprobs=lp_BT[i][:k],
+                    finish_reason="stop" if stopped else "length",
+                    routed_experts=r,
+                )
+            )
         if not params.return_routing:
             fed = torch.clamp(lengths, max=len(tokens) - 1)  # the last sampled token was never fed
             valid = mask.clone()
             valid[:, first:] = (torch.arange(mask.shape[1] - first, device=self.device)[None] < fed[:, None]).long()
-            self._kept = _Kept(cache, valid, {tuple(p + tok_BT[i][:int(fed[i])]): i for i, p in enumerate(rows)})
-        return [out[j * n:(j + 1) * n] for j in range(len(prompts))]
+            self._kept = _Kept(cache, valid, {tuple(p + tok_BT[i][: int(fed[i])]): i for i, p in enumerate(rows)})
+        return [out[j * n : (j + 1) * n] for j in range(len(prompts))]
 
     def _prefill(self, prompts: list[list[int]], n: int, params: SamplingParams):
         """Each prompt prefilled once; its keys, values and last logits then serve its n samples."""
@@ -166,10 +179,12 @@ class LocalEngine:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
         mask = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
         for i, p in enumerate(prompts):  # left padding: every row's last prompt token is at the end
-            ids[i, width - len(p):] = torch.tensor(p, device=self.device)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p, device=self.device)
+            mask[i, width - len(p) :] = 1
         cache = KVCache(len(self.model.model.layers), width + params.max_new_tokens)
-        logits = self.model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1].repeat_interleave(n, 0)  # [B, V]
+        logits = self.model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1].repeat_interleave(
+            n, 0
+        )  # [B, V]
         cache.expand(n)
         return logits, cache, mask.repeat_interleave(n, 0), width
 
@@ -182,8 +197,9 @@ class LocalEngine:
         sizes = sorted({len(k) for k in kept.rows}, reverse=True)
         found = []
         for p in prompts:
-            row = next((kept.rows[key] for size in sizes if size < len(p)
-                        and (key := tuple(p[:size])) in kept.rows), None)
+            row = next(
+                (kept.rows[key] for size in sizes if size < len(p) and (key := tuple(p[:size])) in kept.rows), None
+            )
             if row is None:
                 return None
             found.append(row)
@@ -195,15 +211,15 @@ class LocalEngine:
         kept, self._kept = self._kept, None
         old = kept.mask.shape[1]
         idx = torch.tensor(rows, device=self.device)
-        added = [p[len(key):] for p, key in zip(prompts, (kept.key_of[r] for r in rows))]
+        added = [p[len(key) :] for p, key in zip(prompts, (kept.key_of[r] for r in rows), strict=True)]
         width = max(len(a) for a in added)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
         new = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
         for i, a in enumerate(added):
-            ids[i, width - len(a):] = torch.tensor(a, device=self.device)
-            new[i, width - len(a):] = 1
+            ids[i, width - len(a) :] = torch.tensor(a, device=self.device)
+            new[i, width - len(a) :] = 1
         cache = KVCache(len(self.model.model.layers), old + width + params.max_new_tokens)
-        for layer, (k, v) in enumerate(zip(kept.cache.k, kept.cache.v)):
+        for layer, (k, v) in enumerate(zip(kept.cache.k, kept.cache.v, strict=True)):
             if k is None:  # a layer this process does not run (another pipeline stage's)
                 continue
             cache.k[layer] = k.new_empty(len(rows), k.shape[1], cache.max_len, k.shape[-1])
@@ -227,5 +243,7 @@ class _Kept:
 
 def _stack_routes(routes: dict[str, list[torch.Tensor]], n: int) -> torch.Tensor:
     """The first call of each layer is the prefill of the distinct prompts: repeated for their n rows."""
-    per_layer = [torch.cat([calls[0].repeat_interleave(n, 0), *calls[1:]], dim=1) for calls in routes.values()]  # [B, T_in, K]
+    per_layer = [
+        torch.cat([calls[0].repeat_interleave(n, 0), *calls[1:]], dim=1) for calls in routes.values()
+    ]  # [B, T_in, K]
     return torch.stack(per_layer, dim=2)

@@ -14,9 +14,10 @@ cache is reset.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import secrets
 import json
+import secrets
 import shutil
 import time
 import urllib.error
@@ -26,8 +27,8 @@ from pathlib import Path
 
 from torch import nn
 
-from .types import Completion, SamplingParams
 from ..errors import TrilloraError
+from .types import Completion, SamplingParams
 
 
 class EngineError(TrilloraError, RuntimeError):
@@ -103,9 +104,15 @@ class OpenAIEngine:
     # --- protocol ------------------------------------------------------------------------
     def _one(self, prompt: list[int], n: int, params: SamplingParams, url: str, model: str) -> list[Completion]:
         body = {
-            "model": model, "prompt": prompt, "n": n, "max_tokens": params.max_new_tokens,
-            "temperature": params.temperature, "top_p": params.top_p, "logprobs": 0,
-            "return_tokens_as_token_ids": True, "stop_token_ids": list(params.stop_token_ids),
+            "model": model,
+            "prompt": prompt,
+            "n": n,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "stop_token_ids": list(params.stop_token_ids),
             "skip_special_tokens": False,
         }
         if params.top_k:
@@ -121,12 +128,19 @@ class OpenAIEngine:
             if len(logprobs) != len(tokens):
                 raise EngineError(f"{url}: {len(tokens)} tokens but {len(logprobs)} logprobs in a completion")
             stopped = choice.get("finish_reason") == "stop"
-            completions.append(Completion(prompt_ids=list(prompt), token_ids=tokens, logprobs=logprobs,
-                                          finish_reason="stop" if stopped else "length"))
+            completions.append(
+                Completion(
+                    prompt_ids=list(prompt),
+                    token_ids=tokens,
+                    logprobs=logprobs,
+                    finish_reason="stop" if stopped else "length",
+                )
+            )
         return completions
 
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams,
-                 model: str | None = None) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, model: str | None = None
+    ) -> list[list[Completion]]:
         """Without a seed: one request of n samples per prompt. With a seed: n requests of one sample, seeds
         seed + i·n + j, because vLLM gives every sample of a seeded n>1 request the same tokens. Every
         request of the call names the same model (the revision current when it began, or `model`)."""
@@ -136,8 +150,19 @@ class OpenAIEngine:
             if params.seed is None:
                 jobs.append([self.pool.submit(self._one, p, n, params, next(self._next_url), model)])
                 continue
-            jobs.append([self.pool.submit(self._one, p, 1, SamplingParams(**{**params.__dict__, "seed": params.seed + i * n + j}),
-                                          next(self._next_url), model) for j in range(n)])
+            jobs.append(
+                [
+                    self.pool.submit(
+                        self._one,
+                        p,
+                        1,
+                        SamplingParams(**{**params.__dict__, "seed": params.seed + i * n + j}),
+                        next(self._next_url),
+                        model,
+                    )
+                    for j in range(n)
+                ]
+            )
         return [[c for f in fs for c in f.result()] for fs in jobs]
 
     def pinned(self):
@@ -185,7 +210,9 @@ class OpenAIEngine:
         tmp.replace(path)  # servers never read a half-written file
         try:
             for url in self.urls:
-                out = self._post(url, "/collective_rpc", {"method": "trillora_load_merged", "args": [str(path.resolve())]})
+                out = self._post(
+                    url, "/collective_rpc", {"method": "trillora_load_merged", "args": [str(path.resolve())]}
+                )
                 refused = [r for r in (out or {}).get("results", []) if str(r).startswith("refused:")]
                 if refused:
                     raise EngineError(f"{url}/collective_rpc: {refused[0]}")
@@ -200,8 +227,6 @@ class OpenAIEngine:
         self.pool.shutdown(wait=False, cancel_futures=True)
         for name in self.loaded:
             for url in self.urls:
-                try:
+                with contextlib.suppress(EngineError):  # gone or never loaded there: nothing left to free
                     self._post(url, "/v1/unload_lora_adapter", {"lora_name": name}, retries=0, timeout=5.0)
-                except EngineError:
-                    pass  # gone or never loaded there: nothing left to free
         self.loaded = []

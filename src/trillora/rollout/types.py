@@ -9,7 +9,6 @@ from typing import Literal, Protocol, get_args
 import torch
 from torch import nn
 
-
 EngineName = Literal["local", "vllm", "openai"]
 """`local`: the built-in engine in this process; `vllm`: vLLM's LLM in this process; `openai`:
 OpenAI-compatible servers (vLLM, SGLang, `trillora serve`)."""

@@ -74,26 +74,37 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: sync passes tensors directly
         kwargs = dict(
-            model=str(model_path), dtype=dtype or ("float32" if _cpu() else "bfloat16"), max_model_len=max_model_len,
-            seed=seed, enforce_eager=_cpu(), logprobs_mode="processed_logprobs", **llm_kwargs,
+            model=str(model_path),
+            dtype=dtype or ("float32" if _cpu() else "bfloat16"),
+            max_model_len=max_model_len,
+            seed=seed,
+            enforce_eager=_cpu(),
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
         )
         if not _cpu():
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if return_routing:
             kwargs["enable_return_routed_experts"] = True
         if self.sync_mode == "adapter":
-            ranks = [m.lora_A.shape[-2] if hasattr(m, "lora_A") else m.lora_gate_A.shape[-2] for _, m in lora_modules(model)]
+            ranks = [
+                m.lora_A.shape[-2] if hasattr(m, "lora_A") else m.lora_gate_A.shape[-2] for _, m in lora_modules(model)
+            ]
             need = max(ranks, default=1)
             rank = next((r for r in LORA_RANKS if r >= need), None)
             if rank is None:
-                raise ValueError(f"adapter rank {need} exceeds vLLM's largest LoRA rank {LORA_RANKS[-1]}; use sync='merged'")
+                raise ValueError(
+                    f"adapter rank {need} exceeds vLLM's largest LoRA rank {LORA_RANKS[-1]}; use sync='merged'"
+                )
             kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=2)
         try:
             self.llm = LLM(**kwargs)
         except Exception as e:
             if return_routing:
-                raise RuntimeError(f"vLLM could not start with routed-expert return ({e}); vLLM returns routing only "
-                                   "with its V2 model runner (GPU, Triton). Use the local engine for router replay.") from e
+                raise RuntimeError(
+                    f"vLLM could not start with routed-expert return ({e}); vLLM returns routing only "
+                    "with its V2 model runner (GPU, Triton). Use the local engine for router replay."
+                ) from e
             raise
         self.revision = 0
         self.lora = None  # the LoRARequest in use (adapter sync)
@@ -131,9 +142,16 @@ class VLLMEngine:
         from vllm import SamplingParams as VSamplingParams
 
         return VSamplingParams(
-            n=n, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1, seed=seed, logprobs=0,
-            stop_token_ids=list(params.stop_token_ids), ignore_eos=True, skip_special_tokens=False,
+            n=n,
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            seed=seed,
+            logprobs=0,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,
+            skip_special_tokens=False,
             detokenize=False,
         )
 
@@ -160,15 +178,22 @@ class VLLMEngine:
         for out in outs:
             for o in out.outputs:
                 tokens = list(o.token_ids)
-                logprobs = [d[t].logprob for d, t in zip(o.logprobs, tokens)]
+                logprobs = [d[t].logprob for d, t in zip(o.logprobs, tokens, strict=True)]
                 stopped = bool(tokens) and tokens[-1] in params.stop_token_ids
                 routed = None
                 if params.return_routing and o.routed_experts is not None:
                     fed = len(out.prompt_token_ids) + len(tokens) - 1  # the last sampled token is never fed
                     routed = torch.as_tensor(o.routed_experts, dtype=torch.long)[:fed]  # [T_in, L, K]
-                flat.append(Completion(prompt_ids=list(out.prompt_token_ids), token_ids=tokens, logprobs=logprobs,
-                                       finish_reason="stop" if stopped else "length", routed_experts=routed))
-        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+                flat.append(
+                    Completion(
+                        prompt_ids=list(out.prompt_token_ids),
+                        token_ids=tokens,
+                        logprobs=logprobs,
+                        finish_reason="stop" if stopped else "length",
+                        routed_experts=routed,
+                    )
+                )
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

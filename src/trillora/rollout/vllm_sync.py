@@ -24,15 +24,24 @@ import torch
 from torch import nn
 
 from ..checkpoint.hf import expert_tensors_per_expert
-from ..lora.apply import lora_modules
 from ..errors import TrilloraError
+from ..lora.apply import lora_modules
 from ..models import release_of
 
-SIBLINGS = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
-            "v_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj"),
-            "up_proj": ("gate_proj", "up_proj")}
-FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+SIBLINGS = {
+    "q_proj": ("q_proj", "k_proj", "v_proj"),
+    "k_proj": ("q_proj", "k_proj", "v_proj"),
+    "v_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_proj": ("gate_proj", "up_proj"),
+    "up_proj": ("gate_proj", "up_proj"),
+}
+FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -54,7 +63,9 @@ def merged_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
                 for sib in SIBLINGS.get(leaf, ()):
                     key = f"{parent}.{sib}.{tensor_name}"
                     if key not in out:
-                        out[key] = model.get_submodule(f"{parent}.{sib}").get_parameter(tensor_name).detach().contiguous()
+                        out[key] = (
+                            model.get_submodule(f"{parent}.{sib}").get_parameter(tensor_name).detach().contiguous()
+                        )
     return out
 
 
@@ -90,7 +101,9 @@ def _find(model: nn.Module, path: str) -> nn.Module:
     try:
         module = model.get_submodule(path)
     except AttributeError:
-        raise SyncError(f"vLLM's model has no module {path!r} to take merged weights; use adapter sync for it") from None
+        raise SyncError(
+            f"vLLM's model has no module {path!r} to take merged weights; use adapter sync for it"
+        ) from None
     return getattr(module, "routed_experts", module)  # vLLM wraps routed experts in a runner
 
 
@@ -123,10 +136,10 @@ def _write_experts(module: nn.Module, path: str, g: dict) -> None:
     new2 = w2.new_zeros(w2.shape)
     for e in range(n_exp):
         if interleaved:
-            new13[e, 0:2 * inter:2], new13[e, 1:2 * inter:2] = g["gate"][e], g["up"][e]
+            new13[e, 0 : 2 * inter : 2], new13[e, 1 : 2 * inter : 2] = g["gate"][e], g["up"][e]
         else:
             new13[e, :inter] = g["gate"][e]
-            new13[e, pad:pad + inter] = g["up"][e]
+            new13[e, pad : pad + inter] = g["up"][e]
         new2[e, :, :inter] = g["down"][e]
     kernel = getattr(module.quant_method, "moe_kernel", None)
     experts = getattr(getattr(kernel, "impl", kernel), "fused_experts", None)

@@ -94,9 +94,13 @@ def python_install() -> tuple[str, list[str], list[str]]:
     prefix = os.path.realpath(sys.base_prefix)
     dirs = [prefix] + [d for d in [os.path.dirname(python)] if not d.startswith(prefix + "/")]
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    masked = {sysconfig.get_path("purelib", vars={"base": prefix}), sysconfig.get_path("platlib", vars={"platbase": prefix}),
-              "/usr/lib/python3/dist-packages", f"/usr/local/lib/{version}/dist-packages",
-              f"/usr/local/lib/{version}/site-packages"}
+    masked = {
+        sysconfig.get_path("purelib", vars={"base": prefix}),
+        sysconfig.get_path("platlib", vars={"platbase": prefix}),
+        "/usr/lib/python3/dist-packages",
+        f"/usr/local/lib/{version}/dist-packages",
+        f"/usr/local/lib/{version}/site-packages",
+    }
     return python, dirs, sorted(os.path.realpath(m) for m in masked)
 
 
@@ -104,10 +108,20 @@ def jail_spec(code: str, root: Path, limits: Limits, python: str, dirs: list[str
     """What `launcher.py` reads: the program, the empty folder its root is built in, the interpreter
     and the limits."""
     seccomp = importlib.util.find_spec("pyseccomp")
-    return {"root": str(root), "code": code, "python": python, "python_dirs": dirs, "masked": masked,
-            "seccomp_module": seccomp.origin if seccomp is not None else "",
-            "cpu_seconds": limits.cpu_seconds, "memory_bytes": limits.memory_bytes, "wall_seconds": limits.wall_seconds,
-            "output_bytes": limits.output_bytes, "processes": limits.processes, "folder_bytes": limits.folder_bytes}
+    return {
+        "root": str(root),
+        "code": code,
+        "python": python,
+        "python_dirs": dirs,
+        "masked": masked,
+        "seccomp_module": seccomp.origin if seccomp is not None else "",
+        "cpu_seconds": limits.cpu_seconds,
+        "memory_bytes": limits.memory_bytes,
+        "wall_seconds": limits.wall_seconds,
+        "output_bytes": limits.output_bytes,
+        "processes": limits.processes,
+        "folder_bytes": limits.folder_bytes,
+    }
 
 
 def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
@@ -121,10 +135,21 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
         spec["report_fd"] = write_end
         with os.fdopen(read_end, "rb") as report:
             try:
-                with open(root / "stdin", "rb") as i, open(root / "stdout", "wb") as o, open(root / "stderr", "wb") as e:
-                    proc = subprocess.Popen([sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(spec)], cwd=folder,
-                                            stdin=i, stdout=o, stderr=e, env={"PATH": "/usr/bin:/bin"},
-                                            pass_fds=(write_end,), start_new_session=True)
+                with (
+                    open(root / "stdin", "rb") as i,
+                    open(root / "stdout", "wb") as o,
+                    open(root / "stderr", "wb") as e,
+                ):
+                    proc = subprocess.Popen(
+                        [sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(spec)],
+                        cwd=folder,
+                        stdin=i,
+                        stdout=o,
+                        stderr=e,
+                        env={"PATH": "/usr/bin:/bin"},
+                        pass_fds=(write_end,),
+                        start_new_session=True,
+                    )
             finally:
                 os.close(write_end)
             stuck = False
@@ -148,8 +173,10 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
     reports = [r for r in reports if "status" in r]
     if errors or not reports:
         why = errors[0] if errors else f"the launcher ended with {proc.returncode} and no report: {err[-500:]}"
-        raise SandboxUnavailable(f"cannot run the code sandbox: {why}; it needs mount, PID and network namespaces "
-                                 f"(root, or unprivileged user namespaces enabled in the kernel)")
+        raise SandboxUnavailable(
+            f"cannot run the code sandbox: {why}; it needs mount, PID and network namespaces "
+            f"(root, or unprivileged user namespaces enabled in the kernel)"
+        )
     status = reports[-1]["status"]
     code_ = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
     return Result(returncode=code_, stdout=out, stderr=err, timed_out=reports[-1]["timed_out"])

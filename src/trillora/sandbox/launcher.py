@@ -23,6 +23,7 @@ the init itself dies with the launcher (`PR_SET_PDEATHSIG`). It reports one JSON
 {"status": wait status, "timed_out": bool} or {"error": why the jail could not be built}.
 """
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -42,10 +43,38 @@ SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 UID_BASE = 2_000_000_000
 DEVICES = ("null", "zero", "random", "urandom")
 KEYCTL_JOIN_SESSION_KEYRING = 1
-DENIED = ("keyctl", "add_key", "request_key", "io_uring_setup", "io_uring_enter", "io_uring_register", "ptrace",
-          "process_vm_readv", "process_vm_writev", "mount", "umount2", "fsopen", "fsmount", "move_mount", "open_tree",
-          "unshare", "setns", "pivot_root", "chroot", "bpf", "perf_event_open", "userfaultfd", "open_by_handle_at",
-          "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "swapon", "swapoff")
+DENIED = (
+    "keyctl",
+    "add_key",
+    "request_key",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "mount",
+    "umount2",
+    "fsopen",
+    "fsmount",
+    "move_mount",
+    "open_tree",
+    "unshare",
+    "setns",
+    "pivot_root",
+    "chroot",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "open_by_handle_at",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "swapon",
+    "swapoff",
+)
 NAMESPACES = (CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET)
 MIN_PROCESS_BYTES = 64 << 20  # an interpreter's own address space, roughly
 
@@ -64,7 +93,9 @@ def _check(ret: int, what: str) -> None:
 
 
 def _mount(src, dst, fstype, flags, data=None) -> None:
-    enc = (lambda s: s.encode() if s is not None else None)
+    def enc(s):
+        return s.encode() if s is not None else None
+
     _check(libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {src} on {dst}")
 
 
@@ -73,8 +104,12 @@ def _bind_read_only(src: str, dst: str) -> None:
     keep the flags the host mount has (they are locked), so those are read and kept."""
     _mount(src, dst, None, MS_BIND | MS_REC)
     st = os.statvfs(src)
-    kept = {os.ST_NOEXEC: MS_NOEXEC, os.ST_NOATIME: MS_NOATIME, os.ST_NODIRATIME: MS_NODIRATIME,
-            os.ST_RELATIME: MS_RELATIME}
+    kept = {
+        os.ST_NOEXEC: MS_NOEXEC,
+        os.ST_NOATIME: MS_NOATIME,
+        os.ST_NODIRATIME: MS_NODIRATIME,
+        os.ST_RELATIME: MS_RELATIME,
+    }
     flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
     for st_flag, ms_flag in kept.items():
         if st.f_flag & st_flag:
@@ -88,10 +123,8 @@ def _write(path: str, text: str) -> None:
 
 
 def _report(**fields) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.write(_REPORT[0], (json.dumps(fields) + "\n").encode())
-    except OSError:
-        pass
 
 
 def build_root(spec: dict, as_root: bool) -> None:
@@ -123,8 +156,13 @@ def build_root(spec: dict, as_root: bool) -> None:
     _mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['folder_bytes']},mode=1777")
     uid = spec["uid"] if as_root else 0  # the user namespace's root is the caller; its child maps it to uid
     os.makedirs(new + "/box")
-    _mount("tmpfs", new + "/box", "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={spec['folder_bytes']},mode=0700,uid={uid},gid={uid}")
+    _mount(
+        "tmpfs",
+        new + "/box",
+        "tmpfs",
+        MS_NOSUID | MS_NODEV,
+        f"size={spec['folder_bytes']},mode=0700,uid={uid},gid={uid}",
+    )
     _write(new + "/box/main.py", spec["code"])
     os.chown(new + "/box/main.py", uid, uid)
     os.makedirs(new + "/.old")
@@ -175,7 +213,8 @@ def jail_cgroups(pid: int, memory_bytes: int, processes: int) -> list[str]:
     controllers, or v2), this process moved in; [] where the kernel does not let it make them."""
     made = []
     try:
-        lines = [line.split(":", 2) for line in open("/proc/self/cgroup").read().splitlines()]
+        with open("/proc/self/cgroup") as f:
+            lines = [line.split(":", 2) for line in f.read().splitlines()]
         v1 = {c: path for _, names, path in lines for c in names.split(",") if c in ("memory", "pids")}
         if set(v1) == {"memory", "pids"}:
             wanted = [(f"/sys/fs/cgroup/{c}{v1[c]}", c) for c in ("memory", "pids")]
@@ -186,9 +225,11 @@ def jail_cgroups(pid: int, memory_bytes: int, processes: int) -> list[str]:
             folder = f"{base.rstrip('/')}/trillora-jail-{pid}"
             os.mkdir(folder)
             made.append(folder)
-            for name, value in {"memory": [("memory.limit_in_bytes", memory_bytes), ("memory.memsw.limit_in_bytes?", memory_bytes)],
-                                "pids": [("pids.max", processes)],
-                                "v2": [("memory.max", memory_bytes), ("memory.swap.max?", 0), ("pids.max", processes)]}[kind]:
+            for name, value in {
+                "memory": [("memory.limit_in_bytes", memory_bytes), ("memory.memsw.limit_in_bytes?", memory_bytes)],
+                "pids": [("pids.max", processes)],
+                "v2": [("memory.max", memory_bytes), ("memory.swap.max?", 0), ("pids.max", processes)],
+            }[kind]:
                 name, optional = name.rstrip("?"), name.endswith("?")  # swap accounting may be off
                 if not (optional and not os.path.exists(f"{folder}/{name}")):
                     _write(f"{folder}/{name}", str(value))
@@ -202,10 +243,8 @@ def jail_cgroups(pid: int, memory_bytes: int, processes: int) -> list[str]:
 def remove_cgroups(folders: list[str]) -> None:
     """Leave them (back to the parent's) and remove them, once the jail's processes are gone."""
     for folder in folders:
-        try:
+        with contextlib.suppress(OSError):
             _write(f"{os.path.dirname(folder)}/cgroup.procs", str(os.getpid()))
-        except OSError:
-            pass
         for _ in range(50):
             try:
                 os.rmdir(folder)
@@ -232,9 +271,14 @@ def drop_privileges(spec: dict, as_root: bool, seccomp) -> None:
     own_keyring(seccomp)
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     deny_syscalls(seccomp)
-    for limit, value in ((resource.RLIMIT_CPU, spec["cpu_seconds"]), (resource.RLIMIT_AS, spec["process_bytes"]),
-                         (resource.RLIMIT_FSIZE, spec["output_bytes"]), (resource.RLIMIT_CORE, 0),
-                         (resource.RLIMIT_NPROC, spec["processes"]), (resource.RLIMIT_NOFILE, 64)):
+    for limit, value in (
+        (resource.RLIMIT_CPU, spec["cpu_seconds"]),
+        (resource.RLIMIT_AS, spec["process_bytes"]),
+        (resource.RLIMIT_FSIZE, spec["output_bytes"]),
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_NPROC, spec["processes"]),
+        (resource.RLIMIT_NOFILE, 64),
+    ):
         hard = value + 1 if limit == resource.RLIMIT_CPU else value  # soft CPU limit: SIGXCPU, not SIGKILL
         resource.setrlimit(limit, (value, hard))
 

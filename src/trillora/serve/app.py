@@ -25,11 +25,18 @@ class Server:
     def __init__(self, cfg: ServeConfig, service: TinkerService | None = None):
         self.cfg = cfg
         self.service = service or TinkerService(cfg)
-        self.worker = Worker({"forward_backward": self.service.forward_backward_many, "sample": self.sample},
-                             max_fused=cfg.max_fused, gather_seconds=cfg.gather_seconds)
+        self.worker = Worker(
+            {"forward_backward": self.service.forward_backward_many, "sample": self.sample},
+            max_fused=cfg.max_fused,
+            gather_seconds=cfg.gather_seconds,
+        )
         self.app = FastAPI(title="trillora", docs_url=None, redoc_url=None, openapi_url=None)
-        for kind, handler in ((HTTPException, _http_error), (BadRequest, _bad_request),
-                              ((TypeError, ValueError, KeyError, AttributeError), _malformed), (Exception, _server_error)):
+        for kind, handler in (
+            (HTTPException, _http_error),
+            (BadRequest, _bad_request),
+            ((TypeError, ValueError, KeyError, AttributeError), _malformed),
+            (Exception, _server_error),
+        ):
             for k in kind if isinstance(kind, tuple) else (kind,):
                 self.app.add_exception_handler(k, handler)
         self.openai = OpenAIRoutes(self)
@@ -48,7 +55,7 @@ class Server:
         flat = self.service.sample_many([c for p in payloads for c in p])
         out, start = [], 0
         for p in payloads:
-            mine, start = flat[start:start + len(p)], start + len(p)
+            mine, start = flat[start : start + len(p)], start + len(p)
             out.append(next((o for o in mine if isinstance(o, Exception)), mine))
         return out
 

@@ -78,8 +78,17 @@ class CheckpointStore:
     def record_run(self, run_id: str, rank: int, roles: tuple[str, ...], user_metadata: dict | None) -> None:
         folder = self.run_folder(run_id)
         folder.mkdir(parents=True, exist_ok=True)
-        write_json(folder / "run.json", {"training_run_id": run_id, "base_model": self.base_model, "lora_rank": rank,
-                                         "roles": list(roles), "user_metadata": user_metadata or {}, "created": time.time()})
+        write_json(
+            folder / "run.json",
+            {
+                "training_run_id": run_id,
+                "base_model": self.base_model,
+                "lora_rank": rank,
+                "roles": list(roles),
+                "user_metadata": user_metadata or {},
+                "created": time.time(),
+            },
+        )
 
     def _checkpoint(self, run_id: str, checkpoint_id: str) -> tuple[str, Path, dict]:
         kind, _, name = checkpoint_id.partition("/")
@@ -91,10 +100,16 @@ class CheckpointStore:
     def describe(self, tinker_path: str, meta: dict, folder: Path) -> dict:
         kind = tinker_path.split("/")[3]
         size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-        return {"checkpoint_id": "/".join(tinker_path.split("/")[3:]), "checkpoint_type": KINDS[kind],
-                "time": _iso(meta.get("time", folder.stat().st_mtime)), "tinker_path": tinker_path, "size_bytes": size,
-                "public": bool(meta.get("public")), "user_metadata": meta.get("user_metadata") or None,
-                "expires_at": _iso(meta.get("expires"))}
+        return {
+            "checkpoint_id": "/".join(tinker_path.split("/")[3:]),
+            "checkpoint_type": KINDS[kind],
+            "time": _iso(meta.get("time", folder.stat().st_mtime)),
+            "tinker_path": tinker_path,
+            "size_bytes": size,
+            "public": bool(meta.get("public")),
+            "user_metadata": meta.get("user_metadata") or None,
+            "expires_at": _iso(meta.get("expires")),
+        }
 
     def checkpoints(self, run_id: str) -> list[dict]:
         self.sweep()
@@ -108,7 +123,7 @@ class CheckpointStore:
 
     def annotate(self, tinker_path: str, ttl_seconds=None, user_metadata: dict | None = None) -> None:
         """A fresh save's TTL and user metadata (`save_weights` carries them)."""
-        run_id, _, checkpoint_id = tinker_path[len("tinker://"):].partition("/")
+        run_id, _, checkpoint_id = tinker_path[len("tinker://") :].partition("/")
         if ttl_seconds is not None:
             self.set_ttl(run_id, checkpoint_id, ttl_seconds)
         if user_metadata:
@@ -153,9 +168,18 @@ class CheckpointStore:
             raise BadRequest(f"unknown training run {run_id!r}", 404)
         record = record or {"lora_rank": live.rank, "user_metadata": {}}
         saved = self.checkpoints(run_id)
-        last = {kind: next((c for c in reversed(saved) if c["checkpoint_type"] == kind), None) for kind in KINDS.values()}
-        return {"training_run_id": run_id, "base_model": self.base_model, "model_owner": "local", "is_lora": True,
-                "corrupted": False, "lora_rank": record["lora_rank"],
-                "last_request_time": _iso(time.time() if live is not None else record.get("created", time.time())),
-                "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
-                "user_metadata": record.get("user_metadata") or None}
+        last = {
+            kind: next((c for c in reversed(saved) if c["checkpoint_type"] == kind), None) for kind in KINDS.values()
+        }
+        return {
+            "training_run_id": run_id,
+            "base_model": self.base_model,
+            "model_owner": "local",
+            "is_lora": True,
+            "corrupted": False,
+            "lora_rank": record["lora_rank"],
+            "last_request_time": _iso(time.time() if live is not None else record.get("created", time.time())),
+            "last_checkpoint": last["training"],
+            "last_sampler_checkpoint": last["sampler"],
+            "user_metadata": record.get("user_metadata") or None,
+        }

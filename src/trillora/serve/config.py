@@ -108,8 +108,10 @@ class ServeConfig:
             if getattr(self, key) and self.tp < 2:
                 raise BadRequest(f"{key} splits over the tensor-parallel ranks; it needs tp >= 2")
         if not isinstance(self.activation_checkpoint_every, int) or self.activation_checkpoint_every < 0:
-            raise BadRequest(f"activation_checkpoint_every={self.activation_checkpoint_every!r}; allowed: an integer "
-                             ">= 0 (0 = off, 1 = every layer)")
+            raise BadRequest(
+                f"activation_checkpoint_every={self.activation_checkpoint_every!r}; allowed: an integer "
+                ">= 0 (0 = off, 1 = every layer)"
+            )
         if self.expert_rank_rule not in EXPERT_RANK_RULES:
             raise BadRequest(f"expert_rank_rule={self.expert_rank_rule!r}; allowed: {', '.join(EXPERT_RANK_RULES)}")
         if not isinstance(self.max_fused, int) or self.max_fused < 1:
@@ -118,8 +120,16 @@ class ServeConfig:
             raise BadRequest(f"gather_seconds={self.gather_seconds!r}; allowed: 0..1")
         if self.precision not in PRECISIONS:
             raise BadRequest(f"precision {self.precision!r}; allowed: {', '.join(PRECISIONS)}")
-        for key in ("max_connections", "max_samples", "max_prompts", "max_tokens_limit", "max_call_tokens", "max_clients",
-                    "max_samplers", "max_sessions"):
+        for key in (
+            "max_connections",
+            "max_samples",
+            "max_prompts",
+            "max_tokens_limit",
+            "max_call_tokens",
+            "max_clients",
+            "max_samplers",
+            "max_sessions",
+        ):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1")
         keys = [self.api_key] if isinstance(self.api_key, str) else self.api_key
@@ -140,6 +150,12 @@ class ServeConfig:
 
     def limits(self) -> Limits:
         keys = [self.api_key] if isinstance(self.api_key, str) else list(self.api_key or [])
-        return Limits(api_keys=tuple(keys), max_body_bytes=self.max_body_bytes or 1 << 20,
-                      max_tinker_body_bytes=self.max_body_bytes or 64 << 20, max_connections=self.max_connections,
-                      idle_seconds=self.idle_seconds, header_seconds=self.header_seconds, body_seconds=self.body_seconds)
+        return Limits(
+            api_keys=tuple(keys),
+            max_body_bytes=self.max_body_bytes or 1 << 20,
+            max_tinker_body_bytes=self.max_body_bytes or 64 << 20,
+            max_connections=self.max_connections,
+            idle_seconds=self.idle_seconds,
+            header_seconds=self.header_seconds,
+            body_seconds=self.body_seconds,
+        )

@@ -74,10 +74,19 @@ def check_operator(scope: dict, operator: str | None, what: str) -> None:
 def error_body(path: str, status: int, message: str) -> bytes:
     if len(message) > MAX_MESSAGE:  # messages quote what was sent: a long field must not come back many times over
         message = message[:MAX_MESSAGE] + f"... ({len(message)} characters)"
-    if path.startswith("/api/"):  # the Tinker SDK; a JSON body always (an empty 400 looks like a proxy's and is retried)
+    if path.startswith(
+        "/api/"
+    ):  # the Tinker SDK; a JSON body always (an empty 400 looks like a proxy's and is retried)
         return json.dumps({"error": message, "detail": message}).encode()
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                                 "code": status}}).encode()
+    return json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error" if status < 500 else "server_error",
+                "code": status,
+            }
+        }
+    ).encode()
 
 
 def json_object(raw: bytes) -> dict:
@@ -120,17 +129,20 @@ class Guard:
             return await self.app(scope, receive, send)
         path, headers = scope["path"], dict(scope["headers"])
         if path not in OPEN_PATHS and not self._authorised(headers):
-            return await reply(send, path, 401, "missing or wrong API key (Authorization: Bearer KEY or X-API-Key: KEY)",
-                               close=True)
+            return await reply(
+                send, path, 401, "missing or wrong API key (Authorization: Bearer KEY or X-API-Key: KEY)", close=True
+            )
         limit = self.limits.max_tinker_body_bytes if path.startswith("/api/") else self.limits.max_body_bytes
         declared = int(headers.get(b"content-length", 0))  # h11 has refused a length that is not a number
         if declared > limit:
-            # read and dropped, so that a client sending it all reads the 413 (one that waits for 100-continue is not sent it)
-            if declared <= DRAIN * limit and headers.get(b"expect", b"").lower() != b"100-continue":
-                if await self._read_body(receive, send, path, declared, keep=False) is None:
-                    return  # answered already: the body stalled (408) or the client left
-            return await reply(send, path, 413, f"request body of {declared} bytes; this server takes at most {limit}",
-                               close=True)
+            # read and dropped, so that a client sending it all reads the 413 (one that waits for 100-continue is
+            # not sent it)
+            drained = declared <= DRAIN * limit and headers.get(b"expect", b"").lower() != b"100-continue"
+            if drained and await self._read_body(receive, send, path, declared, keep=False) is None:
+                return  # answered already: the body stalled (408) or the client left
+            return await reply(
+                send, path, 413, f"request body of {declared} bytes; this server takes at most {limit}", close=True
+            )
         body = await self._read_body(receive, send, path, limit)
         if body is None:
             return
@@ -167,8 +179,13 @@ class Guard:
             except TimeoutError:
                 if size > limit:  # draining what is over the limit anyway
                     break
-                await reply(send, path, 408, f"the request body did not arrive within {self.limits.body_seconds:g} s",
-                            close=True)
+                await reply(
+                    send,
+                    path,
+                    408,
+                    f"the request body did not arrive within {self.limits.body_seconds:g} s",
+                    close=True,
+                )
                 return None
             if message["type"] == "http.disconnect":
                 return None
@@ -178,7 +195,9 @@ class Guard:
                 parts.append(chunk)
             more = message.get("more_body", False)
         if size > limit:
-            await reply(send, path, 413, f"request body over {limit} bytes; this server takes at most {limit}", close=True)
+            await reply(
+                send, path, 413, f"request body over {limit} bytes; this server takes at most {limit}", close=True
+            )
             return None
         return b"".join(parts)
 
@@ -233,7 +252,10 @@ class TimedH11Protocol(H11Protocol):
             self.transport.close()  # the client sends nothing more: its last answer is written
         elif not self.transport.is_closing() and self._between_requests():
             pipelined = bool(self.conn.trailing_data[0])  # part of the next request already arrived
-            self._arm("headers" if pipelined else "idle", self.limits.header_seconds if pipelined else self.limits.idle_seconds)
+            self._arm(
+                "headers" if pipelined else "idle",
+                self.limits.header_seconds if pipelined else self.limits.idle_seconds,
+            )
 
     def eof_received(self) -> bool:
         """A client that shut its sending side still gets the answer to a request it completed (uvicorn
@@ -277,8 +299,11 @@ class TimedH11Protocol(H11Protocol):
     def _refuse(self, status: int, message: str) -> None:
         body = json.dumps({"error": {"message": message, "code": status}, "detail": message}).encode()
         reason = {400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable"}[status]
-        self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: "
-                             f"{len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+        self.transport.write(
+            f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: "
+            f"{len(body)}\r\nconnection: close\r\n\r\n".encode()
+            + body
+        )
         self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
@@ -290,9 +315,19 @@ class Listener:
 
     def __init__(self, app, host: str, port: int, limits: Limits):
         protocol = type("Protocol", (TimedH11Protocol,), {"limits": limits})
-        self.config = uvicorn.Config(Guard(app, limits), host=host, port=port, http=protocol, ws="none", lifespan="off",
-                                     log_level="warning", access_log=False, timeout_keep_alive=max(1, int(limits.idle_seconds)),
-                                     timeout_graceful_shutdown=2, h11_max_incomplete_event_size=64 << 10)
+        self.config = uvicorn.Config(
+            Guard(app, limits),
+            host=host,
+            port=port,
+            http=protocol,
+            ws="none",
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=max(1, int(limits.idle_seconds)),
+            timeout_graceful_shutdown=2,
+            h11_max_incomplete_event_size=64 << 10,
+        )
         self.server = uvicorn.Server(self.config)
         self.socket: socket.socket = self.config.bind_socket()
         self.socket.listen(2048)  # uvicorn listens only once it starts; connections made before then wait

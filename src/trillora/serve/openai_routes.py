@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING
 import torch
 from fastapi import APIRouter, Request, Response
 
+from ..chat.renderer import ChatRenderer
 from ..errors import ConfigError
 from ..lora import AdapterError
-from ..rollout.types import SamplingParams
-from ..chat.renderer import ChatRenderer
 from ..traces import Call, Feedback, Recorder, TooMuchFeedback, TraceError, UnknownTrace
 from .http import check_operator, json_object, owner_of
+from .openai_requests import sampling_params, text_field, trace_of
 from .tinker_service import BadRequest, SampleCall
 from .worker import outcome_of
 
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from .app import Server
 
 NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
-TRACE_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "trillora_adapter.json")
 
 
@@ -51,10 +50,14 @@ class OpenAIRoutes:
         self.server, self.cfg, self.service = server, server.cfg, server.service
         self.tokenizer = self.service.tokenizer
         self.max_len = self.service.base.model.args.max_position_embeddings
-        self.base_bytes = sum(p.numel() * p.element_size() for n, p in self.service.base.model.named_parameters()
-                              if ".lora_" not in n)
-        self.adapter_limit = (_available_bytes(self.service.device) // 2 if self.cfg.adapter_memory_mib is None
-                              else int(self.cfg.adapter_memory_mib * (1 << 20)))
+        self.base_bytes = sum(
+            p.numel() * p.element_size() for n, p in self.service.base.model.named_parameters() if ".lora_" not in n
+        )
+        self.adapter_limit = (
+            _available_bytes(self.service.device) // 2
+            if self.cfg.adapter_memory_mib is None
+            else int(self.cfg.adapter_memory_mib * (1 << 20))
+        )
         self.requests = itertools.count()
         self.recorder = Recorder(self.cfg.record) if self.cfg.record else None
         try:
@@ -93,8 +96,10 @@ class OpenAIRoutes:
         body = await _body(request)
         name, given = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not NAME.fullmatch(name) or not isinstance(given, str):
-            raise BadRequest("load_lora_adapter needs string fields lora_name (1-128 letters, digits, '.', '_', ':', '/' "
-                             "or '-') and lora_path")
+            raise BadRequest(
+                "load_lora_adapter needs string fields lora_name (1-128 letters, digits, '.', '_', ':', '/' "
+                "or '-') and lora_path"
+            )
         if name == self.cfg.model:
             raise BadRequest(f"lora_name {name!r} is the base model's name")
         path = self._adapter_path(given)
@@ -106,10 +111,14 @@ class OpenAIRoutes:
             revision = self.service.base.revision_from_folder(path)
         except (AdapterError, ValueError) as e:
             raise BadRequest(str(e)) from None
-        room = self.adapter_limit - sum(r.bytes() for n, r in self.service.served().items() if n != name)  # a replaced name frees its bytes
+        room = self.adapter_limit - sum(
+            r.bytes() for n, r in self.service.served().items() if n != name
+        )  # a replaced name frees its bytes
         if revision.bytes() > room:
-            raise BadRequest(f"adapter {name!r} holds {revision.bytes() / 2**20:.1f} MiB; {max(room, 0) / 2**20:.1f} MiB of the "
-                             "adapter memory is free (--adapter-memory-mib): unload one first")  # 400: retrying cannot help
+            raise BadRequest(
+                f"adapter {name!r} holds {revision.bytes() / 2**20:.1f} MiB; {max(room, 0) / 2**20:.1f} MiB of the "
+                "adapter memory is free (--adapter-memory-mib): unload one first"
+            )  # 400: retrying cannot help
         self.service.serve_adapter(name, revision)
 
     async def unload_adapter(self, request: Request) -> dict:
@@ -126,11 +135,26 @@ class OpenAIRoutes:
         served = self.service.served()
         held = {n: r.bytes() for n, r in served.items()}
         revisions = self.server.revisions.models() if self.server.revisions is not None else {}
-        return {"object": "list",
-                "data": [{"id": n, "object": "model", "owned_by": "trillora", "parent": None if n == self.cfg.model else self.cfg.model,
-                          "max_model_len": self.max_len, "adapter_bytes": held[n], **revisions.get(n, {})} for n in served],
-                "adapter_memory": {"base_bytes": self.base_bytes, "held_bytes": sum(held.values()),
-                                   "limit_bytes": self.adapter_limit}}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": n,
+                    "object": "model",
+                    "owned_by": "trillora",
+                    "parent": None if n == self.cfg.model else self.cfg.model,
+                    "max_model_len": self.max_len,
+                    "adapter_bytes": held[n],
+                    **revisions.get(n, {}),
+                }
+                for n in served
+            ],
+            "adapter_memory": {
+                "base_bytes": self.base_bytes,
+                "held_bytes": sum(held.values()),
+                "limit_bytes": self.adapter_limit,
+            },
+        }
 
     # --- completions ---------------------------------------------------------------------
     def _prompts(self, prompt) -> list[list[int]]:
@@ -145,7 +169,9 @@ class OpenAIRoutes:
         out = []
         for p in prompt:
             if isinstance(p, str) and len(p) > 64 * self.max_len:  # bounded before the tokenizer runs on the event loop
-                raise BadRequest(f"a prompt of {len(p)} characters is longer than the model's {self.max_len} positions can hold")
+                raise BadRequest(
+                    f"a prompt of {len(p)} characters is longer than the model's {self.max_len} positions can hold"
+                )
             if isinstance(p, str):
                 out.append(self.tokenizer(p, add_special_tokens=False)["input_ids"])
             elif isinstance(p, list) and p and all(isinstance(t, int) and 0 <= t < len(self.tokenizer) for t in p):
@@ -172,56 +198,35 @@ class OpenAIRoutes:
         except Exception as e:  # a malformed message: the template's own error  # noqa: BLE001
             raise BadRequest(f"messages do not fit the chat template: {e}") from None
 
-    def _params(self, body: dict) -> tuple[dict, int]:
-        """The sampling settings as the service takes them (Tinker's names), checked with OpenAI's."""
-        n, max_tokens, seed = body.get("n", 1), body.get("max_tokens", 16), body.get("seed")
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.cfg.max_samples:
-            raise BadRequest(f"n must be an integer in 1..{self.cfg.max_samples}")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= self.cfg.max_tokens_limit:
-            raise BadRequest(f"max_tokens must be an integer in 1..{self.cfg.max_tokens_limit}")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise BadRequest(f"seed must be an integer, not {type(seed).__name__}")
-        stop = body.get("stop_token_ids") or []
-        if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(self.tokenizer)
-                                                 for t in stop):
-            raise BadRequest(f"stop_token_ids must be a list of token ids in 0..{len(self.tokenizer) - 1}")
-        if self.tokenizer.eos_token_id is not None and not body.get("ignore_eos", False):
-            stop = stop + [self.tokenizer.eos_token_id]
-        if seed is not None and not 0 <= seed < 2**63:
-            raise BadRequest(f"seed must be in 0..2**63-1, not {seed}")
-        try:
-            params = {"max_tokens": max_tokens, "temperature": float(body.get("temperature", 1.0)),
-                      "top_p": float(body.get("top_p", 1.0)), "top_k": max(0, int(body.get("top_k", 0) or 0)),
-                      "seed": seed, "stop": stop}
-            SamplingParams(max_new_tokens=max_tokens, temperature=params["temperature"], top_p=params["top_p"],
-                           top_k=params["top_k"], seed=seed)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise BadRequest(str(e)) from None
-        return params, n
-
     async def completions(self, request: Request, response: Response) -> dict:
         body = await _body(request)
         return await self._complete(request, response, body, self._prompts(body.get("prompt")), chat=False)
 
     async def chat_completions(self, request: Request, response: Response) -> dict:
         body = await _body(request)
-        return await self._complete(request, response, body, self._chat_prompt(body.get("messages"), body.get("tools")),
-                                    chat=True)
+        return await self._complete(
+            request, response, body, self._chat_prompt(body.get("messages"), body.get("tools")), chat=True
+        )
 
-    async def _complete(self, request: Request, response: Response, body: dict, prompts: list[list[int]],
-                        chat: bool) -> dict:
-        params, n = self._params(body)
+    async def _complete(
+        self, request: Request, response: Response, body: dict, prompts: list[list[int]], chat: bool
+    ) -> dict:
+        params, n = sampling_params(body, self.cfg, self.tokenizer)
         if chat:  # a turn ends at the template's end-of-turn token (and, for Harmony, at a call)
             params["stop"] = sorted({*params["stop"], *self.renderer.stop_tokens})
-        trace_id, user_id, tag = self._trace_of(request, body)
+        trace_id, user_id, tag = trace_of(request, body)
         for p in prompts:
             if len(p) + params["max_tokens"] > self.max_len:
-                raise BadRequest(f"a prompt of {len(p)} tokens plus max_tokens={params['max_tokens']} "
-                                 f"is over the model's {self.max_len} positions")
+                raise BadRequest(
+                    f"a prompt of {len(p)} tokens plus max_tokens={params['max_tokens']} "
+                    f"is over the model's {self.max_len} positions"
+                )
         total = n * sum(len(p) + params["max_tokens"] for p in prompts)
         if total > self.cfg.max_call_tokens:  # the request's time on the engine is bounded by it
-            raise BadRequest(f"n={n} × {len(prompts)} prompts × (prompt + max_tokens={params['max_tokens']}) is {total} "
-                             f"tokens; at most {self.cfg.max_call_tokens} per request (--max-call-tokens)")
+            raise BadRequest(
+                f"n={n} × {len(prompts)} prompts × (prompt + max_tokens={params['max_tokens']}) is {total} "
+                f"tokens; at most {self.cfg.max_call_tokens} per request (--max-call-tokens)"
+            )
         name, served = body.get("model") or self.cfg.model, self.service.served()
         if name not in served:
             raise BadRequest(f"model {name!r} is not loaded; loaded: {', '.join(served)}", 404)
@@ -229,7 +234,9 @@ class OpenAIRoutes:
         batch = next(self.requests)
         calls = [SampleCall(revision.sampler_id, p, n, params, batch=batch) for p in prompts]
         try:
-            outcomes = await outcome_of(self.server.worker, lambda: self.server.sample([calls])[0], fuse="sample", payload=calls)
+            outcomes = await outcome_of(
+                self.server.worker, lambda: self.server.sample([calls])[0], fuse="sample", payload=calls
+            )
         except BadRequest as e:
             if e.status == 404:  # unloaded while the request waited
                 raise BadRequest(f"model {name!r} is not loaded", 404) from None
@@ -241,16 +248,24 @@ class OpenAIRoutes:
             tool_calls = []
             if chat:  # the renderer decodes and parses the turn; a completion is its decoded text
                 turn = self.renderer.parse(tokens, with_tools=bool(body.get("tools")))
-                tool_calls = [{"id": f"call_{secrets.token_hex(8)}", "type": "function",
-                               "function": {"name": t.name, "arguments": json.dumps(t.arguments)}}
-                              for t in turn.parsed.tool_calls]
+                tool_calls = [
+                    {
+                        "id": f"call_{secrets.token_hex(8)}",
+                        "type": "function",
+                        "function": {"name": t.name, "arguments": json.dumps(t.arguments)},
+                    }
+                    for t in turn.parsed.tool_calls
+                ]
                 message = {"role": "assistant", "content": turn.parsed.content or (None if tool_calls else "")}
                 if tool_calls:
                     message["tool_calls"] = tool_calls
                 choice = {"index": i, "message": message, "finish_reason": "tool_calls" if tool_calls else reason}
                 if body.get("logprobs") is True:
-                    choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": lp}
-                                                      for t, lp in zip(tokens, logprobs, strict=True)]}
+                    choice["logprobs"] = {
+                        "content": [
+                            {"token": f"token_id:{t}", "logprob": lp} for t, lp in zip(tokens, logprobs, strict=True)
+                        ]
+                    }
                 if ids:
                     choice["token_ids"] = tokens
             else:
@@ -259,13 +274,36 @@ class OpenAIRoutes:
                 if body.get("logprobs") is not None:
                     choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logprobs}
             choices.append(choice)
-            records.append(Call(rid, i, trace_id, owner_of(request.scope), name, revision.sampler_id or name,
-                                "chat" if chat else "completion", list(prompt), list(tokens), list(logprobs),
-                                {**params, "n": n}, reason, tool_calls, user_id, tag))
-        out = {"id": rid, "object": "chat.completion" if chat else "text_completion",
-               "created": int(time.time()), "model": name, "choices": choices,
-               "usage": {"prompt_tokens": sum(len(p) for p in prompts) * n,
-                         "completion_tokens": sum(len(c[0]) for _, c in served_calls)}}
+            records.append(
+                Call(
+                    rid,
+                    i,
+                    trace_id,
+                    owner_of(request.scope),
+                    name,
+                    revision.sampler_id or name,
+                    "chat" if chat else "completion",
+                    list(prompt),
+                    list(tokens),
+                    list(logprobs),
+                    {**params, "n": n},
+                    reason,
+                    tool_calls,
+                    user_id,
+                    tag,
+                )
+            )
+        out = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": sum(len(p) for p in prompts) * n,
+                "completion_tokens": sum(len(c[0]) for _, c in served_calls),
+            },
+        }
         if ids:
             out["prompt_token_ids"] = prompts[0] if chat else prompts
         if self.recorder is not None:
@@ -274,25 +312,15 @@ class OpenAIRoutes:
             response.headers["X-Trace-Id"] = trace_id
         return out
 
-    def _trace_of(self, request: Request, body: dict) -> tuple[str, str, str]:
-        """The trace a request belongs to (`X-Trace-Id`, else `metadata.trace_id`, else a new one), its
-        user (`user`, else `metadata.user_id`) and its task tag (`metadata.task`)."""
-        metadata = body.get("metadata", {})
-        if not isinstance(metadata, dict):
-            raise BadRequest("metadata must be an object of strings")
-        given = request.headers.get("x-trace-id") or metadata.get("trace_id")
-        if given is not None and (not isinstance(given, str) or not TRACE_ID.fullmatch(given)):
-            raise BadRequest("a trace id (X-Trace-Id or metadata.trace_id) is 1-128 letters, digits, '.', '_', ':' or '-'")
-        user = _text(body.get("user", metadata.get("user_id", "")), "user (or metadata.user_id)", 256)
-        tag = _text(metadata.get("task", ""), "metadata.task", 128)
-        return given or f"trace-{secrets.token_urlsafe(12)}", user, tag
-
     # --- recording ------------------------------------------------------------------------
     async def health(self) -> dict:
         """Open to load balancers: counts only (the store and its last error: `GET /v1/recording`)."""
         if self.recorder is None:
             return {"status": "ok"}
-        return {"status": "ok", "recording": {k: v for k, v in self.recorder.health().items() if k in ("recorded", "failed")}}
+        return {
+            "status": "ok",
+            "recording": {k: v for k, v in self.recorder.health().items() if k in ("recorded", "failed")},
+        }
 
     async def recording(self) -> dict:
         if self.recorder is None:
@@ -307,7 +335,10 @@ class OpenAIRoutes:
         trace_id, response_id, reward = body.get("trace_id", ""), body.get("response_id", ""), body.get("reward")
         if not (isinstance(trace_id, str) and isinstance(response_id, str)) or bool(trace_id) == bool(response_id):
             raise BadRequest("feedback names one string field: trace_id or response_id")
-        label, comment = _text(body.get("label", ""), "label", 256), _text(body.get("comment", ""), "comment", 4096)
+        label, comment = (
+            text_field(body.get("label", ""), "label", 256),
+            text_field(body.get("comment", ""), "comment", 4096),
+        )
         fb = Feedback(trace_id, owner_of(request.scope), reward, response_id, label, comment)
         try:
             await asyncio.to_thread(self.recorder.store.add_feedback, fb)
@@ -318,19 +349,10 @@ class OpenAIRoutes:
         except TraceError as e:
             raise BadRequest(str(e)) from None
         except Exception as e:  # noqa: BLE001 - the store is down: nothing was written, the client may retry
-            raise BadRequest(f"the trace store cannot take feedback now ({type(e).__name__}); retry later", 503) from None
+            raise BadRequest(
+                f"the trace store cannot take feedback now ({type(e).__name__}); retry later", 503
+            ) from None
         return {"status": "ok", "trace_id": fb.trace_id}
-
-
-def _text(value, name: str, limit: int) -> str:
-    """A string field that can be stored: at most `limit` characters, valid UTF-8 (no lone surrogate)."""
-    if not isinstance(value, str) or len(value) > limit:
-        raise BadRequest(f"{name} must be a string of at most {limit} characters")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise BadRequest(f"{name} is not valid Unicode (a lone surrogate)") from None
-    return value
 
 
 async def _body(request: Request) -> dict:
@@ -341,7 +363,8 @@ def _available_bytes(device: torch.device) -> int:
     """Memory still free where the adapters live, once the base is loaded."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) << 10
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
     raise RuntimeError("no MemAvailable in /proc/meminfo: set --adapter-memory-mib")

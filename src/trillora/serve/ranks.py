@@ -30,8 +30,8 @@ from ..parallel.parallelize import parallelize
 from ..parallel.pipeline import split_layers
 from ..parallel.staged import StagedModel
 from ..policy.adapters import ResidentBase
-from .config import ServeConfig
 from ..policy.shards import ExpertShard, TensorShard
+from .config import ServeConfig
 
 
 class Ranks:
@@ -55,15 +55,29 @@ class Ranks:
             if cfg.ep > 1 and not args.num_experts:
                 raise ParallelError(f"{cfg.model} has no routed experts to shard")
             if self.world % (cfg.tp * cfg.pp * cfg.cp):
-                raise ParallelError(f"parallel.tp={cfg.tp} × pp={cfg.pp} × cp={cfg.cp} must divide the {self.world} ranks")
+                raise ParallelError(
+                    f"parallel.tp={cfg.tp} × pp={cfg.pp} × cp={cfg.cp} must divide the {self.world} ranks"
+                )
             if cfg.pp > args.num_layers:
-                raise ParallelError(f"parallel.pp={cfg.pp} stages for {args.num_layers} layers; allowed: 1..{args.num_layers}")
-            dims = ParallelDims(dp=self.world // (cfg.tp * cfg.pp * cfg.cp), tp=cfg.tp, ep=cfg.ep, pp=cfg.pp, cp=cfg.cp,
-                                fsdp=cfg.fsdp, sp=cfg.sp, vocab_parallel=cfg.vocab_parallel,
-                                activation_checkpoint_every=cfg.activation_checkpoint_every)  # ep must divide dp ...
+                raise ParallelError(
+                    f"parallel.pp={cfg.pp} stages for {args.num_layers} layers; allowed: 1..{args.num_layers}"
+                )
+            dims = ParallelDims(
+                dp=self.world // (cfg.tp * cfg.pp * cfg.cp),
+                tp=cfg.tp,
+                ep=cfg.ep,
+                pp=cfg.pp,
+                cp=cfg.cp,
+                fsdp=cfg.fsdp,
+                sp=cfg.sp,
+                vocab_parallel=cfg.vocab_parallel,
+                activation_checkpoint_every=cfg.activation_checkpoint_every,
+            )  # ep must divide dp ...
             dims.check_model(args)  # ... and the experts; tp the heads, MLP widths (and the vocabulary)
         except ParallelError as e:
-            raise ParallelError(f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp} on {self.world} ranks: {e}") from None
+            raise ParallelError(
+                f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp} on {self.world} ranks: {e}"
+            ) from None
         self.dims, self.meshes = dims, build_meshes(dims, torch.device(cfg.device).type)
         self.dp_group, self.dp_rank, self.dp_size = self.meshes.group("dp"), self.meshes.rank("dp"), dims.dp
         self.grad_group = self.meshes.group("dp_cp")  # cp ranks ran other positions of the same rows
@@ -130,7 +144,9 @@ class Ranks:
         """Which of a call's n datums this rank runs: a contiguous share, in dp rank order."""
         return n * self.dp_rank // self.dp_size, n * (self.dp_rank + 1) // self.dp_size
 
-    def combine(self, partial: list[torch.Tensor], logps: dict[int, list[torch.Tensor]], device) -> tuple[list[float], dict]:
+    def combine(
+        self, partial: list[torch.Tensor], logps: dict[int, list[torch.Tensor]], device
+    ) -> tuple[list[float], dict]:
         """Each call's whole loss and per-datum logprobs from every dp rank's parts: the losses summed
         (so every rank refuses the same non-finite calls), the logprobs gathered in datum order."""
         mine = {i: [lp.detach().cpu().numpy() for lp in lps] for i, lps in logps.items()}
@@ -165,7 +181,7 @@ class Ranks:
             return
         has = torch.tensor([float(p.grad is not None) for p in params], device=torch.device(self.cfg.device))
         dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.grad_group)
-        for p, h in zip(params, has.tolist()):
+        for p, h in zip(params, has.tolist(), strict=True):
             if h and p.grad is None:
                 p.grad = torch.zeros_like(p)
 
@@ -178,5 +194,13 @@ class Ranks:
             return None
         d = self.dims
         experts = {k for k in params if placement.is_expert(k)}
-        return GradientSync(list(params.items()), experts, self.grad_group, self.edp_group, d.dp * d.cp, d.edp * d.cp,
-                            placement.experts.group if d.ep > 1 else None, placement.stages if d.pp > 1 else None)
+        return GradientSync(
+            list(params.items()),
+            experts,
+            self.grad_group,
+            self.edp_group,
+            d.dp * d.cp,
+            d.edp * d.cp,
+            placement.experts.group if d.ep > 1 else None,
+            placement.stages if d.pp > 1 else None,
+        )

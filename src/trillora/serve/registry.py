@@ -39,8 +39,11 @@ class Registry:
     def create_session(self) -> str:
         with self.lock:
             if len(self.sessions) - 1 >= self.cfg.max_sessions:
-                raise BadRequest(f"the server holds {self.cfg.max_sessions} sessions (--max-sessions); finish one, "
-                                 f"or wait {self.cfg.session_seconds:.0f} s for an idle one to end", 429)
+                raise BadRequest(
+                    f"the server holds {self.cfg.max_sessions} sessions (--max-sessions); finish one, "
+                    f"or wait {self.cfg.session_seconds:.0f} s for an idle one to end",
+                    429,
+                )
             sid = f"session-{secrets.token_urlsafe(12)}"
             self.sessions[sid] = Session(sid)
         return sid
@@ -52,7 +55,9 @@ class Registry:
         s = self.sessions.get(sid)
         if s is None:
             ended = sid in self.ended
-            raise BadRequest(f"session_id {sid!r} has ended" if ended else f"unknown session_id {sid!r}", 410 if ended else 404)
+            raise BadRequest(
+                f"session_id {sid!r} has ended" if ended else f"unknown session_id {sid!r}", 410 if ended else 404
+            )
         s.seen = time.monotonic()
         return s
 
@@ -86,8 +91,11 @@ class Registry:
             if client.model_id in session.models:
                 raise BadRequest(f"model_seq_id {seq} of this session is taken by {client.model_id!r}", 409)
             if sum(len(s.models) for s in self.sessions.values()) >= self.cfg.max_clients:
-                raise BadRequest(f"the server holds {self.cfg.max_clients} training clients (--max-clients); "
-                                 "finish a session to free its clients", 429)
+                raise BadRequest(
+                    f"the server holds {self.cfg.max_clients} training clients (--max-clients); "
+                    "finish a session to free its clients",
+                    429,
+                )
             session.models[client.model_id] = client
         return {"model_id": client.model_id, "type": "create_model"}
 
@@ -102,8 +110,11 @@ class Registry:
             if sid != SERVED and sampler_id not in session.samplers and held >= self.cfg.max_samplers:
                 oldest = next((k for k in session.samplers if k in session.ephemeral), None)
                 if oldest is None:
-                    raise BadRequest(f"the server holds {self.cfg.max_samplers} samplers (--max-samplers); "
-                                     "finish a session to free its samplers", 429)
+                    raise BadRequest(
+                        f"the server holds {self.cfg.max_samplers} samplers (--max-samplers); "
+                        "finish a session to free its samplers",
+                        429,
+                    )
                 del session.samplers[oldest]
                 session.ephemeral.discard(oldest)
             session.samplers.pop(sampler_id, None)  # a replaced one counts as new: it goes last

@@ -51,10 +51,18 @@ class Revisions:
 
     async def listing(self) -> dict:
         history = {row["revision"]: row for row in (self.learner.history if self.learner is not None else [])}
-        return {"model": self.name, "current": self.current, "rounds": self.rounds, "failures": self.failures,
-                "skipped": self.skipped, "last_error": self.last_error,
-                "revisions": [{"id": f"{self.name}@{k}", "revision": k, "published": t, "training": history.get(k, {})}
-                              for k, t in sorted(self.published.items())]}
+        return {
+            "model": self.name,
+            "current": self.current,
+            "rounds": self.rounds,
+            "failures": self.failures,
+            "skipped": self.skipped,
+            "last_error": self.last_error,
+            "revisions": [
+                {"id": f"{self.name}@{k}", "revision": k, "published": t, "training": history.get(k, {})}
+                for k, t in sorted(self.published.items())
+            ],
+        }
 
     def models(self) -> dict[str, dict]:
         """What `/v1/models` adds to each kept revision's entry (and to `NAME`'s: the one it serves)."""
@@ -62,8 +70,11 @@ class Revisions:
         out = {}
         for k in sorted(self.published):
             row = history.get(k, {})
-            out[f"{self.name}@{k}"] = {"revision": k, "current": k == self.current,
-                                      **({"gate_score": row["gate_score"]} if "gate_score" in row else {})}
+            out[f"{self.name}@{k}"] = {
+                "revision": k,
+                "current": k == self.current,
+                **({"gate_score": row["gate_score"]} if "gate_score" in row else {}),
+            }
         if self.current is not None:
             out[self.name] = {"serves": f"{self.name}@{self.current}"}
         return out
@@ -77,7 +88,9 @@ class Revisions:
             default = max((k for k in kept if self.current is not None and k < self.current), default=None)
             k = body.get("revision", default)
             if isinstance(k, bool) or not isinstance(k, int) or k not in self.published:
-                raise BadRequest(f"revision {k!r} is not kept; kept: {kept} (learn.keep={self.keep})", 404 if kept else 400)
+                raise BadRequest(
+                    f"revision {k!r} is not kept; kept: {kept} (learn.keep={self.keep})", 404 if kept else 400
+                )
         if self.learner is not None:  # the learner goes on from the revision rolled back to
             await outcome_of(self.worker, lambda: self.learner.restore(k))
         with self.lock:
@@ -99,14 +112,18 @@ class Revisions:
                     if exp is None:
                         continue
                     done, box = threading.Event(), {}
-                    worker.submit(Job(run=lambda: learner.train(exp), settle=lambda out: (box.update(out=out), done.set())))
+                    worker.submit(
+                        Job(run=lambda: learner.train(exp), settle=lambda out: (box.update(out=out), done.set()))  # noqa: B023 - run before the loop goes on (done.wait)
+                    )
                     done.wait()
                     if isinstance(box["out"], Exception):
                         raise box["out"]
                     out = box["out"]
                     if out is not None and (out.get("skipped") or out.get("gated")):
                         self.skipped += 1
-                        self.last_error = "a round's update was not finite" if out.get("skipped") else "a revision failed its gate"
+                        self.last_error = (
+                            "a round's update was not finite" if out.get("skipped") else "a revision failed its gate"
+                        )
                     elif out is not None:
                         self.rounds += 1
                 except Exception as e:  # noqa: BLE001 - a failed round is counted and shown; serving goes on

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from ..models.transformer import OtherStage
-from ..rollout.local import LocalEngine
 from ..policy.adapters import ResidentBase, Revision
 from ..policy.decoding import follow_forwards, from_rank0, whole_rows
+from ..rollout.local import LocalEngine
 from .ranks import Ranks
 from .scoring import score_prompt, topk_sampled
 from .tinker_checks import cut_at_stop
@@ -26,8 +26,16 @@ from .tinker_types import BadRequest, SampleCall
 
 
 class Sampling:
-    def __init__(self, base: ResidentBase, engine: LocalEngine, ranks: Ranks, tokenizer, device: torch.device,
-                 check: Callable, lookup: Callable[[str], Revision]):
+    def __init__(
+        self,
+        base: ResidentBase,
+        engine: LocalEngine,
+        ranks: Ranks,
+        tokenizer,
+        device: torch.device,
+        check: Callable,
+        lookup: Callable[[str], Revision],
+    ):
         """`check(call)`: (revision, SamplingParams, stop strings), or BadRequest; `lookup(sampler_id)`: a revision."""
         self.base, self.engine, self.ranks, self.tokenizer, self.device = base, engine, ranks, tokenizer, device
         self.check, self.lookup = check, lookup
@@ -69,7 +77,7 @@ class Sampling:
         with use as model, torch.no_grad():
             self.engine.forget()
             out = self.engine.generate([g[1].prompt for g in group], c.n, sp)
-            for (i, call, *_), completions in zip(group, out):
+            for (i, call, *_), completions in zip(group, out, strict=True):
                 sequences = [cut_at_stop(x, stops, self.tokenizer) for x in completions]
                 extras = self._scores(model, call, sequences, sp) if call.prompt_logprobs or call.options else {}
                 outcomes[i] = (sequences, extras.pop("prompt_logprobs", None), extras)
@@ -99,8 +107,9 @@ class Sampling:
         under pp the last stage's logits shared with every stage."""
         model = self.base.model
         vocab_parallel = self.ranks.dims.vocab_parallel and not isinstance(model.lm_head, OtherStage)
-        with whole_rows(getattr(model, "context_parallel", None), model.lm_head if vocab_parallel else None,
-                        self.ranks.tp_group):
+        with whole_rows(
+            getattr(model, "context_parallel", None), model.lm_head if vocab_parallel else None, self.ranks.tp_group
+        ):
             if self.stages is None:
                 yield
             else:

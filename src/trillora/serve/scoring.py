@@ -31,8 +31,14 @@ def topk_rows(logp: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids.to(torch.int32).cpu().numpy(), values.cpu().numpy()
 
 
-def score_prompt(logits: torch.Tensor, prompt: list[int], options: dict, want_logprobs: bool, temperature: float,
-                 generator: torch.Generator | None) -> dict:
+def score_prompt(
+    logits: torch.Tensor,
+    prompt: list[int],
+    options: dict,
+    want_logprobs: bool,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> dict:
     """`logits` [N, V] of the prompt -> {"prompt_logprobs": [N] (NaN unscored), "topk_prompt": (ids, lps) [N, k],
     "targets": [N-1, K], "alt": (ids [N-1, k], lps [N-1, k])}, each only when asked."""
     n = len(prompt)
@@ -42,10 +48,10 @@ def score_prompt(logits: torch.Tensor, prompt: list[int], options: dict, want_lo
     if want_logprobs:
         ids = torch.tensor(prompt[1:], device=logits.device)
         scored = logp[:-1].gather(-1, ids[:, None])[:, 0].tolist()  # [N-1]: position i+1's logprob
-        out["prompt_logprobs"] = [math.nan] * first + scored[first - 1:]
+        out["prompt_logprobs"] = [math.nan] * first + scored[first - 1 :]
     if k := options.get("topk_prompt_logprobs"):
         ids, lps = np.zeros((n, k), np.int32), np.full((n, k), MASK_LOGPROB, np.float32)
-        ids[first:], lps[first:] = topk_rows(logp[first - 1:-1], k)
+        ids[first:], lps[first:] = topk_rows(logp[first - 1 : -1], k)
         out["topk_prompt"] = (ids, lps)
     if (targets := options.get("target_prompt_logprobs")) is not None:
         asked = torch.as_tensor(targets, device=logits.device)  # [N-1, K], -1: nothing
@@ -61,9 +67,10 @@ def score_prompt(logits: torch.Tensor, prompt: list[int], options: dict, want_lo
     return out
 
 
-def topk_sampled(logits: torch.Tensor, n_prompt: int, tokens: list[int], k: int,
-                 temperature: float) -> tuple[np.ndarray, np.ndarray]:
+def topk_sampled(
+    logits: torch.Tensor, n_prompt: int, tokens: list[int], k: int, temperature: float
+) -> tuple[np.ndarray, np.ndarray]:
     """`logits` [N + L - 1, V] of the prompt and the sampled tokens but the last -> the top-k of the
     distribution each sampled token was drawn from, [L, k]."""
-    rows = logits[n_prompt - 1:n_prompt - 1 + len(tokens)]  # [L, V]
+    rows = logits[n_prompt - 1 : n_prompt - 1 + len(tokens)]  # [L, V]
     return topk_rows(_scaled(rows, temperature), k)

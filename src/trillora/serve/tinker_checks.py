@@ -18,7 +18,9 @@ from .tinker_types import MODEL_ID, NAME, BadRequest, SampleCall
 from .wire import Datum, WireError, dense_from_csr
 
 
-def check_data(loss_fn: str, config: dict, data: list[Datum], vocab: int, positions: int) -> list[dict[str, torch.Tensor]]:
+def check_data(
+    loss_fn: str, config: dict, data: list[Datum], vocab: int, positions: int
+) -> list[dict[str, torch.Tensor]]:
     """Each datum's `loss_fn_inputs` as tensors, checked against its tokens and the loss; each datum
     within the model's `positions`."""
     if not data:
@@ -42,8 +44,10 @@ def _datum_tensors(i: int, d: Datum, loss_fn: str, vocab: int) -> dict[str, torc
     tensors = {}
     for key, value in d.inputs.items():
         if value.ndim == 0 or value.shape[0] != n:
-            raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}, "
-                             f"want {n} rows (one per model_input token)")
+            raise BadRequest(
+                f"datum {i}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}, "
+                f"want {n} rows (one per model_input token)"
+            )
         tensors[key] = torch.from_numpy(np.array(value))
     targets = tensors["target_tokens"]  # [N] or [N, K]
     if targets.ndim > 2 or (targets.ndim == 2 and loss_fn != "cross_entropy"):
@@ -52,8 +56,9 @@ def _datum_tensors(i: int, d: Datum, loss_fn: str, vocab: int) -> dict[str, torc
         raise BadRequest(f"datum {i}: target_tokens must be in 0..{vocab - 1}")
     for key, t in tensors.items():
         if key != "target_tokens" and t.shape != targets.shape and not (t.ndim == 1 and targets.ndim == 1):
-            raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] has shape {list(t.shape)}, "
-                             f"target_tokens {list(targets.shape)}")
+            raise BadRequest(
+                f"datum {i}: loss_fn_inputs[{key!r}] has shape {list(t.shape)}, target_tokens {list(targets.shape)}"
+            )
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise BadRequest(f"datum {i}: loss_fn_inputs[{key!r}] holds NaN or infinity")
     if loss_fn == "gspo" and not bool((tensors["sequence_ratio_mask"] != 0).any()):
@@ -61,8 +66,9 @@ def _datum_tensors(i: int, d: Datum, loss_fn: str, vocab: int) -> dict[str, torc
     return tensors
 
 
-def check_sample(c: SampleCall, vocab: int, eos: int | None, cfg: ServeConfig,
-                 positions: int) -> tuple[SamplingParams, tuple[str, ...]]:
+def check_sample(
+    c: SampleCall, vocab: int, eos: int | None, cfg: ServeConfig, positions: int
+) -> tuple[SamplingParams, tuple[str, ...]]:
     """The engine's sampling settings for an asample call, and its stop strings; the prompt and
     max_tokens within the model's `positions`, n × both within `cfg.max_call_tokens`."""
     if not c.prompt or any(type(t) is not int for t in c.prompt) or min(c.prompt) < 0 or max(c.prompt) >= vocab:
@@ -74,18 +80,27 @@ def check_sample(c: SampleCall, vocab: int, eos: int | None, cfg: ServeConfig,
     if not isinstance(max_tokens, int) or not 1 <= max_tokens <= cfg.max_tokens_limit:
         raise BadRequest(f"sampling_params.max_tokens={max_tokens!r}; allowed: 1..{cfg.max_tokens_limit}")
     if len(c.prompt) + max_tokens > positions:
-        raise BadRequest(f"a prompt of {len(c.prompt)} tokens and max_tokens={max_tokens} need {len(c.prompt) + max_tokens} "
-                         f"positions; the model has {positions}")
+        raise BadRequest(
+            f"a prompt of {len(c.prompt)} tokens and max_tokens={max_tokens} need {len(c.prompt) + max_tokens} "
+            f"positions; the model has {positions}"
+        )
     if c.n * (len(c.prompt) + max_tokens) > cfg.max_call_tokens:
-        raise BadRequest(f"num_samples={c.n} × ({len(c.prompt)} prompt tokens + max_tokens={max_tokens}) is over "
-                         f"{cfg.max_call_tokens} tokens a call (--max-call-tokens)")
+        raise BadRequest(
+            f"num_samples={c.n} × ({len(c.prompt)} prompt tokens + max_tokens={max_tokens}) is over "
+            f"{cfg.max_call_tokens} tokens a call (--max-call-tokens)"
+        )
     seed = c.params.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
         raise BadRequest(f"sampling_params.seed={seed!r}; allowed: an integer in 0..2**63-1")
     try:
-        sp = SamplingParams(max_new_tokens=max_tokens, temperature=float(c.params.get("temperature", 1.0)),
-                            top_p=float(c.params.get("top_p", 1.0)), top_k=max(0, int(c.params.get("top_k", -1))),
-                            stop_token_ids=stop_ids, seed=seed)
+        sp = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=float(c.params.get("temperature", 1.0)),
+            top_p=float(c.params.get("top_p", 1.0)),
+            top_k=max(0, int(c.params.get("top_k", -1))),
+            stop_token_ids=stop_ids,
+            seed=seed,
+        )
     except (TypeError, ValueError, OverflowError) as e:
         raise BadRequest(f"sampling_params: {e}") from None
     return sp, stop_strings
@@ -110,7 +125,10 @@ def sample_options(b: dict, prompt_len: int, vocab: int) -> dict:
         if not b.get("prompt_logprobs"):
             raise BadRequest("prompt_logprobs_last_n needs prompt_logprobs=true")
         if type(last_n) is not int or not 1 <= last_n <= prompt_len - 1:
-            raise BadRequest(f"prompt_logprobs_last_n={last_n!r}; allowed: an integer in 1..{prompt_len - 1} (the prompt's length - 1)")
+            raise BadRequest(
+                f"prompt_logprobs_last_n={last_n!r}; allowed: an integer in 1..{prompt_len - 1} (the prompt's length "
+                f"- 1)"
+            )
         out["prompt_logprobs_last_n"] = last_n
     if b.get("target_prompt_logprobs") is not None:
         out["target_prompt_logprobs"] = _targets(b["target_prompt_logprobs"], prompt_len, vocab)
@@ -124,8 +142,10 @@ def _targets(t, prompt_len: int, vocab: int) -> np.ndarray:
         raise BadRequest(f"{where}: a TensorData object with data and shape")
     shape = t["shape"]
     if len(shape) != 2 or shape[0] != prompt_len - 1 or type(shape[1]) is not int or not 1 <= shape[1] <= MAX_TOPK:
-        raise BadRequest(f"{where}: shape {shape!r}; want [{prompt_len - 1}, K] with K in 1..{MAX_TOPK} (one row per "
-                         "prompt position after the first)")
+        raise BadRequest(
+            f"{where}: shape {shape!r}; want [{prompt_len - 1}, K] with K in 1..{MAX_TOPK} (one row per "
+            "prompt position after the first)"
+        )
     if not all(type(x) is int for x in t["data"]):
         raise BadRequest(f"{where}: token ids must be integers")
     data = np.array(t["data"], dtype=np.int64)
@@ -136,8 +156,14 @@ def _targets(t, prompt_len: int, vocab: int) -> np.ndarray:
         dense = data.reshape(shape)
     else:
         try:
-            dense = dense_from_csr(shape, data, np.array(crow, dtype=np.int64),
-                                   np.array(col if col is not None else [], dtype=np.int64), -1, where)
+            dense = dense_from_csr(
+                shape,
+                data,
+                np.array(crow, dtype=np.int64),
+                np.array(col if col is not None else [], dtype=np.int64),
+                -1,
+                where,
+            )
         except WireError as e:
             raise BadRequest(str(e)) from None
     if ((dense < -1) | (dense >= vocab)).any():
@@ -172,12 +198,24 @@ def adam_settings(adam: dict) -> tuple[float, float, float, float, float, float]
     """(lr, beta1, beta2, eps, weight_decay, grad_clip_norm) with the SDK's defaults, or BadRequest."""
     lr, b1, b2 = adam.get("learning_rate", 1e-4), adam.get("beta1", 0.9), adam.get("beta2", 0.95)
     eps, wd, clip = adam.get("eps", 1e-12), adam.get("weight_decay", 0.0), adam.get("grad_clip_norm", 0.0)
-    for key, v in (("learning_rate", lr), ("beta1", b1), ("beta2", b2), ("eps", eps), ("weight_decay", wd),
-                   ("grad_clip_norm", clip)):
+    for key, v in (
+        ("learning_rate", lr),
+        ("beta1", b1),
+        ("beta2", b2),
+        ("eps", eps),
+        ("weight_decay", wd),
+        ("grad_clip_norm", clip),
+    ):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise BadRequest(f"adam_params.{key}={v!r} is out of range")
-    for key, v, ok in (("learning_rate", lr, lr >= 0), ("beta1", b1, 0 <= b1 < 1), ("beta2", b2, 0 <= b2 < 1),
-                       ("eps", eps, eps >= 0), ("weight_decay", wd, wd >= 0), ("grad_clip_norm", clip, clip >= 0)):
+    for key, v, ok in (
+        ("learning_rate", lr, lr >= 0),
+        ("beta1", b1, 0 <= b1 < 1),
+        ("beta2", b2, 0 <= b2 < 1),
+        ("eps", eps, eps >= 0),
+        ("weight_decay", wd, wd >= 0),
+        ("grad_clip_norm", clip, clip >= 0),
+    ):
         if not ok:
             raise BadRequest(f"adam_params.{key}={v!r} is out of range")
     return lr, b1, b2, eps, wd, clip

@@ -20,10 +20,8 @@ import asyncio
 import contextlib
 import itertools
 import json
-import secrets
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, Response
@@ -31,37 +29,31 @@ from fastapi.concurrency import run_in_threadpool
 
 from . import hosted, wire
 from .checkpoints import CheckpointStore
-from .tinker_checks import sample_options
 from .http import json_object
 from .registry import SERVED
+from .tinker_checks import sample_options
+from .tinker_futures import PROTO, Futures
 from .tinker_service import BadRequest, FwdBwd, SampleCall
 from .worker import Job, Replayed
 
 if TYPE_CHECKING:
     from .app import Server
 
-PROTO = "application/x-protobuf"
-CLIENT_CONFIG = {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True,
-                 "sample_use_retrieve_futures": False, "sample_join_sampling_session": False,
-                 "custom_loss_server_side": False}
-
-
-@dataclass
-class Future:
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set on the event loop once `body` holds the outcome."""
-    body: bytes = b""
-    proto: bool = False
-    created: float = field(default_factory=time.monotonic)
+CLIENT_CONFIG = {
+    "pjwt_auth_enabled": False,
+    "proto_compress_fwdbwd": False,
+    "parallel_fwdbwd_chunks": True,
+    "sample_use_retrieve_futures": False,
+    "sample_join_sampling_session": False,
+    "custom_loss_server_side": False,
+}
 
 
 class TinkerRoutes:
     def __init__(self, server: Server):
         self.server, self.cfg, self.service, self.worker = server, server.cfg, server.service, server.worker
-        self.futures: dict[str, Future] = {}
-        self.ids = itertools.count()
-        self.lock = threading.Lock()  # the futures: routes run on the threadpool
-        self.loop: asyncio.AbstractEventLoop | None = None  # the HTTP layer's, where futures are settled
+        self.futures = Futures(self.worker, self.cfg.poll_seconds)
+        self.ids = itertools.count()  # names of states saved without one
         self.router = APIRouter()
         self.router.add_api_route("/api/v1/healthz", self.health, methods=["GET"])
         self.router.add_api_route("/api/v1/{rest:path}", self.handle, methods=["GET", "POST", "PUT", "DELETE"])
@@ -81,7 +73,7 @@ class TinkerRoutes:
         return {"status": "ok"}
 
     async def handle(self, request: Request) -> Response:
-        self.loop = asyncio.get_running_loop()
+        self.futures.loop = asyncio.get_running_loop()
         path = request.url.path
         hosted.refuse(request.method, path)  # a hosted service's route: a 4xx naming why, never one the SDK retries
         if request.method == "GET":
@@ -93,70 +85,10 @@ class TinkerRoutes:
             raise BadRequest("compressed request bodies are not accepted", 415)
         raw = await request.body()
         if path == "/api/v1/retrieve_future":
-            data, content_type = await self.retrieve(_json_object(raw))
+            data, content_type = await self.futures.retrieve(_json_object(raw))
         else:
             data, content_type = await run_in_threadpool(self.post, path, raw, request.headers.get("content-type", ""))
         return Response(data, media_type=content_type)
-
-    # --- futures -------------------------------------------------------------------------
-    def start(self, fn, proto: bool = False, model_id: str | None = None, seq_id: int | None = None,
-              fuse: str | None = None, payload=None, encode=json.dumps) -> dict:
-        """Queue `fn` (a result that `encode` makes bytes or text of); the future's id.
-        `fuse`/`payload`: the kind of request and what its fuser needs, to share a pass."""
-        with self.lock:  # an id no other client can guess: whoever holds it may read the result
-            rid = f"req-{secrets.token_urlsafe(16)}"
-            fut = self.futures[rid] = Future(proto=proto)
-            old = [k for k, f in self.futures.items() if f.done.is_set() and time.monotonic() - f.created > 3600]
-            for k in old:
-                del self.futures[k]
-
-        def settle(out) -> None:
-            if isinstance(out, BadRequest):
-                fut.body, fut.proto = json.dumps({"error": str(out), "category": "user"}).encode(), False
-            elif isinstance(out, Exception):  # a server fault still answers the poll, with what went wrong
-                fut.body, fut.proto = json.dumps({"error": f"{type(out).__name__}: {out}", "category": "server"}).encode(), False
-            else:
-                try:
-                    body = encode(out)
-                    fut.body = body.encode() if isinstance(body, str) else body
-                except Exception as e:  # noqa: BLE001 - settled as the request's error; the worker goes on
-                    fut.body, fut.proto = json.dumps({"error": f"{type(e).__name__}: {e}", "category": "server"}).encode(), False
-            with contextlib.suppress(RuntimeError):  # the server has stopped: no poll is waiting any more
-                self.loop.call_soon_threadsafe(fut.done.set)
-
-        try:
-            self.worker.submit(Job(fn, settle, model_id, fuse, payload), seq_id)
-        except Replayed as e:
-            with self.lock:
-                del self.futures[rid]
-            raise BadRequest(str(e), 409) from None
-        return {"request_id": rid, **({"model_id": model_id} if model_id else {})}
-
-    def now(self, fn):
-        """`fn`'s result (or the error it raised), run on the worker between requests: calls that
-        answer at once still change the model's state only there (a parallel service mirrors
-        them to its other ranks in the worker's order)."""
-        box, done = [], threading.Event()
-        self.worker.submit(Job(fn, lambda out: (box.append(out), done.set())))
-        done.wait()
-        if isinstance(box[0], Exception):
-            raise box[0]
-        return box[0]
-
-    async def retrieve(self, body: dict) -> tuple[bytes, str]:
-        """The outcome, once: a retrieved result is released (results are as large as their calls;
-        one not retrieved within an hour is dropped)."""
-        rid = body.get("request_id", "")
-        fut = self.futures.get(rid) if isinstance(rid, str) else None
-        if fut is None:
-            raise BadRequest(f"unknown request_id {rid!r}", 404)
-        try:
-            await asyncio.wait_for(fut.done.wait(), self.cfg.poll_seconds)
-        except TimeoutError:
-            return json.dumps({"type": "try_again", "request_id": rid, "queue_state": "active"}).encode(), "application/json"
-        with self.lock:
-            self.futures.pop(rid, None)
-        return fut.body, PROTO if fut.proto else "application/json"
 
     # --- routes --------------------------------------------------------------------------
     def post(self, path: str, raw: bytes, content_type: str) -> tuple[bytes, str]:
@@ -173,14 +105,23 @@ class TinkerRoutes:
                 tensors = s.check_data(req.loss_fn, req.loss_fn_config, req.data)  # refused now, not in the future
             call = FwdBwd(req.model_id, req.loss_fn, req.loss_fn_config, req.data, tensors, req.forward_only)
             encode = lambda o: wire.forward_backward_output({"logprobs": o[0]}, o[1], len(call.data))  # noqa: E731
-            return self._json(self.start(lambda: s.forward_backward_many([call])[0], proto=True, model_id=req.model_id,
-                                         seq_id=req.seq_id, fuse="forward_backward", payload=call, encode=encode))
+            return self._json(
+                self.futures.start(
+                    lambda: s.forward_backward_many([call])[0],
+                    proto=True,
+                    model_id=req.model_id,
+                    seq_id=req.seq_id,
+                    fuse="forward_backward",
+                    payload=call,
+                    encode=encode,
+                )
+            )
         body = _json_object(raw)
         handler = self._routes().get(path)
         if handler is None and path.startswith("/api/v1/sessions/") and path.endswith("/finish"):
             sid = path.split("/")[-2]
             if sid in s.sessions and sid != SERVED:
-                self.now(lambda: s.end_sessions([sid]))
+                self.futures.now(lambda: s.end_sessions([sid]))
             return self._json({})
         if handler is None:
             raise BadRequest(f"no route POST {path}", 404)
@@ -211,7 +152,9 @@ class TinkerRoutes:
             "/api/v1/client/dynamic_config": lambda b: {"refresh_interval_sec": 300},
             "/api/v1/telemetry": lambda b: {"status": "accepted"},
             "/api/v1/create_session": self._create_session,
-            "/api/v1/session_heartbeat": lambda b: (s.session(b.get("session_id", "")), {"type": "session_heartbeat"})[1],
+            "/api/v1/session_heartbeat": lambda b: (s.session(b.get("session_id", "")), {"type": "session_heartbeat"})[
+                1
+            ],
             "/api/v1/create_model": self._create_model,
             "/api/v1/get_info": lambda b: s.info(b.get("model_id", "")),
             "/api/v1/optim_step": self._optim_step,
@@ -248,7 +191,7 @@ class TinkerRoutes:
         s = self.service
         idle = s.idle_sessions()
         if idle:  # their clients and samplers freed first (on the worker: a parallel service's ranks follow)
-            self.now(lambda: s.end_sessions(idle))
+            self.futures.now(lambda: s.end_sessions(idle))
         return {"type": "create_session", "session_id": s.create_session()}
 
     def _create_model(self, b: dict) -> dict:
@@ -265,14 +208,14 @@ class TinkerRoutes:
             self.store.record_run(out["model_id"], rank, roles, metadata)
             return out
 
-        return self.start(create, model_id=f"{sid}:train:{seq}")
+        return self.futures.start(create, model_id=f"{sid}:train:{seq}")
 
     def _optim_step(self, b: dict) -> dict:
         s, mid = self.service, b.get("model_id", "")
         s.client(mid)
         if "adam_params" not in b:
             raise BadRequest("optim_step needs adam_params (this server runs AdamW)")
-        return self.start(lambda: s.optim_step(mid, b["adam_params"]), model_id=mid, seq_id=b.get("seq_id"))
+        return self.futures.start(lambda: s.optim_step(mid, b["adam_params"]), model_id=mid, seq_id=b.get("seq_id"))
 
     def _save_weights(self, b: dict) -> dict:
         s, mid = self.service, b.get("model_id", "")
@@ -286,7 +229,7 @@ class TinkerRoutes:
             self.store.annotate(out["path"], ttl, metadata)
             return out
 
-        return self.start(save, model_id=mid, seq_id=b.get("seq_id"))
+        return self.futures.start(save, model_id=mid, seq_id=b.get("seq_id"))
 
     def _save_for_sampler(self, b: dict) -> dict:
         s, mid = self.service, b.get("model_id", "")
@@ -302,14 +245,16 @@ class TinkerRoutes:
                 self.store.annotate(out["path"], ttl, metadata)
             return out
 
-        return self.start(save, model_id=mid, seq_id=b.get("seq_id"))
+        return self.futures.start(save, model_id=mid, seq_id=b.get("seq_id"))
 
     def _load_weights(self, b: dict) -> dict:
         s, path, optimizer = self.service, b.get("path", ""), bool(b.get("optimizer", False))
         s.resolve(path)
         if "model_id" in b:  # the legacy form: a new client under the same id is not what it asks
-            raise BadRequest("load_weights into an existing client is not supported; use "
-                             "create_training_client_from_state[_with_optimizer]")
+            raise BadRequest(
+                "load_weights into an existing client is not supported; use "
+                "create_training_client_from_state[_with_optimizer]"
+            )
         sid, seq = b.get("session_id", ""), _seq(b, "model_seq_id")
         if f"{sid}:train:{seq}" in s.session(sid).models:
             raise BadRequest(f"model_seq_id {seq} of this session is taken by {sid}:train:{seq}", 409)
@@ -321,12 +266,14 @@ class TinkerRoutes:
             self.store.record_run(out["model_id"], c.rank, c.roles, metadata)
             return out
 
-        return self.start(load, model_id=f"{sid}:train:{seq}")
+        return self.futures.start(load, model_id=f"{sid}:train:{seq}")
 
     def _create_sampler(self, b: dict) -> dict:
         s = self.service
         seq = _seq(b, "sampling_session_seq_id")
-        sid = self.now(lambda: s.create_sampler(b.get("session_id", ""), seq, b.get("model_path"), b.get("base_model")))
+        sid = self.futures.now(
+            lambda: s.create_sampler(b.get("session_id", ""), seq, b.get("model_path"), b.get("base_model"))
+        )
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     def _sample(self, b: dict) -> dict:
@@ -350,8 +297,13 @@ class TinkerRoutes:
 
         calls = [SampleCall(sid, prompt, n, params, want_prompt, options=sample_options(b, len(prompt), s.vocab))]
         s.check_sample(calls[0])  # refused now, not in the future
-        out = self.start(lambda: self.server.sample([calls])[0], proto=True, fuse="sample", payload=calls,
-                         encode=lambda o: wire.sample_response(*o[0]))
+        out = self.futures.start(
+            lambda: self.server.sample([calls])[0],
+            proto=True,
+            fuse="sample",
+            payload=calls,
+            encode=lambda o: wire.sample_response(*o[0]),
+        )
         out["sample_sequence_ids"] = [f"{out['request_id']}:{i}" for i in range(n)]
         return out
 
@@ -359,8 +311,14 @@ class TinkerRoutes:
         _, _, folder = self.service.resolve(b.get("tinker_path", ""))
         meta = json.loads((folder / "state.json").read_text())
         roles = set(meta["roles"])
-        return {"base_model": self.cfg.model, "is_lora": True, "lora_rank": meta["rank"], "train_attn": "attention" in roles,
-                "train_mlp": bool(roles & {"mlp", "shared_experts", "experts"}), "train_unembed": "lm_head" in roles}
+        return {
+            "base_model": self.cfg.model,
+            "is_lora": True,
+            "lora_rank": meta["rank"],
+            "train_attn": "attention" in roles,
+            "train_mlp": bool(roles & {"mlp", "shared_experts", "experts"}),
+            "train_unembed": "lm_head" in roles,
+        }
 
 
 def _seq(body: dict, key: str) -> int:

@@ -13,31 +13,40 @@ Shape legend: B datums, T tokens (padded), V vocabulary, N one datum's tokens, K
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .. import lora
-from ..checkpoint.atomic import AtomicFolder
-from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
 from ..policy import adamw, optimizer_step
+from ..policy.adapters import Revision, roles_of
 from ..policy.logprobs import target_logprobs
 from ..rl.tinker_losses import datum_loss
 from ..rollout.local import LocalEngine
 from ..rollout.types import SamplingParams
-from ..policy.adapters import ResidentBase, Revision, roles_of
-from .tinker_checks import adam_settings, check_data, check_sample, resolve, state_path
+from . import tinker_states as states
+from .commands import (
+    CreateModel,
+    CreateSampler,
+    EndSessions,
+    ForwardBackward,
+    LoadState,
+    OptimStep,
+    Sample,
+    SaveForSampler,
+    SaveState,
+    Stop,
+)
 from .config import ServeConfig
-from .commands import (CreateModel, CreateSampler, EndSessions, ForwardBackward, LoadState, OptimStep, Sample,
-                       SaveForSampler, SaveState, Stop)
 from .ranks import Ranks
 from .registry import SERVED, Registry
 from .sampling import Sampling
+from .tinker_checks import adam_settings, check_data, check_sample, resolve, state_path
 from .tinker_types import BadRequest, Client, FwdBwd, SampleCall
 from .wire import Datum
 
@@ -67,20 +76,25 @@ class TinkerService:
         self.engine = LocalEngine.sharing(self.base.model, pad_id=self.tokenizer.pad_token_id or 0)
         self.registry = r = Registry(cfg, follower=self.ranks.rank > 0)
         # what a route asks of the registry, by the service's own names
-        self.sessions, self.create_session, self.session, self.idle_sessions = r.sessions, r.create_session, r.session, r.idle_sessions
+        self.sessions, self.create_session, self.session, self.idle_sessions = (
+            r.sessions,
+            r.create_session,
+            r.session,
+            r.idle_sessions,
+        )
         self.client, self.sampler, self.served, self.unserve_adapter = r.client, r.sampler, r.served, r.unserve
         self.root = Path(cfg.state_dir)
-        self.sampling = Sampling(self.base, self.engine, self.ranks, self.tokenizer, self.device, self.check_sample, self.sampler)
+        self.sampling = Sampling(
+            self.base, self.engine, self.ranks, self.tokenizer, self.device, self.check_sample, self.sampler
+        )
 
     # --- the other ranks --------------------------------------------------------------------
     def follow(self) -> None:
         """Ranks > 0: run rank 0's commands until it says stop. A command's BadRequest is rank 0's to
         answer; here it only means the same nothing happened."""
         while not isinstance(command := self.ranks.receive(), Stop):
-            try:
+            with contextlib.suppress(BadRequest):
                 command.run(self)
-            except BadRequest:
-                pass
         dist.barrier()  # with rank 0's in `stop`: no rank tears the group down while another still receives
 
     def stop(self) -> None:
@@ -100,8 +114,16 @@ class TinkerService:
             raise BadRequest(f"unknown base_model {name!r}; this server has {self.cfg.model!r}", 404)
 
     def capabilities(self) -> dict:
-        return {"supported_models": [{"model_name": self.cfg.model, "trainable": True, "sampleable": True,
-                                      "max_context_length": self.base.model.args.max_position_embeddings}]}
+        return {
+            "supported_models": [
+                {
+                    "model_name": self.cfg.model,
+                    "trainable": True,
+                    "sampleable": True,
+                    "max_context_length": self.base.model.args.max_position_embeddings,
+                }
+            ]
+        }
 
     # --- training clients ----------------------------------------------------------------
     def lora_settings(self, base_model: str | None, lora_config: dict) -> tuple[int, tuple[str, ...], int]:
@@ -110,31 +132,56 @@ class TinkerService:
         rank = lora_config.get("rank", 32)
         if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= self.cfg.max_rank:
             raise BadRequest(f"lora_config.rank={rank!r}; allowed: an integer in 1..{self.cfg.max_rank}")
-        roles = roles_of(bool(lora_config.get("train_attn", True)), bool(lora_config.get("train_mlp", True)),
-                         bool(lora_config.get("train_unembed", True)))
+        roles = roles_of(
+            bool(lora_config.get("train_attn", True)),
+            bool(lora_config.get("train_mlp", True)),
+            bool(lora_config.get("train_unembed", True)),
+        )
         if not roles:
             raise BadRequest("lora_config trains nothing: set one of train_attn, train_mlp, train_unembed")
         if self.stages is not None and set(roles) <= {"lm_head"}:
-            raise BadRequest(f"lora_config trains only the unembedding, which lives on the last of --pp {self.cfg.pp} "
-                             "stages; every stage needs an adapter: set train_attn or train_mlp")
+            raise BadRequest(
+                f"lora_config trains only the unembedding, which lives on the last of --pp {self.cfg.pp} "
+                "stages; every stage needs an adapter: set train_attn or train_mlp"
+            )
         return rank, roles, int(lora_config.get("seed") or 0)
 
     def create_model(self, sid: str, seq: int, rank: int, roles: tuple[str, ...], seed: int) -> dict:
         """A new training client (settings checked by `lora_settings`)."""
         self.ranks.mirror(CreateModel(sid, seq, rank, roles, seed))
-        expert_rank = max(1, rank // self.base.model.args.top_k) if self.cfg.expert_rank_rule == "divide_by_top_k" else None
-        return self.registry.register(sid, seq, Client("", self.base.new_adapter(rank, roles, seed, expert_rank), rank, roles))
+        expert_rank = (
+            max(1, rank // self.base.model.args.top_k) if self.cfg.expert_rank_rule == "divide_by_top_k" else None
+        )
+        return self.registry.register(
+            sid, seq, Client("", self.base.new_adapter(rank, roles, seed, expert_rank), rank, roles)
+        )
 
     def info(self, model_id: str) -> dict:
         c = self.client(model_id)
-        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": c.rank,
-                "model_name": self.cfg.model, "optimizer_config": {"type": "adamw"},
-                "model_data": {"arch": self.base.model.args.model_type, "model_name": self.cfg.model,
-                               "tokenizer_id": str(Path(self.path).resolve())}}  # loads with no hub: client and server share files
+        return {
+            "type": "get_info",
+            "model_id": model_id,
+            "is_lora": True,
+            "lora_rank": c.rank,
+            "model_name": self.cfg.model,
+            "optimizer_config": {"type": "adamw"},
+            "model_data": {
+                "arch": self.base.model.args.model_type,
+                "model_name": self.cfg.model,
+                "tokenizer_id": str(Path(self.path).resolve()),
+            },
+        }  # loads with no hub: client and server share files
 
     # --- forward / backward --------------------------------------------------------------
-    def forward_backward(self, model_id: str, loss_fn: str, config: dict, data: list[Datum],
-                         tensors: list[dict[str, torch.Tensor]], forward_only: bool):
+    def forward_backward(
+        self,
+        model_id: str,
+        loss_fn: str,
+        config: dict,
+        data: list[Datum],
+        tensors: list[dict[str, torch.Tensor]],
+        forward_only: bool,
+    ):
         """Per-datum target logprobs (as `target_tokens` is shaped) and {"loss:sum": ...}; gradients
         accumulate in the client's adapter until its next optim_step (unless forward_only).
         `tensors`: each datum's loss inputs as `check_data` returned them."""
@@ -166,13 +213,17 @@ class TinkerService:
                 filler = self._target_logprobs(model, [Datum([0], {})], [{"target_tokens": torch.zeros(1)}])[0]
                 self._losses_and_backward(live, [], outcomes, filler)
                 return outcomes
-            logps = self._target_logprobs(model, [d for _, c, _, lo, hi in mine for d in c.data[lo:hi]],
-                                          [t for _, c, _, lo, hi in mine for t in c.tensors[lo:hi]])
+            logps = self._target_logprobs(
+                model,
+                [d for _, c, _, lo, hi in mine for d in c.data[lo:hi]],
+                [t for _, c, _, lo, hi in mine for t in c.tensors[lo:hi]],
+            )
             self._losses_and_backward(live, logps, outcomes)
         return outcomes
 
-    def _losses_and_backward(self, live: list, logps: list[torch.Tensor], outcomes: list,
-                             filler: torch.Tensor | None = None) -> None:
+    def _losses_and_backward(
+        self, live: list, logps: list[torch.Tensor], outcomes: list, filler: torch.Tensor | None = None
+    ) -> None:
         """Under pp the losses are the last stage's; their outcomes go to every stage, then backward runs
         through the stages (after the outcomes: a stage waiting for them cannot take a gradient)."""
         if self.stages is None:
@@ -185,22 +236,30 @@ class TinkerService:
         if backward:
             self.stages.backward(total)
 
-    def _kept_loss(self, live: list, logps: list[torch.Tensor], outcomes: list,
-                   filler: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _kept_loss(
+        self, live: list, logps: list[torch.Tensor], outcomes: list, filler: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Each call's loss over its datums (`logps` in call order) and its outcome; a non-finite one is
         refused. Returns the sum of the kept losses, to run backward from (None: nothing to run).
         `filler` (a pass's output, weighted 0) joins the first call's loss."""
         partial, start, mine = [], 0, {}
         for i, c, _, lo, hi in live:
-            lps, start = logps[start:start + hi - lo], start + hi - lo
+            lps, start = logps[start : start + hi - lo], start + hi - lo
             mine[i] = lps
-            partial.append(sum((datum_loss(c.loss_fn, lp, {k: v.to(self.device) for k, v in t.items()}, c.config)
-                                for lp, t in zip(lps, c.tensors[lo:hi])), torch.zeros((), device=self.device)))
+            partial.append(
+                sum(
+                    (
+                        datum_loss(c.loss_fn, lp, {k: v.to(self.device) for k, v in t.items()}, c.config)
+                        for lp, t in zip(lps, c.tensors[lo:hi], strict=True)
+                    ),
+                    torch.zeros((), device=self.device),
+                )
+            )
         if filler is not None:
             partial[0] = partial[0] + filler.sum() * 0
         totals, every = self.ranks.combine(partial, mine, self.device)
         kept = []
-        for (i, c, *_), loss, total in zip(live, partial, totals):
+        for (i, c, *_), loss, total in zip(live, partial, totals, strict=True):
             if not c.forward_only and not math.isfinite(total):
                 outcomes[i] = BadRequest(f"the {c.loss_fn} loss is not finite ({total}): check logprobs and advantages")
                 continue
@@ -215,14 +274,20 @@ class TinkerService:
 
     def _target_logprobs(self, model, data: list[Datum], tensors) -> list[torch.Tensor]:
         width = max(len(d.tokens) for d in data)
-        ids = torch.zeros(len(data), width, dtype=torch.long)  # [B, T] right-padded (causal: pads change nothing before them)
+        ids = torch.zeros(
+            len(data), width, dtype=torch.long
+        )  # [B, T] right-padded (causal: pads change nothing before them)
         for i, d in enumerate(data):
-            ids[i, :len(d.tokens)] = torch.tensor(d.tokens)
+            ids[i, : len(d.tokens)] = torch.tensor(d.tokens)
         logits = model(ids.to(self.device))  # [B, T, V]; under cp [B, t, V]; with a vocabulary-parallel head [.., V/tp]
         if logits is None:  # a pipeline stage before the last: the last one computes the losses
             return [None] * len(data)
-        return target_logprobs(logits, [t["target_tokens"].long().to(self.device) for t in tensors],  # [N] or [N, K]
-                               getattr(model, "context_parallel", None), getattr(model, "vocab_parallel_group", None))
+        return target_logprobs(
+            logits,
+            [t["target_tokens"].long().to(self.device) for t in tensors],  # [N] or [N, K]
+            getattr(model, "context_parallel", None),
+            getattr(model, "vocab_parallel_group", None),
+        )
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
         """One AdamW step on the accumulated gradients (`policy.optimizer_step`)."""
@@ -251,59 +316,18 @@ class TinkerService:
 
     def save_state(self, model_id: str, name: str, optimizer: bool = True) -> dict:
         self.ranks.mirror(SaveState(model_id, name, optimizer))
-        client = self.client(model_id)
-        path, folder = self.state_path(model_id, "weights", name)
-        a = client.adapter
-        if a.optimizer is None:
-            a.optimizer = adamw(a.params.values())
-        meta = {"rank": client.rank, "roles": list(client.roles), "seed": a.config.seed, "expert_rank": a.config.expert_rank,
-                "steps": a.steps, "time": time.time(),
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in a.optimizer.param_groups]}
-        tensors = self.base.placement.full(rank_tensors(a.params, a.optimizer), self.device)
-        if self.writes:
-            with AtomicFolder(folder) as tmp:
-                save_file({k: t.cpu() for k, t in tensors.items()}, str(tmp / "adapter.safetensors"))
-                (tmp / "state.json").write_text(json.dumps(meta))
-        return {"path": path, "type": "save_weights"}
+        return states.save_state(self, model_id, name, optimizer)
 
     def load_state(self, sid: str, seq: int, tinker_path: str, optimizer: bool) -> dict:
         """A new training client from a saved state (with its AdamW moments when `optimizer`)."""
         self.ranks.mirror(LoadState(sid, seq, tinker_path, optimizer))
-        _, kind, folder = self.resolve(tinker_path)
-        if kind != "weights":
-            raise BadRequest(f"{tinker_path!r} holds sampler weights; load a tinker://.../weights/... state")
-        meta = json.loads((folder / "state.json").read_text())
-        tensors = self.base.placement.here(load_file(str(folder / "adapter.safetensors")))
-        roles = tuple(meta["roles"])
-        adapter = self.base.adapter_from(lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=roles,
-                                                         seed=meta["seed"], expert_rank=meta.get("expert_rank")),
-                                         {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")})
-        adapter.optimizer = adamw(adapter.params.values())
-        if optimizer:
-            restore_rank_tensors(self.base.placement.local(tensors), adapter.params, adapter.optimizer, folder)
-            for g, saved in zip(adapter.optimizer.param_groups, meta["param_groups"]):
-                g.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-            adapter.steps = meta["steps"]
-        out = self.registry.register(sid, seq, Client("", adapter, meta["rank"], roles))
-        return {"model_id": out["model_id"], "path": tinker_path, "type": "load_weights"}
+        return states.load_state(self, sid, seq, tinker_path, optimizer)
 
     def save_for_sampler(self, model_id: str, name: str | None, sid: str | None = None, sampler_seq: int = 0) -> dict:
         """A frozen revision: named ones are written as tinker://.../sampler_weights/<name>; unnamed
         ones become a sampling session at once."""
         self.ranks.mirror(SaveForSampler(model_id, name, sid, sampler_seq))
-        client = self.client(model_id)
-        revision = ResidentBase.revision(client.adapter)
-        if name is None:
-            return {"sampling_session_id": self.registry.add_sampler(sid or model_id.split(":")[0], sampler_seq, revision, True)}
-        path, folder = self.state_path(model_id, "sampler_weights", name)
-        tensors = self.base.placement.full(revision.tensors, self.device)
-        if self.writes:
-            with AtomicFolder(folder) as tmp:
-                save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(tmp / "adapter.safetensors"))
-                (tmp / "state.json").write_text(json.dumps({"rank": client.rank, "roles": list(client.roles), "time": time.time(),
-                                                            "expert_rank": client.adapter.config.expert_rank,
-                                                            "seed": client.adapter.config.seed}))
-        return {"path": path, "type": "save_weights_for_sampler"}
+        return states.save_for_sampler(self, model_id, name, sid, sampler_seq)
 
     # --- sampling ------------------------------------------------------------------------
     def create_sampler(self, sid: str, seq: int, model_path: str | None, base_model: str | None) -> str:
@@ -314,10 +338,17 @@ class TinkerService:
         _, _, folder = self.resolve(model_path)
         meta = json.loads((folder / "state.json").read_text())
         tensors = load_file(str(folder / "adapter.safetensors"))
-        tensors = {k[len("param."):]: v for k, v in tensors.items() if k.startswith("param.")} or tensors
-        tensors = {k: self.base.placement.shard(k, v.to(self.device)) for k, v in self.base.placement.here(tensors).items()}
-        config = lora.LoraConfig(rank=meta["rank"], alpha=self.base.alpha, targets=tuple(meta["roles"]), seed=meta["seed"],
-                                 expert_rank=meta.get("expert_rank"))
+        tensors = {k[len("param.") :]: v for k, v in tensors.items() if k.startswith("param.")} or tensors
+        tensors = {
+            k: self.base.placement.shard(k, v.to(self.device)) for k, v in self.base.placement.here(tensors).items()
+        }
+        config = lora.LoraConfig(
+            rank=meta["rank"],
+            alpha=self.base.alpha,
+            targets=tuple(meta["roles"]),
+            seed=meta["seed"],
+            expert_rank=meta.get("expert_rank"),
+        )
         return self.registry.add_sampler(sid, seq, Revision(config, tensors))
 
     def serve_adapter(self, name: str, revision: Revision) -> None:
@@ -337,8 +368,12 @@ class TinkerService:
 
     def check_sample(self, c: SampleCall) -> tuple[Revision, SamplingParams, tuple[str, ...]]:
         revision = self.sampler(c.sampler_id)
-        return (revision, *check_sample(c, self.vocab, self.tokenizer.eos_token_id, self.cfg,
-                                        self.base.model.args.max_position_embeddings))
+        return (
+            revision,
+            *check_sample(
+                c, self.vocab, self.tokenizer.eos_token_id, self.cfg, self.base.model.args.max_position_embeddings
+            ),
+        )
 
 
 def _raised(outcome):

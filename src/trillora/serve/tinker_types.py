@@ -13,7 +13,9 @@ from ..errors import TrilloraError
 from ..policy.adapters import Adapter, Revision
 from .wire import Datum
 
-NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # fullmatch: never "." or "..", no newline; names become folders
+NAME = re.compile(
+    r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}"
+)  # fullmatch: never "." or "..", no newline; names become folders
 MODEL_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._:-]{0,127}")
 
 

@@ -58,12 +58,12 @@ def fields(buf: bytes) -> dict[int, list]:
             n, i = _varint(buf, i)
             if i + n > len(buf):
                 raise WireError(f"field {number}: {n} bytes announced, {len(buf) - i} left")
-            value, i = buf[i:i + n], i + n
+            value, i = buf[i : i + n], i + n
         elif kind in (1, 5):
             size = 8 if kind == 1 else 4
             if i + size > len(buf):
                 raise WireError(f"field {number}: truncated fixed-size value")
-            value, i = buf[i:i + size], i + size
+            value, i = buf[i : i + size], i + size
         else:
             raise WireError(f"field {number}: unsupported wire type {kind}")
         out.setdefault(number, []).append(value)
@@ -109,21 +109,35 @@ def read_tensor(buf: bytes, where: str, limit: int) -> np.ndarray:
     if 2 in f:  # CSR: rows of the non-pad values, pad 0
         csr = fields(f[2][-1])
         values = _array(_one(csr, 1, b""), dtype, where)
-        crow, col = _array(_one(csr, 2, b""), np.dtype(np.int64), where), _array(_one(csr, 3, b""), np.dtype(np.int64), where)
+        crow, col = (
+            _array(_one(csr, 2, b""), np.dtype(np.int64), where),
+            _array(_one(csr, 3, b""), np.dtype(np.int64), where),
+        )
         return dense_from_csr(shape, values, crow, col, 0, where)
     return np.zeros(shape or [0], dtype=dtype)
 
 
-def dense_from_csr(shape: list[int], values: np.ndarray, crow: np.ndarray, col: np.ndarray, fill, where: str) -> np.ndarray:
+def dense_from_csr(
+    shape: list[int], values: np.ndarray, crow: np.ndarray, col: np.ndarray, fill, where: str
+) -> np.ndarray:
     """A CSR tensor (row pointers `crow`, columns `col`) as a dense [R, C] array, `fill` where nothing
     is listed; pointers that go down or past the values and columns out of range are refused."""
-    if (len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values) or crow[0] != 0
-            or crow[-1] != len(values) or (np.diff(crow) < 0).any() or (len(col) and (col.min() < 0 or col.max() >= shape[1]))):
-        raise WireError(f"{where}: sparse tensor of shape {shape} with row pointers {crow[:4].tolist()}... "
-                        f"(want 0 up to {len(values)}, never down) and {len(col)} columns (want 0..{shape[-1] - 1 if shape else 0})")
+    if (
+        len(shape) != 2
+        or len(crow) != shape[0] + 1
+        or len(col) != len(values)
+        or crow[0] != 0
+        or crow[-1] != len(values)
+        or (np.diff(crow) < 0).any()
+        or (len(col) and (col.min() < 0 or col.max() >= shape[1]))
+    ):
+        raise WireError(
+            f"{where}: sparse tensor of shape {shape} with row pointers {crow[:4].tolist()}... "
+            f"(want 0 up to {len(values)}, never down) and {len(col)} columns (want 0..{shape[-1] - 1 if shape else 0})"
+        )
     dense = np.full(shape, fill, dtype=values.dtype)
     for r in range(shape[0]):
-        dense[r, col[crow[r]:crow[r + 1]]] = values[crow[r]:crow[r + 1]]
+        dense[r, col[crow[r] : crow[r + 1]]] = values[crow[r] : crow[r + 1]]
     return dense
 
 
@@ -193,8 +207,14 @@ def read_forward_backward(buf: bytes, max_tokens: int) -> ForwardBackwardRequest
             config[key] = struct.unpack("<d", v[1][-1])[0]
         elif 2 in v:
             config[key] = v[2][-1].decode("utf-8")
-    return ForwardBackwardRequest(model_id=_text(f, 1), seq_id=_one(f, 2, 0), loss_fn=_text(f, 4), data=data,
-                                  loss_fn_config=config, forward_only=bool(_one(f, 6, 0)))
+    return ForwardBackwardRequest(
+        model_id=_text(f, 1),
+        seq_id=_one(f, 2, 0),
+        loss_fn=_text(f, 4),
+        data=data,
+        loss_fn_config=config,
+        forward_only=bool(_one(f, 6, 0)),
+    )
 
 
 # --- writing ----------------------------------------------------------------------------
@@ -247,8 +267,11 @@ def forward_backward_output(outputs: dict[str, list[np.ndarray]], metrics: dict[
     return body
 
 
-def sample_response(sequences: list[tuple[list[int], list[float], str]], prompt_logprobs: list[float] | None = None,
-                    extras: dict | None = None) -> bytes:
+def sample_response(
+    sequences: list[tuple[list[int], list[float], str]],
+    prompt_logprobs: list[float] | None = None,
+    extras: dict | None = None,
+) -> bytes:
     """`SampleResponse`: (tokens, logprobs, "stop" | "length") per sequence; prompt logprobs with
     NaN at the positions nothing scored (position 0); `extras` (`serve.scoring`): "topk_sample" (per
     sequence), "topk_prompt", "targets", "alt"."""
@@ -275,11 +298,18 @@ def sample_response(sequences: list[tuple[list[int], list[float], str]], prompt_
 def _topk(ids: np.ndarray, logprobs: np.ndarray) -> bytes:
     """`TopkLogprobs`: dense [length, k] token ids (int32) and logprobs (float32)."""
     length, k = ids.shape
-    return (put_bytes(1, np.ascontiguousarray(ids, dtype="<i4").tobytes()) +
-            put_bytes(2, np.ascontiguousarray(logprobs, dtype="<f4").tobytes()) + put_varint(3, k) + put_varint(4, length))
+    return (
+        put_bytes(1, np.ascontiguousarray(ids, dtype="<i4").tobytes())
+        + put_bytes(2, np.ascontiguousarray(logprobs, dtype="<f4").tobytes())
+        + put_varint(3, k)
+        + put_varint(4, length)
+    )
 
 
 def _tensor(array: np.ndarray) -> bytes:
     """A dense `Tensor` (float32 or int64)."""
-    return (put_bytes(1, np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()) +
-            put_varint(3, DTYPE_CODES[np.dtype(array.dtype)]) + put_bytes(4, b"".join(_put_varint(n) for n in array.shape)))
+    return (
+        put_bytes(1, np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes())
+        + put_varint(3, DTYPE_CODES[np.dtype(array.dtype)])
+        + put_bytes(4, b"".join(_put_varint(n) for n in array.shape))
+    )

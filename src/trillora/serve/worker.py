@@ -47,8 +47,13 @@ class Replayed(ValueError):
 
 
 class Worker:
-    def __init__(self, fusers: dict[str, Fuser] | None = None, max_fused: int = 16, gather_seconds: float = 0.01,
-                 stall_seconds: float = 10.0):
+    def __init__(
+        self,
+        fusers: dict[str, Fuser] | None = None,
+        max_fused: int = 16,
+        gather_seconds: float = 0.01,
+        stall_seconds: float = 10.0,
+    ):
         self.fusers, self.max_fused, self.stall_seconds = fusers or {}, max_fused, stall_seconds
         self.gather_seconds = gather_seconds
         self.recent: collections.deque[Job] = collections.deque()  # fusable jobs of the last second
@@ -122,8 +127,11 @@ class Worker:
             if first.fuse is None or first.fuse not in self.fusers or self.max_fused < 2:
                 return [first]
             deadline = time.monotonic() + self.gather_seconds
-            while (not any(j.fuse == first.fuse for j in self.runnable) and self._company_expected(first)
-                   and time.monotonic() < deadline):
+            while (
+                not any(j.fuse == first.fuse for j in self.runnable)
+                and self._company_expected(first)
+                and time.monotonic() < deadline
+            ):
                 self.ready.wait(max(0.0, deadline - time.monotonic()))
             batch, kept, blocked = [first], collections.deque(), set()
             for job in self.runnable:
@@ -139,8 +147,13 @@ class Worker:
         """Another source sent this kind of request within the last second (for samples, which
         belong to no client, any other sample)."""
         now = time.monotonic()
-        return any(j is not first and j.fuse == first.fuse and now - j.arrived < 1.0
-                   and (first.model_id is None or j.model_id != first.model_id) for j in self.recent)
+        return any(
+            j is not first
+            and j.fuse == first.fuse
+            and now - j.arrived < 1.0
+            and (first.model_id is None or j.model_id != first.model_id)
+            for j in self.recent
+        )
 
     def _run(self) -> None:
         while True:
@@ -149,10 +162,10 @@ class Worker:
                 outcomes = [_outcome(batch[0].run)]
             else:
                 self.fused_batches += 1
-                outcomes = _outcome(lambda: self.fusers[batch[0].fuse]([j.payload for j in batch]))
+                outcomes = _outcome(lambda: self.fusers[batch[0].fuse]([j.payload for j in batch]))  # noqa: B023 - called here
                 if isinstance(outcomes, Exception):
                     outcomes = [outcomes] * len(batch)
-            for job, out in zip(batch, outcomes):
+            for job, out in zip(batch, outcomes, strict=True):
                 job.settle(out)
 
 

@@ -3,7 +3,6 @@
 import inspect
 
 from ..errors import ConfigError
-
 from .arithmetic import ArithmeticTask
 from .base import Problem, Task, first_line
 from .code import CodeTask
@@ -11,8 +10,13 @@ from .countdown import CountdownTask, evaluate
 from .jsonl import DatasetError, JsonlTask, load_reward_fn
 from .reversal import ReversalTask
 
-TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask, "reversal": ReversalTask, "jsonl": JsonlTask,
-         "code": CodeTask}
+TASKS = {
+    "arithmetic": ArithmeticTask,
+    "countdown": CountdownTask,
+    "reversal": ReversalTask,
+    "jsonl": JsonlTask,
+    "code": CodeTask,
+}
 
 
 def make_task(name: str, **options) -> Task:
@@ -25,5 +29,18 @@ def make_task(name: str, **options) -> Task:
     return TASKS[name](**options)
 
 
-__all__ = ["TASKS", "ArithmeticTask", "CodeTask", "CountdownTask", "DatasetError", "JsonlTask", "Problem", "ReversalTask", "Task",
-           "evaluate", "first_line", "load_reward_fn", "make_task"]
+__all__ = [
+    "TASKS",
+    "ArithmeticTask",
+    "CodeTask",
+    "CountdownTask",
+    "DatasetError",
+    "JsonlTask",
+    "Problem",
+    "ReversalTask",
+    "Task",
+    "evaluate",
+    "first_line",
+    "load_reward_fn",
+    "make_task",
+]

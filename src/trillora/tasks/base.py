@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
-import sys
 import random
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,8 +35,10 @@ def in_eval_split(prompt: str, eval_fraction: float) -> bool:
     return (h % 10_000) < eval_fraction * 10_000
 
 
-MOVED = {f"trillora.tasks.{env}": f"trillora.envs.{env}" for env in ("guessing", "ledger", "marathon", "calculator",
-                                                                       "python_tool", "tools", "env_dataset")}
+MOVED = {
+    f"trillora.tasks.{env}": f"trillora.envs.{env}"
+    for env in ("guessing", "ledger", "marathon", "calculator", "python_tool", "tools", "env_dataset")
+}
 """Built-in envs that configs written before the `envs` package name under `trillora.tasks`."""
 
 

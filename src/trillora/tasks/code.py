@@ -13,8 +13,8 @@ import random
 import re
 from dataclasses import dataclass
 
-from .base import Problem, Task
 from ..sandbox.jail import Limits, run_python
+from .base import Problem, Task
 
 OPERATIONS = {
     "sum": ("a + b", lambda a, b: a + b),
@@ -65,12 +65,14 @@ class CodeTask(Task):
         what = rng.choice(sorted(OPERATIONS))
         expr, fn = OPERATIONS[what]
         pairs = [(rng.randint(-99, 99), rng.randint(1, 99)) for _ in range(self.tests)]
-        prompt = (f"# Python 3: read two integers a and b from one line of standard input and print "
-                  f"their {what}.\n")
+        prompt = f"# Python 3: read two integers a and b from one line of standard input and print their {what}.\n"
         reference = f"a, b = map(int, input().split())\nprint({expr})\n"
         tests = [{"stdin": f"{a} {b}\n", "stdout": str(fn(a, b))} for a, b in pairs]
-        return Problem(prompt=prompt + "".join(f"# {t['stdin'].strip()} -> {t['stdout']}\n" for t in tests[:1]),
-                       answer=reference, data={"tests": tests})
+        return Problem(
+            prompt=prompt + "".join(f"# {t['stdin'].strip()} -> {t['stdout']}\n" for t in tests[:1]),
+            answer=reference,
+            data={"tests": tests},
+        )
 
     def reward(self, problem: Problem, completion: str) -> float:
         limits = Limits(cpu_seconds=self.cpu_seconds, wall_seconds=self.wall_seconds)

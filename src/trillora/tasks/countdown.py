@@ -54,7 +54,9 @@ class CountdownTask(Task):
         for n in order[1:]:
             expr = f"{expr}{rng.choice('+-*')}{n}"
         target = evaluate(expr)[0]
-        return Problem(prompt=f"{' '.join(map(str, nums))}>{target}:", answer=expr, data={"numbers": nums, "target": target})
+        return Problem(
+            prompt=f"{' '.join(map(str, nums))}>{target}:", answer=expr, data={"numbers": nums, "target": target}
+        )
 
     def reward(self, problem: Problem, completion: str) -> float:
         result = evaluate(first_line(completion))

@@ -33,11 +33,15 @@ def iter_rows(path: Path, split: str = "train") -> Iterator[tuple[str, object]]:
                 yield from _json_row(f"{path}:{lineno}", raw)
         return
     if suffix not in SUFFIXES:
-        raise RowError(f"{path}: unknown data file type {suffix!r}; allowed: {', '.join(SUFFIXES)}, or a folder "
-                       f"written by datasets' save_to_disk")
+        raise RowError(
+            f"{path}: unknown data file type {suffix!r}; allowed: {', '.join(SUFFIXES)}, or a folder "
+            f"written by datasets' save_to_disk"
+        )
     datasets = _datasets()
     try:
-        table = (datasets.Dataset.from_parquet(str(path)) if suffix == ".parquet" else datasets.Dataset.from_file(str(path)))
+        table = (
+            datasets.Dataset.from_parquet(str(path)) if suffix == ".parquet" else datasets.Dataset.from_file(str(path))
+        )
     except Exception as e:  # noqa: BLE001 - pyarrow's and datasets' many errors, named with the file
         raise RowError(f"{path}: cannot read it as {suffix[1:]} ({type(e).__name__}: {str(e)[:300]})") from None
     yield from _from_datasets(path, table)
@@ -48,7 +52,7 @@ def _json_row(where: str, raw: bytes) -> Iterator[tuple[str, object]]:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        yield where, RowError(f"not UTF-8 (byte {e.start} of the line: {raw[e.start:e.start + 1]!r})")
+        yield where, RowError(f"not UTF-8 (byte {e.start} of the line: {raw[e.start : e.start + 1]!r})")
         return
     if not line.strip():
         return
@@ -66,7 +70,9 @@ def _datasets():
     try:
         import datasets
     except ImportError:  # pragma: no cover - a dependency of trillora
-        raise RowError("Parquet, Arrow and datasets folders are read with the `datasets` library: pip install datasets")
+        raise RowError(
+            "Parquet, Arrow and datasets folders are read with the `datasets` library: pip install datasets"
+        ) from None
     return datasets
 
 

@@ -9,17 +9,16 @@ in `trillora.sandbox.jail`, which runs it in a separate, limited process.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 import contextlib
 import math
 import signal
 import threading
 import time
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from .base import Problem, Task
 from ..errors import TrilloraError
+from .base import Problem, Task
 
 OnRewardError = Literal["fail", "zero"]
 ON_ERROR: tuple[str, ...] = get_args(OnRewardError)
@@ -84,8 +83,10 @@ class GuardedReward:
         except Exception as e:  # the user's code: anything can come out of it
             if self.on_error == "fail":
                 what = "timed out" if isinstance(e, RewardTimeout) else "failed"
-                raise RewardError(f"reward of task {self.task.name!r} {what} on prompt {problem.prompt!r}: "
-                                  f"{type(e).__name__}: {e} (task.on_reward_error='zero' scores such calls 0)") from e
+                raise RewardError(
+                    f"reward of task {self.task.name!r} {what} on prompt {problem.prompt!r}: "
+                    f"{type(e).__name__}: {e} (task.on_reward_error='zero' scores such calls 0)"
+                ) from e
             self.failures += 1
             return 0.0
         return value

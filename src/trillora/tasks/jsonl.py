@@ -40,8 +40,9 @@ def row_messages(row: dict, prompt_key: str, messages_key: str) -> list[dict] | 
     return None
 
 
-def read_rows(path: Path, prompt_key: str, bad_rows: str = "fail", messages_key: str = "messages",
-              split: str = "train") -> tuple[list[dict], list[str], list[str]]:
+def read_rows(
+    path: Path, prompt_key: str, bad_rows: str = "fail", messages_key: str = "messages", split: str = "train"
+) -> tuple[list[dict], list[str], list[str]]:
     """(rows, where each is, what was skipped): a bad row raises naming its file and line (or row),
     or with bad_rows="skip" is left out and described."""
     if bad_rows not in BAD_ROWS:
@@ -60,8 +61,9 @@ def read_rows(path: Path, prompt_key: str, bad_rows: str = "fail", messages_key:
                 if messages is not None:
                     row = {**row, "__messages__": messages}
                 elif not isinstance(row.get(prompt_key), str) or not row[prompt_key].strip():
-                    raise RowError(f"missing or empty string field {prompt_key!r} (or a {messages_key!r} list of "
-                                   f"chat messages)")
+                    raise RowError(
+                        f"missing or empty string field {prompt_key!r} (or a {messages_key!r} list of chat messages)"
+                    )
             except RowError as e:
                 if bad_rows == "fail":
                     raise DatasetError(f"{where}: {e}") from None
@@ -96,8 +98,9 @@ class JsonlTask(Task):
     _splits: dict[str, list[dict]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self._rows, self._places, self.skipped = read_rows(Path(self.path), self.prompt_key, self.bad_rows,
-                                                           self.messages_key, self.split)
+        self._rows, self._places, self.skipped = read_rows(
+            Path(self.path), self.prompt_key, self.bad_rows, self.messages_key, self.split
+        )
         self._fn = load_reward_fn(self.reward_fn)
 
     @property
@@ -108,14 +111,14 @@ class JsonlTask(Task):
     def limit_prompt_tokens(self, count: Callable[[Problem], int], limit: int, why: str) -> None:
         """Rows whose prompt is over `limit` tokens fail or are skipped, as `bad_rows` says."""
         keep = []
-        for row, place in zip(self._rows, self._places):
+        for row, place in zip(self._rows, self._places, strict=True):
             n = count(self._problem(row))
             if n <= limit:
                 keep.append((row, place))
                 continue
             problem = f"{place}: prompt of {n} tokens is over the {limit} allowed ({why})"
             if self.bad_rows == "fail":
-                raise DatasetError(problem + "; shorten it, raise the limit, or set bad_rows = \"skip\"")
+                raise DatasetError(problem + '; shorten it, raise the limit, or set bad_rows = "skip"')
             self.skipped.append(problem)
         if not keep:
             raise DatasetError(f"{self.path}: every row is over-length ({self.skipped[-1]})")
@@ -130,16 +133,18 @@ class JsonlTask(Task):
         if messages[-1]["role"] == "assistant" and len(messages) > 1:  # the reference answer
             answer, messages = (answer if answer is not None else messages[-1]["content"]), messages[:-1]
         data = {k: v for k, v in row.items() if k != "__messages__"}
-        return Problem(prompt=_key(messages), answer=str(answer if answer is not None else ""), data=data,
-                       messages=messages)
+        return Problem(
+            prompt=_key(messages), answer=str(answer if answer is not None else ""), data=data, messages=messages
+        )
 
     def sample(self, rng: random.Random) -> Problem:
         return self._problem(rng.choice(self._rows))
 
     def problems(self, split: str, n: int, seed: int) -> list[Problem]:
         if split not in self._splits:  # hashing every prompt once, not at every step
-            self._splits[split] = [r for r in self._rows
-                                   if in_eval_split(self._problem(r).prompt, self.eval_fraction) == (split == "eval")]
+            self._splits[split] = [
+                r for r in self._rows if in_eval_split(self._problem(r).prompt, self.eval_fraction) == (split == "eval")
+            ]
         pool = self._splits[split]
         if not pool:
             raise DatasetError(f"{self.path}: no rows fall in the {split!r} split")

@@ -52,14 +52,29 @@ def tiny_config(width: int = 128) -> dict:
     if width < 32 or width % 64:
         raise ValueError(f"width={width}: a multiple of 64 (heads of 32, half as many kv heads)")
     heads = width // 32
-    return dict(TINY_QWEN3_MOE, hidden_size=width, intermediate_size=2 * width, moe_intermediate_size=width // 2,
-                num_attention_heads=heads, num_key_value_heads=heads // 2)
+    return dict(
+        TINY_QWEN3_MOE,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        moe_intermediate_size=width // 2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+    )
 
 
-MOE_KEYS = ("num_experts", "num_experts_per_tok", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
-            "moe_intermediate_size")
-TINY_QWEN3 = {**{k: v for k, v in TINY_QWEN3_MOE.items() if k not in MOE_KEYS},
-              "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+MOE_KEYS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "moe_intermediate_size",
+)
+TINY_QWEN3 = {
+    **{k: v for k, v in TINY_QWEN3_MOE.items() if k not in MOE_KEYS},
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+}
 """The same shapes without experts: vLLM on CPU applies LoRA to dense models only."""
 
 
@@ -92,7 +107,7 @@ CHAT_TEMPLATE = (
     "<|im_start|>assistant\n{{ m.content or '' }}"
     "{%- for c in m.tool_calls or [] -%}"
     "{%- set args = c.function.arguments -%}"
-    "<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    '<tool_call>{"name": "{{ c.function.name }}", "arguments": '
     "{{ args if args is string else args | tojson }}}</tool_call>"
     "{%- endfor -%}<|im_end|>"
     "{%- else -%}"
@@ -114,8 +129,9 @@ def build_chat_tokenizer():
     return tokenizer
 
 
-def write_random_checkpoint(out: str | Path, seed: int = 0, std: float = 0.05, dense: bool = False,
-                            chat: bool = False) -> Path:
+def write_random_checkpoint(
+    out: str | Path, seed: int = 0, std: float = 0.05, dense: bool = False, chat: bool = False
+) -> Path:
     tokenizer = build_chat_tokenizer() if chat else build_tokenizer()
     config = dict(
         TINY_QWEN3 if dense else TINY_QWEN3_MOE,

@@ -8,29 +8,39 @@ import json
 from pathlib import Path
 
 from ..checkpoint import resolve_model_path
-from . import __doc__ as DOC, write_random_checkpoint
+from . import __doc__ as DOC
+from . import write_random_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trillora.tiny", description=DOC,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m trillora.tiny", description=DOC, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="pretrain the tiny MoE and write it (default: the shipped folder)")
     b.add_argument("out", type=Path, nargs="?", default=None)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--max-steps", type=int, default=6000)
-    c = sub.add_parser("build-chat", help="pretrain the chat variant with tool calls (default: the shipped tiny-moe-chat)")
+    c = sub.add_parser(
+        "build-chat", help="pretrain the chat variant with tool calls (default: the shipped tiny-moe-chat)"
+    )
     c.add_argument("out", type=Path, nargs="?", default=None)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--max-steps", type=int, default=1500)
-    m = sub.add_parser("build-memory", help="tiny-moe taught to read a ledger (the starting point for memory "
-                                           "benchmarks); written to OUT, not into the package")
+    m = sub.add_parser(
+        "build-memory",
+        help="tiny-moe taught to read a ledger (the starting point for memory "
+        "benchmarks); written to OUT, not into the package",
+    )
     m.add_argument("out", type=Path)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--max-steps", type=int, default=2000)
     m.add_argument("--target-success", type=float, default=0.8)
-    f = sub.add_parser("build-family", help="the tiny recipe at several widths, each pretrained on the same data "
-                                             "for a fixed number of tokens per parameter (OUT/w<width>)")
+    f = sub.add_parser(
+        "build-family",
+        help="the tiny recipe at several widths, each pretrained on the same data "
+        "for a fixed number of tokens per parameter (OUT/w<width>)",
+    )
     f.add_argument("out", type=Path)
     f.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256])
     f.add_argument("--tokens-per-param", type=float, default=2.0)
@@ -45,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         print(write_random_checkpoint(args.out, seed=args.seed, dense=args.dense, chat=args.chat))
         return 0
     if args.command == "build-family":
+        from ..models import build_model, from_hf_config
         from . import tiny_config
         from .pretrain import pretrain
-        from ..models import build_model, from_hf_config
 
         for width in args.widths:
             shape = from_hf_config(dict(tiny_config(width), vocab_size=100), where=f"width {width}")
@@ -56,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
             report = pretrain(out, seed=args.seed, width=width, tokens=int(args.tokens_per_param * params))
             report["params"] = params
             (out / "pretrain_report.json").write_text(json.dumps(report, indent=2))
-            print(f"wrote {out}: {params / 1e6:.2f}M parameters, {report['tokens']} tokens, {report['steps']} steps, "
-                  f"{report['seconds']:.0f} s, last eval {report['history'][-1]}")
+            print(
+                f"wrote {out}: {params / 1e6:.2f}M parameters, {report['tokens']} tokens, {report['steps']} steps, "
+                f"{report['seconds']:.0f} s, last eval {report['history'][-1]}"
+            )
         return 0
     if args.command == "build-memory":
         from .memory import pretrain_memory

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import save_model
-from ..models import build_model, from_hf_config
 from ..envs import calculator
 from ..envs.tools import function_schema
+from ..models import build_model, from_hf_config
 from . import TINY_QWEN3_MOE, build_chat_tokenizer
 
 TOOLS = [function_schema(calculator.multiply)]
@@ -37,6 +37,7 @@ TOOLS = [function_schema(calculator.multiply)]
 def chat_example(tokenizer, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int]]:
     """(token ids, 1 where the token is the assistant's): each assistant turn from the end of its
     generation prompt through its end-of-turn token."""
+
     def encode(msgs, gen):
         text = tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -46,7 +47,7 @@ def chat_example(tokenizer, messages: list[dict], tools: list[dict] | None) -> t
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start, end = len(encode(messages[:k], True)), len(encode(messages[:k + 1], False))
+        start, end = len(encode(messages[:k], True)), len(encode(messages[: k + 1], False))
         mask[start:end] = [1] * (end - start)
     return ids, mask
 
@@ -67,8 +68,10 @@ def _exchange(rng: random.Random) -> list[dict]:
     letter = rng.choice(word)
     where = [str(i) for i, c in enumerate(word, 1) if c == letter]
     spelled = " ".join(f"{i}) {c}" for i, c in enumerate(word, 1))
-    return [{"role": "user", "content": f"How many {letter}'s are in {word}? Count them."},
-            {"role": "assistant", "content": f"Spelled out: {spelled}. {letter} is at {', '.join(where)}: {len(where)}."}]
+    return [
+        {"role": "user", "content": f"How many {letter}'s are in {word}? Count them."},
+        {"role": "assistant", "content": f"Spelled out: {spelled}. {letter} is at {', '.join(where)}: {len(where)}."},
+    ]
 
 
 def history(rng: random.Random, chars: int) -> list[dict]:
@@ -82,8 +85,9 @@ def history(rng: random.Random, chars: int) -> list[dict]:
         out, used = out + turn, used + size
 
 
-def _example(rng: random.Random, call_fraction: float, history_fraction: float = 0.0,
-             history_chars: int = 0) -> tuple[list[dict], list[dict] | None]:
+def _example(
+    rng: random.Random, call_fraction: float, history_fraction: float = 0.0, history_chars: int = 0
+) -> tuple[list[dict], list[dict] | None]:
     messages, tools = _question(rng, call_fraction)
     if rng.random() < history_fraction:
         messages = history(rng, rng.randint(0, history_chars)) + messages
@@ -128,12 +132,14 @@ def addition_eval(engine, tokenizer, n: int = 64, history_chars: int = 0) -> flo
 
     rng, end = random.Random(12345), tokenizer.convert_tokens_to_ids("<|im_end|>")
     pairs = [(rng.randint(100, 999), rng.randint(100, 999)) for _ in range(n)]
-    prompts = [renderer_of(tokenizer).prompt(history(rng, history_chars) + [{"role": "user", "content": f"{a}+{b}="}])
-               for a, b in pairs]
+    prompts = [
+        renderer_of(tokenizer).prompt(history(rng, history_chars) + [{"role": "user", "content": f"{a}+{b}="}])
+        for a, b in pairs
+    ]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(end,))
     outs = engine.generate(prompts, 1, params)
     texts = [tokenizer.decode(o.token_ids, skip_special_tokens=True).strip() for [o] in outs]
-    return sum(t == str(a + b) for t, (a, b) in zip(texts, pairs)) / n
+    return sum(t == str(a + b) for t, (a, b) in zip(texts, pairs, strict=True)) / n
 
 
 def init_from_base(model, base: str | Path) -> None:
@@ -153,10 +159,21 @@ def init_from_base(model, base: str | Path) -> None:
                 raise ValueError(f"{base}: {name} has shape {list(w.shape)}, the chat model {list(p.shape)}")
 
 
-def pretrain_chat(out: str | Path, seed: int = 0, batch: int = 64, max_steps: int = 1500, lr: float = 3e-3,
-                  call_fraction: float = 0.3, target_success: float = 0.15, min_steps: int = 100,
-                  eval_every: int = 50, init_from: str | None = "tiny-moe", history_fraction: float = 0.5,
-                  history_chars: int = 440, target_addition: float = 0.3) -> dict:
+def pretrain_chat(
+    out: str | Path,
+    seed: int = 0,
+    batch: int = 64,
+    max_steps: int = 1500,
+    lr: float = 3e-3,
+    call_fraction: float = 0.3,
+    target_success: float = 0.15,
+    min_steps: int = 100,
+    eval_every: int = 50,
+    init_from: str | None = "tiny-moe",
+    history_fraction: float = 0.5,
+    history_chars: int = 440,
+    target_addition: float = 0.3,
+) -> dict:
     from rich.progress import Progress
 
     from ..rollout import LocalEngine
@@ -164,8 +181,13 @@ def pretrain_chat(out: str | Path, seed: int = 0, batch: int = 64, max_steps: in
 
     torch.manual_seed(seed)
     tokenizer = build_chat_tokenizer()
-    config = dict(TINY_QWEN3_MOE, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = dict(
+        TINY_QWEN3_MOE,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = build_model(from_hf_config(config, where="tiny chat config"), device="cpu")
     model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
     if init_from is not None:
@@ -176,14 +198,18 @@ def pretrain_chat(out: str | Path, seed: int = 0, batch: int = 64, max_steps: in
     with Progress() as bar:
         job = bar.add_task("pretraining tiny MoE (chat)", total=max_steps)
         for step in range(1, max_steps + 1):
-            rows = [chat_example(tokenizer, *_example(rng, call_fraction, history_fraction, history_chars))
-                    for _ in range(batch)]
+            rows = [
+                chat_example(tokenizer, *_example(rng, call_fraction, history_fraction, history_chars))
+                for _ in range(batch)
+            ]
             width = max(len(ids) for ids, _ in rows)
             ids = torch.full((batch, width), tokenizer.pad_token_id)
             target = torch.full((batch, width), -100)
             for i, (row, mask) in enumerate(rows):
-                ids[i, :len(row)] = torch.tensor(row)
-                target[i, :len(row) - 1] = torch.tensor([t if m else -100 for t, m in zip(row[1:], mask[1:])])
+                ids[i, : len(row)] = torch.tensor(row)
+                target[i, : len(row) - 1] = torch.tensor(
+                    [t if m else -100 for t, m in zip(row[1:], mask[1:], strict=True)]
+                )
             loss = supervised_step(model, opt, ids, target, lr, step, max_steps)
             bar.update(job, advance=1, description=f"pretraining tiny MoE (chat)  loss {loss.item():.3f}  {last}")
             if step % eval_every == 0:
@@ -195,11 +221,21 @@ def pretrain_chat(out: str | Path, seed: int = 0, batch: int = 64, max_steps: in
                 model.train()
                 evals.append({"step": step, "loss": loss.item(), **last})
                 bar.console.log(evals[-1])
-                if (step >= min_steps and last["success"] >= target_success
-                        and last["addition_after_history"] >= target_addition):
+                if (
+                    step >= min_steps
+                    and last["success"] >= target_success
+                    and last["addition_after_history"] >= target_addition
+                ):
                     break
     model.eval()
     out = save_model(model, out)
     tokenizer.save_pretrained(out)
-    return {"steps": step, "seconds": time.perf_counter() - start, "call_fraction": call_fraction, "init_from": init_from,
-            "history_fraction": history_fraction, "history_chars": history_chars, "history": evals}
+    return {
+        "steps": step,
+        "seconds": time.perf_counter() - start,
+        "call_fraction": call_fraction,
+        "init_from": init_from,
+        "history_fraction": history_fraction,
+        "history_chars": history_chars,
+        "history": evals,
+    }

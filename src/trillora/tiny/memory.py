@@ -54,20 +54,31 @@ def transcript(tokenizer, rng: random.Random, more_questions: bool = True) -> tu
 
 def ledger_success(model, tokenizer, n: int = 64, facts: int = 6, distractors: int = 3) -> float:
     """Greedy success on held-out ledgers with the whole context in view."""
-    from ..rollout import LocalEngine, SamplingParams
     from ..envs.ledger import dataset
+    from ..rollout import LocalEngine, SamplingParams
     from ..trainer.episodes import EpisodeLimits, run_groups
 
     engine = LocalEngine(model, precision="fp32")
-    groups = run_groups(engine, dataset(tokenizer, 1, 1, n, 0, facts=facts, distractors=distractors).eval_batch(),
-                        SamplingParams(max_new_tokens=3, temperature=0.0, seed=0, stop_token_ids=(tokenizer.eos_token_id,)),
-                        EpisodeLimits(max_turns=facts + 2, max_model_len=model.args.max_position_embeddings))
+    groups = run_groups(
+        engine,
+        dataset(tokenizer, 1, 1, n, 0, facts=facts, distractors=distractors).eval_batch(),
+        SamplingParams(max_new_tokens=3, temperature=0.0, seed=0, stop_token_ids=(tokenizer.eos_token_id,)),
+        EpisodeLimits(max_turns=facts + 2, max_model_len=model.args.max_position_embeddings),
+    )
     rewards = [r for g in groups for r in g.total_rewards()]
     return sum(rewards) / len(rewards)
 
 
-def pretrain_memory(out: str | Path, seed: int = 0, batch: int = 64, max_steps: int = 2000, lr: float = 3e-3,
-                    target_success: float = 0.8, eval_every: int = 100, init_from: str = "tiny-moe") -> dict:
+def pretrain_memory(
+    out: str | Path,
+    seed: int = 0,
+    batch: int = 64,
+    max_steps: int = 2000,
+    lr: float = 3e-3,
+    target_success: float = 0.8,
+    eval_every: int = 100,
+    init_from: str = "tiny-moe",
+) -> dict:
     from rich.progress import Progress
 
     from .pretrain import supervised_step
@@ -86,10 +97,14 @@ def pretrain_memory(out: str | Path, seed: int = 0, batch: int = 64, max_steps: 
             ids = torch.full((batch, width), tokenizer.pad_token_id)
             target = torch.full((batch, width), -100)  # [B, T]: the next token where the policy wrote it
             for i, (row, mask) in enumerate(rows):
-                ids[i, :len(row)] = torch.tensor(row)
-                target[i, :len(row) - 1] = torch.tensor([t if m else -100 for t, m in zip(row[1:], mask[1:])])
+                ids[i, : len(row)] = torch.tensor(row)
+                target[i, : len(row) - 1] = torch.tensor(
+                    [t if m else -100 for t, m in zip(row[1:], mask[1:], strict=True)]
+                )
             loss = supervised_step(model, opt, ids, target, lr, step, max_steps)
-            bar.update(job, advance=1, description=f"teaching tiny MoE the ledger  loss {loss.item():.3f}  success {last:.2f}")
+            bar.update(
+                job, advance=1, description=f"teaching tiny MoE the ledger  loss {loss.item():.3f}  success {last:.2f}"
+            )
             if step % eval_every == 0 or step == max_steps:
                 model.eval()
                 last = ledger_success(model, tokenizer)

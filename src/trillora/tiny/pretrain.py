@@ -31,8 +31,9 @@ def _examples(tasks, weights, rng: random.Random, n: int, seed: int):
     return out
 
 
-def supervised_step(model, opt, ids: torch.Tensor, target: torch.Tensor, lr: float, step: int,
-                    max_steps: int) -> torch.Tensor:
+def supervised_step(
+    model, opt, ids: torch.Tensor, target: torch.Tensor, lr: float, step: int, max_steps: int
+) -> torch.Tensor:
     """One AdamW step on next-token cross-entropy where `target` is not -100 (200 warmup steps, then
     cosine); the loss."""
     for g in opt.param_groups:
@@ -71,8 +72,13 @@ def pretrain(
 
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
-    config = dict(tiny_config(width), vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = dict(
+        tiny_config(width),
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = build_model(from_hf_config(config, where="tiny config"), device="cpu")
     model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
     addition, reversal = ArithmeticTask(digits=3), ReversalTask()
@@ -89,8 +95,13 @@ def pretrain(
         job = bar.add_task("pretraining tiny MoE", total=max_steps)
         for step in range(1, max_steps + 1):
             pairs = _examples(tasks, weights, rng, batch, seed)
-            seqs = [(encode_prompt(tokenizer, p), tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-                    for p, a in pairs]
+            seqs = [
+                (
+                    encode_prompt(tokenizer, p),
+                    tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id],
+                )
+                for p, a in pairs
+            ]
             width = max(len(p) + len(a) for p, a in seqs)
             ids = torch.full((batch, width), tokenizer.pad_token_id)
             target = torch.full((batch, width), -100)
@@ -108,7 +119,9 @@ def pretrain(
                 model.train()
                 history.append({"step": step, "loss": loss.item(), "addition_greedy": acc, "reversal_greedy": rev})
                 if not tokens and acc >= target_accuracy and rev >= 0.9:
-                    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=0, stop_token_ids=greedy.stop_token_ids)
+                    sampled = SamplingParams(
+                        max_new_tokens=8, temperature=1.0, seed=0, stop_token_ids=greedy.stop_token_ids
+                    )
                     history[-1]["addition_sampled_t1"] = evaluate(engine, tokenizer, addition, held_add, sampled)
                     break
     model.eval()
@@ -123,5 +136,12 @@ def _mean_row_tokens(tasks, weights, tokenizer, n: int = 2000) -> float:
 
     rng = random.Random(0)
     rows = [rng.choices(tasks, weights)[0].sample(rng) for _ in range(n)]
-    return sum(len(encode_prompt(tokenizer, p.prompt)) + len(tokenizer(p.answer, add_special_tokens=False)["input_ids"]) + 1
-               for p in rows) / n
+    return (
+        sum(
+            len(encode_prompt(tokenizer, p.prompt))
+            + len(tokenizer(p.answer, add_special_tokens=False)["input_ids"])
+            + 1
+            for p in rows
+        )
+        / n
+    )

@@ -27,8 +27,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..tasks.base import in_eval_split, load_callable
 from ..envs.trajectory import Sample
+from ..tasks.base import in_eval_split, load_callable
 from .store import MAX_REWARD, Call, TraceStore
 from .trajectory import samples_of
 
@@ -85,8 +85,15 @@ def advantages(rewards: list[float], tasks: list[tuple], tags: list[str], baseli
     return out
 
 
-def collect(store: TraceStore, current: int, learn, temperature: float, baselines: Baselines,
-            score: Callable[[list[Call]], float] | None, vocab_size: int) -> Experience:
+def collect(
+    store: TraceStore,
+    current: int,
+    learn,
+    temperature: float,
+    baselines: Baselines,
+    score: Callable[[list[Call]], float] | None,
+    vocab_size: int,
+) -> Experience:
     """The untrained traces with a reward, as training sequences with advantages (a trace holding
     a token id past `vocab_size` was served by another model: left out and counted)."""
     rewards, tasks, tags, picked, samples_per, served_by, left_out = [], [], [], [], [], [], []

@@ -33,14 +33,23 @@ class Recorder:
             self.last_error = f"{type(e).__name__}: {e}"
             if type(e).__name__ not in self._reported:
                 self._reported.add(type(e).__name__)
-                print(f"trillora serve: recording to {self.store.shown} failed ({self.last_error}); "
-                      f"serving goes on, failures are counted in /health", file=sys.stderr, flush=True)
+                print(
+                    f"trillora serve: recording to {self.store.shown} failed ({self.last_error}); "
+                    f"serving goes on, failures are counted in /health",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return False
         self.recorded += len(calls)
         return True
 
     def health(self) -> dict:
-        return {"store": self.store.shown, "recorded": self.recorded, "failed": self.failed, "last_error": self.last_error}
+        return {
+            "store": self.store.shown,
+            "recorded": self.recorded,
+            "failed": self.failed,
+            "last_error": self.last_error,
+        }
 
     def close(self) -> None:
         self.store.close()

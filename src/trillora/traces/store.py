@@ -88,8 +88,20 @@ class Feedback:
 
 
 _LISTS = ("prompt_ids", "completion_ids", "logprobs", "params", "tool_calls")
-_CALL_COLUMNS = ("response_id", "choice", "trace_id", "owner", "model", "revision", "kind", *_LISTS, "finish_reason",
-                 "user_id", "tag", "created")
+_CALL_COLUMNS = (
+    "response_id",
+    "choice",
+    "trace_id",
+    "owner",
+    "model",
+    "revision",
+    "kind",
+    *_LISTS,
+    "finish_reason",
+    "user_id",
+    "tag",
+    "created",
+)
 _FEEDBACK_COLUMNS = ("trace_id", "owner", "reward", "response_id", "label", "comment", "created")
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS calls (response_id TEXT NOT NULL, choice INTEGER NOT NULL, trace_id TEXT NOT NULL, "
@@ -98,7 +110,8 @@ _SCHEMA = (
     "finish_reason TEXT NOT NULL, user_id TEXT NOT NULL, tag TEXT NOT NULL, created DOUBLE PRECISION NOT NULL, "
     "PRIMARY KEY (response_id, choice))",
     "CREATE INDEX IF NOT EXISTS calls_trace ON calls (owner, trace_id, created)",
-    "CREATE TABLE IF NOT EXISTS feedback (trace_id TEXT NOT NULL, owner TEXT NOT NULL, reward DOUBLE PRECISION NOT NULL, "
+    "CREATE TABLE IF NOT EXISTS feedback (trace_id TEXT NOT NULL, owner TEXT NOT NULL, reward DOUBLE PRECISION NOT "
+    "NULL, "
     "response_id TEXT NOT NULL, label TEXT NOT NULL, comment TEXT NOT NULL, created DOUBLE PRECISION NOT NULL)",
     "CREATE INDEX IF NOT EXISTS feedback_trace ON feedback (owner, trace_id)",
     "CREATE TABLE IF NOT EXISTS trained (owner TEXT NOT NULL, trace_id TEXT NOT NULL, revision INTEGER NOT NULL, "
@@ -125,7 +138,9 @@ class TraceStore:
         if self.postgres:
             import psycopg
 
-            return psycopg.connect(self.where, connect_timeout=10, options=f"-c lock_timeout={int(self.busy_seconds * 1000)}")
+            return psycopg.connect(
+                self.where, connect_timeout=10, options=f"-c lock_timeout={int(self.busy_seconds * 1000)}"
+            )
         Path(self.where).parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.where, timeout=self.busy_seconds, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
@@ -178,7 +193,9 @@ class TraceStore:
         for c in calls:
             d = asdict(c)
             rows.append(tuple(json.dumps(d[k]) if k in _LISTS else d[k] for k in _CALL_COLUMNS))
-        self._write(f"INSERT INTO calls ({', '.join(_CALL_COLUMNS)}) VALUES ({', '.join('?' * len(_CALL_COLUMNS))})", rows)
+        self._write(
+            f"INSERT INTO calls ({', '.join(_CALL_COLUMNS)}) VALUES ({', '.join('?' * len(_CALL_COLUMNS))})", rows
+        )
 
     def add_feedback(self, fb: Feedback) -> None:
         """Feedback on one of the owner's traces; TraceError naming what is wrong otherwise."""
@@ -186,26 +203,38 @@ class TraceStore:
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r) or abs(r) > MAX_REWARD:
             shown = repr(r) if len(repr(r)) < 40 else repr(r)[:40] + "..."
             raise TraceError(f"reward must be a finite number in [-{MAX_REWARD:g}, {MAX_REWARD:g}], not {shown}")
-        where, args = ("response_id = ?", (fb.owner, fb.response_id)) if fb.response_id else ("trace_id = ?", (fb.owner, fb.trace_id))
+        where, args = (
+            ("response_id = ?", (fb.owner, fb.response_id))
+            if fb.response_id
+            else ("trace_id = ?", (fb.owner, fb.trace_id))
+        )
         found = self._read(f"SELECT trace_id FROM calls WHERE owner = ? AND {where} LIMIT 1", args)
         if not found:
             what = f"response {fb.response_id!r}" if fb.response_id else f"trace {fb.trace_id!r}"
             raise UnknownTrace(f"no {what} in this key's recorded traffic")
         fb.trace_id = found[0][0]
-        held = self._read("SELECT COUNT(*) FROM feedback WHERE owner = ? AND trace_id = ?", (fb.owner, fb.trace_id))[0][0]
+        held = self._read("SELECT COUNT(*) FROM feedback WHERE owner = ? AND trace_id = ?", (fb.owner, fb.trace_id))[0][
+            0
+        ]
         if held >= MAX_FEEDBACK:
             raise TooMuchFeedback(f"trace {fb.trace_id!r} already holds {MAX_FEEDBACK} rewards (they are averaged)")
         d = asdict(fb)
-        self._write(f"INSERT INTO feedback ({', '.join(_FEEDBACK_COLUMNS)}) VALUES ({', '.join('?' * len(_FEEDBACK_COLUMNS))})",
-                    [tuple(d[k] for k in _FEEDBACK_COLUMNS)])
+        self._write(
+            f"INSERT INTO feedback ({', '.join(_FEEDBACK_COLUMNS)}) VALUES ({', '.join('?' * len(_FEEDBACK_COLUMNS))})",
+            [tuple(d[k] for k in _FEEDBACK_COLUMNS)],
+        )
 
     def delete(self, older_than: float | None = None, user_id: str | None = None, trace_id: str | None = None) -> int:
         """Traces whose last call is older than `older_than` seconds, or whose calls came from
         `user_id`, or the one trace: their calls and feedback. Returns how many traces went."""
         if older_than is None and user_id is None and trace_id is None:
             raise TraceError("delete needs an age, a user id or a trace id (nothing is deleted without one)")
-        keys = sorted({(t["owner"], t["trace_id"]) for t in self.traces(older_than=older_than, user_id=user_id,
-                                                                        trace_id=trace_id)})
+        keys = sorted(
+            {
+                (t["owner"], t["trace_id"])
+                for t in self.traces(older_than=older_than, user_id=user_id, trace_id=trace_id)
+            }
+        )
         for table in ("calls", "feedback", "trained"):
             self._write(f"DELETE FROM {table} WHERE owner = ? AND trace_id = ?", keys)
         return len(keys)
@@ -218,8 +247,10 @@ class TraceStore:
         if owner is not None:
             query, args = query + " AND owner = ?", (trace_id, owner)
         rows = self._read(query + " ORDER BY created, response_id, choice", args)
-        return [Call(**{k: json.loads(v) if k in _LISTS else v for k, v in zip(_CALL_COLUMNS, r, strict=True)})
-                for r in rows]
+        return [
+            Call(**{k: json.loads(v) if k in _LISTS else v for k, v in zip(_CALL_COLUMNS, r, strict=True)})
+            for r in rows
+        ]
 
     def feedback(self, trace_id: str, owner: str | None = None) -> list[Feedback]:
         query, args = f"SELECT {', '.join(_FEEDBACK_COLUMNS)} FROM feedback WHERE trace_id = ?", (trace_id,)
@@ -228,15 +259,22 @@ class TraceStore:
         rows = self._read(query + " ORDER BY created", args)
         return [Feedback(**dict(zip(_FEEDBACK_COLUMNS, r, strict=True))) for r in rows]
 
-    def traces(self, older_than: float | None = None, user_id: str | None = None, trace_id: str | None = None,
-               untrained: bool = False) -> list[dict]:
+    def traces(
+        self,
+        older_than: float | None = None,
+        user_id: str | None = None,
+        trace_id: str | None = None,
+        untrained: bool = False,
+    ) -> list[dict]:
         """One summary per trace (a key's trace id: two keys naming the same id hold two traces):
         owner, id, user, calls, first and last call time, rewards given and their mean; with
         `untrained`, only those no revision has trained on."""
         same = "f.owner = c.owner AND f.trace_id = c.trace_id"
-        query = ("SELECT c.owner, c.trace_id, MIN(c.user_id), COUNT(*), MIN(c.created), MAX(c.created), "
-                 f"(SELECT COUNT(*) FROM feedback f WHERE {same}), (SELECT AVG(f.reward) FROM feedback f WHERE {same}) "
-                 "FROM calls c")
+        query = (
+            "SELECT c.owner, c.trace_id, MIN(c.user_id), COUNT(*), MIN(c.created), MAX(c.created), "
+            f"(SELECT COUNT(*) FROM feedback f WHERE {same}), (SELECT AVG(f.reward) FROM feedback f WHERE {same}) "
+            "FROM calls c"
+        )
         where, args = [], []
         if user_id is not None:
             where, args = where + ["c.user_id = ?"], args + [user_id]
@@ -248,19 +286,34 @@ class TraceStore:
         if older_than is not None:
             query, args = query + " HAVING MAX(c.created) < ?", args + [time.time() - older_than]
         rows = self._read(query + " ORDER BY MIN(c.created)", tuple(args))
-        return [{"owner": r[0], "trace_id": r[1], "user_id": r[2], "calls": r[3], "first": r[4], "last": r[5],
-                 "rewards": r[6], "mean_reward": r[7]} for r in rows]
+        return [
+            {
+                "owner": r[0],
+                "trace_id": r[1],
+                "user_id": r[2],
+                "calls": r[3],
+                "first": r[4],
+                "last": r[5],
+                "rewards": r[6],
+                "mean_reward": r[7],
+            }
+            for r in rows
+        ]
 
     def mark_trained(self, keys: list[tuple[str, str]], revision: int) -> None:
         """The learner's record that these traces ((owner, trace id)) went into `revision` (-1: left
         out for good, `HELD_OUT`: kept for a gate); none is trained on twice."""
-        self._write("INSERT INTO trained (owner, trace_id, revision, created) VALUES (?, ?, ?, ?)",
-                    [(o, t, revision, time.time()) for o, t in keys])
+        self._write(
+            "INSERT INTO trained (owner, trace_id, revision, created) VALUES (?, ?, ?, ?)",
+            [(o, t, revision, time.time()) for o, t in keys],
+        )
 
     def held_out(self, limit: int) -> list[tuple[str, str]]:
         """The oldest `limit` traces marked `HELD_OUT` (a gate replays them), as (owner, trace id)."""
-        rows = self._read("SELECT owner, trace_id FROM trained WHERE revision = ? ORDER BY created, owner, trace_id "
-                          "LIMIT ?", (HELD_OUT, limit))
+        rows = self._read(
+            "SELECT owner, trace_id FROM trained WHERE revision = ? ORDER BY created, owner, trace_id LIMIT ?",
+            (HELD_OUT, limit),
+        )
         return [(o, t) for o, t in rows]
 
     def untrained(self, rewarded_only: bool) -> list[dict]:

@@ -19,7 +19,7 @@ from .store import Call
 def extends(prompt: list[int], call: Call) -> bool:
     """`prompt` starts with `call`'s prompt and completion (the prefix rule)."""
     seen = call.prompt_ids + call.completion_ids
-    return len(prompt) >= len(seen) and prompt[:len(seen)] == seen
+    return len(prompt) >= len(seen) and prompt[: len(seen)] == seen
 
 
 def samples_of(calls: list[Call]) -> list[Sample]:

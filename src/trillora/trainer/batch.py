@@ -35,7 +35,7 @@ class TokenBatch:
     def num_rows(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, rows: torch.Tensor) -> "TokenBatch":
+    def select(self, rows: torch.Tensor) -> TokenBatch:
         """The batch of `rows` (indices [b]): every per-row field sliced alike, whatever fields exist."""
         if len(rows) == self.num_rows and torch.equal(rows.cpu(), torch.arange(self.num_rows)):
             return self
@@ -48,22 +48,35 @@ def batch_from_samples(samples: list[Sample], pad_id: int = 0, device: torch.dev
     width = max(len(s.tokens) for s in samples)
     for i, s in enumerate(samples):
         if not len(s.tokens) == len(s.mask) == len(s.logprobs):
-            raise ValueError(f"sample {i}: {len(s.tokens)} tokens, {len(s.mask)} mask values, {len(s.logprobs)} logprobs")
+            raise ValueError(
+                f"sample {i}: {len(s.tokens)} tokens, {len(s.mask)} mask values, {len(s.logprobs)} logprobs"
+            )
     # padded as lists, one tensor per field (a tensor per row costs more than the rows' numbers);
     # target position j predicts token j+1: a trained token at k is predicted at k-1
     ids = torch.tensor([list(s.tokens) + [pad_id] * (width - len(s.tokens)) for s in samples], dtype=torch.long)
     mask = torch.tensor([list(s.mask[1:]) + [0.0] * (width - len(s.tokens)) for s in samples], dtype=torch.float32)
     lps = torch.tensor([list(s.logprobs[1:]) + [0.0] * (width - len(s.tokens)) for s in samples], dtype=torch.float32)
-    return TokenBatch(input_ids=ids.to(device), completion_mask=mask.to(device), rollout_logprobs=lps.to(device),
-                      prompt_lengths=torch.tensor([s.prompt_length for s in samples], device=device))
+    return TokenBatch(
+        input_ids=ids.to(device),
+        completion_mask=mask.to(device),
+        rollout_logprobs=lps.to(device),
+        prompt_lengths=torch.tensor([s.prompt_length for s in samples], device=device),
+    )
 
 
-def build_batch(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]], pad_id: int = 0,
-                device: torch.device | str = "cpu", routes: list[torch.Tensor] | None = None) -> TokenBatch:
+def build_batch(
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    logprobs: list[list[float]],
+    pad_id: int = 0,
+    device: torch.device | str = "cpu",
+    routes: list[torch.Tensor] | None = None,
+) -> TokenBatch:
     """Single-turn rows (prompt, completion, its logprobs). `routes`: each completion's recorded routing
     [len(prompt) + len(completion) - 1, L, K], or None."""
-    batch = batch_from_samples([Sample.single_turn(p, c, lp) for p, c, lp in zip(prompts, completions, logprobs)],
-                               pad_id, device)
+    batch = batch_from_samples(
+        [Sample.single_turn(p, c, lp) for p, c, lp in zip(prompts, completions, logprobs, strict=True)], pad_id, device
+    )
     return with_routes(batch, routes) if routes is not None else batch
 
 

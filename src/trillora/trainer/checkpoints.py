@@ -44,7 +44,9 @@ class RunCheckpoints:
                 previous = self.root.with_name("checkpoints.previous")
                 shutil.rmtree(previous, ignore_errors=True)
                 self.root.rename(previous)
-                self.console.print(f"a new run: the earlier checkpoints are now in {previous} (resume=true continues a run)")
+                self.console.print(
+                    f"a new run: the earlier checkpoints are now in {previous} (resume=true continues a run)"
+                )
             t.world.barrier()
             return None
         found = train_state.find_latest(self.root)
@@ -58,8 +60,10 @@ class RunCheckpoints:
             return None
         state, tensors = train_state.load(found.path, self.rank)
         if state["layout"] != t.world.layout():
-            raise ConfigError(f"{found.path} was written by a run with layout {state['layout']}; this run has "
-                              f"{t.world.layout()}: resume with the same torchrun size and parallel settings")
+            raise ConfigError(
+                f"{found.path} was written by a run with layout {state['layout']}; this run has "
+                f"{t.world.layout()}: resume with the same torchrun size and parallel settings"
+            )
         params = dict(lora.trained_parameters(t.model))
         train_state.restore_rank_tensors(tensors, params, t.opt, found.path / f"rank-{self.rank}.safetensors")
         train_state.restore_python_rng(state["rng"])
@@ -90,10 +94,16 @@ class RunCheckpoints:
             part = train_state.partial_dir(self.root, step)
             if t.cfg.finetune == "lora":  # full training: the rank file holds the weights
                 lora.save_adapter(t.full, part / "adapter", expert_layout="per_expert")  # synced after the step
-            state = {"step": step, "rng": train_state.python_rng_state(), "skipped_updates": t.update.skipped_updates,
-                     "nonfinite_in_a_row": t.update.nonfinite_in_a_row, "reward_failures": t.reward_failures,
-                     "flops_total": t.flops_total,
-                     "layout": t.world.layout(), **run_state}
+            state = {
+                "step": step,
+                "rng": train_state.python_rng_state(),
+                "skipped_updates": t.update.skipped_updates,
+                "nonfinite_in_a_row": t.update.nonfinite_in_a_row,
+                "reward_failures": t.reward_failures,
+                "flops_total": t.flops_total,
+                "layout": t.world.layout(),
+                **run_state,
+            }
             files = {"config.toml": to_toml(t.cfg), "metrics.jsonl": metrics_file.read_text() if metrics_file else ""}
             path = train_state.commit(self.root, step, state, files, t.cfg.checkpoint.keep)
         t.world.barrier()

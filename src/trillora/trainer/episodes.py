@@ -17,12 +17,12 @@ from collections.abc import Callable
 import torch
 
 from .. import rl
-from ..errors import TrilloraError
 from ..context import MemoryContext
-from ..rollout.types import RolloutEngine, SamplingParams
 from ..envs.env import Env, EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition, resolve
-from ..tasks.guard import OnRewardError, time_limit
 from ..envs.trajectory import Sample, merge_trajectory
+from ..errors import TrilloraError
+from ..rollout.types import RolloutEngine, SamplingParams
+from ..tasks.guard import OnRewardError, time_limit
 
 
 class EnvError(TrilloraError, RuntimeError):
@@ -54,8 +54,13 @@ def _call(env: Env, what: str, turn: int, limits: EpisodeLimits, *args):
         return e
 
 
-def run_episodes(engine: RolloutEngine, envs: list[Env], params: SamplingParams, limits: EpisodeLimits,
-                 group_of: list[int] | None = None) -> list[Trajectory]:
+def run_episodes(
+    engine: RolloutEngine,
+    envs: list[Env],
+    params: SamplingParams,
+    limits: EpisodeLimits,
+    group_of: list[int] | None = None,
+) -> list[Trajectory]:
     """One trajectory per env, in order. Envs of one group (`group_of[i]`, default each its own)
     that see the same observation are sampled as one prompt with n samples, so the engine prefills
     it once (a GRPO group's first turn). `params.seed` seeds the first call as it is and the later
@@ -93,18 +98,31 @@ def run_episodes(engine: RolloutEngine, envs: list[Env], params: SamplingParams,
                 routes = c.routed_experts
                 answered = memory[i].intercept(c.token_ids, stops, turn + 1) if memory[i] is not None else None
                 if answered is not None:  # a `recall` turn: the memory answers, the env does not see it
-                    turns[i].append(Transition(obs[i], list(c.token_ids), list(c.logprobs), 0.0, False,
-                                               {"memory_recalls": 1.0}, routes))
+                    turns[i].append(
+                        Transition(
+                            obs[i], list(c.token_ids), list(c.logprobs), 0.0, False, {"memory_recalls": 1.0}, routes
+                        )
+                    )
                     obs[i] = answered
                     continue
                 result = _call(envs[i], "step", turn, limits, list(c.token_ids))
                 if isinstance(result, BaseException):
-                    turns[i].append(Transition(obs[i], list(c.token_ids), list(c.logprobs), 0.0, True, {"env_error": 1.0},
-                                               routes))
+                    turns[i].append(
+                        Transition(obs[i], list(c.token_ids), list(c.logprobs), 0.0, True, {"env_error": 1.0}, routes)
+                    )
                     ended[i] = "error"
                     continue
-                turns[i].append(Transition(obs[i], list(c.token_ids), list(c.logprobs), float(result.reward),
-                                           bool(result.episode_done), dict(result.metrics), routes))
+                turns[i].append(
+                    Transition(
+                        obs[i],
+                        list(c.token_ids),
+                        list(c.logprobs),
+                        float(result.reward),
+                        bool(result.episode_done),
+                        dict(result.metrics),
+                        routes,
+                    )
+                )
                 if result.episode_done:
                     ended[i] = "done"
                 obs[i], stop[i] = list(result.next_observation), tuple(result.next_stop_condition)
@@ -125,7 +143,9 @@ def _remember(memory: MemoryContext, turns: list[Transition], obs: list[list[int
         last.metrics["memory_rewrites"] = float(memory.rewrites - rewrites)
         last.metrics["memory_dropped_tokens"] = float(memory.dropped - dropped)
     for r in memory.take_refills():  # the policy's rewrites of its context: trained like its turns
-        turns.append(Transition(r.prompt, r.tokens, r.logprobs, 0.0, False, {"memory_refill_tokens": float(len(r.tokens))}))
+        turns.append(
+            Transition(r.prompt, r.tokens, r.logprobs, 0.0, False, {"memory_refill_tokens": float(len(r.tokens))})
+        )
 
 
 def _sample(engine: RolloutEngine, idx: list[int], obs: list[list[int]], group_of: list[int], params: SamplingParams):
@@ -141,19 +161,20 @@ def _sample(engine: RolloutEngine, idx: list[int], obs: list[list[int]], group_o
     if len({len(b) for b in blocks}) > 1:  # uneven blocks: one sample per env
         blocks = [[i] for i in idx]
     out = engine.generate([obs[b[0]] for b in blocks], len(blocks[0]), params)
-    return [(i, c) for b, group in zip(blocks, out) for i, c in zip(b, group)]
+    return [(i, c) for b, group in zip(blocks, out, strict=True) for i, c in zip(b, group, strict=True)]
 
 
-def run_groups(engine: RolloutEngine, builders: list[EnvGroupBuilder], params: SamplingParams,
-               limits: EpisodeLimits) -> list[TrajectoryGroup]:
+def run_groups(
+    engine: RolloutEngine, builders: list[EnvGroupBuilder], params: SamplingParams, limits: EpisodeLimits
+) -> list[TrajectoryGroup]:
     """The envs of every group run together (one engine call per turn for all), then each builder
     adds its group rewards."""
     groups = [list(resolve(b.make_envs())) for b in builders]
     group_of = [k for k, g in enumerate(groups) for _ in g]
     trajectories = run_episodes(engine, [e for g in groups for e in g], params, limits, group_of)
     out, start = [], 0
-    for builder, envs in zip(builders, groups):
-        mine = trajectories[start:start + len(envs)]
+    for builder, envs in zip(builders, groups, strict=True):
+        mine = trajectories[start : start + len(envs)]
         start += len(envs)
         extra = resolve(builder.compute_group_rewards(mine))
         out.append(TrajectoryGroup(mine, [float(r) for r, _ in extra], [dict(m) for _, m in extra]))
@@ -182,12 +203,14 @@ def episode_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
     return out
 
 
-def training_samples(groups: list[TrajectoryGroup], advantage: str, normalize_std: bool) -> tuple[list[Sample], list[float]]:
+def training_samples(
+    groups: list[TrajectoryGroup], advantage: str, normalize_std: bool
+) -> tuple[list[Sample], list[float]]:
     """Every trajectory's merged sequences, each with its trajectory's group-relative advantage."""
     samples, advantages = [], []
     for g in groups:
         adv_G = rl.group_advantages(torch.tensor([g.total_rewards()]), advantage, normalize_std)[0]  # [G]
-        for t, a in zip(g.trajectories, adv_G.tolist()):
+        for t, a in zip(g.trajectories, adv_G.tolist(), strict=True):
             for s in merge_trajectory(t):
                 samples.append(s)
                 advantages.append(a)

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
-from ..rollout.types import RolloutEngine, SamplingParams
 from ..envs.env import EnvGroupBuilder
+from ..rollout.types import RolloutEngine, SamplingParams
 from ..tasks.base import Problem, Task
 from ..tasks.prompts import decode_completion, encode_problem
 from .episodes import run_groups
 
 
-def evaluate(engine: RolloutEngine, tokenizer, task: Task, problems: list[Problem], params: SamplingParams, n: int = 1,
-             score=None) -> float:
+def evaluate(
+    engine: RolloutEngine,
+    tokenizer,
+    task: Task,
+    problems: list[Problem],
+    params: SamplingParams,
+    n: int = 1,
+    score=None,
+) -> float:
     """Mean reward over problems × n samples; `score(problem, text)` (default `task.reward`) scores one."""
     score = score or task.reward
     groups = engine.generate([encode_problem(tokenizer, p) for p in problems], n, params)
-    scores = [score(p, decode_completion(tokenizer, c.token_ids)) for p, g in zip(problems, groups) for c in g]
+    scores = [
+        score(p, decode_completion(tokenizer, c.token_ids)) for p, g in zip(problems, groups, strict=True) for c in g
+    ]
     return sum(scores) / max(1, len(scores))
 
 

@@ -36,7 +36,7 @@ class ModelFlops:
     windows: tuple[int, ...] = ()  # per layer, gpt-oss's sliding windows (0 = full); () = all full
 
     @classmethod
-    def of(cls, model: nn.Module) -> "ModelFlops":
+    def of(cls, model: nn.Module) -> ModelFlops:
         """Counted on the unsharded model with its adapters applied (any device, meta included)."""
         from ..models.moe import GroupedExperts
 
@@ -54,8 +54,14 @@ class ModelFlops:
                 trained += 2 * n
             else:
                 frozen += 2 * n
-        return cls(frozen, trained, 2 * head.numel(), adapter, 2 * a.num_layers * a.num_heads * attention_width(a),
-                   tuple(a.layer_windows))
+        return cls(
+            frozen,
+            trained,
+            2 * head.numel(),
+            adapter,
+            2 * a.num_layers * a.num_heads * attention_width(a),
+            tuple(a.layer_windows),
+        )
 
     @property
     def weights(self) -> float:
@@ -85,8 +91,11 @@ class ModelFlops:
         (its minibatches split the rows), plus the no-grad passes before: the proximal policy's
         logprobs when the policy moves within the batch, the reference's with a KL term."""
         once = sum(self.forward(n) + self.backward(n) for n in lengths) * epochs
-        return once + sum(self.forward(n) for n in lengths) * proximal + \
-            sum(self.forward(n, adapters=False) for n in lengths) * reference
+        return (
+            once
+            + sum(self.forward(n) for n in lengths) * proximal
+            + sum(self.forward(n, adapters=False) for n in lengths) * reference
+        )
 
 
 def pairs(length: int, window: int = 0) -> int:
@@ -106,5 +115,6 @@ def attention_width(args) -> int:
 
 def rollout_flops(model: ModelFlops, groups) -> float:
     """Every engine call of some trajectory groups: turns, refills and summaries alike."""
-    return sum(model.sample(len(x.observation), len(x.action))
-               for g in groups for t in g.trajectories for x in t.transitions)
+    return sum(
+        model.sample(len(x.observation), len(x.action)) for g in groups for t in g.trajectories for x in t.transitions
+    )

@@ -30,7 +30,9 @@ GATE_SEED = 4242
 def make_gate(learner):
     """The check `learner.cfg.learn.gate` names (a callable: () -> (score, basis) | None)."""
     if learner.tokenizer is None:
-        raise ConfigError(f"learn.gate={learner.cfg.learn.gate!r} samples with the revision: the learner needs the tokenizer")
+        raise ConfigError(
+            f"learn.gate={learner.cfg.learn.gate!r} samples with the revision: the learner needs the tokenizer"
+        )
     engine = LocalEngine.sharing(learner.base.model, learner.pad_id)
     return env_gate(learner, engine) if learner.cfg.learn.gate == "env" else TracesGate(learner, engine)
 
@@ -42,14 +44,31 @@ def env_gate(learner, engine: LocalEngine):
 
     t, r = learner.cfg.task, learner.cfg.rollout
     if t.name != "env":
-        raise ConfigError("learn.gate='env' checks each revision on held-out episodes: it needs task.name = \"env\" "
-                          "and task.options.env naming the env dataset")
-    envs = load_env_dataset(t.options, tokenizer=learner.tokenizer, batch_size=1, group_size=1,
-                            eval_size=t.eval_problems, seed=learner.cfg.seed)
-    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            stop_token_ids=stop_tokens(learner.tokenizer, chat=False), seed=GATE_SEED)
-    limits = EpisodeLimits(max_turns=t.max_turns, max_model_len=learner.base.model.args.max_position_embeddings,
-                           env_timeout=t.reward_timeout)
+        raise ConfigError(
+            "learn.gate='env' checks each revision on held-out episodes: it needs task.name = \"env\" "
+            "and task.options.env naming the env dataset"
+        )
+    envs = load_env_dataset(
+        t.options,
+        tokenizer=learner.tokenizer,
+        batch_size=1,
+        group_size=1,
+        eval_size=t.eval_problems,
+        seed=learner.cfg.seed,
+    )
+    params = SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        stop_token_ids=stop_tokens(learner.tokenizer, chat=False),
+        seed=GATE_SEED,
+    )
+    limits = EpisodeLimits(
+        max_turns=t.max_turns,
+        max_model_len=learner.base.model.args.max_position_embeddings,
+        env_timeout=t.reward_timeout,
+    )
 
     def check() -> tuple[float, str]:
         with learner.base.use(learner.adapter), torch.no_grad():
@@ -83,16 +102,28 @@ class TracesGate:
             groups.setdefault((c.kind == "chat", int(c.params.get("max_tokens", r.max_new_tokens))), []).append(i)
         with learner.base.use(learner.adapter), torch.no_grad():
             for (chat, max_tokens), idx in groups.items():
-                params = SamplingParams(max_new_tokens=max_tokens, temperature=r.temperature,
-                                        stop_token_ids=stop_tokens(learner.tokenizer, chat=chat), seed=GATE_SEED)
+                params = SamplingParams(
+                    max_new_tokens=max_tokens,
+                    temperature=r.temperature,
+                    stop_token_ids=stop_tokens(learner.tokenizer, chat=chat),
+                    seed=GATE_SEED,
+                )
                 self.engine.forget()
-                for i, (completion,) in zip(idx, self.engine.generate([firsts[i].prompt_ids for i in idx], 1, params)):
+                for i, (completion,) in zip(
+                    idx, self.engine.generate([firsts[i].prompt_ids for i in idx], 1, params), strict=True
+                ):
                     out[i] = completion
         return out
 
     def _score(self, call, completion) -> float:
-        replayed = dataclasses.replace(call, completion_ids=completion.token_ids, logprobs=completion.logprobs,
-                                       finish_reason=completion.finish_reason, tool_calls=[], revision="gate")
+        replayed = dataclasses.replace(
+            call,
+            completion_ids=completion.token_ids,
+            logprobs=completion.logprobs,
+            finish_reason=completion.finish_reason,
+            tool_calls=[],
+            revision="gate",
+        )
         reward = self.learner.score([replayed])
         ok = isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward)
         return float(reward) if ok and abs(reward) <= MAX_REWARD else 0.0

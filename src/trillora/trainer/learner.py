@@ -35,15 +35,23 @@ from ..parallel import ParallelDims, parallelize
 from ..policy import adamw
 from ..traces.experience import Baselines, Experience, collect, reward_function
 from ..traces.store import HELD_OUT
-from .gates import make_gate
 from .batch import batch_from_samples
+from .gates import make_gate
 from .update import PolicyUpdate
 from .world import World
 
 
 class Learner:
-    def __init__(self, base, store, cfg, publish: Callable[[int, dict[str, torch.Tensor], object], None],
-                 folder: str | Path, device: torch.device, tokenizer=None):
+    def __init__(
+        self,
+        base,
+        store,
+        cfg,
+        publish: Callable[[int, dict[str, torch.Tensor], object], None],
+        folder: str | Path,
+        device: torch.device,
+        tokenizer=None,
+    ):
         """`base`: the service's resident base (`use`, `new_adapter`); `store`: the trace store;
         `cfg`: a TrainConfig (its lora, optim, algorithm, rollout, learn and, for the gate, task
         sections); `publish(k, tensors, config)`: serve revision k."""
@@ -71,22 +79,40 @@ class Learner:
     # --- persistence --------------------------------------------------------------------------
     def _resume(self) -> None:
         """The newest revision written by an earlier server, back in the slot and published."""
-        saved = sorted(self.folder.glob("revision-*"), key=lambda p: int(p.name.split("-")[1])) if self.folder.exists() else []
+        saved = (
+            sorted(self.folder.glob("revision-*"), key=lambda p: int(p.name.split("-")[1]))
+            if self.folder.exists()
+            else []
+        )
         if not saved:
             return
         last = saved[-1]
         meta = json.loads((last / "learner.json").read_text())
-        restore_rank_tensors(load_file(str(last / "adapter.safetensors")), self.adapter.params, self.adapter.optimizer, last)
+        restore_rank_tensors(
+            load_file(str(last / "adapter.safetensors")), self.adapter.params, self.adapter.optimizer, last
+        )
         self.revision, self.history = meta["revision"], meta["history"]
-        self.baselines.means, self.best, self.best_basis = meta["baselines"], meta.get("best"), meta.get("best_basis", "")
+        self.baselines.means, self.best, self.best_basis = (
+            meta["baselines"],
+            meta.get("best"),
+            meta.get("best_basis", ""),
+        )
         self.publish(self.revision, {k: t.clone() for k, t in self.adapter.tensors().items()}, self.adapter.config)
 
     def _save(self) -> None:
         with AtomicFolder(self.folder / f"revision-{self.revision}") as tmp:
             save_file(rank_tensors(self.adapter.params, self.adapter.optimizer), str(tmp / "adapter.safetensors"))
-            (tmp / "learner.json").write_text(json.dumps({"revision": self.revision, "history": self.history,
-                                                          "baselines": self.baselines.means, "best": self.best,
-                                                          "best_basis": self.best_basis}))
+            (tmp / "learner.json").write_text(
+                json.dumps(
+                    {
+                        "revision": self.revision,
+                        "history": self.history,
+                        "baselines": self.baselines.means,
+                        "best": self.best,
+                        "best_basis": self.best_basis,
+                    }
+                )
+            )
 
     def _prune(self) -> None:
         """Once the new revision is served: the last `keep` stay on disk, as they stay servable."""
@@ -97,8 +123,9 @@ class Learner:
     def restore(self, k: int) -> None:
         """Go on from revision k (a rollback): its adapter and AdamW state back in the slot."""
         folder = self.folder / f"revision-{k}"
-        restore_rank_tensors(load_file(str(folder / "adapter.safetensors")), self.adapter.params, self.adapter.optimizer,
-                             folder)
+        restore_rank_tensors(
+            load_file(str(folder / "adapter.safetensors")), self.adapter.params, self.adapter.optimizer, folder
+        )
 
     # --- a round ------------------------------------------------------------------------------
     def due(self) -> bool:
@@ -118,8 +145,15 @@ class Learner:
         compute thread, so reading the store never holds a served request). None when every new
         trace was left out (and counted)."""
         self.last_round = time.monotonic()
-        exp = collect(self.store, self.revision, self.cfg.learn, self.cfg.rollout.temperature, self.baselines, self.score,
-                      self.base.model.args.vocab_size)
+        exp = collect(
+            self.store,
+            self.revision,
+            self.cfg.learn,
+            self.cfg.rollout.temperature,
+            self.baselines,
+            self.score,
+            self.base.model.args.vocab_size,
+        )
         if exp.left_out:
             self.store.mark_trained(exp.left_out, -1)
         if exp.held_out:
@@ -140,9 +174,15 @@ class Learner:
                 self.restore(self.revision)
             return {"revision": self.revision, "skipped": True, "traces": len(exp.trace_ids), **metrics}
         lag = [self.revision - k for k in exp.revisions]
-        row = {"revision": self.revision + 1, "traces": len(exp.trace_ids), "sequences": len(exp.samples),
-               "reward_mean": sum(exp.rewards) / len(exp.rewards), "served_by_max_lag": max(lag),
-               **{f"dropped_{k}": v for k, v in exp.dropped.items()}, **metrics}
+        row = {
+            "revision": self.revision + 1,
+            "traces": len(exp.trace_ids),
+            "sequences": len(exp.samples),
+            "reward_mean": sum(exp.rewards) / len(exp.rewards),
+            "served_by_max_lag": max(lag),
+            **{f"dropped_{k}": v for k, v in exp.dropped.items()},
+            **metrics,
+        }
         checked = self.gate() if self.gate is not None else None  # None: nothing held out to judge by yet
         if checked is not None:
             score, basis = checked

@@ -27,20 +27,20 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.profiler import record_function
 
 from .. import lora, rl
-from ..checkpoint import check_tokenizer_fits, load_model, load_tokenizer, resolve_model_path, save_model
-from ..checkpoint.hf import EXPERT_LAYOUTS
+from ..checkpoint import check_tokenizer_fits, load_model, load_tokenizer
 from ..config import TrainConfig, to_toml
+from ..envs.env_dataset import load_env_dataset
 from ..errors import ConfigError, TrainingDiverged
 from ..policy import adamw
 from ..policy.decoding import LockstepEngine
 from ..tasks import make_task
-from ..envs.env_dataset import load_env_dataset
 from ..tasks.guard import GuardedReward
 from ..tasks.prompts import encode_problem
 from .checkpoints import RunCheckpoints
 from .engine import check_engine, make_engine
 from .evaluate import evaluate, evaluate_envs
 from .flops import ModelFlops
+from .outputs import export, export_dir, write_summary
 from .sampler import Sampler
 from .signals import StopSignal
 from .tracking import Trackers
@@ -53,8 +53,10 @@ def fit_context(cfg: TrainConfig, positions: int) -> TrainConfig:
     (vLLM would refuse to start, the local engine would run past what the model was trained on)."""
     r = cfg.rollout
     if r.max_model_len > positions:
-        raise ConfigError(f"rollout.max_model_len={r.max_model_len} is over the model's {positions} positions "
-                          f"({cfg.model.path}: max_position_embeddings); set it to at most {positions}, or 0 for all")
+        raise ConfigError(
+            f"rollout.max_model_len={r.max_model_len} is over the model's {positions} positions "
+            f"({cfg.model.path}: max_position_embeddings); set it to at most {positions}, or 0 for all"
+        )
     if r.max_model_len == 0:
         return dataclasses.replace(cfg, rollout=dataclasses.replace(r, max_model_len=positions))
     return cfg
@@ -84,8 +86,13 @@ class Trainer:
         self.world = World.start(self.model, cfg, self.device)
         # `full`: the unsharded adapter the export and an external engine read: the model itself in one
         # process; under torchrun rank 0's skeleton of it, the base on the meta device (no copy)
-        self.full = self.model if not launched() else lora.adapter_skeleton(self.model, self.device) \
-            if self.world.main and cfg.finetune == "lora" else None
+        self.full = (
+            self.model
+            if not launched()
+            else lora.adapter_skeleton(self.model, self.device)
+            if self.world.main and cfg.finetune == "lora"
+            else None
+        )
         self.world.unsharded(self.model, self.full)  # the initial adapter in the skeleton
         o = cfg.optim
         params = [p for _, p in lora.trained_parameters(self.model)]
@@ -93,29 +100,45 @@ class Trainer:
         self.update = PolicyUpdate(self.model, self.opt, self.world, cfg)
         t, r = cfg.task, cfg.rollout
         # a task (single-turn, built in or JSONL) or user envs (`task.name = "env"`), both sampled as envs
-        self.envs = load_env_dataset(t.options, tokenizer=self.tokenizer, batch_size=r.prompts_per_step,
-                                     group_size=r.group_size, eval_size=t.eval_problems, seed=cfg.seed) \
-            if t.name == "env" else None
+        self.envs = (
+            load_env_dataset(
+                t.options,
+                tokenizer=self.tokenizer,
+                batch_size=r.prompts_per_step,
+                group_size=r.group_size,
+                eval_size=t.eval_problems,
+                seed=cfg.seed,
+            )
+            if t.name == "env"
+            else None
+        )
         self.task = make_task(t.name, **t.options) if self.envs is None else None
         self.retention = make_task(t.retention) if t.retention else None
         self._check_dataset()
         # rewards are user code: time-limited, failures counted (an env's own steps are guarded as episodes run)
         self.reward = GuardedReward(self.task, t.reward_timeout, t.on_reward_error) if self.task is not None else None
-        self.retention_reward = GuardedReward(self.retention, t.reward_timeout, t.on_reward_error) if self.retention else None
+        self.retention_reward = (
+            GuardedReward(self.retention, t.reward_timeout, t.on_reward_error) if self.retention else None
+        )
         self.eval_problems = self.task.problems("eval", t.eval_problems, seed=cfg.seed) if self.task is not None else []
-        self.retention_problems = self.retention.problems("eval", t.eval_problems, seed=cfg.seed) if self.retention else []
+        self.retention_problems = (
+            self.retention.problems("eval", t.eval_problems, seed=cfg.seed) if self.retention else []
+        )
         routing = cfg.algorithm.router_replay != "off" or cfg.algorithm.routing_metrics
         pad = self.tokenizer.pad_token_id or 0
         if launched() and cfg.rollout.engine == "local":  # every rank decodes its shard
             if routing and self.world.dims.pp > 1:
-                raise ConfigError("algorithm.router_replay / routing_metrics with parallel.pp > 1 and the local engine: "
-                                  "each pipeline rank sees its own layers' routing; serve vLLM and use "
-                                  "rollout.engine='openai', or pp=1")
+                raise ConfigError(
+                    "algorithm.router_replay / routing_metrics with parallel.pp > 1 and the local engine: "
+                    "each pipeline rank sees its own layers' routing; serve vLLM and use "
+                    "rollout.engine='openai', or pp=1"
+                )
             self.engine = LockstepEngine(self.model, self.world.par, self.world.rank, self.device, pad)
         else:
             self.engine = make_engine(cfg, self.full, self.device, pad, routing) if self.world.main else None
-        self.sampler = Sampler(cfg, self.engine, self.tokenizer, self.task, self.reward, self.device, routing, self.envs,
-                               self.flops)
+        self.sampler = Sampler(
+            cfg, self.engine, self.tokenizer, self.task, self.reward, self.device, routing, self.envs, self.flops
+        )
 
     @property
     def reward_failures(self) -> int:
@@ -127,11 +150,16 @@ class Trainer:
         if not hasattr(self.task, "limit_prompt_tokens"):
             return
         r = self.cfg.rollout
-        self.task.limit_prompt_tokens(lambda problem: len(encode_problem(self.tokenizer, problem)), r.max_model_len - r.max_new_tokens,
-                                      f"rollout.max_model_len={r.max_model_len} - rollout.max_new_tokens={r.max_new_tokens}")
+        self.task.limit_prompt_tokens(
+            lambda problem: len(encode_problem(self.tokenizer, problem)),
+            r.max_model_len - r.max_new_tokens,
+            f"rollout.max_model_len={r.max_model_len} - rollout.max_new_tokens={r.max_new_tokens}",
+        )
         if self.task.skipped and self.world.main:
-            self.console.print(f"[yellow]{len(self.task.skipped)} dataset rows skipped[/] (bad_rows=\"skip\"); "
-                               f"first: {self.task.skipped[0]}")
+            self.console.print(
+                f'[yellow]{len(self.task.skipped)} dataset rows skipped[/] (bad_rows="skip"); '
+                f"first: {self.task.skipped[0]}"
+            )
 
     def sync_engine(self) -> dict[str, float]:
         """Bring the engine up to date (every rank joins the adapter gather; rank 0 syncs)."""
@@ -164,7 +192,9 @@ class Trainer:
         score = self.reward if task is self.task else self.retention_reward
         worker = self.sampler.worker
         with worker.lock if worker is not None else contextlib.nullcontext():  # the engine is shared
-            return evaluate(self.engine, self.tokenizer, task, problems, params, n=self.cfg.task.eval_samples, score=score)
+            return evaluate(
+                self.engine, self.tokenizer, task, problems, params, n=self.cfg.task.eval_samples, score=score
+            )
 
     def _evaluate_all(self) -> tuple[float, float | None]:
         if self.envs is not None:  # the mean return of the held-out groups' episodes
@@ -187,16 +217,23 @@ class Trainer:
             advantages = rl.group_advantages(rollout.rewards, a.advantage, a.normalize_std).reshape(-1)  # [P·G]
             advantages = advantages[rollout.trajectory_of.to(advantages.device)]  # [B]: each row its trajectory's
             metrics = self.update(dataclasses.replace(rollout.tokens, advantages=advantages))
-            metrics["flops_train"] = self.flops.train_step(rollout.row_lengths, a.epochs, self.update.proximal_pass,
-                                                           self.update.reference_pass)
+            metrics["flops_train"] = self.flops.train_step(
+                rollout.row_lengths, a.epochs, self.update.proximal_pass, self.update.reference_pass
+            )
             self.flops_total += rollout.stats.get("flops_rollout", 0.0) + metrics["flops_train"]
             metrics["flops_total"] = self.flops_total
         t2 = time.perf_counter()
         with record_function("trillora.sync"):
             worker = self.sampler.worker
             metrics.update(worker.synced(self.sync_engine) if worker is not None else self.sync_engine())
-        row = {"step": step + 1, "lr": lr, **rollout.stats, "rollout_seconds": t1 - t0, "update_seconds": t2 - t1,
-               **metrics}
+        row = {
+            "step": step + 1,
+            "lr": lr,
+            **rollout.stats,
+            "rollout_seconds": t1 - t0,
+            "update_seconds": t2 - t1,
+            **metrics,
+        }
         if self.reward_failures > failures:  # rewards scored 0 for an error (task.on_reward_error="zero")
             row["reward_failures"] = self.reward_failures - failures
         row["step_seconds"] = time.perf_counter() - t0
@@ -214,7 +251,9 @@ class Trainer:
         start = time.perf_counter()
         resumed = checkpoints.start()
         first = resumed.step if resumed is not None else 0
-        self.trackers = Trackers(cfg, first) if main else None  # before the first evaluation: a missing package fails fast
+        self.trackers = (
+            Trackers(cfg, first) if main else None
+        )  # before the first evaluation: a missing package fails fast
         state = {}  # the accuracies so far, kept in checkpoints (rank 0)
         if resumed is not None:  # the metrics so far come back with the checkpoint
             state = {k: resumed.state[k] for k in ("eval_before", "retention_before", "accuracy", "retention_after")}
@@ -223,16 +262,34 @@ class Trainer:
                 metrics_file.write_text(checkpoints.metrics_of(resumed))
         elif (evaluated := self.on_rank0(self._evaluate_all)) is not None:
             before, retention = evaluated
-            state = {"eval_before": before, "retention_before": retention, "accuracy": before, "retention_after": retention}
-            initial = {"step": 0, "eval_accuracy": before, **({"retention_accuracy": retention} if self.retention else {})}
+            state = {
+                "eval_before": before,
+                "retention_before": retention,
+                "accuracy": before,
+                "retention_after": retention,
+            }
+            initial = {
+                "step": 0,
+                "eval_accuracy": before,
+                **({"retention_accuracy": retention} if self.retention else {}),
+            }
             metrics_file.write_text(json.dumps(initial) + "\n")  # the start of the accuracy curves
             self.trackers.log(initial, 0)
-        columns = [TextColumn("[bold]RL[/]"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TextColumn("{task.fields[info]}"), TimeRemainingColumn()]
+        columns = [
+            TextColumn("[bold]RL[/]"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+        ]
         worker = self.sampler.start_worker(first, cfg.steps) if cfg.rollout.asynchronous else None
-        with (Progress(*columns, disable=not main) as bar, stop.installed(),
-              contextlib.closing(worker) if worker is not None else contextlib.nullcontext(), self._shared_cores(),
-              contextlib.closing(self.trackers) if self.trackers is not None else contextlib.nullcontext()):
+        with (
+            Progress(*columns, disable=not main) as bar,
+            stop.installed(),
+            contextlib.closing(worker) if worker is not None else contextlib.nullcontext(),
+            self._shared_cores(),
+            contextlib.closing(self.trackers) if self.trackers is not None else contextlib.nullcontext(),
+        ):
             job = bar.add_task("rl", total=cfg.steps, completed=first, info="")
             state["steps_done"] = first
             for step in range(first, cfg.steps):
@@ -251,15 +308,17 @@ class Trainer:
                 if stopping:
                     self.world.unsharded(self.model, self.full)  # every rank joins the adapter gather
                     if main:  # the adapter so far is usable (eval, generate, serve) without unpacking a checkpoint
-                        self._export_adapter()
-                        self.console.print(f"stopped at step {step + 1} of {cfg.steps}: weights so far in "
-                                           f"{self.export_dir}; resume with resume=true")
+                        export(self)
+                        self.console.print(
+                            f"stopped at step {step + 1} of {cfg.steps}: weights so far in "
+                            f"{export_dir(self.cfg)}; resume with resume=true"
+                        )
                     world.close()
                     return {"stopped_at": step + 1} if main else {}
                 if spent:
                     break
         self.world.unsharded(self.model, self.full)
-        summary = self._finish(state, start) if main else {}
+        summary = write_summary(self, state, start) if main else {}
         if close_engine and self.engine is not None:
             self.engine.close()
         world.close()
@@ -285,47 +344,12 @@ class Trainer:
         with open(metrics_file, "a") as log:
             log.write(json.dumps(row) + "\n")
         self.trackers.log(row, row["step"])
-        bar.update(job, advance=1, info=f"reward {row['reward_mean']:.2f}  held-out acc {state['accuracy']:.3f}  "
-                                        f"{row['step_seconds']:.2f}s/step")
-
-    def _finish(self, state: dict, start: float) -> dict:
-        """Rank 0 at the end: both adapter layouts, the plots, summary.json."""
-        cfg = self.cfg
-        self._export_adapter()
-        from ..plots import plot_run
-
-        plot_run(cfg.run_dir)
-        dims = self.world.dims
-        summary = {
-            "eval_before": state["eval_before"], "eval_after": state["accuracy"],
-            "retention_before": state["retention_before"], "retention_after": state["retention_after"],
-            "steps": cfg.steps, "steps_done": state["steps_done"], "seconds": time.perf_counter() - start,
-            "flops_total": self.flops_total,
-            "skipped_updates": self.update.skipped_updates,
-            "reward_failures": self.reward_failures,
-            "dataset_rows_skipped": len(getattr(self.task, "skipped", [])),
-            "finetune": cfg.finetune,
-            "adapter": lora.adapter_stats(self.full),
-            **({"parallel": dataclasses.asdict(dims), "parallel_auto": cfg.parallel.auto,
-                "dp_grad_bytes_per_step": self.world.par.grad_sync.bytes_per_step} if self.world.size > 1 else {}),
-        }
-        (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return summary
-
-    @property
-    def export_dir(self):
-        return self.cfg.run_dir / ("model" if self.cfg.finetune == "full" else "adapter")
-
-    def _export_adapter(self) -> None:
-        """Both adapter layouts under runs/<name>/adapter/ (PEFT's fused tensors, vLLM's per-expert names);
-        full-parameter training writes the whole model and tokenizer to runs/<name>/model/ instead."""
-        if self.cfg.finetune == "full":
-            save_model(self.full, self.export_dir)
-            self.tokenizer.save_pretrained(self.export_dir)
-            return
-        base = str(resolve_model_path(self.cfg.model.path))
-        for layout in EXPERT_LAYOUTS:
-            lora.save_adapter(self.full, self.export_dir / layout, expert_layout=layout, base_model=base)
+        bar.update(
+            job,
+            advance=1,
+            info=f"reward {row['reward_mean']:.2f}  held-out acc {state['accuracy']:.3f}  "
+            f"{row['step_seconds']:.2f}s/step",
+        )
 
     def _diverged(self, step: int) -> TrainingDiverged:
         u = self.update
@@ -333,7 +357,8 @@ class Trainer:
             f"the last {u.nonfinite_in_a_row} updates (to step {step}) had a non-finite loss or gradient and were "
             f"skipped (optim.max_nonfinite_in_a_row={self.cfg.optim.max_nonfinite_in_a_row}); the adapter is unchanged "
             f"since step {step - u.nonfinite_in_a_row} and saved in {self.cfg.run_dir / 'checkpoints'}. "
-            f"Lower optim.lr, check the rewards, or resume with resume=true")
+            f"Lower optim.lr, check the rewards, or resume with resume=true"
+        )
 
     @contextlib.contextmanager
     def _shared_cores(self):
@@ -356,4 +381,3 @@ def train(cfg: TrainConfig) -> dict:
 
         return train_on_traces(cfg)
     return Trainer(cfg).run()
-

@@ -28,8 +28,10 @@ from .world import pick_device
 def train_on_traces(cfg: TrainConfig) -> dict:
     store_at = cfg.task.options.get("store")
     if not isinstance(store_at, str) or not store_at:
-        raise ConfigError('task.name="traces" needs task.options.store: the SQLite file or postgresql:// URL '
-                          "that `trillora serve --record` wrote")
+        raise ConfigError(
+            'task.name="traces" needs task.options.store: the SQLite file or postgresql:// URL '
+            "that `trillora serve --record` wrote"
+        )
     device = pick_device(cfg.device)
     tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
     base = ResidentBase(load_model(cfg.model.path, device=device), alpha=cfg.lora.alpha)
@@ -48,8 +50,13 @@ def train_on_traces(cfg: TrainConfig) -> dict:
             log.write(json.dumps(rows[-1]) + "\n")
             log.flush()
     export_adapter(learner, cfg, run / "adapter")
-    summary = {"rounds": len(rows), "revision": learner.revision, "traces": sum(r.get("traces", 0) for r in rows),
-               "adapter": str(run / "adapter"), "store": store.shown}
+    summary = {
+        "rounds": len(rows),
+        "revision": learner.revision,
+        "traces": sum(r.get("traces", 0) for r in rows),
+        "adapter": str(run / "adapter"),
+        "store": store.shown,
+    }
     (run / "summary.json").write_text(json.dumps(summary, indent=2))
     store.close()
     return summary
@@ -60,12 +67,22 @@ def export_adapter(learner: Learner, cfg: TrainConfig, folder) -> None:
     adapter applied the usual way (`lora.apply_lora`), then saved as `trillora train` saves."""
     a = learner.adapter
     model = load_model(cfg.model.path)
-    lora.apply_lora(model, lora.LoraConfig(rank=a.config.rank, alpha=learner.base.alpha, targets=a.config.targets,
-                                           seed=a.config.seed, expert_rank=a.config.expert_rank))
+    lora.apply_lora(
+        model,
+        lora.LoraConfig(
+            rank=a.config.rank,
+            alpha=learner.base.alpha,
+            targets=a.config.targets,
+            seed=a.config.seed,
+            expert_rank=a.config.expert_rank,
+        ),
+    )
     mine = dict(lora.lora_parameters(model))
     if set(mine) != set(a.params):
-        raise ConfigError(f"the learner's adapter does not map onto {cfg.model.path}'s modules: "
-                          f"{sorted(set(mine) ^ set(a.params))[:3]}")
+        raise ConfigError(
+            f"the learner's adapter does not map onto {cfg.model.path}'s modules: "
+            f"{sorted(set(mine) ^ set(a.params))[:3]}"
+        )
     with torch.no_grad():
         for name, p in mine.items():
             p.copy_(a.params[name].detach().to(p.device, p.dtype))

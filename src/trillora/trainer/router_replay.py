@@ -23,11 +23,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
 from ..config import RouterReplayMode
 from ..rollout.routing import moe_blocks
+
 
 class RoutingReference:
     """The experts another engine chose for each token of one forward call ([T, K], e.g. recorded at
@@ -55,16 +57,19 @@ class RoutingReference:
 
 
 @contextlib.contextmanager
-def compare_routing(model: nn.Module, indices_BTLK: torch.Tensor, valid_BT: torch.Tensor,
-                    replay: bool) -> Iterator[list[RoutingReference]]:
+def compare_routing(
+    model: nn.Module, indices_BTLK: torch.Tensor, valid_BT: torch.Tensor, replay: bool
+) -> Iterator[list[RoutingReference]]:
     """For one forward call over [B, T] tokens: each MoE layer l compares its routing with
     `indices_BTLK[:, :, l]` (and replays it when `replay`); yields the per-layer references."""
     blocks = [m for _, m in moe_blocks(model)]
     if indices_BTLK.shape[2] != len(blocks):
         raise ValueError(f"recorded routing covers {indices_BTLK.shape[2]} MoE layers; the model has {len(blocks)}")
-    refs = [RoutingReference(indices_BTLK[:, :, i].reshape(-1, indices_BTLK.shape[-1]), valid_BT.reshape(-1), replay)
-            for i in range(len(blocks))]
-    handles = [m.gate.register_forward_hook(r) for m, r in zip(blocks, refs)]
+    refs = [
+        RoutingReference(indices_BTLK[:, :, i].reshape(-1, indices_BTLK.shape[-1]), valid_BT.reshape(-1), replay)
+        for i in range(len(blocks))
+    ]
+    handles = [m.gate.register_forward_hook(r) for m, r in zip(blocks, refs, strict=True)]
     try:
         yield refs
     finally:
@@ -115,6 +120,9 @@ class RouterReplay:
     def metrics(self) -> dict[str, float]:
         if not self.tokens:
             return {}
-        out = {f"routing_mismatch_l{i}": d / max(t, 1) for i, (d, t) in enumerate(zip(self.differ, self.tokens))}
+        out = {
+            f"routing_mismatch_l{i}": d / max(t, 1)
+            for i, (d, t) in enumerate(zip(self.differ, self.tokens, strict=True))
+        }
         out["routing_mismatch"] = sum(self.differ) / max(sum(self.tokens), 1)
         return out

@@ -16,18 +16,27 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import rl
+from ..context import (
+    MemoryContext,
+    MemoryDiffusion,
+    Recall,
+    Summarize,
+    Truncate,
+    attention_mass,
+    policy_scores,
+    recency,
+)
+from ..envs.env import Trajectory, TrajectoryGroup, Transition
+from ..envs.env_dataset import EnvDataset
+from ..envs.task_env import TaskGroupBuilder
+from ..envs.trajectory import merge_trajectory
+from ..errors import ConfigError
 from ..rollout import Completion, SamplingParams
 from ..rollout.async_worker import RolloutWorker
 from ..tasks import Problem, Task
-from ..envs.env import Trajectory, TrajectoryGroup, Transition
-from ..envs.env_dataset import EnvDataset
 from ..tasks.guard import GuardedReward
 from ..tasks.prompts import decode_completion, encode_problem, stop_tokens
-from ..envs.task_env import TaskGroupBuilder
-from ..envs.trajectory import merge_trajectory
 from .batch import TokenBatch, batch_from_samples, with_routes
-from ..errors import ConfigError
-from ..context import MemoryContext, MemoryDiffusion, Recall, Summarize, Truncate, attention_mass, policy_scores, recency
 from .episodes import EpisodeLimits, episode_metrics, run_groups
 from .flops import ModelFlops, rollout_flops
 
@@ -55,8 +64,18 @@ class Request:
 
 
 class Sampler:
-    def __init__(self, cfg, engine, tokenizer, task: Task | None, reward: GuardedReward | None, device: torch.device,
-                 routing: bool, envs: EnvDataset | None = None, flops: ModelFlops | None = None):
+    def __init__(
+        self,
+        cfg,
+        engine,
+        tokenizer,
+        task: Task | None,
+        reward: GuardedReward | None,
+        device: torch.device,
+        routing: bool,
+        envs: EnvDataset | None = None,
+        flops: ModelFlops | None = None,
+    ):
         """Samples `task`'s problems as one-turn envs, or the groups of `envs` (user envs, several turns);
         with `flops`, every engine call of a step is counted (`flops_rollout`)."""
         self.flops = flops
@@ -66,13 +85,22 @@ class Sampler:
         self.pad_id = tokenizer.pad_token_id or 0
         r = self.rollout
         stop = stop_tokens(tokenizer, chat=task is not None and task.chat)
-        self.params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                     top_k=r.top_k, stop_token_ids=stop)
+        self.params = SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_token_ids=stop,
+        )
         self.worker: RolloutWorker | None = None
         """The rollout thread while a run samples ahead (`start_worker`)."""
-        self.limits = EpisodeLimits(max_turns=cfg.task.max_turns if envs is not None else 1, max_model_len=r.max_model_len,
-                                    env_timeout=cfg.task.reward_timeout, on_error=cfg.task.on_reward_error,
-                                    memory=memory_factory(cfg.memory, engine, tokenizer) if envs is not None else None)
+        self.limits = EpisodeLimits(
+            max_turns=cfg.task.max_turns if envs is not None else 1,
+            max_model_len=r.max_model_len,
+            env_timeout=cfg.task.reward_timeout,
+            on_error=cfg.task.on_reward_error,
+            memory=memory_factory(cfg.memory, engine, tokenizer) if envs is not None else None,
+        )
 
     def request(self, step: int, k: int = 0) -> Request:
         """The problems of a step's sampling round k: functions of the seed and the step only, so the
@@ -103,8 +131,9 @@ class Sampler:
         for k in range(a.max_sampling_rounds if a.dynamic_sampling else 1):
             if self.worker is not None:  # sampled ahead by the rollout thread
                 sampled = self.worker.take(step)
-                groups = sampled.groups if self.envs is not None else self._scored(sampled.request.problems,
-                                                                                   sampled.groups)
+                groups = (
+                    sampled.groups if self.envs is not None else self._scored(sampled.request.problems, sampled.groups)
+                )
                 staleness = step - sampled.revision
             elif self.envs is not None:  # the dataset's groups of the step (one round: no dynamic sampling)
                 groups = run_groups(self.engine, list(self.envs.get_batch(step)), self._env_params(step), self.limits)
@@ -117,8 +146,10 @@ class Sampler:
             if sum(int(rl.informative_groups(x[1]).sum()) for x in rounds) >= r.prompts_per_step:
                 break
         sampled = torch.cat([x[1] for x in rounds])
-        stats = {"reward_mean": float(sampled.mean()),
-                 "groups_all_equal": float((~rl.informative_groups(sampled)).float().mean())}
+        stats = {
+            "reward_mean": float(sampled.mean()),
+            "groups_all_equal": float((~rl.informative_groups(sampled)).float().mean()),
+        }
         if staleness is not None:  # every sample of the batch came from the same adapter revision
             stats["staleness"] = float(staleness)
         if a.dynamic_sampling:  # the batch: informative groups first in sampling order, padded if short
@@ -126,8 +157,11 @@ class Sampler:
             groups = [rounds[k][0][i] for k, i in chosen]
             rewards = torch.stack([rounds[k][1][i] for k, i in chosen])
             uninformative = int((~rl.informative_groups(sampled)).sum())
-            stats.update(sampling_rounds=float(len(rounds)), groups_dropped=float(uninformative - padded),
-                         groups_padded=float(padded))
+            stats.update(
+                sampling_rounds=float(len(rounds)),
+                groups_dropped=float(uninformative - padded),
+                groups_padded=float(padded),
+            )
         if self.envs is not None:
             stats.update(episode_metrics(groups))
         if self.flops is not None:  # every round sampled, the groups dynamic sampling dropped too
@@ -140,10 +174,23 @@ class Sampler:
     def _scored(self, problems: list[Problem], completions: list[list[Completion]]) -> list[TrajectoryGroup]:
         """Completions sampled ahead as one-turn trajectories, scored on this (the main) thread."""
         groups = []
-        for p, group in zip(problems, completions):
-            trajectories = [Trajectory([Transition(c.prompt_ids, c.token_ids, c.logprobs,
-                                                   self.reward(p, decode_completion(self.tokenizer, c.token_ids)), True,
-                                                   routed_experts=c.routed_experts)], []) for c in group]
+        for p, group in zip(problems, completions, strict=True):
+            trajectories = [
+                Trajectory(
+                    [
+                        Transition(
+                            c.prompt_ids,
+                            c.token_ids,
+                            c.logprobs,
+                            self.reward(p, decode_completion(self.tokenizer, c.token_ids)),
+                            True,
+                            routed_experts=c.routed_experts,
+                        )
+                    ],
+                    [],
+                )
+                for c in group
+            ]
             groups.append(TrajectoryGroup(trajectories, [0.0] * len(group), [{} for _ in group]))
         return groups
 
@@ -159,17 +206,27 @@ class Sampler:
         stats["completion_len_mean"] = sum(len(x.action) for t in flat for x in t.transitions) / len(flat)
         tokens = batch_from_samples(samples, self.pad_id, self.device)
         # one row per trajectory and one first observation per group: rows come in groups sharing a prompt
-        one_prompt = all(len({tuple(t.transitions[0].observation) if t.transitions else () for t in g.trajectories}) == 1
-                         for g in groups)
+        one_prompt = all(
+            len({tuple(t.transitions[0].observation) if t.transitions else () for t in g.trajectories}) == 1
+            for g in groups
+        )
         if len(samples) == len(flat) and one_prompt and len({len(g.trajectories) for g in groups}) == 1:
             tokens.group_size = len(groups[0].trajectories)
         if self.routing:
             if len(routes) != len(samples) or any(x is None for x in routes):
-                raise ValueError("router replay needs one routed turn per training row (single-turn samples from an "
-                                 "engine that returns routing)")
+                raise ValueError(
+                    "router replay needs one routed turn per training row (single-turn samples from an "
+                    "engine that returns routing)"
+                )
             tokens = with_routes(tokens, routes)
-        return RolloutBatch(tokens, rewards, torch.tensor(trajectory_of, device=self.device), groups, stats,
-                            [len(s.tokens) for s in samples])
+        return RolloutBatch(
+            tokens,
+            rewards,
+            torch.tensor(trajectory_of, device=self.device),
+            groups,
+            stats,
+            [len(s.tokens) for s in samples],
+        )
 
 
 def memory_factory(m, engine, tokenizer):
@@ -189,10 +246,15 @@ def memory_factory(m, engine, tokenizer):
         else:
             model = getattr(engine, "model", None)
             if m.importance != "recency" and model is None:
-                raise ConfigError(f"memory.importance={m.importance!r} scores chunks with the policy whole in this process: "
-                                  "use rollout.engine='local' in one process, or memory.importance='recency'")
-            importance = {"policy": lambda: policy_scores(model, tokenizer.pad_token_id or 0),
-                          "attention": lambda: attention_mass(model), "recency": lambda: recency}[m.importance]()
+                raise ConfigError(
+                    f"memory.importance={m.importance!r} scores chunks with the policy whole in this process: "
+                    "use rollout.engine='local' in one process, or memory.importance='recency'"
+                )
+            importance = {
+                "policy": lambda: policy_scores(model, tokenizer.pad_token_id or 0),
+                "attention": lambda: attention_mass(model),
+                "recency": lambda: recency,
+            }[m.importance]()
             policy = MemoryDiffusion(engine, tokenizer, seeded, importance, m.allocate, m.keep_recent, m.floor)
         return MemoryContext(policy, m.budget, params.max_new_tokens, m.span_tokens)
 

@@ -32,7 +32,9 @@ class StopSignal:
                 signal.signal(signum, previous[signum])
                 signal.raise_signal(signum)
             self.requested = True
-            self.console.print("[yellow]stopping after this step; a checkpoint will be saved (signal again to stop now)[/]")
+            self.console.print(
+                "[yellow]stopping after this step; a checkpoint will be saved (signal again to stop now)[/]"
+            )
 
         for s in previous:
             signal.signal(s, handler)

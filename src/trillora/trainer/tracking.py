@@ -23,8 +23,9 @@ def _need(module: str, backend: str):
     try:
         return __import__(module)
     except ImportError:
-        raise ConfigError(f"logging.backends has {backend!r} but {module} is not installed: "
-                          "pip install 'trillora[tracking]'") from None
+        raise ConfigError(
+            f"logging.backends has {backend!r} but {module} is not installed: pip install 'trillora[tracking]'"
+        ) from None
 
 
 class Trackers:
@@ -42,16 +43,28 @@ class Trackers:
             (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
             id_file = run_dir / "wandb" / "run_id"
             resumed = first_step > 0 and id_file.is_file()
-            run_id = id_file.read_text().strip() if resumed else secrets.token_hex(4)  # W&B ids are short [a-z0-9] strings
+            run_id = (
+                id_file.read_text().strip() if resumed else secrets.token_hex(4)
+            )  # W&B ids are short [a-z0-9] strings
             id_file.write_text(run_id)
-            self.wandb = wandb.init(project=cfg.logging.project, name=cfg.name, dir=str(run_dir), mode=mode,
-                                    config=dataclasses.asdict(cfg), reinit="finish_previous", id=run_id,
-                                    resume="allow" if resumed else None)
+            self.wandb = wandb.init(
+                project=cfg.logging.project,
+                name=cfg.name,
+                dir=str(run_dir),
+                mode=mode,
+                config=dataclasses.asdict(cfg),
+                reinit="finish_previous",
+                id=run_id,
+                resume="allow" if resumed else None,
+            )
 
     def log(self, row: dict, step: int) -> None:
         """The row's finite numbers at `step` (the trainer's step count, 1-based after an update)."""
-        scalars = {k: float(v) for k, v in row.items()
-                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        scalars = {
+            k: float(v)
+            for k, v in row.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)

@@ -60,11 +60,15 @@ class PolicyUpdate:
         whole_rows = (dims.pp, dims.cp, dims.sp) == (1, 1, False)  # each rank's forward sees whole rows
         self.share_prompts = p.share_prompts and r.group_size > 1 and whole_rows
         if (cfg.algorithm.router_replay != "off" or cfg.algorithm.routing_metrics) and not whole_rows:
-            raise ConfigError("algorithm.router_replay runs whole rows on each rank; it does not combine with "
-                              "parallel.pp, parallel.cp or parallel.sp yet")
+            raise ConfigError(
+                "algorithm.router_replay runs whole rows on each rank; it does not combine with "
+                "parallel.pp, parallel.cp or parallel.sp yet"
+            )
         if world.size > 1 and (r.prompts_per_step * r.group_size) % (self.algorithm.minibatches * dims.dp):
-            raise ConfigError(f"rollout.prompts_per_step × group_size = {r.prompts_per_step * r.group_size} rows do not "
-                              f"split into algorithm.minibatches={self.algorithm.minibatches} × dp={dims.dp} equal parts")
+            raise ConfigError(
+                f"rollout.prompts_per_step × group_size = {r.prompts_per_step * r.group_size} rows do not "
+                f"split into algorithm.minibatches={self.algorithm.minibatches} × dp={dims.dp} equal parts"
+            )
         self.skipped_updates = 0  # optimizer steps skipped for a non-finite loss or gradient (whole run)
         self.nonfinite_in_a_row = 0
 
@@ -94,9 +98,13 @@ class PolicyUpdate:
         for rows in torch.arange(batch.num_rows).chunk(a.minibatches):  # global rows of each minibatch
             mine = rows[self.world.rows(len(rows))]
             shares.append(mine)
-            minibatches.append(Minibatch(torch.arange(start, start + len(mine), device=batch.input_ids.device),
-                                         float(batch.completion_mask[rows.to(batch.completion_mask.device)].sum()),
-                                         float(len(rows))))
+            minibatches.append(
+                Minibatch(
+                    torch.arange(start, start + len(mine), device=batch.input_ids.device),
+                    float(batch.completion_mask[rows.to(batch.completion_mask.device)].sum()),
+                    float(len(rows)),
+                )
+            )
             start += len(mine)
         whole_groups = all(len(s) % g == 0 and int(s[0]) % g == 0 for s in shares if len(s))
         return batch.select(torch.cat(shares)), minibatches, whole_groups
@@ -133,8 +141,16 @@ class PolicyUpdate:
                 fixed.ref = self._logprobs(local, whole_groups, whole)
         return fixed
 
-    def _minibatch(self, local: TokenBatch, whole_groups: bool, fixed: Fixed, mb: Minibatch,
-                   replay: RouterReplay | None, parts: list, measure: bool) -> float:
+    def _minibatch(
+        self,
+        local: TokenBatch,
+        whole_groups: bool,
+        fixed: Fixed,
+        mb: Minibatch,
+        replay: RouterReplay | None,
+        parts: list,
+        measure: bool,
+    ) -> float:
         """Forward + backward of one minibatch's rows (gradients accumulated); its loss."""
         if self.pipeline is None:
             loss = 0.0
@@ -155,8 +171,15 @@ class PolicyUpdate:
 
         return float(self.pipeline.train_step(local.input_ids[mb.rows], loss_on_last_stage, self.temperature))
 
-    def _loss(self, local: TokenBatch, fixed: Fixed, mb: Minibatch, logp: torch.Tensor, entropy: torch.Tensor,
-              rows: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(
+        self,
+        local: TokenBatch,
+        fixed: Fixed,
+        mb: Minibatch,
+        logp: torch.Tensor,
+        entropy: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Some rows' share of their minibatch's loss (normalised by the whole minibatch)."""
         a = self.algorithm
         mask = local.completion_mask[rows]
@@ -166,10 +189,22 @@ class PolicyUpdate:
             old = logp.detach()
             weights, mismatch = self._mismatch(old, local, rows)
         loss, metrics = rl.policy_loss(
-            logp, old, local.advantages[rows].to(logp.device), mask, global_tokens=mb.tokens, global_seqs=mb.seqs,
-            clip_low=a.clip_low, clip_high=a.clip_high, aggregation=a.aggregation, norm_len=self.norm_len,
-            is_weights_BT=weights, ref_logp_BT=fixed.ref[rows] if fixed.ref is not None else None, kl_coef=a.kl_coef,
-            kl_kind=a.kl_estimator, entropy_BT=entropy, entropy_coef=a.entropy_coef,
+            logp,
+            old,
+            local.advantages[rows].to(logp.device),
+            mask,
+            global_tokens=mb.tokens,
+            global_seqs=mb.seqs,
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            aggregation=a.aggregation,
+            norm_len=self.norm_len,
+            is_weights_BT=weights,
+            ref_logp_BT=fixed.ref[rows] if fixed.ref is not None else None,
+            kl_coef=a.kl_coef,
+            kl_kind=a.kl_estimator,
+            entropy_BT=entropy,
+            entropy_coef=a.entropy_coef,
         )
         return loss, {**mismatch, **metrics, "tokens": float(mask.sum())}
 
@@ -183,15 +218,30 @@ class PolicyUpdate:
         everything = torch.arange(local.num_rows, device=local.input_ids.device)
         return self._rows_logprobs(local, whole_groups, everything, False, whole_rows)[0]
 
-    def _rows_logprobs(self, local: TokenBatch, whole_groups: bool, rows: torch.Tensor, with_entropy: bool,
-                       whole_rows: bool):
+    def _rows_logprobs(
+        self, local: TokenBatch, whole_groups: bool, rows: torch.Tensor, with_entropy: bool, whole_rows: bool
+    ):
         """Logprobs (and entropies) [b, T-1] of some rows; each group's prompt runs once when the rows
         are whole groups (`parallel.share_prompts`)."""
         g, ids = local.group_size, local.input_ids
-        if (self.share_prompts and g and whole_groups and not whole_rows and local.prompt_lengths is not None
-                and len(rows) % g == 0 and int(rows[0]) % g == 0):
-            return shared_prompt_logprobs(self.model, ids[rows], local.prompt_lengths[rows], completion_spans(local, rows),
-                                          g, self.temperature, with_entropy)
+        if (
+            self.share_prompts
+            and g
+            and whole_groups
+            and not whole_rows
+            and local.prompt_lengths is not None
+            and len(rows) % g == 0
+            and int(rows[0]) % g == 0
+        ):
+            return shared_prompt_logprobs(
+                self.model,
+                ids[rows],
+                local.prompt_lengths[rows],
+                completion_spans(local, rows),
+                g,
+                self.temperature,
+                with_entropy,
+            )
         return token_logprobs(self.model, ids[rows], self.temperature, with_entropy=with_entropy)
 
     def _mismatch(self, trainer_logp: torch.Tensor, local: TokenBatch, rows: torch.Tensor | None = None):

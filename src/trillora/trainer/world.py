@@ -42,7 +42,7 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' but no CUDA device is available; use device=\"cpu\" or \"auto\"")
+        raise ConfigError('device=\'cuda\' but no CUDA device is available; use device="cpu" or "auto"')
     device = torch.device(name)
     if launched() and device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -58,13 +58,15 @@ class World:
     device: torch.device
 
     @staticmethod
-    def start(model: nn.Module, cfg, device: torch.device) -> "World":
+    def start(model: nn.Module, cfg, device: torch.device) -> World:
         """Lay `model` out as the run's `parallel` section (or the planner, `parallel.auto`) says."""
         p = cfg.parallel
         if not launched():
             if not p.auto and (p.tp, p.ep, p.pp, p.cp, max(p.dp, 1)) != (1, 1, 1, 1, 1):
-                raise ConfigError(f"parallel.dp={p.dp} tp={p.tp} ep={p.ep} pp={p.pp} cp={p.cp} needs a distributed "
-                                  f"launch: torchrun --nproc-per-node N -m trillora train ...")
+                raise ConfigError(
+                    f"parallel.dp={p.dp} tp={p.tp} ep={p.ep} pp={p.pp} cp={p.cp} needs a distributed "
+                    f"launch: torchrun --nproc-per-node N -m trillora train ..."
+                )
             # one process: nothing to lay out but activation checkpointing (which `auto` leaves to the planner)
             dims = ParallelDims(activation_checkpoint_every=0 if p.auto else p.activation_checkpoint_every)
             return World(0, 1, parallelize(model, dims), device)
@@ -75,9 +77,15 @@ class World:
             from ..plan.planner import auto_dims
 
             r = cfg.rollout
-            dims, _ = auto_dims(model.args, cfg.lora, world, seq_len=r.max_model_len,
-                                rows=r.prompts_per_step * r.group_size, minibatches=cfg.algorithm.minibatches,
-                                device=device)
+            dims, _ = auto_dims(
+                model.args,
+                cfg.lora,
+                world,
+                seq_len=r.max_model_len,
+                rows=r.prompts_per_step * r.group_size,
+                minibatches=cfg.algorithm.minibatches,
+                device=device,
+            )
         else:
             dims = p.for_world(world)
         return World(dist.get_rank(), world, parallelize(model, dims), device)
@@ -107,8 +115,10 @@ class World:
         """This rank's rows of b: contiguous blocks by data-parallel rank."""
         dp = self.dims.dp
         if b % dp:
-            raise ConfigError(f"a minibatch of {b} rows does not split over dp={dp}: make rollout.prompts_per_step × "
-                              f"group_size a multiple of algorithm.minibatches × dp")
+            raise ConfigError(
+                f"a minibatch of {b} rows does not split over dp={dp}: make rollout.prompts_per_step × "
+                f"group_size a multiple of algorithm.minibatches × dp"
+            )
         return slice(self.dp_rank * b // dp, (self.dp_rank + 1) * b // dp)
 
     def any(self, flag: bool) -> bool:
@@ -125,25 +135,32 @@ class World:
 
     def layout(self) -> dict:
         """As state.json holds it (JSON lists, not tuples), so a reloaded one compares equal."""
-        return json.loads(json.dumps({"world": self.size, "dims": dataclasses.asdict(self.dims)} if self.size > 1
-                                     else {"world": 1}))
+        return json.loads(
+            json.dumps({"world": self.size, "dims": dataclasses.asdict(self.dims)} if self.size > 1 else {"world": 1})
+        )
 
-    def reduce_metrics(self, per_token: dict[str, float], tokens: float, summed: dict[str, float],
-                       averaged: dict[str, float]) -> dict[str, float]:
+    def reduce_metrics(
+        self, per_token: dict[str, float], tokens: float, summed: dict[str, float], averaged: dict[str, float]
+    ) -> dict[str, float]:
         """Metrics of the data-parallel ranks combined as one process would have them: per-token
         means weighted by each rank's tokens, partial sums added, the rest averaged (tp, cp and
         pp ranks of one data-parallel rank hold the same values)."""
         if self.size == 1:
             return {**per_token, **summed, **averaged}
         groups = [sorted(per_token), sorted(summed), sorted(averaged)]
-        t = torch.tensor([per_token[k] * tokens for k in groups[0]] + [tokens] + [summed[k] for k in groups[1]]
-                         + [averaged[k] for k in groups[2]], dtype=torch.float64)
+        t = torch.tensor(
+            [per_token[k] * tokens for k in groups[0]]
+            + [tokens]
+            + [summed[k] for k in groups[1]]
+            + [averaged[k] for k in groups[2]],
+            dtype=torch.float64,
+        )
         dist.all_reduce(t, group=self.par.meshes.group("dp"))
         v = t.tolist()
         n, total = len(groups[0]), max(v[len(groups[0])], 1.0)
-        out = {k: x / total for k, x in zip(groups[0], v[:n])}
-        out.update(zip(groups[1], v[n + 1:n + 1 + len(groups[1])]))
-        out.update((k, x / self.dims.dp) for k, x in zip(groups[2], v[n + 1 + len(groups[1]):]))
+        out = {k: x / total for k, x in zip(groups[0], v[:n], strict=True)}
+        out.update(zip(groups[1], v[n + 1 : n + 1 + len(groups[1])], strict=True))
+        out.update((k, x / self.dims.dp) for k, x in zip(groups[2], v[n + 1 + len(groups[1]) :], strict=True))
         return out
 
     # --- the adapter ------------------------------------------------------------------------

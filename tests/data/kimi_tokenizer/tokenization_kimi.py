@@ -23,7 +23,9 @@ class TikTokenTokenizer(PreTrainedTokenizer):
         self.pieces = {i: t.decode("latin-1") for t, i in ranks.items()} | {i: s for s, i in specials.items()}
         self.ids = {p: i for i, p in self.pieces.items()}
         kwargs.pop("additional_special_tokens", None)
-        super().__init__(bos_token=bos_token, eos_token=eos_token, additional_special_tokens=list(SPECIALS[2:]), **kwargs)
+        super().__init__(
+            bos_token=bos_token, eos_token=eos_token, additional_special_tokens=list(SPECIALS[2:]), **kwargs
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -42,7 +44,9 @@ class TikTokenTokenizer(PreTrainedTokenizer):
         return self.pieces[index]
 
     def convert_tokens_to_string(self, tokens):
-        return b"".join(t.encode("latin-1") if t not in SPECIALS else t.encode() for t in tokens).decode("utf-8", "replace")
+        return b"".join(t.encode("latin-1") if t not in SPECIALS else t.encode() for t in tokens).decode(
+            "utf-8", "replace"
+        )
 
     def save_vocabulary(self, save_directory, filename_prefix=None):
         return ()

@@ -12,8 +12,13 @@ from ..deepseek_v3.config import sigmoid_moe
 
 def parse(cfg: dict[str, Any], common: dict[str, Any], where: str) -> ModelArgs:
     head_dim = int(get(cfg, "head_dim", default=common["hidden_size"] // common["num_heads"]))
-    factor = float(get(cfg.get("rope_parameters") or {}, "partial_rotary_factor",
-                       default=get(cfg, "partial_rotary_factor", default=1.0)))
+    factor = float(
+        get(
+            cfg.get("rope_parameters") or {},
+            "partial_rotary_factor",
+            default=get(cfg, "partial_rotary_factor", default=1.0),
+        )
+    )
     return ModelArgs(
         **common,
         head_dim=head_dim,

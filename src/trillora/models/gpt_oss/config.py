@@ -11,8 +11,9 @@ from ...errors import ConfigError
 from ..args import ModelArgs
 from ..config_keys import get, rope_args
 
-ROPE = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-            original_max_position_embeddings=4096)
+ROPE = dict(
+    rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096
+)
 """What transformers assumes when a gpt-oss config.json names no rope parameters."""
 
 
@@ -29,21 +30,23 @@ def parse(cfg: dict[str, Any], common: dict[str, Any], where: str) -> ModelArgs:
     for i, kind in enumerate(types):
         if kind not in ("sliding_attention", "full_attention"):
             raise ConfigError(f"{where}: layer_types[{i}] = {kind!r}; allowed: 'sliding_attention', 'full_attention'")
-    return ModelArgs(**{
-        **common,
-        "rms_norm_eps": float(get(cfg, "rms_norm_eps", default=1e-5)),
-        "attention_bias": bool(get(cfg, "attention_bias", default=True)),
-        "rope": rope_args({**cfg, "rope_parameters": params}, where),
-        "head_dim": int(get(cfg, "head_dim", default=common["hidden_size"] // common["num_heads"])),
-        "attention_out_bias": bool(get(cfg, "attention_bias", default=True)),
-        "qk_norm": False,
-        "layer_windows": tuple(window if kind == "sliding_attention" else 0 for kind in types),
-        "attention_sinks": True,
-        "top_k": int(get(cfg, "num_experts_per_tok", "experts_per_token", required=True, where=where)),
-        "moe_intermediate_size": common["intermediate_size"],
-        "router": "topk_softmax",
-        "moe_layers": tuple(range(layers)) if num_experts else (),
-        "expert_bias": True,
-        "swiglu_limit": float(get(cfg, "swiglu_limit", default=7.0)),
-        "swiglu_alpha": float(get(cfg, "swiglu_alpha", default=1.702)),
-    })
+    return ModelArgs(
+        **{
+            **common,
+            "rms_norm_eps": float(get(cfg, "rms_norm_eps", default=1e-5)),
+            "attention_bias": bool(get(cfg, "attention_bias", default=True)),
+            "rope": rope_args({**cfg, "rope_parameters": params}, where),
+            "head_dim": int(get(cfg, "head_dim", default=common["hidden_size"] // common["num_heads"])),
+            "attention_out_bias": bool(get(cfg, "attention_bias", default=True)),
+            "qk_norm": False,
+            "layer_windows": tuple(window if kind == "sliding_attention" else 0 for kind in types),
+            "attention_sinks": True,
+            "top_k": int(get(cfg, "num_experts_per_tok", "experts_per_token", required=True, where=where)),
+            "moe_intermediate_size": common["intermediate_size"],
+            "router": "topk_softmax",
+            "moe_layers": tuple(range(layers)) if num_experts else (),
+            "expert_bias": True,
+            "swiglu_limit": float(get(cfg, "swiglu_limit", default=7.0)),
+            "swiglu_alpha": float(get(cfg, "swiglu_alpha", default=1.702)),
+        }
+    )

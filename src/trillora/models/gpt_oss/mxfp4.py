@@ -18,8 +18,10 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
     if blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)} "
-                         "(expected blocks [..., G, 16] and scales [..., G])")
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)} "
+            "(expected blocks [..., G, 16] and scales [..., G])"
+        )
     lut = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
     values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]
     values = torch.ldexp(values.flatten(-2), (scales.int() - 127)[..., None])  # [..., G, 32]

@@ -51,8 +51,9 @@ class GptOssRelease(ReleaseLayout):
     vllm_expert_layout = "fused"
     quantized_experts = "mxfp4"
 
-    def from_release(self, name: str, tensor: torch.Tensor,
-                     pending: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    def from_release(
+        self, name: str, tensor: torch.Tensor, pending: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         if name.endswith(("_blocks", "_scales")):  # MXFP4 experts: blocks and scales may sit in different shards
             base, _, kind = name.rpartition("_")
             partner = f"{base}_{'scales' if kind == 'blocks' else 'blocks'}"

@@ -1,0 +1,241 @@
+"""What `train`, `eval`, `generate`, `serve` and `plot` run: thin functions over the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import ConfigError
+
+
+def _policy(model_path: str, adapter: str | None, trust_remote_code: bool = False):
+    """Model (+ adapter) and tokenizer; `tiny-moe` names the shipped checkpoint."""
+    from .. import lora
+    from ..checkpoint import check_tokenizer_fits, load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+    model = load_model(model_path)
+    check_tokenizer_fits(tokenizer, model.args.vocab_size, model_path)
+    if adapter:
+        lora.load_adapter(model, adapter)
+    return model, tokenizer
+
+
+def _sampling(tokenizer, args: argparse.Namespace):
+    from ..rollout import SamplingParams
+
+    stop = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed, stop_token_ids=stop
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ..rollout import LocalEngine
+    from ..tasks.prompts import decode_completion, encode_prompt
+
+    model, tokenizer = _policy(args.model, args.adapter, args.trust_remote_code)
+    engine = LocalEngine(model, precision="fp32")
+    for c in engine.generate([encode_prompt(tokenizer, args.prompt)], args.n, _sampling(tokenizer, args))[0]:
+        print(args.prompt + decode_completion(tokenizer, c.token_ids))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from ..config import parse_override
+    from ..rollout import LocalEngine
+    from ..tasks import make_task
+    from ..trainer.evaluate import evaluate
+
+    model, tokenizer = _policy(args.model, args.adapter, args.trust_remote_code)
+    engine = LocalEngine(model, precision="fp32")
+    options = {".".join(keys): value for keys, value in map(parse_override, args.option)}  # values read as TOML
+    task = make_task(args.task, **options)
+    problems = task.problems("eval", args.problems, seed=args.seed)
+    acc = evaluate(engine, tokenizer, task, problems, _sampling(tokenizer, args), n=args.samples)
+    print(
+        json.dumps(
+            {
+                "task": args.task,
+                "accuracy": acc,
+                "problems": args.problems,
+                "samples": args.samples,
+                "temperature": args.temperature,
+            }
+        )
+    )
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ..config import load_config
+    from ..trainer import train
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # `trillora train key=value ...` without a file
+        overrides.insert(0, config)
+        config = None
+    if args.resume:
+        overrides.append("resume=true")
+    summary = train(load_config(config, overrides))
+    if summary:  # under torchrun only rank 0 reports
+        print(json.dumps({k: v for k, v in summary.items() if k != "adapter"}, indent=2))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..serve.app import Server
+    from ..serve.config import ServeConfig
+    from ..trainer.world import launched
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"trillora serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    cfg = ServeConfig(
+        model=args.model,
+        tinker=args.tinker,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        state_dir=args.state_dir,
+        adapter_root=args.adapter_root,
+        adapter_memory_mib=args.adapter_memory_mib,
+        max_connections=args.max_connections,
+        max_clients=args.max_clients,
+        max_samplers=args.max_samplers,
+        max_sessions=args.max_sessions,
+        max_call_tokens=args.max_call_tokens,
+        device=args.device,
+        idle_seconds=args.idle_seconds,
+        header_seconds=args.header_seconds,
+        body_seconds=args.body_seconds,
+        precision=args.precision,
+        max_fused=args.max_fused,
+        trust_remote_code=args.trust_remote_code,
+        tp=args.tp,
+        ep=args.ep,
+        pp=args.pp,
+        cp=args.cp,
+        sp=args.sp,
+        fsdp=args.fsdp,
+        vocab_parallel=args.vocab_parallel,
+        pp_microbatches=args.pp_microbatches,
+        expert_rank_rule=args.expert_rank_rule,
+        activation_checkpoint_every=args.activation_checkpoint_every,
+        record=args.record,
+    )
+    if args.learn and not args.record:
+        raise ConfigError("--learn trains on recorded traffic: give --record STORE too")
+    if launched():
+        if args.learn:
+            raise ConfigError("--learn runs in one process (not under torchrun) for now")
+        return _serve_parallel(cfg)
+    if _sharded(cfg):
+        raise SystemExit(
+            f"trillora serve {_layout(cfg)}: a sharded base needs several ranks; launch "
+            f"with torchrun --nproc-per-node N (N a multiple of {cfg.tp * cfg.pp * cfg.cp * cfg.ep})"
+        )
+    server = Server(cfg)
+    if args.learn:
+        start_learning(server, args.learn)
+    server.run()
+    return 0
+
+
+def start_learning(server, config_path: str, poll_seconds: float = 1.0):
+    """`--learn CONFIG`: a learner on the server's base, publishing revisions as its traffic is rewarded."""
+    from pathlib import Path
+
+    from ..config import load_config
+    from ..policy.adapters import SLOT_ROLES
+    from ..serve.revisions import Revisions
+    from ..trainer.learner import Learner
+
+    train = load_config(config_path)
+    if train.lora.patterns or train.lora.exclude or not set(train.lora.targets) <= set(SLOT_ROLES):
+        raise ConfigError(
+            f"{config_path}: [lora] of a learning server adapts whole roles of {list(SLOT_ROLES)} "
+            f"(no patterns or exclude); got targets={list(train.lora.targets)}"
+        )
+    revisions = Revisions(server.service, train.learn.publish_as or server.cfg.model, train.learn.keep)
+    server.app.include_router(revisions.router)
+    service = server.service
+    learner = Learner(
+        service.base,
+        server.openai.recorder.store,
+        train,
+        revisions.publish,
+        Path(server.cfg.state_dir) / "learner",
+        service.device,
+        service.tokenizer,
+    )
+    revisions.attach(learner, server.worker, poll_seconds)
+    server.revisions = revisions
+    return revisions
+
+
+def _sharded(cfg) -> bool:
+    return cfg.ep > 1 or cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.fsdp
+
+
+def _tp_extras(cfg) -> str:
+    extras = [
+        what
+        for what, on in (("sequence-parallel norms", cfg.sp), ("the head over the vocabulary", cfg.vocab_parallel))
+        if on
+    ]
+    return f" ({', '.join(extras)})" if extras else ""
+
+
+def _layout(cfg) -> str:
+    return f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp}" + (" --fsdp" if cfg.fsdp else "")
+
+
+def _serve_parallel(cfg) -> int:
+    """Under torchrun: every rank holds the base (split with --tp / --ep / --pp) and the clients' adapters;
+    rank 0 serves HTTP (`serve.ranks`)."""
+    import dataclasses
+    import gc
+
+    import torch.distributed as dist
+
+    from ..serve.app import serve
+    from ..serve.tinker_service import TinkerService
+    from ..trainer.world import pick_device
+
+    device = pick_device(cfg.device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    cfg = dataclasses.replace(cfg, device=str(device))
+    service = TinkerService(cfg)
+    rank = service.ranks.rank
+    try:
+        if rank == 0:
+            split = (
+                (", the base sharded over them (FSDP)" if cfg.fsdp else "")
+                + (f", stages over pp={cfg.pp}" if cfg.pp > 1 else "")
+                + (f", rows over cp={cfg.cp}" if cfg.cp > 1 else "")
+                + (f", layers over tp={cfg.tp}" if cfg.tp > 1 else "")
+                + _tp_extras(cfg)
+                + (f", experts over ep={cfg.ep}" if cfg.ep > 1 else "")
+            )
+            print(f"trillora serve: data parallel over {service.ranks.dp_size} ranks{split}", flush=True)
+            serve(cfg, service=service)
+        else:
+            service.follow()
+    finally:
+        if rank == 0:
+            service.stop()
+        # the meshes and FSDP states hold process groups in reference cycles: freed now, while the
+        # interpreter is whole (freed at exit, gloo's threads can abort the process)
+        del service
+        gc.collect()
+        dist.destroy_process_group()
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from ..plots import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
+    return 0

@@ -1,0 +1,111 @@
+"""The Tinker service's futures: an operation that computes is queued on the worker and answered
+with an id at once; `retrieve_future` holds the poll on the event loop (no thread) until the
+outcome is there or `poll_seconds` pass (`try_again`). A retrieved outcome is released; one not
+retrieved within an hour is dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .tinker_service import BadRequest
+from .worker import Job, Replayed, Worker
+
+PROTO = "application/x-protobuf"
+
+
+@dataclass
+class Future:
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set on the event loop once `body` holds the outcome."""
+    body: bytes = b""
+    proto: bool = False
+    created: float = field(default_factory=time.monotonic)
+
+
+class Futures:
+    def __init__(self, worker: Worker, poll_seconds: float):
+        self.worker, self.poll_seconds = worker, poll_seconds
+        self.futures: dict[str, Future] = {}
+        self.lock = threading.Lock()  # routes run on the threadpool
+        self.loop: asyncio.AbstractEventLoop | None = None  # the HTTP layer's, where futures are settled
+
+    def start(
+        self,
+        fn,
+        proto: bool = False,
+        model_id: str | None = None,
+        seq_id: int | None = None,
+        fuse: str | None = None,
+        payload=None,
+        encode=json.dumps,
+    ) -> dict:
+        """Queue `fn` (a result that `encode` makes bytes or text of); the future's id.
+        `fuse`/`payload`: the kind of request and what its fuser needs, to share a pass."""
+        with self.lock:  # an id no other client can guess: whoever holds it may read the result
+            rid = f"req-{secrets.token_urlsafe(16)}"
+            fut = self.futures[rid] = Future(proto=proto)
+            old = [k for k, f in self.futures.items() if f.done.is_set() and time.monotonic() - f.created > 3600]
+            for k in old:
+                del self.futures[k]
+
+        def settle(out) -> None:
+            if isinstance(out, BadRequest):
+                fut.body, fut.proto = json.dumps({"error": str(out), "category": "user"}).encode(), False
+            elif isinstance(out, Exception):  # a server fault still answers the poll, with what went wrong
+                fut.body, fut.proto = (
+                    json.dumps({"error": f"{type(out).__name__}: {out}", "category": "server"}).encode(),
+                    False,
+                )
+            else:
+                try:
+                    body = encode(out)
+                    fut.body = body.encode() if isinstance(body, str) else body
+                except Exception as e:  # noqa: BLE001 - settled as the request's error; the worker goes on
+                    fut.body, fut.proto = (
+                        json.dumps({"error": f"{type(e).__name__}: {e}", "category": "server"}).encode(),
+                        False,
+                    )
+            with contextlib.suppress(RuntimeError):  # the server has stopped: no poll is waiting any more
+                self.loop.call_soon_threadsafe(fut.done.set)
+
+        try:
+            self.worker.submit(Job(fn, settle, model_id, fuse, payload), seq_id)
+        except Replayed as e:
+            with self.lock:
+                del self.futures[rid]
+            raise BadRequest(str(e), 409) from None
+        return {"request_id": rid, **({"model_id": model_id} if model_id else {})}
+
+    def now(self, fn):
+        """`fn`'s result (or the error it raised), run on the worker between requests: calls that
+        answer at once still change the model's state only there (a parallel service mirrors
+        them to its other ranks in the worker's order)."""
+        box, done = [], threading.Event()
+        self.worker.submit(Job(fn, lambda out: (box.append(out), done.set())))
+        done.wait()
+        if isinstance(box[0], Exception):
+            raise box[0]
+        return box[0]
+
+    async def retrieve(self, body: dict) -> tuple[bytes, str]:
+        """The outcome, once: a retrieved result is released (results are as large as their calls;
+        one not retrieved within an hour is dropped)."""
+        rid = body.get("request_id", "")
+        fut = self.futures.get(rid) if isinstance(rid, str) else None
+        if fut is None:
+            raise BadRequest(f"unknown request_id {rid!r}", 404)
+        try:
+            await asyncio.wait_for(fut.done.wait(), self.poll_seconds)
+        except TimeoutError:
+            return json.dumps(
+                {"type": "try_again", "request_id": rid, "queue_state": "active"}
+            ).encode(), "application/json"
+        with self.lock:
+            self.futures.pop(rid, None)
+        return fut.body, PROTO if fut.proto else "application/json"

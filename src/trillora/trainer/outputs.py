@@ -1,0 +1,70 @@
+"""What a run leaves at its end on rank 0: the adapter in both layouts (or the whole model after
+full-parameter training), the plots, and `summary.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import lora
+from ..checkpoint import resolve_model_path, save_model
+from ..checkpoint.hf import EXPERT_LAYOUTS
+from ..config import TrainConfig
+
+if TYPE_CHECKING:
+    from .loop import Trainer
+
+
+def write_summary(trainer: Trainer, state: dict, start: float) -> dict:
+    """Rank 0 at the end: both adapter layouts, the plots, summary.json."""
+    cfg = trainer.cfg
+    export(trainer)
+    from ..plots import plot_run  # matplotlib: imported when a run ends, not when trillora starts
+
+    plot_run(cfg.run_dir)
+    dims = trainer.world.dims
+    summary = {
+        "eval_before": state["eval_before"],
+        "eval_after": state["accuracy"],
+        "retention_before": state["retention_before"],
+        "retention_after": state["retention_after"],
+        "steps": cfg.steps,
+        "steps_done": state["steps_done"],
+        "seconds": time.perf_counter() - start,
+        "flops_total": trainer.flops_total,
+        "skipped_updates": trainer.update.skipped_updates,
+        "reward_failures": trainer.reward_failures,
+        "dataset_rows_skipped": len(getattr(trainer.task, "skipped", [])),
+        "finetune": cfg.finetune,
+        "adapter": lora.adapter_stats(trainer.full),
+        **(
+            {
+                "parallel": dataclasses.asdict(dims),
+                "parallel_auto": cfg.parallel.auto,
+                "dp_grad_bytes_per_step": trainer.world.par.grad_sync.bytes_per_step,
+            }
+            if trainer.world.size > 1
+            else {}
+        ),
+    }
+    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def export_dir(cfg: TrainConfig) -> Path:
+    return cfg.run_dir / ("model" if cfg.finetune == "full" else "adapter")
+
+
+def export(trainer: Trainer) -> None:
+    """Both adapter layouts under runs/<name>/adapter/ (PEFT's fused tensors, vLLM's per-expert names);
+    full-parameter training writes the whole model and tokenizer to runs/<name>/model/ instead."""
+    if trainer.cfg.finetune == "full":
+        save_model(trainer.full, export_dir(trainer.cfg))
+        trainer.tokenizer.save_pretrained(export_dir(trainer.cfg))
+        return
+    base = str(resolve_model_path(trainer.cfg.model.path))
+    for layout in EXPERT_LAYOUTS:
+        lora.save_adapter(trainer.full, export_dir(trainer.cfg) / layout, expert_layout=layout, base_model=base)
