@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from trillora.config import TrainConfig, load_config
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run where there is a CUDA device and are skipped, saying so, elsewhere."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
 
 SMALL_RUN = (
     "steps=2",

@@ -4,7 +4,7 @@ allocate -> refill). Named `context`, not `memory`, so that it is not read as GP
 
 from .allocate import RULES
 from .context import Chunk, MemoryContext, MemoryPolicy, Truncate, split_spans
-from .diffusion import MemoryDiffusion, Refill, attention_mass, policy_scores, recency
+from .diffusion import MemoryDiffusion, Refill, RefillRequest, attention_mass, policy_scores, recency, sample_refills
 from .retrieval import Recall, bm25
 from .summary import Summarize
 
@@ -16,11 +16,13 @@ __all__ = [
     "MemoryPolicy",
     "Recall",
     "Refill",
+    "RefillRequest",
     "Summarize",
     "Truncate",
     "attention_mass",
     "policy_scores",
     "recency",
+    "sample_refills",
     "bm25",
     "split_spans",
 ]

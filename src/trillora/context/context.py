@@ -61,13 +61,21 @@ class MemoryContext:
 
     def step(self, action: list[int], observation: list[int], turn: int) -> list[int]:
         """The next context: the env's new tokens after the context the policy last saw + its action."""
+        return _run(self._advance(action, observation, turn, batched=False))
+
+    def stepping(self, action: list[int], observation: list[int], turn: int):
+        """`step` as a generator: a policy that refills (`compressing`) yields its requests once and
+        takes what was sampled for them, so that a runner samples many episodes' in one call."""
+        return self._advance(action, observation, turn, batched=True)
+
+    def _advance(self, action: list[int], observation: list[int], turn: int, batched: bool):
         previous, full = self.full + list(action), list(observation)
         if full[: len(previous)] == previous:
             self.chunks.append(Chunk(list(action) + full[len(previous) :], turn))
         else:  # the env rewrote its own history: start over from it
             self.chunks = [Chunk(full, 0)]
         self.full = full
-        return self._fit()
+        return (yield from self._fitting(batched))
 
     def intercept(self, action: list[int], stop: tuple[int, ...], turn: int) -> list[int] | None:
         """A turn the memory answers itself (a `recall` call): the next context, or None for the env."""
@@ -76,7 +84,7 @@ class MemoryContext:
         if reply is None:
             return None
         self.chunks.append(Chunk(list(action) + reply, turn))  # the env never sees this turn
-        return self._fit()
+        return _run(self._fitting(batched=False))
 
     def take_refills(self) -> list:
         """What the policy sampled to rewrite the context since the last call (trained as actions)."""
@@ -86,15 +94,37 @@ class MemoryContext:
         taken, refills[:] = list(refills), []
         return taken
 
+    def take_scoring_flops(self) -> float:
+        """FLOPs of the forwards the policy ran to score chunks since the last call."""
+        flops = getattr(self.policy, "scoring_flops", 0.0)
+        if flops:
+            self.policy.scoring_flops = 0.0
+        return flops
+
     def _fit(self) -> list[int]:
+        return _run(self._fitting(batched=False))
+
+    def _fitting(self, batched: bool):
         limit = self.budget - self.reserve
         if size(self.chunks) > limit or (getattr(self.policy, "every_turn", False) and len(self.chunks) > 2):
             chunks = split_spans(self.chunks, self.span_tokens) if self.span_tokens else self.chunks
             before = size(chunks)
-            self.chunks = self.policy.compress(chunks, limit)
+            if batched and hasattr(self.policy, "compressing"):
+                self.chunks = yield from self.policy.compressing(chunks, limit)
+            else:  # sampled by the policy itself, one episode alone
+                self.chunks = self.policy.compress(chunks, limit)
             self.rewrites += 1
             self.dropped += before - size(self.chunks)
         return [t for c in self.chunks for t in c.tokens]
+
+
+def _run(steps):
+    """A generator that never yields, run to its return value."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("a context stepped alone asked for refills to be sampled elsewhere")
 
 
 class Truncate:

@@ -9,6 +9,10 @@ itself from a fill-in-the-middle prompt — the task, the marker "[[", the chunk
 runner adds each as a transition of its own (prompt: mask 0, refill: mask 1, the episode's
 reward), so RL teaches the policy what to keep; the rewritten context around them is observation.
 
+The refills of one rewrite are sampled in one engine call (`sample_refills`), and the episode runner
+samples those of every episode that rewrites at a turn in one call too (`compressing` yields its
+requests instead of sampling them).
+
 Importance: `recency` (later chunks matter more), `policy_scores`, the policy's own judgement:
 how much the log-probability of the latest turn drops when the chunk is left out
 (leave-one-out over the masked chunks, one batched forward), or `attention_mass`: how much
@@ -28,7 +32,16 @@ from .allocate import RULES
 from .context import Chunk, Truncate, size
 
 Importance = Callable[[list[Chunk], list[int]], list[float]]
-"""(all chunks, indices of the masked ones) -> one importance per masked chunk."""
+"""(all chunks, indices of the masked ones) -> one importance per masked chunk. One that runs the
+model has `rows(chunks, masked)`: the lengths of the rows it forwards, so that they are counted."""
+
+
+@dataclass(frozen=True)
+class RefillRequest:
+    """A fill-in-the-middle prompt and the most tokens its rewrite may take."""
+
+    prompt: list[int]
+    budget: int
 
 
 @dataclass
@@ -44,13 +57,29 @@ def recency(chunks: list[Chunk], masked: list[int]) -> list[float]:
     return [float(i) for i in masked]
 
 
+def sample_refills(engine, params, requests: list[RefillRequest]) -> list[Refill]:
+    """Every request's rewrite in one engine call: sampled up to the largest budget, each cut to its
+    own (the first `budget` tokens are distributed as a call capped at `budget` would sample them)."""
+    longest = max(r.budget for r in requests)
+    out = engine.generate([r.prompt for r in requests], 1, dataclasses.replace(params, max_new_tokens=longest))
+    refills = []
+    for r, (completion,) in zip(requests, out, strict=True):
+        tokens, logprobs = list(completion.token_ids), list(completion.logprobs)
+        refills.append(Refill(r.prompt, tokens[: r.budget], logprobs[: r.budget]))
+    return refills
+
+
 def policy_scores(model, pad_id: int = 0) -> Importance:
     """Leave-one-out: log p(latest turn | context) − log p(latest turn | context without chunk i)."""
 
+    def variants(chunks: list[Chunk], masked: list[int]) -> list[list[int]]:
+        target = chunks[-1].tokens
+        kept = [chunks] + [[c for j, c in enumerate(chunks) if j != i] for i in masked]
+        return [[t for c in v[:-1] for t in c.tokens] + target for v in kept]
+
     def score(chunks: list[Chunk], masked: list[int]) -> list[float]:
         target = chunks[-1].tokens
-        variants = [chunks] + [[c for j, c in enumerate(chunks) if j != i] for i in masked]
-        rows = [[t for c in v[:-1] for t in c.tokens] + target for v in variants]
+        rows = variants(chunks, masked)
         width = max(len(r) for r in rows)
         device = next(model.parameters()).device
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
@@ -65,6 +94,7 @@ def policy_scores(model, pad_id: int = 0) -> Importance:
             totals.append(float(picked.sum()))
         return [totals[0] - t for t in totals[1:]]
 
+    score.rows = lambda chunks, masked: [len(r) for r in variants(chunks, masked)]
     return score
 
 
@@ -109,6 +139,7 @@ def attention_mass(model) -> Importance:
         bounds = torch.tensor([0] + [len(c.tokens) for c in chunks]).cumsum(0).tolist()
         return [float(per_token[bounds[i] : bounds[i + 1]].sum()) for i in masked]
 
+    score.rows = lambda chunks, masked: [size(chunks)]
     return score
 
 
@@ -122,44 +153,64 @@ class MemoryDiffusion:
         allocate: str = "proportional",
         keep_recent: int = 1,
         floor: float = 0.0,
+        forward_flops: Callable[[int], float] | None = None,
     ):
         if allocate not in RULES:
             raise ValueError(f"memory.allocate={allocate!r}; allowed: {', '.join(RULES)}")
         self.engine, self.tokenizer, self.params, self.importance = engine, tokenizer, params, importance
         self.allocate, self.keep_recent, self.floor = allocate, keep_recent, floor
+        self.forward_flops = forward_flops
+        """FLOPs of one row through the model (`ModelFlops.forward`): the importance forwards are counted."""
         self.refills: list[Refill] = []  # sampled since the episode runner last took them
+        self.scoring_flops = 0.0  # of the importance forwards since the episode runner last took them
         self.calls = 0
 
     def _text(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def compress(self, chunks: list[Chunk], limit: int) -> list[Chunk]:
+        """One episode's rewrite, its refills sampled in one call of its own."""
+        steps = self.compressing(chunks, limit)
+        try:
+            requests = next(steps)
+            self.calls += 1
+            seed = None if self.params.seed is None else self.params.seed * 7919 + self.calls
+            steps.send(sample_refills(self.engine, dataclasses.replace(self.params, seed=seed), requests))
+        except StopIteration as done:
+            return done.value
+        raise RuntimeError("a Memory Diffusion rewrite asks for its refills once")
+
+    def compressing(self, chunks: list[Chunk], limit: int):
+        """`compress` as a generator: yields its refill requests (if any) once, takes the `Refill`s
+        sampled for them, returns the chunks. The episode runner samples many episodes' at once."""
         head, recent = chunks[:1], chunks[max(1, len(chunks) - self.keep_recent) :]
         masked = list(range(1, len(chunks) - len(recent)))
         room = limit - size(head) - size(recent)
         if room < 0 or not masked:  # the latest turns alone overflow: nothing to refill, drop the oldest
             return Truncate().compress(chunks, limit)
         scores = self.importance(chunks, masked)
+        rows = getattr(self.importance, "rows", None)
+        if rows is not None and self.forward_flops is not None:
+            self.scoring_flops += sum(self.forward_flops(n) for n in rows(chunks, masked))
         lengths = [len(chunks[i].tokens) for i in masked]
         rule = RULES[self.allocate]
         budgets = (
             rule(scores, lengths, room, self.floor) if self.allocate == "threshold" else rule(scores, lengths, room)
         )
+        marker = self._text("\n[[")
+        task = [t for c in head for t in c.tokens]
+        requests = {
+            i: RefillRequest(task + marker + chunks[i].tokens + self._text(f"]] {b}:\n"), b)
+            for i, n, b in zip(masked, lengths, budgets, strict=True)
+            if 0 < b < n
+        }
+        refills = dict(zip(requests, (yield list(requests.values())), strict=True)) if requests else {}
+        self.refills += refills.values()
+        stop = set(self.params.stop_token_ids)
         kept = []
         for i, n, b in zip(masked, lengths, budgets, strict=True):
             if b >= n:
                 kept.append(chunks[i])
-            elif b > 0:
-                kept.append(Chunk(self._refill(head, chunks[i], b), chunks[i].turn))
+            elif b > 0:  # the policy's rewrite, its stop token not kept
+                kept.append(Chunk([t for t in refills[i].tokens if t not in stop], chunks[i].turn))
         return head + kept + recent
-
-    def _refill(self, head: list[Chunk], chunk: Chunk, budget: int) -> list[int]:
-        """The policy's rewrite of `chunk` in at most `budget` tokens (its stop token not kept)."""
-        prompt = [t for c in head for t in c.tokens] + self._text("\n[[") + chunk.tokens + self._text(f"]] {budget}:\n")
-        self.calls += 1
-        seed = None if self.params.seed is None else self.params.seed * 7919 + self.calls
-        params = dataclasses.replace(self.params, max_new_tokens=budget, seed=seed)
-        (completion,) = self.engine.generate([prompt], 1, params)[0]
-        tokens = list(completion.token_ids)
-        self.refills.append(Refill(prompt, tokens, list(completion.logprobs)))
-        return [t for t in tokens if t not in params.stop_token_ids][:budget]

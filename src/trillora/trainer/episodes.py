@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from .. import rl
-from ..context import MemoryContext
+from ..context import MemoryContext, sample_refills
 from ..envs.env import Env, EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition, resolve
 from ..envs.trajectory import Sample, merge_trajectory
 from ..errors import TrilloraError
@@ -81,6 +81,7 @@ def run_episodes(
         if memory[i] is not None:
             obs[i] = memory[i].start(obs[i])
     for turn in range(limits.max_turns):
+        going_on: list[int] = []  # episodes whose memory takes the turn's new tokens
         by_stop: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for i in range(n):
             if i in ended:
@@ -127,25 +128,61 @@ def run_episodes(
                     ended[i] = "done"
                 obs[i], stop[i] = list(result.next_observation), tuple(result.next_stop_condition)
                 if memory[i] is not None and not result.episode_done:
-                    _remember(memory[i], turns[i], obs, i, turn)
+                    going_on.append(i)
+        if going_on:
+            _remember(engine, params, memory, turns, obs, going_on, turn)
     forget = getattr(engine, "forget", None)  # an engine keeping keys and values across turns frees them
     if forget is not None:
         forget()
     return [Trajectory(turns[i], obs[i], ended.get(i, "max_turns")) for i in range(n)]
 
 
-def _remember(memory: MemoryContext, turns: list[Transition], obs: list[list[int]], i: int, turn: int) -> None:
-    """The context the policy sees next, through the episode's memory; a rewrite is counted on the
-    turn that caused it (`memory_rewrites`, `memory_dropped_tokens` per episode)."""
-    last, rewrites, dropped = turns[-1], memory.rewrites, memory.dropped
-    obs[i] = memory.step(last.action, obs[i], turn + 1)
-    if memory.rewrites > rewrites:
-        last.metrics["memory_rewrites"] = float(memory.rewrites - rewrites)
-        last.metrics["memory_dropped_tokens"] = float(memory.dropped - dropped)
-    for r in memory.take_refills():  # the policy's rewrites of its context: trained like its turns
-        turns.append(
-            Transition(r.prompt, r.tokens, r.logprobs, 0.0, False, {"memory_refill_tokens": float(len(r.tokens))})
+def _remember(
+    engine: RolloutEngine,
+    params: SamplingParams,
+    memory: list[MemoryContext | None],
+    turns: list[list[Transition]],
+    obs: list[list[int]],
+    going_on: list[int],
+    turn: int,
+) -> None:
+    """The context each episode of `going_on` sees next, through its memory; the refills of all the
+    episodes that rewrite theirs at this turn are sampled in one engine call. A rewrite is counted
+    on the turn that caused it (`memory_rewrites`, `memory_dropped_tokens`, and the FLOPs of the
+    forwards that scored its chunks, `memory_scoring_flops`, which `flops_rollout` includes)."""
+    before = {i: (memory[i].rewrites, memory[i].dropped) for i in going_on}
+    steps = {i: memory[i].stepping(turns[i][-1].action, obs[i], turn + 1) for i in going_on}
+    asked = {}
+    for i, step in steps.items():
+        try:
+            asked[i] = next(step)
+        except StopIteration as done:
+            obs[i] = done.value
+    if asked:
+        seed = None if params.seed is None else params.seed * 8191 + turn * 127 + 100
+        refills = iter(
+            sample_refills(engine, dataclasses.replace(params, seed=seed), [r for i in asked for r in asked[i]])
         )
+        for i, requests in asked.items():
+            try:
+                steps[i].send([next(refills) for _ in requests])
+            except StopIteration as done:
+                obs[i] = done.value
+            else:
+                raise RuntimeError("a memory asks for its refills once per turn")
+    for i in going_on:
+        m, last = memory[i], turns[i][-1]
+        rewrites, dropped = before[i]
+        if m.rewrites > rewrites:
+            last.metrics["memory_rewrites"] = float(m.rewrites - rewrites)
+            last.metrics["memory_dropped_tokens"] = float(m.dropped - dropped)
+        scoring = m.take_scoring_flops()
+        if scoring:
+            last.metrics["memory_scoring_flops"] = scoring
+        for r in m.take_refills():  # the policy's rewrites of its context: trained like its turns
+            turns[i].append(
+                Transition(r.prompt, r.tokens, r.logprobs, 0.0, False, {"memory_refill_tokens": float(len(r.tokens))})
+            )
 
 
 def _sample(engine: RolloutEngine, idx: list[int], obs: list[list[int]], group_of: list[int], params: SamplingParams):

@@ -114,7 +114,11 @@ def attention_width(args) -> int:
 
 
 def rollout_flops(model: ModelFlops, groups) -> float:
-    """Every engine call of some trajectory groups: turns, refills and summaries alike."""
+    """Every engine call of some trajectory groups (turns, refills and summaries alike) and the
+    forwards a memory ran to score chunks (`memory_scoring_flops`, counted where they ran)."""
     return sum(
-        model.sample(len(x.observation), len(x.action)) for g in groups for t in g.trajectories for x in t.transitions
+        model.sample(len(x.observation), len(x.action)) + x.metrics.get("memory_scoring_flops", 0.0)
+        for g in groups
+        for t in g.trajectories
+        for x in t.transitions
     )

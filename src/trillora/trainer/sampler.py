@@ -99,7 +99,7 @@ class Sampler:
             max_model_len=r.max_model_len,
             env_timeout=cfg.task.reward_timeout,
             on_error=cfg.task.on_reward_error,
-            memory=memory_factory(cfg.memory, engine, tokenizer) if envs is not None else None,
+            memory=memory_factory(cfg.memory, engine, tokenizer, flops) if envs is not None else None,
         )
 
     def request(self, step: int, k: int = 0) -> Request:
@@ -229,9 +229,10 @@ class Sampler:
         )
 
 
-def memory_factory(m, engine, tokenizer):
+def memory_factory(m, engine, tokenizer, flops: ModelFlops | None = None):
     """A fresh `MemoryContext` per episode as the `memory` section says (None: no memory). Refills
-    sample with the episode's settings, seeded per episode and refill."""
+    sample with the episode's settings, seeded per episode and refill; with `flops`, the forwards
+    that score chunks are counted."""
     if m.policy == "none":
         return None
 
@@ -255,7 +256,16 @@ def memory_factory(m, engine, tokenizer):
                 "attention": lambda: attention_mass(model),
                 "recency": lambda: recency,
             }[m.importance]()
-            policy = MemoryDiffusion(engine, tokenizer, seeded, importance, m.allocate, m.keep_recent, m.floor)
+            policy = MemoryDiffusion(
+                engine,
+                tokenizer,
+                seeded,
+                importance,
+                m.allocate,
+                m.keep_recent,
+                m.floor,
+                forward_flops=flops.forward if flops is not None else None,
+            )
         return MemoryContext(policy, m.budget, params.max_new_tokens, m.span_tokens)
 
     return make
