@@ -12,7 +12,8 @@ Reported per policy and budget: success (mean and per seed) and the tokens proce
 (every call's context read plus the tokens written: turns, refills, summaries; the importance
 scorer's forwards are not counted). With `--rl-steps N`, Memory Diffusion is also trained by RL
 at each budget (`examples/ledger.toml`: refills and answers trained with the episode's reward, one
-run per `--rl-seeds` seed) and played again with that adapter ("diffusion+rl"). Writes
+run per `--rl-seeds` seed) and played again with each adapter ("diffusion+rl": one row over the RL
+seeds, with each seed's success for the band). Writes
 benchmarks/results/context_budget.json and a PNG.
 """
 
@@ -113,6 +114,25 @@ def train_diffusion(model: str, budget: int, span: int, seed: int, steps: int, w
     return work / name / "adapter" / "fused", json.loads((work / name / "summary.json").read_text())
 
 
+def rl_row(fraction: float, budget: int, rl_seeds: list[int], steps: int, trained: list[tuple[dict, list]]) -> dict:
+    """One row for the RL seeds together: success over every (RL seed, eval seed) pair, per eval seed
+    (averaged over the RL seeds) and per RL seed (the band)."""
+    per_rl = [[r["success"] for r in runs] for _, runs in trained]  # [RL seed][eval seed]
+    return {
+        "policy": "diffusion+rl",
+        "fraction": fraction,
+        "budget": budget,
+        "rl_seeds": rl_seeds,
+        "rl_steps": steps,
+        "rl_seconds": statistics.fmean(summary["seconds"] for summary, _ in trained),
+        "rl_flops": statistics.fmean(summary["flops_total"] for summary, _ in trained),
+        "success": statistics.fmean(x for seed in per_rl for x in seed),
+        "success_per_seed": [statistics.fmean(col) for col in zip(*per_rl, strict=True)],
+        "success_per_rl_seed": [statistics.fmean(seed) for seed in per_rl],
+        "tokens_processed": statistics.fmean(r["tokens_processed"] for _, runs in trained for r in runs),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -155,26 +175,15 @@ def main() -> None:
                         "tokens_processed": statistics.fmean(r["tokens_processed"] for r in runs),
                     }
                 )
+            trained = []  # per RL seed: (summary, runs over the eval seeds)
             for rl_seed in a.rl_seeds if a.rl_steps else []:
                 status.update(f"RL with Memory Diffusion at {fraction:g} ({budget} tokens), seed {rl_seed}")
                 adapter, summary = train_diffusion(a.model, budget, a.span_tokens, rl_seed, a.rl_steps, work)
-                trained = LocalEngine(load_adapter(load_model(a.model), adapter), precision="fp32")
+                policy = LocalEngine(load_adapter(load_model(a.model), adapter), precision="fp32")
                 memory = MemorySection(policy="diffusion", budget=budget, span_tokens=a.span_tokens)
-                runs = [play(trained, tokenizer, a.episodes, s, memory) for s in a.seeds]
-                rows.append(
-                    {
-                        "policy": "diffusion+rl",
-                        "fraction": fraction,
-                        "budget": budget,
-                        "rl_seed": rl_seed,
-                        "rl_steps": a.rl_steps,
-                        "rl_seconds": summary["seconds"],
-                        "rl_flops": summary["flops_total"],
-                        "success": statistics.fmean(r["success"] for r in runs),
-                        "success_per_seed": [r["success"] for r in runs],
-                        "tokens_processed": statistics.fmean(r["tokens_processed"] for r in runs),
-                    }
-                )
+                trained.append((summary, [play(policy, tokenizer, a.episodes, s, memory) for s in a.seeds]))
+            if trained:
+                rows.append(rl_row(fraction, budget, a.rl_seeds, a.rl_steps, trained))
     full = statistics.fmean(w["success"] for w in whole)
     table = Table(
         title=f"ledger success vs memory budget (whole episode ≈ {length:.0f} tokens; whole context: {full:.3f})"

@@ -496,6 +496,26 @@ def test_a_recall_turn_is_answered_by_the_memory_not_the_env(tiny_engine):
     assert any(after[k : k + len(call) + len(answer)] == call + answer for k in range(len(after)))  # the policy sees it
 
 
+def test_induction_rows_are_answered_only_by_a_lookup():
+    """Each asked character is one of the distinct ones (never the last), its target is the one that
+    followed it, and nothing else is trained; the characters are the tokenizer's digits and letters."""
+    from trillora.checkpoint import load_tokenizer
+    from trillora.tiny.memory import INDUCTION_CHARS, induction_rows
+
+    ids, target = induction_rows(torch.Generator().manual_seed(3), batch=5, seen=6, asked=4)
+    assert ids.shape == target.shape == (5, 6 + 8)
+    for row, tgt in zip(ids.tolist(), target.tolist(), strict=True):
+        first = row[:6]
+        assert len(set(first)) == 6 and all(t in INDUCTION_CHARS for t in row)
+        for i in range(4):
+            query, successor = row[6 + 2 * i], row[7 + 2 * i]
+            assert query in first[:-1] and successor == first[first.index(query) + 1]
+            assert tgt[6 + 2 * i] == successor and tgt[7 + 2 * i] == -100
+        assert tgt[:6] == [-100] * 6
+    chars = load_tokenizer("tiny-moe").convert_ids_to_tokens(list(INDUCTION_CHARS))
+    assert "".join(chars) == "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
 @pytest.mark.slow
 def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint(tmp_path):
     """A supervised transcript is token for token what the env shows a policy that answers "ok" and
@@ -533,7 +553,17 @@ def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint
     assert sum(more_mask[len(ids) :]) == 2 * (len(values) - 1)  # a digit and the stop token per question
 
     out = subprocess.run(
-        [sys.executable, "-m", "trillora.tiny", "build-memory", str(tmp_path / "m"), "--max-steps", "2"],
+        [
+            sys.executable,
+            "-m",
+            "trillora.tiny",
+            "build-memory",
+            str(tmp_path / "m"),
+            "--max-steps",
+            "2",
+            "--induction-steps",
+            "2",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -542,6 +572,8 @@ def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint
     report = json.loads((tmp_path / "m" / "pretrain_report.json").read_text())
     assert (
         report["steps"] == 2
+        and report["induction"]["steps"] == 2
+        and 0.0 <= report["induction"]["accuracy"] <= 1
         and report["init_from"] == "tiny-moe"
         and 0.0 <= report["history"][-1]["ledger_success"] <= 1
     )
@@ -551,8 +583,8 @@ def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint
 @pytest.mark.slow
 def test_the_context_budget_benchmark_runs_every_policy(tmp_path):
     """`benchmarks/context_budget.py` at a small size: every policy at one budget, Memory Diffusion
-    again after one RL step at that budget, the whole-context reference, tokens processed (the
-    summary, rewriting every turn, reads the most), a plot."""
+    again after one RL step at that budget under two RL seeds (one row), the whole-context reference,
+    tokens processed (the summary, rewriting every turn, reads the most), a plot."""
     import json
     import subprocess
     import sys
@@ -574,6 +606,9 @@ def test_the_context_budget_benchmark_runs_every_policy(tmp_path):
             "0.5",
             "--rl-steps",
             "1",
+            "--rl-seeds",
+            "0",
+            "1",
             "--out",
             str(out),
         ],
@@ -588,6 +623,9 @@ def test_the_context_budget_benchmark_runs_every_policy(tmp_path):
         set(rows) == {"truncate", "retrieval", "summary", "diffusion", "diffusion+rl"}
         and out.with_suffix(".png").exists()
     )
-    assert rows["diffusion+rl"]["rl_steps"] == 1 and rows["diffusion+rl"]["rl_flops"] > 0  # trained, then played
+    rl = rows["diffusion+rl"]
+    assert rl["rl_steps"] == 1 and rl["rl_flops"] > 0  # trained, then played
+    assert rl["rl_seeds"] == [0, 1] and len(rl["success_per_rl_seed"]) == 2  # one row, each RL seed's success
+    assert rl["success"] == pytest.approx(sum(rl["success_per_rl_seed"]) / 2)
     assert all(r["budget"] == int(report["episode_tokens"] * 0.5) for r in rows.values())
     assert rows["summary"]["tokens_processed"] > rows["truncate"]["tokens_processed"]

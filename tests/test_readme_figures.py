@@ -466,8 +466,14 @@ def test_the_context_budget_table_is_the_results_file():
     assert f"{rl[0.5]['rl_steps']} steps of GRPO" in README
     assert f"{rl[0.5]['rl_seconds'] / 60:.1f} and {rl[0.25]['rl_seconds'] / 60:.1f} minutes" in README
     build = results("build_memory.json")
-    assert f"ended at {pct(build['history'][-1]['ledger_success'])} greedy" in README
-    assert f"--max-steps {build['steps']}` ({build['seconds'] / 60:.0f} min here" in README
+    assert f"build-memory OUT` ({build['seconds'] / 60:.1f} min here)" in README
+    assert f"{build['induction']['steps']} steps of content induction" in README
+    assert f"{pct(build['induction']['accuracy'])} on a fresh batch" in README
+    stopped = pct(build["history"][-1]["ledger_success"])
+    assert f"{build['steps']} steps of ledger\ntranscripts, where it stopped at {stopped}" in README
+    alone = results("build_memory_ledger_only.json")
+    assert f"--max-steps {alone['steps']} --induction-steps 0` ({alone['seconds'] / 60:.0f} min)" in README
+    assert f"ended at\n{pct(alone['history'][-1]['ledger_success'])} (`build_memory_ledger_only.json`)" in README
 
 
 def test_the_compute_matched_table_is_the_results_file():

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--max-steps", type=int, default=2000)
     m.add_argument("--target-success", type=float, default=0.8)
+    m.add_argument("--induction-steps", type=int, default=1500, help="most steps of the lookup phase (0: none)")
     f = sub.add_parser(
         "build-family",
         help="the tiny recipe at several widths, each pretrained on the same data "
@@ -75,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         from .memory import pretrain_memory
 
         out = args.out
-        report = pretrain_memory(out, seed=args.seed, max_steps=args.max_steps, target_success=args.target_success)
+        report = pretrain_memory(
+            out,
+            seed=args.seed,
+            max_steps=args.max_steps,
+            target_success=args.target_success,
+            induction_steps=args.induction_steps,
+        )
     elif args.command == "build-chat":
         from .chat import pretrain_chat
 

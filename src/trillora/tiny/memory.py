@@ -2,11 +2,20 @@
 for measuring memory under a budget (`trillora.envs.ledger`, `trillora.context`).
 
 Neither shipped model can answer "c?" even with every fact in view (tiny-moe 1.6%, tiny-moe-chat
-3% greedy on 4 facts), so any memory would score noise. This builds the skill in minutes: full
-transcripts in the env's own token layout (the policy answers "ok" to each fact, then the digit),
-1-8 facts with 0-3 distractors, the asked fact anywhere; loss on the policy's tokens only. It
-stops when greedy success on the held-out ledgers (6 facts, 3 distractors, whole context) reaches
-the target. The checkpoint is written where asked, not into the package:
+3% greedy on 4 facts), so any memory would score noise. This builds the skill in two phases:
+
+1. Content induction (`induction_rows`): 24 distinct characters, then 12 of them again, each to be
+   followed by the character that followed it. Trained on ledger transcripts alone, the model
+   never learns to look a key up: 3000 steps ended at 43.8%, and on bare "c=4 ... c?" pairs it
+   stayed at chance for the first question (it learned to answer the last one by elimination).
+   This phase forms the lookup circuit (a sudden drop after about 500 steps); it stops once the
+   check batch is answered.
+2. Full transcripts in the env's own token layout (the policy answers "ok" to each fact, then the
+   digit), 1-8 facts with 0-3 distractors, the asked fact anywhere; loss on the policy's tokens
+   only. It stops when greedy success on the held-out ledgers (6 facts, 3 distractors, whole
+   context) reaches the target.
+
+The checkpoint is written where asked, not into the package:
 
     python -m trillora.tiny build-memory runs/tiny-moe-memory
 """
@@ -52,6 +61,50 @@ def transcript(tokenizer, rng: random.Random, more_questions: bool = True) -> tu
     return ids, mask
 
 
+INDUCTION_CHARS = range(4, 66)
+"""The tiny tokenizer's digits and letters (after its 4 special tokens)."""
+
+
+def induction_rows(
+    g: torch.Generator, batch: int, seen: int = 24, asked: int = 12
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, seen + 2·asked], target [B, same]): `seen` distinct characters, then `asked` pairs of
+    one of them (not the last) and its successor. The target at each asked character is its
+    successor (-100 elsewhere): only a lookup by content answers it, never a fixed offset."""
+    lo, n = INDUCTION_CHARS.start, len(INDUCTION_CHARS)
+    first = torch.stack([torch.randperm(n, generator=g)[:seen] + lo for _ in range(batch)])  # [B, seen]
+    pick = torch.randint(0, seen - 1, (batch, asked), generator=g)
+    query, successor = first.gather(1, pick), first.gather(1, pick + 1)  # [B, asked]
+    ids = torch.cat([first, torch.stack([query, successor], 2).reshape(batch, 2 * asked)], 1)
+    target = torch.full_like(ids, -100)
+    target[:, seen::2] = successor
+    return ids, target
+
+
+def teach_induction(
+    model, g: torch.Generator, lr: float, max_steps: int, batch: int = 64, on_step=lambda step, accuracy: None
+) -> dict:
+    """Phase 1: AdamW on `induction_rows` until a fresh batch is answered (greedy accuracy ≥ 0.98,
+    checked every 100 steps) or `max_steps`; the steps taken and the last accuracy."""
+    from .pretrain import supervised_step
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    accuracy, step = 0.0, 0
+    for step in range(1, max_steps + 1):
+        supervised_step(model, opt, *induction_rows(g, batch), lr, step, max_steps)
+        on_step(step, accuracy)
+        if step % 100 == 0 or step == max_steps:
+            ids, target = induction_rows(g, 256)
+            with torch.no_grad():
+                model.eval()
+                hit = model(ids).argmax(-1)[target != -100] == target[target != -100]
+                model.train()
+            accuracy = hit.float().mean().item()
+            if accuracy >= 0.98:
+                break
+    return {"steps": step, "accuracy": accuracy}
+
+
 def ledger_success(model, tokenizer, n: int = 64, facts: int = 6, distractors: int = 3) -> float:
     """Greedy success on held-out ledgers with the whole context in view."""
     from ..envs.ledger import dataset
@@ -78,6 +131,7 @@ def pretrain_memory(
     target_success: float = 0.8,
     eval_every: int = 100,
     init_from: str = "tiny-moe",
+    induction_steps: int = 1500,
 ) -> dict:
     from rich.progress import Progress
 
@@ -86,10 +140,23 @@ def pretrain_memory(
     torch.manual_seed(seed)
     tokenizer, model = load_tokenizer(init_from), load_model(init_from)
     model.train()
+    start = time.perf_counter()
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    history, start, last = [], time.perf_counter(), 0.0
+    history, last = [], 0.0
     with Progress() as bar:
+        lookup = bar.add_task("teaching tiny MoE to look up", total=induction_steps)
+        induction = teach_induction(
+            model,
+            torch.Generator().manual_seed(seed),
+            lr,
+            induction_steps,
+            on_step=lambda step, accuracy: bar.update(
+                lookup, completed=step, description=f"teaching tiny MoE to look up  accuracy {accuracy:.2f}"
+            ),
+        )
+        induction["seconds"] = time.perf_counter() - start
+        bar.console.print(f"lookup: {induction['accuracy']:.3f} after {induction['steps']} steps")
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
         job = bar.add_task("teaching tiny MoE the ledger", total=max_steps)
         for step in range(1, max_steps + 1):
             rows = [transcript(tokenizer, rng) for _ in range(batch)]
@@ -116,4 +183,10 @@ def pretrain_memory(
     model.eval()
     out = save_model(model, out)
     tokenizer.save_pretrained(out)
-    return {"steps": step, "seconds": time.perf_counter() - start, "init_from": init_from, "history": history}
+    return {
+        "steps": step,
+        "seconds": time.perf_counter() - start,
+        "init_from": init_from,
+        "induction": induction,
+        "history": history,
+    }
