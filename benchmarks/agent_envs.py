@@ -12,7 +12,9 @@ Writes benchmarks/results/agent_envs.{json,png}.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -104,6 +106,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="agent-envs-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # scratch: gone when the script ends
     curves, results = {}, {}
     for env in a.only:
         rows, wall = run(work, env, a.overrides)

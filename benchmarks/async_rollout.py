@@ -11,7 +11,9 @@ median over runs. Also reported: the staleness the asynchronous runs actually ha
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,6 +56,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="async-rollout-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # scratch: gone when the script ends
     modes = {
         "synchronous": ["rollout.asynchronous=false"],
         f"asynchronous, staleness ≤ {a.staleness}": [

@@ -18,8 +18,10 @@ benchmarks/results/compute_matched.json and a PNG of the curves (mean over seeds
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -209,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     for arm in arms:
         overrides_of(arm, a.family, a.full_lr)  # a bad arm fails before any training
     work = Path(tempfile.mkdtemp(prefix="compute-matched-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # scratch: gone when the script ends
     console = Console(width=140)
     with console.status(f"probing {len(arms)} arms"), ThreadPoolExecutor(a.jobs) as pool:
         every = dict(zip(arms, pool.map(lambda arm: eval_every(work, arm, a), arms), strict=True))

@@ -20,7 +20,9 @@ benchmarks/results/context_budget.json and a PNG.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -151,6 +153,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS / "context_budget.json")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="memory-budget-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # scratch: gone when the script ends
     tokenizer = load_tokenizer(a.model)
     engine = LocalEngine(load_model(a.model), precision="fp32")
     console = Console(width=120)

@@ -23,7 +23,9 @@ benchmarks/results/cookbook_checkpoints.json and cookbook_checkpoints.png.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     console = Console()
 
     work = Path(tempfile.mkdtemp(prefix="cookbook-ckpt-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # scratch: gone when the script ends
     server = start_server("tiny-moe-chat", str(work / "state"), api_key=KEY)
     common = [f"batch_size={args.batch}", f"max_steps={args.steps}", "learning_rate=3e-3", "lora_rank=8"]
     saving = [f"save_every={args.save_every}", "rolling_save_every=1", f"ttl_seconds={args.ttl_seconds}"]

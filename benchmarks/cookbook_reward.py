@@ -16,8 +16,10 @@ and cookbook_reward.png.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="cookbook-bench-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # scratch: gone when the script ends
     server = start_server("tiny-moe-chat", str(work / "state"), api_key=KEY)
     sl, rl = work / "sl", work / "rl"
     console.print(f"supervised loop: {args.sl_steps} steps × {args.sl_batch} ...")

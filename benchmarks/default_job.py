@@ -14,6 +14,7 @@ default run's overview plot to docs/demo_overview.png.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import shutil
 import subprocess
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="default-job-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # scratch: gone when the script ends
     console = Console(width=120)
     todo = [(seed, mode) for mode in a.modes for seed in a.seeds]
     with console.status(f"training {len(todo)} runs, {a.jobs} at a time"), ThreadPoolExecutor(a.jobs) as pool:

@@ -15,7 +15,9 @@ more steps of each side in `benchmarks/results/grpo_step_profile_{trillora,trl}.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -112,6 +114,7 @@ def profile_side(side: str, overrides: list[str], work: Path, steps: int = 4) ->
 
 def child(side: str, steps: int, warmup: int, overrides: list[str], out: Path, profile: bool) -> None:
     work = Path(tempfile.mkdtemp(prefix=f"bench-{side}-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # scratch: gone when the script ends
     result = (run_trillora if side == "trillora" else run_trl)(steps, warmup, overrides, work)
     if profile:
         text = profile_side(side, overrides, work)

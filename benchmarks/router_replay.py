@@ -14,7 +14,9 @@ of tokens routed differently. Writes benchmarks/results/router_replay.{json,png}
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,6 +90,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="router-replay-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # scratch: gone when the script ends
     curves: dict[str, list[list[dict]]] = {m: [] for m in MODES}
     console = Console(width=140)
     with console.status("training") as status:

@@ -11,8 +11,10 @@ the median step, rollout and update seconds of each, and each as a ratio of the 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +47,7 @@ def export(commit: str, into: Path) -> Path:
 
 def one_run(src: Path, steps: int, warmup: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="step-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # scratch: gone when the script ends
     args = [
         f"steps={steps}",
         f"out_dir={work}",

@@ -19,6 +19,7 @@ Evaluation time is excluded on both sides. Reported: the time and steps each nee
 from __future__ import annotations
 
 import argparse
+import atexit
 import itertools
 import json
 import random
@@ -172,6 +173,7 @@ def main() -> None:
     from trillora.checkpoint import resolve_model_path
 
     work = Path(tempfile.mkdtemp(prefix="time-to-accuracy-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # scratch: gone when the script ends
     shutil.copytree(resolve_model_path("tiny-moe"), work / "checkpoint")
     write_dataset(work / "addition.jsonl")
     curves: dict[str, list] = {"trillora": [], "trl": []}
