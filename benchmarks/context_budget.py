@@ -8,7 +8,8 @@ distractors, the question about one of the first two) is played at T = 1 with th
 then at 1/2, 1/4 and 1/8 of the mean whole-episode length under truncation, retrieval (BM25
 `recall:`), a summary after every turn, and Memory Diffusion (policy importance, proportional),
 every policy on chunks of `--span-tokens`.
-Reported per policy and budget: success (mean and per seed) and the tokens processed per episode
+Reported per policy and budget: success (mean and per seed), refill quality (of the refills that
+rewrote a chunk holding the asked fact, the share that kept it) and the tokens processed per episode
 (every call's context read plus the tokens written: turns, refills, summaries; the importance
 scorer's forwards are not counted). With `--rl-steps N`, Memory Diffusion is also trained by RL
 at each budget (`examples/ledger.toml`: refills and answers trained with the episode's reward, one
@@ -34,7 +35,7 @@ from rich.table import Table
 
 from trillora.checkpoint import load_model, load_tokenizer
 from trillora.config import MemorySection
-from trillora.envs.ledger import dataset
+from trillora.envs.ledger import dataset, refill_kept
 from trillora.lora import load_adapter
 from trillora.rollout import LocalEngine, SamplingParams
 from trillora.trainer.episodes import EpisodeLimits, run_groups
@@ -56,8 +57,17 @@ def play(engine, tokenizer, episodes: int, seed: int, memory: MemorySection | No
         max_model_len=engine.model.args.max_position_embeddings,
         memory=memory_factory(memory, engine, tokenizer) if memory else None,
     )
-    groups = run_groups(engine, ds.eval_batch(), params, limits)
+    ledgers = ds.eval_batch()
+    groups = run_groups(engine, ledgers, params, limits)
     trajectories = [t for g in groups for t in g.trajectories]
+    kept = [
+        refill_kept(tokenizer.decode(x.observation), tokenizer.decode(x.action), ledger.key, ledger.value)
+        for ledger, g in zip(ledgers, groups, strict=True)
+        for t in g.trajectories
+        for x in t.transitions
+        if "memory_refill_tokens" in x.metrics
+    ]
+    with_fact = [k for k in kept if k is not None]
     rewards = [r for g in groups for r in g.total_rewards()]
     processed = [sum(len(x.observation) + len(x.action) for x in t.transitions) for t in trajectories]
     longest = [max(len(x.observation) + len(x.action) for x in t.transitions) for t in trajectories]
@@ -65,6 +75,9 @@ def play(engine, tokenizer, episodes: int, seed: int, memory: MemorySection | No
         "success": statistics.fmean(rewards),
         "tokens_processed": statistics.fmean(processed),
         "longest_context": statistics.fmean(longest),
+        "refills": len(kept),
+        "refills_with_fact": len(with_fact),
+        "refills_keeping_fact": sum(with_fact),
     }
 
 
@@ -116,6 +129,13 @@ def train_diffusion(model: str, budget: int, span: int, seed: int, steps: int, w
     return work / name / "adapter" / "fused", json.loads((work / name / "summary.json").read_text())
 
 
+def refills_of(runs: list[dict]) -> dict:
+    """Refill quality over runs: how many refills, how many rewrote a chunk holding the asked fact
+    whole, and the share of those that kept it (None when none did)."""
+    n, held, kept = (sum(r[k] for r in runs) for k in ("refills", "refills_with_fact", "refills_keeping_fact"))
+    return {"refills": n, "refills_with_fact": held, "fact_kept": kept / held if held else None}
+
+
 def rl_row(fraction: float, budget: int, rl_seeds: list[int], steps: int, trained: list[tuple[dict, list]]) -> dict:
     """One row for the RL seeds together: success over every (RL seed, eval seed) pair, per eval seed
     (averaged over the RL seeds) and per RL seed (the band)."""
@@ -132,6 +152,7 @@ def rl_row(fraction: float, budget: int, rl_seeds: list[int], steps: int, traine
         "success_per_seed": [statistics.fmean(col) for col in zip(*per_rl, strict=True)],
         "success_per_rl_seed": [statistics.fmean(seed) for seed in per_rl],
         "tokens_processed": statistics.fmean(r["tokens_processed"] for _, runs in trained for r in runs),
+        **refills_of([r for _, runs in trained for r in runs]),
     }
 
 
@@ -176,6 +197,7 @@ def main() -> None:
                         "success": statistics.fmean(r["success"] for r in runs),
                         "success_per_seed": [r["success"] for r in runs],
                         "tokens_processed": statistics.fmean(r["tokens_processed"] for r in runs),
+                        **refills_of(runs),
                     }
                 )
             trained = []  # per RL seed: (summary, runs over the eval seeds)

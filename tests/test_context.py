@@ -496,6 +496,16 @@ def test_a_recall_turn_is_answered_by_the_memory_not_the_env(tiny_engine):
     assert any(after[k : k + len(call) + len(answer)] == call + answer for k in range(len(after)))  # the policy sees it
 
 
+def test_a_refill_keeps_the_asked_fact_only_when_it_writes_it():
+    from trillora.envs.ledger import refill_kept
+
+    prompt = "remember:\n\n[[ok\nQ=7 c=4]] 3:\n"
+    assert refill_kept(prompt, "c=4", "c", 4) is True
+    assert refill_kept(prompt, "Q=7", "c", 4) is False
+    assert refill_kept(prompt, "c=4", "c", 5) is None  # the chunk does not hold c=5
+    assert refill_kept("remember:\n\n[[=4 R=2]] 2:\n", "=4", "c", 4) is None  # the span cut the fact
+
+
 def test_induction_rows_are_answered_only_by_a_lookup():
     """Each asked character is one of the distinct ones (never the last), its target is the one that
     followed it, and nothing else is trained; the characters are the tokenizer's digits and letters."""
@@ -627,5 +637,7 @@ def test_the_context_budget_benchmark_runs_every_policy(tmp_path):
     assert rl["rl_steps"] == 1 and rl["rl_flops"] > 0  # trained, then played
     assert rl["rl_seeds"] == [0, 1] and len(rl["success_per_rl_seed"]) == 2  # one row, each RL seed's success
     assert rl["success"] == pytest.approx(sum(rl["success_per_rl_seed"]) / 2)
+    assert rows["diffusion"]["refills"] > 0 and rows["truncate"]["refills"] == 0  # refill quality is counted
+    assert rows["diffusion"]["refills_with_fact"] <= rows["diffusion"]["refills"]
     assert all(r["budget"] == int(report["episode_tokens"] * 0.5) for r in rows.values())
     assert rows["summary"]["tokens_processed"] > rows["truncate"]["tokens_processed"]

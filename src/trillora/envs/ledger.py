@@ -66,6 +66,14 @@ def ledger(rng: random.Random, facts: int, distractors: int, asked_from: int) ->
     return lines, keys[asked], values[asked]
 
 
+def refill_kept(prompt: str, refill: str, key: str, value: int) -> bool | None:
+    """Whether a Memory Diffusion refill kept the fact the question asks, `key=value`: its prompt
+    ends "[[" chunk "]] N:"; None when the chunk did not hold the fact whole (a span may cut it)."""
+    chunk = prompt[prompt.rfind("[[") + 2 : prompt.rfind("]]")]
+    fact = f"{key}={value}"
+    return None if fact not in chunk else fact in refill
+
+
 class LedgerGroup(EnvGroupBuilder):
     def __init__(self, lines: list[str], key: str, value: int, tokenizer, group_size: int):
         self.lines, self.key, self.value, self.tokenizer, self.group_size = lines, key, value, tokenizer, group_size
