@@ -6,8 +6,10 @@
 shipped models cannot, so every memory would score noise). Each held-out ledger (6 facts, 3
 distractors, the question about one of the first two) is played at T = 1 with the whole context,
 then at 1/2, 1/4 and 1/8 of the mean whole-episode length under truncation, retrieval (BM25
-`recall:`), a summary after every turn, and Memory Diffusion (policy importance, proportional),
-every policy on chunks of `--span-tokens`.
+`recall:`) and a summary after every turn, each on spans of `--span-tokens` (ending between
+words), and Memory Diffusion as `examples/ledger.toml` sets it (surprise importance, proportional,
+whole turns: a refill rewrites a turn). A turn may write 10 tokens ("recall:c=" and its stop), so
+every context holds at most the budget less 10.
 Reported per policy and budget: success (mean and per seed), refill quality (of the refills that
 rewrote a chunk holding the asked fact, the share that kept it) and the tokens processed per episode
 (every call's context read plus the tokens written: turns, refills, summaries; the importance
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import json
 import shutil
 import statistics
@@ -34,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trillora.checkpoint import load_model, load_tokenizer
-from trillora.config import MemorySection
+from trillora.config import MemorySection, load_config
 from trillora.envs.ledger import dataset, refill_kept
 from trillora.lora import load_adapter
 from trillora.rollout import LocalEngine, SamplingParams
@@ -44,7 +47,8 @@ from trillora.trainer.sampler import memory_factory
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 POLICIES = ("truncate", "retrieval", "summary", "diffusion", "diffusion+rl")
-FACTS, DISTRACTORS, NEW_TOKENS = 6, 3, 4
+DIFFUSION = load_config(ROOT / "examples" / "ledger.toml").memory  # played before and after its RL
+FACTS, DISTRACTORS, NEW_TOKENS = 6, 3, 10  # a turn: "ok", a digit, or "recall:c=" (9 tokens)
 
 
 def play(engine, tokenizer, episodes: int, seed: int, memory: MemorySection | None) -> dict:
@@ -53,21 +57,29 @@ def play(engine, tokenizer, episodes: int, seed: int, memory: MemorySection | No
         max_new_tokens=NEW_TOKENS, temperature=1.0, seed=seed, stop_token_ids=(tokenizer.eos_token_id,)
     )
     limits = EpisodeLimits(
-        max_turns=FACTS + 2,
+        max_turns=FACTS + 3,  # the turns of the env and one `recall:` call
         max_model_len=engine.model.args.max_position_embeddings,
         memory=memory_factory(memory, engine, tokenizer) if memory else None,
     )
     ledgers = ds.eval_batch()
     groups = run_groups(engine, ledgers, params, limits)
     trajectories = [t for g in groups for t in g.trajectories]
-    kept = [
-        refill_kept(tokenizer.decode(x.observation), tokenizer.decode(x.action), ledger.key, ledger.value)
+    refills = [
+        (tokenizer.decode(x.observation), tokenizer.decode(x.action), ledger)
         for ledger, g in zip(ledgers, groups, strict=True)
         for t in g.trajectories
         for x in t.transitions
         if "memory_refill_tokens" in x.metrics
     ]
+    kept = [refill_kept(prompt, refill, ledger.key, ledger.value) for prompt, refill, ledger in refills]
     with_fact = [k for k in kept if k is not None]
+    # the allocation gave the refill room for the fact (its budget, "]] N:", at least the fact's tokens)
+    room = [
+        int(prompt[prompt.rfind("]] ") + 3 : prompt.rfind(":")])
+        >= len(tokenizer(f"{ledger.key}={ledger.value}", add_special_tokens=False)["input_ids"])
+        for prompt, _, ledger in refills
+    ]
+    with_room = [k for k, r in zip(kept, room, strict=True) if k is not None and r]
     rewards = [r for g in groups for r in g.total_rewards()]
     processed = [sum(len(x.observation) + len(x.action) for x in t.transitions) for t in trajectories]
     longest = [max(len(x.observation) + len(x.action) for x in t.transitions) for t in trajectories]
@@ -78,6 +90,8 @@ def play(engine, tokenizer, episodes: int, seed: int, memory: MemorySection | No
         "refills": len(kept),
         "refills_with_fact": len(with_fact),
         "refills_keeping_fact": sum(with_fact),
+        "refills_with_room": len(with_room),
+        "refills_keeping_fact_with_room": sum(with_room),
     }
 
 
@@ -102,8 +116,10 @@ def plot(rows: list[dict], full: float, path: Path) -> None:
     plt.close(fig)
 
 
-def train_diffusion(model: str, budget: int, span: int, seed: int, steps: int, work: Path) -> tuple[Path, dict]:
-    """RL with Memory Diffusion at `budget` (the example config); the adapter and the run's summary."""
+def train_diffusion(model: str, budget: int, seed: int, steps: int, work: Path) -> tuple[Path, dict]:
+    """RL with Memory Diffusion at `budget` (the example config); the adapter and the run's summary,
+    with what its training steps saw (`training`: the means over its steps of the metrics that say
+    whether refills could learn)."""
     name = f"diffusion-b{budget}-s{seed}"
     done = subprocess.run(
         [
@@ -114,7 +130,6 @@ def train_diffusion(model: str, budget: int, span: int, seed: int, steps: int, w
             str(ROOT / "examples" / "ledger.toml"),
             f"model.path={model}",
             f"memory.budget={budget}",
-            f"memory.span_tokens={span}",
             f"seed={seed}",
             f"steps={steps}",
             f"eval_every={steps}",
@@ -126,14 +141,42 @@ def train_diffusion(model: str, budget: int, span: int, seed: int, steps: int, w
     )
     if done.returncode:
         raise SystemExit(f"RL at budget {budget} failed:\n{done.stderr[-3000:]}")
-    return work / name / "adapter" / "fused", json.loads((work / name / "summary.json").read_text())
+    summary = json.loads((work / name / "summary.json").read_text())
+    steps = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in steps if "reward_mean" in r and r["step"] > 0]
+    summary["training"] = {
+        key: statistics.fmean(r.get(metric) or 0.0 for r in steps)
+        for key, metric in (
+            ("groups_all_equal", "groups_all_equal"),  # groups whose samples all got one reward: no advantage
+            ("refill_tokens", "env/memory_refill_tokens"),  # per episode
+            ("policy_tokens", "completion_len_mean"),  # per episode, every turn and refill
+            ("reward", "reward_mean"),
+        )
+    }
+    return work / name / "adapter" / "fused", summary
 
 
 def refills_of(runs: list[dict]) -> dict:
     """Refill quality over runs: how many refills, how many rewrote a chunk holding the asked fact
-    whole, and the share of those that kept it (None when none did)."""
-    n, held, kept = (sum(r[k] for r in runs) for k in ("refills", "refills_with_fact", "refills_keeping_fact"))
-    return {"refills": n, "refills_with_fact": held, "fact_kept": kept / held if held else None}
+    whole, the share of those that kept it (None when none did), and the same share among those
+    whose budget could hold the fact (what the refill did, apart from what the allocation allowed)."""
+    n, held, kept, roomy, kept_roomy = (
+        sum(r[k] for r in runs)
+        for k in (
+            "refills",
+            "refills_with_fact",
+            "refills_keeping_fact",
+            "refills_with_room",
+            "refills_keeping_fact_with_room",
+        )
+    )
+    return {
+        "refills": n,
+        "refills_with_fact": held,
+        "fact_kept": kept / held if held else None,
+        "refills_with_room": roomy,
+        "fact_kept_with_room": kept_roomy / roomy if roomy else None,
+    }
 
 
 def rl_row(fraction: float, budget: int, rl_seeds: list[int], steps: int, trained: list[tuple[dict, list]]) -> dict:
@@ -148,6 +191,7 @@ def rl_row(fraction: float, budget: int, rl_seeds: list[int], steps: int, traine
         "rl_steps": steps,
         "rl_seconds": statistics.fmean(summary["seconds"] for summary, _ in trained),
         "rl_flops": statistics.fmean(summary["flops_total"] for summary, _ in trained),
+        "rl_training": {k: statistics.fmean(s["training"][k] for s, _ in trained) for k in trained[0][0]["training"]},
         "success": statistics.fmean(x for seed in per_rl for x in seed),
         "success_per_seed": [statistics.fmean(col) for col in zip(*per_rl, strict=True)],
         "success_per_rl_seed": [statistics.fmean(seed) for seed in per_rl],
@@ -166,7 +210,7 @@ def main() -> None:
         "--span-tokens",
         type=int,
         default=6,
-        help="chunks of every policy: spans of this many tokens "
+        help="chunks of truncation, retrieval and summary: spans of this many tokens, ending between words "
         "(0: whole turns, which at 1/4 of an episode leave no room beyond the task and the latest turn)",
     )
     p.add_argument("--rl-steps", type=int, default=0, help="also train Memory Diffusion by RL at each budget")
@@ -187,7 +231,11 @@ def main() -> None:
             budget = max(int(length * fraction), NEW_TOKENS + 1)
             for policy in POLICIES[:-1]:
                 status.update(f"{policy} at {fraction:g} ({budget} tokens)")
-                memory = MemorySection(policy=policy, budget=budget, span_tokens=a.span_tokens)
+                memory = (
+                    dataclasses.replace(DIFFUSION, budget=budget)
+                    if policy == "diffusion"
+                    else MemorySection(policy=policy, budget=budget, span_tokens=a.span_tokens)
+                )
                 runs = [play(engine, tokenizer, a.episodes, s, memory) for s in a.seeds]
                 rows.append(
                     {
@@ -203,9 +251,9 @@ def main() -> None:
             trained = []  # per RL seed: (summary, runs over the eval seeds)
             for rl_seed in a.rl_seeds if a.rl_steps else []:
                 status.update(f"RL with Memory Diffusion at {fraction:g} ({budget} tokens), seed {rl_seed}")
-                adapter, summary = train_diffusion(a.model, budget, a.span_tokens, rl_seed, a.rl_steps, work)
+                adapter, summary = train_diffusion(a.model, budget, rl_seed, a.rl_steps, work)
                 policy = LocalEngine(load_adapter(load_model(a.model), adapter), precision="fp32")
-                memory = MemorySection(policy="diffusion", budget=budget, span_tokens=a.span_tokens)
+                memory = dataclasses.replace(DIFFUSION, budget=budget)
                 trained.append((summary, [play(policy, tokenizer, a.episodes, s, memory) for s in a.seeds]))
             if trained:
                 rows.append(rl_row(fraction, budget, a.rl_seeds, a.rl_steps, trained))
@@ -231,6 +279,7 @@ def main() -> None:
                 "command": command,
                 "episode_tokens": length,
                 "span_tokens": a.span_tokens,
+                "diffusion": dataclasses.asdict(DIFFUSION),
                 "whole_context": {
                     "success": full,
                     "success_per_seed": [w["success"] for w in whole],

@@ -54,6 +54,26 @@ def test_spans_cut_turns_and_drop_finer():
     assert whole.step([9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 2) == [1, 2, 3, 9, 10]
 
 
+def test_spans_end_between_words():
+    """With `word_cuts`, a span ends after the last space or newline that fits: "ok<eos>\nc=4 Q=7 X=2\n"
+    in spans of 6 is "ok<eos>\n", "c=4 ", "Q=7 ", "X=2\n" (every 6 tokens, "c=4" would be cut after "c=")."""
+    from trillora.checkpoint import load_tokenizer
+    from trillora.context import word_cuts
+
+    tok = load_tokenizer("tiny-moe")
+    text = tok("ok", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    text += tok("\nc=4 Q=7 X=2\n", add_special_tokens=False)["input_ids"]
+    spans = split_spans([Chunk([1], 0), Chunk(text, 1)], 6, word_cuts(tok))
+    assert [tok.decode(c.tokens) for c in spans[1:]] == ["ok<eos>\n", "c=4 ", "Q=7 ", "X=2\n"]
+    assert [tok.decode(c.tokens) for c in split_spans([Chunk(text, 1)], 6)] == ["ok<eos>\nc=", "4 Q=7 ", "X=2\n"]
+    long = tok("abcdefgh ij klm", add_special_tokens=False)["input_ids"]  # a word longer than a span is cut
+    assert [tok.decode(c.tokens) for c in split_spans([Chunk(long, 1)], 6, word_cuts(tok))] == [
+        "abcdef",
+        "gh ij ",
+        "klm",
+    ]
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.integers(1, 8),
@@ -270,8 +290,14 @@ def test_diffusion_masks_allocates_and_refills_by_hand(tiny_engine):
     # top_k: c2 kept whole (the more recent), c1 dropped, nothing refilled
     md = MemoryDiffusion(engine, tok, params, recency, "top_k")
     assert md.compress(chunks, 14) == [head, c2, recent] and md.refills == []
-    # the latest turn alone over the room: the oldest go, as truncation does
-    assert MemoryDiffusion(engine, tok, params, recency).compress(chunks, 7) == [head]
+    # the latest turn alone over the room (7 - 4 = 3 < 4): it is masked too; 3 tokens shared 1:2:3 by
+    # recency are 0.5 / 1 / 1.5 -> 0 / 1 / 1, the spare token to the earlier of the tied remainders
+    md = MemoryDiffusion(engine, tok, params, recency)
+    out = md.compress(chunks, 7)
+    assert [c.turn for c in out] == [0, 1, 2, 3] and all(len(c.tokens) <= 1 for c in out[1:])
+    assert [r.prompt[-3:] for r in md.refills] == [tok("1:\n", add_special_tokens=False)["input_ids"]] * 3
+    # the task alone over the limit: nothing to refill, the oldest go, as truncation does
+    assert MemoryDiffusion(engine, tok, params, recency).compress(chunks, 3) == [head]
 
 
 def test_policy_scores_equal_the_model_on_each_variant(tiny_engine):
@@ -290,6 +316,27 @@ def test_policy_scores_equal_the_model_on_each_variant(tiny_engine):
         base = logp_of_latest(chunks)
         expected = [base - logp_of_latest([c for j, c in enumerate(chunks) if j != i]) for i in (1, 2)]
     assert policy_scores(engine.model)(chunks, [1, 2]) == pytest.approx(expected, abs=1e-4)
+
+
+def test_surprise_equals_transformers_loss_over_each_chunk():
+    """A chunk's surprise is its tokens' mean NLL given all before it: transformers' loss with labels
+    only on that chunk (-100 elsewhere) is the oracle."""
+    import transformers
+
+    from trillora.checkpoint import load_model, resolve_model_path
+    from trillora.context import surprise
+
+    chunks = [Chunk([1, 31, 18], 0), Chunk([28, 24, 2, 99], 1), Chunk([16, 84, 8, 98], 2), Chunk([56, 84, 11], 3)]
+    ids = torch.tensor([[t for c in chunks for t in c.tokens]])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-moe"))
+    expected = []
+    for lo, hi in ((3, 7), (7, 11)):
+        labels = torch.full_like(ids, -100)
+        labels[0, lo:hi] = ids[0, lo:hi]
+        with torch.no_grad():
+            expected.append(float(hf(ids, labels=labels).loss))
+    got = surprise(load_model("tiny-moe"))(chunks, [1, 2])
+    assert got == pytest.approx(expected, abs=1e-4)
 
 
 def test_attention_mass_equals_transformers_attention_weights():
@@ -526,6 +573,59 @@ def test_induction_rows_are_answered_only_by_a_lookup():
     assert "".join(chars) == "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
+def test_refill_rows_keep_the_facts_that_fit_and_drop_the_distractors():
+    """The warm-up's refill target: the span's lower-case facts in order, as many as fit the budget;
+    every fact of the episode lies whole in one span (spans end between words)."""
+    import random
+    import re
+
+    from trillora.checkpoint import load_tokenizer
+    from trillora.tiny.memory_rows import kept_facts, refill_rows
+
+    assert kept_facts("c=4 Q=7 d=5\n", 7) == "c=4 d=5"
+    assert kept_facts("c=4 Q=7 d=5\n", 6) == "c=4" and kept_facts("Q=7 c=4", 2) == ""
+    assert kept_facts("ok<eos>\nc=", 5) == ""  # half a fact is not a fact
+    tok = load_tokenizer("tiny-moe")
+    rows = refill_rows(tok, random.Random(5))
+    facts = []
+    for ids, mask in rows:
+        prompt = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+        target = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        head, span, budget = re.fullmatch(r"(.*)\n\[\[(.*)\]\] (\d+):\n", prompt, re.S).groups()
+        assert head == "<bos>remember:\n" and 0 < int(budget) < len(span)
+        assert target == kept_facts(span, int(budget)) + "<eos>"
+        facts += re.findall(r"(?<![A-Za-z])[a-z]=\d", span)
+    assert len(facts) >= 3 and len(set(facts)) == len(facts)  # seed 5: the ledger's facts, each once
+
+
+def test_recall_rows_call_the_store_when_the_fact_has_left_the_context():
+    """A recall row is what the real `Recall` memory shows: the question with the fact out of view,
+    "recall:" + key, the store's reply holding the fact, then the value; with the fact in view, the value.
+    (When the reply overflows the budget, the memory truncates again and the answer is a sample of its own.)"""
+    import random
+
+    from trillora.checkpoint import load_tokenizer
+    from trillora.tiny.memory_rows import recall_rows
+
+    tok = load_tokenizer("tiny-moe")
+    called = direct = 0
+    for seed in range(40):
+        rows = recall_rows(tok, random.Random(seed))
+        trained = [tok.decode([t for t, m in zip(ids, mask, strict=True) if m]) for ids, mask in rows]
+        text = tok.decode(rows[-1][0])
+        value = trained[-1].removesuffix("<eos>")[-1]
+        if "recall:" in "".join(trained):
+            called += 1
+            key = "".join(trained).split("recall:")[1][0]
+            assert f"{key}={value}" in text.rsplit("recall:", 1)[-1]  # the store's reply (its turn cut to spans)
+            assert f"{key}?" not in tok.decode(rows[0][0]).split("recall:")[0].rsplit("\n", 1)[0]
+        else:
+            direct += 1
+            key = text.rsplit("\n", 1)[1][0]
+            assert f"{key}={value}" in text and trained == [f"{value}<eos>"]
+    assert called > 5 and direct > 5  # budgets 24-80 tokens: both happen
+
+
 @pytest.mark.slow
 def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint(tmp_path):
     """A supervised transcript is token for token what the env shows a policy that answers "ok" and
@@ -587,6 +687,8 @@ def test_the_ledger_transcripts_are_the_env_and_build_memory_writes_a_checkpoint
         and report["init_from"] == "tiny-moe"
         and 0.0 <= report["history"][-1]["ledger_success"] <= 1
     )
+    held_out = report["history"][-1]  # the memory's actions taught beside the ledger, checked on held-out rows
+    assert 0.0 <= held_out["refill_accuracy"] <= 1 and 0.0 <= held_out["recall_accuracy"] <= 1
     assert load_model(tmp_path / "m").args.vocab_size == 100
 
 
@@ -637,7 +739,9 @@ def test_the_context_budget_benchmark_runs_every_policy(tmp_path):
     assert rl["rl_steps"] == 1 and rl["rl_flops"] > 0  # trained, then played
     assert rl["rl_seeds"] == [0, 1] and len(rl["success_per_rl_seed"]) == 2  # one row, each RL seed's success
     assert rl["success"] == pytest.approx(sum(rl["success_per_rl_seed"]) / 2)
+    assert 0 <= rl["rl_training"]["groups_all_equal"] <= 1 and rl["rl_training"]["policy_tokens"] > 0
     assert rows["diffusion"]["refills"] > 0 and rows["truncate"]["refills"] == 0  # refill quality is counted
     assert rows["diffusion"]["refills_with_fact"] <= rows["diffusion"]["refills"]
+    assert rows["diffusion"]["refills_with_room"] <= rows["diffusion"]["refills_with_fact"]  # budget could hold it
     assert all(r["budget"] == int(report["episode_tokens"] * 0.5) for r in rows.values())
     assert rows["summary"]["tokens_processed"] > rows["truncate"]["tokens_processed"]

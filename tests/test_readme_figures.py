@@ -461,16 +461,42 @@ def test_the_context_budget_table_is_the_results_file():
     whole = r["whole_context"]
     seeds = " / ".join(f"{s:.2f}" for s in whole["success_per_seed"])
     assert f"{pct(whole['success'])} ({seeds}) · {whole['tokens_processed']:.0f}" in README
-    assert f"(about {r['episode_tokens']:.0f} tokens)" in README and f"spans of {r['span_tokens']} tokens" in README
+    assert f"(about {r['episode_tokens']:.0f} tokens)" in README
     rl = {x["fraction"]: x for x in rows if x["policy"] == "diffusion+rl"}
+    at = {(x["policy"], x["fraction"]): pct(x["success"]) for x in rows}
+    assert (  # the front page's row
+        f"| {at['diffusion+rl', 0.5]} after RL, {at['diffusion', 0.5]} before; retrieval {at['retrieval', 0.5]}, "
+        f"truncation {at['truncate', 0.5]}. At a quarter, retrieval leads: {at['retrieval', 0.25]} to "
+        f"{at['diffusion+rl', 0.25]} |" in README_MD
+    )
     assert f"{rl[0.5]['rl_steps']} steps of GRPO" in README
     assert f"{rl[0.5]['rl_seconds'] / 60:.1f} and {rl[0.25]['rl_seconds'] / 60:.1f} minutes" in README
+    assert ", ".join(pct(x) for x in rl[0.5]["success_per_rl_seed"]) in README
+    assert f"spans of {r['span_tokens']} tokens ending between words" in README
+
+    def kept(x: dict, room: str = "") -> str:  # "85.7% (168 of 196)": refills that kept the asked fact
+        share, n = x[f"fact_kept{room}"], x["refills_with_room" if room else "refills_with_fact"]
+        return f"{share * 100:.1f}% ({round(share * n)} of {n})"
+
+    diffusion = {x["fraction"]: x for x in rows if x["policy"] == "diffusion"}
+    roomy = kept(diffusion[0.25], "_with_room")
+    assert f"{kept(diffusion[0.25])} kept it, but of those\n  whose budget had room for it, {roomy}" in README
+    assert f"keep it {kept(diffusion[0.5])} at 1/2 and {kept(diffusion[0.25])} at 1/4" in README
+    assert f"after RL, {kept(rl[0.5])} and\n  {kept(rl[0.25])}" in README
+    before = {(x["policy"], x["fraction"]): x for x in results("context_budget_before_warmup.json")["rows"]}
+    assert f"no refill kept it: {kept(before['diffusion', 0.5])} at 1/2 and {kept(before['diffusion', 0.25])}" in README
+    assert f"Memory Diffusion scored {pct(before['diffusion', 0.5]['success'])} and" in README
+    seen = {f: rl[f]["rl_training"] for f in (0.5, 0.25)}
+    assert f"at 1/2, {pct(seen[0.5]['groups_all_equal'])} of the groups" in README
+    assert f"{seen[0.5]['refill_tokens']:.1f} of the policy's {seen[0.5]['policy_tokens']:.1f} tokens" in README
+    assert f"{seen[0.25]['refill_tokens']:.1f} of {seen[0.25]['policy_tokens']:.1f} at 1/4" in README
     build = results("build_memory.json")
+    last = build["history"][-1]
     assert f"build-memory OUT` ({build['seconds'] / 60:.1f} min here)" in README
     assert f"{build['induction']['steps']} steps of content induction" in README
     assert f"{pct(build['induction']['accuracy'])} on a fresh batch" in README
-    stopped = pct(build["history"][-1]["ledger_success"])
-    assert f"{build['steps']} steps of ledger\ntranscripts, where it stopped at {stopped}" in README
+    assert f"{build['steps']} steps of ledger\ntranscripts, where it stopped at {pct(last['ledger_success'])}" in README
+    assert f"{pct(last['refill_accuracy'])} of refill rows and {pct(last['recall_accuracy'])} of recall rows" in README
     alone = results("build_memory_ledger_only.json")
     assert f"--max-steps {alone['steps']} --induction-steps 0` ({alone['seconds'] / 60:.0f} min)" in README
     assert f"ended at\n{pct(alone['history'][-1]['ledger_success'])} (`build_memory_ledger_only.json`)" in README

@@ -268,9 +268,11 @@ class MemorySection:
     """Tokens the policy may see at once, its next turn included; at most `rollout.max_model_len`."""
     span_tokens: int = 0
     """Chunk each turn into spans of this many tokens (0: whole turns)."""
-    importance: Literal["policy", "attention", "recency"] = "policy"
+    span_words: bool = True
+    """Spans end between words where one fits (a fact like "c=4" stays whole); False: every `span_tokens`."""
+    importance: Literal["policy", "attention", "surprise", "recency"] = "policy"
     """diffusion: how a chunk's importance is estimated (the policy's leave-one-out scoring, the attention
-    the latest turn pays it, or recency)."""
+    the latest turn pays it, the surprise of its tokens, or recency)."""
     allocate: Literal["proportional", "top_k", "threshold"] = "proportional"
     """diffusion: how the budget is shared among the masked chunks by importance."""
     floor: float = 0.0

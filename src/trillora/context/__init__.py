@@ -3,8 +3,18 @@
 allocate -> refill). Named `context`, not `memory`, so that it is not read as GPU memory."""
 
 from .allocate import RULES
-from .context import Chunk, MemoryContext, MemoryPolicy, Truncate, split_spans
-from .diffusion import MemoryDiffusion, Refill, RefillRequest, attention_mass, policy_scores, recency, sample_refills
+from .context import Chunk, MemoryContext, MemoryPolicy, Truncate, split_spans, word_cuts
+from .diffusion import (
+    MemoryDiffusion,
+    Refill,
+    RefillRequest,
+    attention_mass,
+    policy_scores,
+    recency,
+    refill_prompt,
+    sample_refills,
+    surprise,
+)
 from .retrieval import Recall, bm25
 from .summary import Summarize
 
@@ -22,7 +32,10 @@ __all__ = [
     "attention_mass",
     "policy_scores",
     "recency",
+    "refill_prompt",
     "sample_refills",
+    "surprise",
     "bm25",
     "split_spans",
+    "word_cuts",
 ]

@@ -13,6 +13,7 @@ Chunking: by turn, or each turn cut into spans of `span_tokens` (finer choices f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,24 +33,59 @@ def size(chunks: list[Chunk]) -> int:
     return sum(len(c.tokens) for c in chunks)
 
 
-def split_spans(chunks: list[Chunk], span_tokens: int) -> list[Chunk]:
-    """Each turn's chunk cut into spans of at most `span_tokens` (the initial observation stays whole)."""
+def split_spans(
+    chunks: list[Chunk], span_tokens: int, cuts: Callable[[list[int]], set[int]] | None = None
+) -> list[Chunk]:
+    """Each turn's chunk cut into spans of at most `span_tokens` (the initial observation stays whole).
+    With `cuts` (a chunk's tokens -> the positions between words, `word_cuts`), a span ends at the last
+    word edge that fits, so that a fact ("c=4") is not split across two spans; a word longer than a
+    span is cut where the span ends."""
     out = []
     for c in chunks:
         if c.turn == 0 or len(c.tokens) <= span_tokens:
             out.append(c)
-        else:
-            out += [Chunk(c.tokens[i : i + span_tokens], c.turn) for i in range(0, len(c.tokens), span_tokens)]
+            continue
+        edges, start = (cuts(c.tokens) if cuts else set()), 0
+        while start < len(c.tokens):
+            end = min(start + span_tokens, len(c.tokens))
+            fits = [j for j in edges if start < j <= end]
+            end = max(fits) if fits and end < len(c.tokens) else end
+            out.append(Chunk(c.tokens[start:end], c.turn))
+            start = end
     return out
+
+
+def word_cuts(tokenizer) -> Callable[[list[int]], set[int]]:
+    """The positions between words in a token list: after a token whose text ends in whitespace or
+    before one whose text starts with it (byte-level BPE spells a word's leading space as part of it)."""
+    texts: dict[int, str] = {}
+
+    def text(t: int) -> str:
+        if t not in texts:
+            texts[t] = tokenizer.decode([t])
+        return texts[t]
+
+    def cuts(tokens: list[int]) -> set[int]:
+        return {j for j in range(1, len(tokens)) if text(tokens[j - 1])[-1:].isspace() or text(tokens[j])[:1].isspace()}
+
+    return cuts
 
 
 class MemoryContext:
     """One episode's context as the policy sees it; `start` and `step` return it as token ids."""
 
-    def __init__(self, policy: MemoryPolicy, budget: int, reserve: int, span_tokens: int = 0):
+    def __init__(
+        self,
+        policy: MemoryPolicy,
+        budget: int,
+        reserve: int,
+        span_tokens: int = 0,
+        cuts: Callable[[list[int]], set[int]] | None = None,
+    ):
         if budget <= reserve:
             raise ValueError(f"memory.budget={budget} leaves no room for a turn of {reserve} new tokens")
         self.policy, self.budget, self.reserve, self.span_tokens = policy, budget, reserve, span_tokens
+        self.cuts = cuts  # spans end between words (`word_cuts`), or every `span_tokens` when None
         self.full: list[int] = []  # the env's last observation (its whole history)
         self.chunks: list[Chunk] = []
         self.rewrites = 0  # times the policy rewrote the context
@@ -107,7 +143,7 @@ class MemoryContext:
     def _fitting(self, batched: bool):
         limit = self.budget - self.reserve
         if size(self.chunks) > limit or (getattr(self.policy, "every_turn", False) and len(self.chunks) > 2):
-            chunks = split_spans(self.chunks, self.span_tokens) if self.span_tokens else self.chunks
+            chunks = split_spans(self.chunks, self.span_tokens, self.cuts) if self.span_tokens else self.chunks
             before = size(chunks)
             if batched and hasattr(self.policy, "compressing"):
                 self.chunks = yield from self.policy.compressing(chunks, limit)

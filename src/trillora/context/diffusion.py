@@ -1,20 +1,21 @@
-"""Memory Diffusion: when the context would overflow, Mask → Allocate → Refill.
-
-Mask: the chunks between the task (kept) and the `keep_recent` latest turns (kept verbatim) are
-the ones the memory may rewrite. Allocate: each masked chunk gets a token budget from its
-importance (`allocate.RULES`) out of what the kept chunks leave. Refill: a chunk whose budget
-covers it stays verbatim, one with budget 0 is dropped, and any other is rewritten by the policy
-itself from a fill-in-the-middle prompt — the task, the marker "[[", the chunk, the marker
-"]] N:" with its budget N — sampling at most N tokens. Refills are policy actions: the episode
-runner adds each as a transition of its own (prompt: mask 0, refill: mask 1, the episode's
+"""Memory Diffusion: when the context would overflow, Mask → Allocate → Refill. Mask: the chunks
+between the task (kept) and the `keep_recent` latest turns (kept verbatim, as many of them as fit
+beside the task) are the ones the memory may rewrite. Allocate: each masked chunk gets a token
+budget from its importance (`allocate.RULES`) out of what the kept chunks leave. Refill: a chunk
+whose budget covers it stays verbatim, one with budget 0 is dropped, and any other is rewritten by
+the policy itself from a fill-in-the-middle prompt — the task, the marker "[[", the chunk, the
+marker "]] N:" with its budget N — sampling at most N tokens. Refills are policy actions: the
+episode runner adds each as a transition of its own (prompt: mask 0, refill: mask 1, the episode's
 reward), so RL teaches the policy what to keep; the rewritten context around them is observation.
 
 The refills of one rewrite are sampled in one engine call (`sample_refills`), and the episode runner
 samples those of every episode that rewrites at a turn in one call too (`compressing` yields its
 requests instead of sampling them).
 
-Importance: `recency` (later chunks matter more), `policy_scores`, the policy's own judgement:
-how much the log-probability of the latest turn drops when the chunk is left out
+Importance: `recency` (later chunks matter more), `surprise` (how much information a chunk carries
+per token: its tokens' mean negative log-likelihood under the policy given everything before it; one
+forward, and what a model cannot predict, a fact, outweighs what it can, an "ok"), `policy_scores`,
+the policy's own judgement: how much the log-probability of the latest turn drops when the chunk is left out
 (leave-one-out over the masked chunks, one batched forward), or `attention_mass`: how much
 attention the latest turn's tokens pay to the chunk's tokens (softmax weights averaged over
 layers and heads, summed over the turn's queries and the chunk's keys; one forward).
@@ -67,6 +68,29 @@ def sample_refills(engine, params, requests: list[RefillRequest]) -> list[Refill
         tokens, logprobs = list(completion.token_ids), list(completion.logprobs)
         refills.append(Refill(r.prompt, tokens[: r.budget], logprobs[: r.budget]))
     return refills
+
+
+def refill_prompt(task: list[int], chunk: list[int], budget: int, text: Callable[[str], list[int]]) -> list[int]:
+    """The fill-in-the-middle prompt a refill is sampled from: task "\n[[" chunk "]] N:\n"."""
+    return task + text("\n[[") + chunk + text(f"]] {budget}:\n")
+
+
+def surprise(model) -> Importance:
+    """The mean over the chunk's tokens of −log p(token | every token before it), from one forward: a
+    rate, not a sum, so that a chunk already refilled to its facts weighs what it weighed whole (a
+    sum would make it 1/7 of a fresh turn, and the proportional rule would then drop it)."""
+
+    def score(chunks: list[Chunk], masked: list[int]) -> list[float]:
+        ids = torch.tensor([[t for c in chunks for t in c.tokens]], device=next(model.parameters()).device)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).float(), dim=-1)[0]  # [S, vocab]
+        nll = torch.zeros(ids.shape[1], device=ids.device)  # [S]: the first token has nothing before it
+        nll[1:] = -logp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+        bounds = torch.tensor([0] + [len(c.tokens) for c in chunks]).cumsum(0).tolist()
+        return [float(nll[bounds[i] : bounds[i + 1]].mean()) if bounds[i + 1] > bounds[i] else 0.0 for i in masked]
+
+    score.rows = lambda chunks, masked: [size(chunks)]
+    return score
 
 
 def policy_scores(model, pad_id: int = 0) -> Importance:
@@ -183,10 +207,13 @@ class MemoryDiffusion:
     def compressing(self, chunks: list[Chunk], limit: int):
         """`compress` as a generator: yields its refill requests (if any) once, takes the `Refill`s
         sampled for them, returns the chunks. The episode runner samples many episodes' at once."""
-        head, recent = chunks[:1], chunks[max(1, len(chunks) - self.keep_recent) :]
+        head, keep = chunks[:1], min(self.keep_recent, len(chunks) - 1)
+        while keep and size(head) + size(chunks[len(chunks) - keep :]) > limit:
+            keep -= 1  # the latest turns alone overflow: they are masked and refilled too
+        recent = chunks[len(chunks) - keep :] if keep else []
         masked = list(range(1, len(chunks) - len(recent)))
         room = limit - size(head) - size(recent)
-        if room < 0 or not masked:  # the latest turns alone overflow: nothing to refill, drop the oldest
+        if room < 0 or not masked:  # the task alone overflows: nothing to refill, drop the oldest
             return Truncate().compress(chunks, limit)
         scores = self.importance(chunks, masked)
         rows = getattr(self.importance, "rows", None)
@@ -197,10 +224,9 @@ class MemoryDiffusion:
         budgets = (
             rule(scores, lengths, room, self.floor) if self.allocate == "threshold" else rule(scores, lengths, room)
         )
-        marker = self._text("\n[[")
         task = [t for c in head for t in c.tokens]
         requests = {
-            i: RefillRequest(task + marker + chunks[i].tokens + self._text(f"]] {b}:\n"), b)
+            i: RefillRequest(refill_prompt(task, chunks[i].tokens, b, self._text), b)
             for i, n, b in zip(masked, lengths, budgets, strict=True)
             if 0 < b < n
         }

@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--max-steps", type=int, default=2000)
     m.add_argument("--target-success", type=float, default=0.8)
     m.add_argument("--induction-steps", type=int, default=1500, help="most steps of the lookup phase (0: none)")
+    m.add_argument(
+        "--memory-rows", type=int, default=24, help="rows per batch teaching refills and recall: (0: the ledger alone)"
+    )
     f = sub.add_parser(
         "build-family",
         help="the tiny recipe at several widths, each pretrained on the same data "
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             max_steps=args.max_steps,
             target_success=args.target_success,
             induction_steps=args.induction_steps,
+            memory_rows=args.memory_rows,
         )
     elif args.command == "build-chat":
         from .chat import pretrain_chat

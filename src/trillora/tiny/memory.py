@@ -12,8 +12,10 @@ Neither shipped model can answer "c?" even with every fact in view (tiny-moe 1.6
    check batch is answered.
 2. Full transcripts in the env's own token layout (the policy answers "ok" to each fact, then the
    digit), 1-8 facts with 0-3 distractors, the asked fact anywhere; loss on the policy's tokens
-   only. It stops when greedy success on the held-out ledgers (6 facts, 3 distractors, whole
-   context) reaches the target.
+   only. With them, `memory_rows` rows per batch teach the memory's own actions (`memory_rows.py`:
+   refills that keep the facts, "recall:" when a fact has left the context). It stops when greedy
+   success on the held-out ledgers (6 facts, 3 distractors, whole context) and the share of
+   held-out refill and recall rows answered whole reach the target.
 
 The checkpoint is written where asked, not into the package:
 
@@ -122,6 +124,37 @@ def ledger_success(model, tokenizer, n: int = 64, facts: int = 6, distractors: i
     return sum(rewards) / len(rewards)
 
 
+def pad_rows(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, T], target [B, T]): right-padded rows and the next token where the policy wrote it."""
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad)
+    target = torch.full((len(rows), width), -100)
+    for i, (row, mask) in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        target[i, : len(row) - 1] = torch.tensor([t if m else -100 for t, m in zip(row[1:], mask[1:], strict=True)])
+    return ids, target
+
+
+def memory_action_rows(tokenizer, rng: random.Random, n: int) -> dict[str, list]:
+    """`n` refill rows and `n` recall rows (`memory_rows`), each drawn from its own episodes."""
+    from .memory_rows import recall_rows, refill_rows
+
+    out = {"refill": [], "recall": []}
+    while len(out["refill"]) < n:
+        out["refill"] += rng.sample(rows := refill_rows(tokenizer, rng), min(2, len(rows)))
+    while len(out["recall"]) < n:
+        out["recall"] += recall_rows(tokenizer, rng)
+    return {k: v[:n] for k, v in out.items()}
+
+
+def rows_answered(model, rows: list, pad: int) -> float:
+    """The share of rows whose every policy token is the greedy next token (teacher-forced)."""
+    ids, target = pad_rows(rows, pad)
+    with torch.no_grad():
+        hit = (model(ids).argmax(-1) == target) | (target == -100)  # [B, T]
+    return hit.all(-1).float().mean().item()
+
+
 def pretrain_memory(
     out: str | Path,
     seed: int = 0,
@@ -132,6 +165,7 @@ def pretrain_memory(
     eval_every: int = 100,
     init_from: str = "tiny-moe",
     induction_steps: int = 1500,
+    memory_rows: int = 24,
 ) -> dict:
     from rich.progress import Progress
 
@@ -158,27 +192,26 @@ def pretrain_memory(
         bar.console.print(f"lookup: {induction['accuracy']:.3f} after {induction['steps']} steps")
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
         job = bar.add_task("teaching tiny MoE the ledger", total=max_steps)
+        held_out = memory_action_rows(tokenizer, random.Random(f"held-out:{seed}"), 128) if memory_rows else {}
         for step in range(1, max_steps + 1):
-            rows = [transcript(tokenizer, rng) for _ in range(batch)]
-            width = max(len(ids) for ids, _ in rows)
-            ids = torch.full((batch, width), tokenizer.pad_token_id)
-            target = torch.full((batch, width), -100)  # [B, T]: the next token where the policy wrote it
-            for i, (row, mask) in enumerate(rows):
-                ids[i, : len(row)] = torch.tensor(row)
-                target[i, : len(row) - 1] = torch.tensor(
-                    [t if m else -100 for t, m in zip(row[1:], mask[1:], strict=True)]
-                )
-            loss = supervised_step(model, opt, ids, target, lr, step, max_steps)
+            rows = [transcript(tokenizer, rng) for _ in range(batch - memory_rows)]
+            if memory_rows:
+                taught = memory_action_rows(tokenizer, rng, memory_rows // 2)
+                rows += taught["refill"] + taught["recall"]
+            loss = supervised_step(model, opt, *pad_rows(rows, tokenizer.pad_token_id), lr, step, max_steps)
             bar.update(
                 job, advance=1, description=f"teaching tiny MoE the ledger  loss {loss.item():.3f}  success {last:.2f}"
             )
             if step % eval_every == 0 or step == max_steps:
                 model.eval()
                 last = ledger_success(model, tokenizer)
+                actions = {
+                    f"{name}_accuracy": rows_answered(model, r, tokenizer.pad_token_id) for name, r in held_out.items()
+                }
                 model.train()
-                history.append({"step": step, "loss": loss.item(), "ledger_success": last})
-                bar.console.print(f"step {step}: loss {loss.item():.3f}, held-out ledger success {last:.3f}")
-                if last >= target_success:
+                history.append({"step": step, "loss": loss.item(), "ledger_success": last, **actions})
+                bar.console.print(f"step {step}: loss {loss.item():.3f}, held-out ledger success {last:.3f}, {actions}")
+                if last >= target_success and all(a >= target_success for a in actions.values()):
                     break
     model.eval()
     out = save_model(model, out)

@@ -25,6 +25,8 @@ from ..context import (
     attention_mass,
     policy_scores,
     recency,
+    surprise,
+    word_cuts,
 )
 from ..envs.env import Trajectory, TrajectoryGroup, Transition
 from ..envs.env_dataset import EnvDataset
@@ -254,6 +256,7 @@ def memory_factory(m, engine, tokenizer, flops: ModelFlops | None = None):
             importance = {
                 "policy": lambda: policy_scores(model, tokenizer.pad_token_id or 0),
                 "attention": lambda: attention_mass(model),
+                "surprise": lambda: surprise(model),
                 "recency": lambda: recency,
             }[m.importance]()
             policy = MemoryDiffusion(
@@ -266,6 +269,7 @@ def memory_factory(m, engine, tokenizer, flops: ModelFlops | None = None):
                 m.floor,
                 forward_flops=flops.forward if flops is not None else None,
             )
-        return MemoryContext(policy, m.budget, params.max_new_tokens, m.span_tokens)
+        cuts = word_cuts(tokenizer) if m.span_words else None
+        return MemoryContext(policy, m.budget, params.max_new_tokens, m.span_tokens, cuts)
 
     return make
