@@ -244,6 +244,20 @@ def test_allocation_rules_by_hand():
         proportional([1, 2], [1, 2, 3], 4)
 
 
+def test_a_minimum_refill_drops_the_least_important_short_chunk_and_shares_again():
+    from trillora.context.allocate import at_least, proportional
+
+    share = lambda w: proportional(w, [6, 6, 6], 6)  # noqa: E731
+    assert share([1, 2, 3]) == [1, 2, 3]
+    # at least 2: the 1-token chunk goes, 6 is shared 2:3 -> 2.4 / 3.6 -> 2 / 4 (the spare to 0.6)
+    assert at_least(share, [1, 2, 3], [6, 6, 6], 2) == [0, 2, 4]
+    # at least 3: then the 2-token chunk goes too, and the last takes all 6
+    assert at_least(share, [1, 2, 3], [6, 6, 6], 3) == [0, 0, 6]
+    # a chunk shorter than the minimum may keep its whole length; 0 changes nothing
+    assert at_least(lambda w: proportional(w, [2, 6], 8), [1, 1], [2, 6], 3) == [2, 6]
+    assert at_least(share, [1, 2, 3], [6, 6, 6], 0) == [1, 2, 3]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 10), st.integers(0, 40)), min_size=1, max_size=8), st.integers(0, 120))
 def test_allocations_stay_within_budget_and_lengths(chunks, budget):

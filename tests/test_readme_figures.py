@@ -479,10 +479,18 @@ def test_the_context_budget_table_is_the_results_file():
         return f"{share * 100:.1f}% ({round(share * n)} of {n})"
 
     diffusion = {x["fraction"]: x for x in rows if x["policy"] == "diffusion"}
-    roomy = kept(diffusion[0.25], "_with_room")
-    assert f"{kept(diffusion[0.25])} kept it, but of those\n  whose budget had room for it, {roomy}" in README
     assert f"keep it {kept(diffusion[0.5])} at 1/2 and {kept(diffusion[0.25])} at 1/4" in README
     assert f"after RL, {kept(rl[0.5])} and\n  {kept(rl[0.25])}" in README
+    roomy = [kept(x, "_with_room") for x in (diffusion[0.5], diffusion[0.25], rl[0.5], rl[0.25])]
+    assert f"With room for it: {roomy[0]}, {roomy[1]}, then {roomy[2]} and {roomy[3]}" in README
+    unfloored = {(x["policy"], x["fraction"]): x for x in results("context_budget_no_min_refill.json")["rows"]}
+    quarter = unfloored["diffusion", 0.25]
+    after = pct(unfloored["diffusion+rl", 0.25]["success"])
+    assert f"scored\n  {pct(quarter['success'])} at 1/4 before RL and {after} after" in README
+    assert (
+        f"{kept(quarter)} kept it, but of those whose budget had room for it,\n  {kept(quarter, '_with_room')}"
+        in README
+    )
     before = {(x["policy"], x["fraction"]): x for x in results("context_budget_before_warmup.json")["rows"]}
     assert f"no refill kept it: {kept(before['diffusion', 0.5])} at 1/2 and {kept(before['diffusion', 0.25])}" in README
     assert f"Memory Diffusion scored {pct(before['diffusion', 0.5]['success'])} and" in README

@@ -279,6 +279,8 @@ class MemorySection:
     """diffusion, allocate = "threshold": chunks less important than this are dropped."""
     keep_recent: int = 1
     """diffusion: the latest turns kept verbatim."""
+    min_refill: int = 0
+    """diffusion: no chunk is refilled in fewer tokens; one under it is dropped and the budget shared again."""
     summary_tokens: int = 32
     """summary: the longest summary the policy may write."""
 
@@ -287,6 +289,7 @@ class MemorySection:
             return
         _check_positive("memory.span_tokens", self.span_tokens, zero_ok=True)
         _check_positive("memory.keep_recent", self.keep_recent)
+        _check_positive("memory.min_refill", self.min_refill, zero_ok=True)
         _check_positive("memory.summary_tokens", self.summary_tokens)
         if not max_new_tokens < self.budget <= (max_model_len or self.budget):
             raise ConfigError(

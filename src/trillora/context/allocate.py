@@ -7,6 +7,7 @@ whole length stays verbatim, one given 0 is dropped, one in between is refilled 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 
 def proportional(importance: list[float], lengths: list[int], budget: int) -> list[int]:
@@ -54,6 +55,21 @@ def threshold(importance: list[float], lengths: list[int], budget: int, floor: f
     """Chunks with importance under `floor` dropped; the others share the budget proportionally."""
     kept = [w if w >= floor else 0.0 for w in importance]
     return proportional(kept, lengths, budget)
+
+
+def at_least(
+    rule: Callable[[list[float]], list[int]], importance: list[float], lengths: list[int], minimum: int
+) -> list[int]:
+    """`rule`'s budgets (importance -> budgets), with no chunk refilled in fewer than `minimum` tokens:
+    a rewrite too short to hold a fact only loses it. The least important chunk under the minimum is
+    dropped and the rule shares the budget again, until none is under it."""
+    weights = list(importance)
+    while True:
+        out = rule(weights)
+        small = [i for i, b in enumerate(out) if 0 < b < min(minimum, lengths[i])]
+        if not small:
+            return out
+        weights[min(small, key=lambda i: (weights[i], i))] = 0.0
 
 
 def _check(importance: list[float], lengths: list[int], budget: int) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .allocate import RULES
+from .allocate import RULES, at_least
 from .context import Chunk, Truncate, size
 
 Importance = Callable[[list[Chunk], list[int]], list[float]]
@@ -178,11 +178,13 @@ class MemoryDiffusion:
         keep_recent: int = 1,
         floor: float = 0.0,
         forward_flops: Callable[[int], float] | None = None,
+        min_refill: int = 0,
     ):
         if allocate not in RULES:
             raise ValueError(f"memory.allocate={allocate!r}; allowed: {', '.join(RULES)}")
         self.engine, self.tokenizer, self.params, self.importance = engine, tokenizer, params, importance
         self.allocate, self.keep_recent, self.floor = allocate, keep_recent, floor
+        self.min_refill = min_refill  # no refill shorter than this (`allocate.at_least`)
         self.forward_flops = forward_flops
         """FLOPs of one row through the model (`ModelFlops.forward`): the importance forwards are counted."""
         self.refills: list[Refill] = []  # sampled since the episode runner last took them
@@ -221,9 +223,8 @@ class MemoryDiffusion:
             self.scoring_flops += sum(self.forward_flops(n) for n in rows(chunks, masked))
         lengths = [len(chunks[i].tokens) for i in masked]
         rule = RULES[self.allocate]
-        budgets = (
-            rule(scores, lengths, room, self.floor) if self.allocate == "threshold" else rule(scores, lengths, room)
-        )
+        extra = (self.floor,) if self.allocate == "threshold" else ()
+        budgets = at_least(lambda w: rule(w, lengths, room, *extra), scores, lengths, self.min_refill)
         task = [t for c in head for t in c.tokens]
         requests = {
             i: RefillRequest(refill_prompt(task, chunks[i].tokens, b, self._text), b)
