@@ -1,23 +1,27 @@
-"""Success on the ledger against the memory budget, for each memory policy, and Memory Diffusion after RL.
+"""Success on a long-horizon env against the memory budget, for each memory policy, and Memory
+Diffusion after RL.
 
     python benchmarks/context_budget.py --model runs/tiny-moe-memory [--seeds 0 1 2] [--episodes 64] [--rl-steps 40]
+    python benchmarks/context_budget.py --config examples/registers.toml --model runs/tiny-moe-registers
 
-`--model`: a checkpoint that can read a ledger (`python -m trillora.tiny build-memory OUT`; the
-shipped models cannot, so every memory would score noise). Each held-out ledger (6 facts, 3
-distractors, the question about one of the first two) is played at T = 1 with the whole context,
+`--config` (default `examples/ledger.toml`) names the env, its turns and the Memory Diffusion
+settings; `--model`: a checkpoint that can do that env with the whole context (`python -m
+trillora.tiny build-memory OUT [--env registers]`; the shipped models cannot, so every memory would
+score noise). Each held-out episode (the ledger: 6 facts, 3 distractors, the question about one of
+the first two; the registers: 8 lines of 3 writes) is played at T = 1 with the whole context,
 then at 1/2, 1/4 and 1/8 of the mean whole-episode length under truncation, retrieval (BM25
 `recall:`) and a summary after every turn, each on spans of `--span-tokens` (ending between
 words), and Memory Diffusion as `examples/ledger.toml` sets it (surprise importance, proportional,
-whole turns: a refill rewrites a turn). A turn may write 10 tokens ("recall:c=" and its stop), so
-every context holds at most the budget less 10.
+whole turns: a refill rewrites a turn). A turn may write the config's `rollout.max_new_tokens` (10:
+"recall:c=" and its stop), so every context holds at most the budget less that.
 Reported per policy and budget: success (mean and per seed), refill quality (of the refills that
 rewrote a chunk holding the asked fact, the share that kept it) and the tokens processed per episode
 (every call's context read plus the tokens written: turns, refills, summaries; the importance
 scorer's forwards are not counted). With `--rl-steps N`, Memory Diffusion is also trained by RL
-at each budget (`examples/ledger.toml`: refills and answers trained with the episode's reward, one
+at each budget (the config: refills and answers trained with the episode's reward, one
 run per `--rl-seeds` seed) and played again with each adapter ("diffusion+rl": one row over the RL
 seeds, with each seed's success for the band). Writes
-benchmarks/results/context_budget.json and a PNG.
+benchmarks/results/context_budget.json (context_budget_<name>.json for another config) and a PNG.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
+import importlib
 import json
 import shutil
 import statistics
@@ -37,8 +42,8 @@ from rich.console import Console
 from rich.table import Table
 
 from trillora.checkpoint import load_model, load_tokenizer
-from trillora.config import MemorySection, load_config
-from trillora.envs.ledger import dataset, refill_kept
+from trillora.config import MemorySection, TrainConfig, load_config
+from trillora.envs.env_dataset import load_env_dataset
 from trillora.lora import load_adapter
 from trillora.rollout import LocalEngine, SamplingParams
 from trillora.trainer.episodes import EpisodeLimits, run_groups
@@ -47,17 +52,21 @@ from trillora.trainer.sampler import memory_factory
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 POLICIES = ("truncate", "retrieval", "summary", "diffusion", "diffusion+rl")
-DIFFUSION = load_config(ROOT / "examples" / "ledger.toml").memory  # played before and after its RL
-FACTS, DISTRACTORS, NEW_TOKENS = 6, 3, 10  # a turn: "ok", a digit, or "recall:c=" (9 tokens)
 
 
-def play(engine, tokenizer, episodes: int, seed: int, memory: MemorySection | None) -> dict:
-    ds = dataset(tokenizer, 1, 1, episodes, 0, facts=FACTS, distractors=DISTRACTORS, asked_from=2)
+def play(engine, tokenizer, episodes: int, seed: int, memory: MemorySection | None, cfg: TrainConfig) -> dict:
+    """`episodes` held-out episodes of the config's env, a turn writing up to its max_new_tokens
+    ("ok", a digit, or "recall:c=": 9 tokens) within its max_turns (the env's turns and one call)."""
+    ds = load_env_dataset(cfg.task.options, tokenizer=tokenizer, batch_size=1, group_size=1, eval_size=episodes, seed=0)
+    refill_kept = importlib.import_module(cfg.task.options["env"].split(":")[0]).refill_kept
     params = SamplingParams(
-        max_new_tokens=NEW_TOKENS, temperature=1.0, seed=seed, stop_token_ids=(tokenizer.eos_token_id,)
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=1.0,
+        seed=seed,
+        stop_token_ids=(tokenizer.eos_token_id,),
     )
     limits = EpisodeLimits(
-        max_turns=FACTS + 3,  # the turns of the env and one `recall:` call
+        max_turns=cfg.task.max_turns,
         max_model_len=engine.model.args.max_position_embeddings,
         memory=memory_factory(memory, engine, tokenizer) if memory else None,
     )
@@ -95,7 +104,7 @@ def play(engine, tokenizer, episodes: int, seed: int, memory: MemorySection | No
     }
 
 
-def plot(rows: list[dict], full: float, path: Path) -> None:
+def plot(rows: list[dict], full: float, path: Path, name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,14 +118,14 @@ def plot(rows: list[dict], full: float, path: Path) -> None:
     ax.axhline(full, color="gray", ls="--", label="whole context")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("memory budget / whole episode")
-    ax.set_ylabel("ledger success (T=1)")
+    ax.set_ylabel(f"{name} success (T=1)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def train_diffusion(model: str, budget: int, seed: int, steps: int, work: Path) -> tuple[Path, dict]:
+def train_diffusion(config: Path, model: str, budget: int, seed: int, steps: int, work: Path) -> tuple[Path, dict]:
     """RL with Memory Diffusion at `budget` (the example config); the adapter and the run's summary,
     with what its training steps saw (`training`: the means over its steps of the metrics that say
     whether refills could learn)."""
@@ -127,7 +136,7 @@ def train_diffusion(model: str, budget: int, seed: int, steps: int, work: Path) 
             "-m",
             "trillora",
             "train",
-            str(ROOT / "examples" / "ledger.toml"),
+            str(config),
             f"model.path={model}",
             f"memory.budget={budget}",
             f"seed={seed}",
@@ -203,6 +212,7 @@ def rl_row(fraction: float, budget: int, rl_seeds: list[int], steps: int, traine
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
+    p.add_argument("--config", type=Path, default=ROOT / "examples" / "ledger.toml", help="the env and its memory")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--episodes", type=int, default=64)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.125])
@@ -215,28 +225,31 @@ def main() -> None:
     )
     p.add_argument("--rl-steps", type=int, default=0, help="also train Memory Diffusion by RL at each budget")
     p.add_argument("--rl-seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--out", type=Path, default=RESULTS / "context_budget.json")
+    p.add_argument("--out", type=Path, help="default: results/context_budget.json, or _<config name>.json")
     a = p.parse_args()
+    cfg = load_config(a.config)
+    diffusion = cfg.memory  # played before and after its RL
+    a.out = a.out or RESULTS / ("context_budget.json" if cfg.name == "ledger" else f"context_budget_{cfg.name}.json")
     work = Path(tempfile.mkdtemp(prefix="memory-budget-"))
     atexit.register(shutil.rmtree, work, ignore_errors=True)  # scratch: gone when the script ends
     tokenizer = load_tokenizer(a.model)
     engine = LocalEngine(load_model(a.model), precision="fp32")
     console = Console(width=120)
     with console.status("the whole context"):
-        whole = [play(engine, tokenizer, a.episodes, s, None) for s in a.seeds]
+        whole = [play(engine, tokenizer, a.episodes, s, None, cfg) for s in a.seeds]
     length = statistics.fmean(w["longest_context"] for w in whole)
     rows = []
     with console.status("memories") as status:
         for fraction in a.fractions:
-            budget = max(int(length * fraction), NEW_TOKENS + 1)
+            budget = max(int(length * fraction), cfg.rollout.max_new_tokens + 1)
             for policy in POLICIES[:-1]:
                 status.update(f"{policy} at {fraction:g} ({budget} tokens)")
                 memory = (
-                    dataclasses.replace(DIFFUSION, budget=budget)
+                    dataclasses.replace(diffusion, budget=budget)
                     if policy == "diffusion"
                     else MemorySection(policy=policy, budget=budget, span_tokens=a.span_tokens)
                 )
-                runs = [play(engine, tokenizer, a.episodes, s, memory) for s in a.seeds]
+                runs = [play(engine, tokenizer, a.episodes, s, memory, cfg) for s in a.seeds]
                 rows.append(
                     {
                         "policy": policy,
@@ -251,15 +264,15 @@ def main() -> None:
             trained = []  # per RL seed: (summary, runs over the eval seeds)
             for rl_seed in a.rl_seeds if a.rl_steps else []:
                 status.update(f"RL with Memory Diffusion at {fraction:g} ({budget} tokens), seed {rl_seed}")
-                adapter, summary = train_diffusion(a.model, budget, rl_seed, a.rl_steps, work)
+                adapter, summary = train_diffusion(a.config, a.model, budget, rl_seed, a.rl_steps, work)
                 policy = LocalEngine(load_adapter(load_model(a.model), adapter), precision="fp32")
-                memory = dataclasses.replace(DIFFUSION, budget=budget)
-                trained.append((summary, [play(policy, tokenizer, a.episodes, s, memory) for s in a.seeds]))
+                memory = dataclasses.replace(diffusion, budget=budget)
+                trained.append((summary, [play(policy, tokenizer, a.episodes, s, memory, cfg) for s in a.seeds]))
             if trained:
                 rows.append(rl_row(fraction, budget, a.rl_seeds, a.rl_steps, trained))
     full = statistics.fmean(w["success"] for w in whole)
     table = Table(
-        title=f"ledger success vs memory budget (whole episode ≈ {length:.0f} tokens; whole context: {full:.3f})"
+        title=f"{cfg.name} success vs memory budget (whole episode ≈ {length:.0f} tokens; whole context: {full:.3f})"
     )
     for col in ("policy", "budget", "success (per seed)", "tokens processed / episode"):
         table.add_column(col, justify="right")
@@ -279,7 +292,8 @@ def main() -> None:
                 "command": command,
                 "episode_tokens": length,
                 "span_tokens": a.span_tokens,
-                "diffusion": dataclasses.asdict(DIFFUSION),
+                "env": cfg.task.options,
+                "diffusion": dataclasses.asdict(diffusion),
                 "whole_context": {
                     "success": full,
                     "success_per_seed": [w["success"] for w in whole],
@@ -290,7 +304,7 @@ def main() -> None:
             indent=2,
         )
     )
-    plot(rows, full, a.out.with_suffix(".png"))
+    plot(rows, full, a.out.with_suffix(".png"), cfg.name)
 
 
 if __name__ == "__main__":

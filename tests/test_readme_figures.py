@@ -437,8 +437,9 @@ def test_the_info_table_is_what_trillora_info_counts():
             assert f"{size(c.bytes_mxfp4_experts())}" in README.split("As released (MXFP4 routed experts")[1][:120]
 
 
-def test_the_context_budget_table_is_the_results_file():
-    r = results("context_budget.json")
+def budget_table(r: dict) -> list[str]:
+    """The lines of a context_budget results file's table in docs/memory.md: the header, a row per
+    policy (success, per seed, tokens processed), and the whole context's cell."""
     rows = r["rows"]
     names = {
         "truncate": "truncation",
@@ -449,19 +450,27 @@ def test_the_context_budget_table_is_the_results_file():
     }
     fractions = sorted({x["fraction"] for x in rows}, reverse=True)
     budgets = {x["fraction"]: x["budget"] for x in rows}
-    assert "| memory | " + " | ".join(f"{f:g} of the episode ({budgets[f]} tokens)" for f in fractions) + " |" in README
+    lines = ["| memory | " + " | ".join(f"{f:g} of the episode ({budgets[f]} tokens)" for f in fractions) + " |"]
     for policy, name in names.items():
         cells = []
         for f in fractions:
             (x,) = [y for y in rows if y["policy"] == policy and y["fraction"] == f]
             seeds = " / ".join(f"{s:.2f}" for s in x["success_per_seed"])
             cells.append(f"{pct(x['success'])} ({seeds}) · {x['tokens_processed']:.0f}")
-        row = f"| {name} | " + " | ".join(cells) + " |"
-        assert row in README, row
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     whole = r["whole_context"]
     seeds = " / ".join(f"{s:.2f}" for s in whole["success_per_seed"])
-    assert f"{pct(whole['success'])} ({seeds}) · {whole['tokens_processed']:.0f}" in README
-    assert f"(about {r['episode_tokens']:.0f} tokens)" in README
+    lines.append(
+        f"(about {r['episode_tokens']:.0f} tokens): {pct(whole['success'])} ({seeds}) · {whole['tokens_processed']:.0f}"
+    )
+    return lines
+
+
+def test_the_context_budget_table_is_the_results_file():
+    r = results("context_budget.json")
+    rows = r["rows"]
+    for line in budget_table(r):
+        assert line in README.replace("\n", " "), line
     rl = {x["fraction"]: x for x in rows if x["policy"] == "diffusion+rl"}
     at = {(x["policy"], x["fraction"]): pct(x["success"]) for x in rows}
     assert (  # the front page's row
@@ -508,6 +517,41 @@ def test_the_context_budget_table_is_the_results_file():
     alone = results("build_memory_ledger_only.json")
     assert f"--max-steps {alone['steps']} --induction-steps 0` ({alone['seconds'] / 60:.0f} min)" in README
     assert f"ended at\n{pct(alone['history'][-1]['ledger_success'])} (`build_memory_ledger_only.json`)" in README
+
+
+def test_the_registers_table_is_the_results_file():
+    r = results("context_budget_registers.json")
+    assert r["env"]["env"] == "trillora.envs.registers:dataset"
+    for line in budget_table(r):
+        assert line in README.replace("\n", " "), line
+    at = {(x["policy"], x["fraction"]): x for x in r["rows"]}
+    s = {k: pct(x["success"]) for k, x in at.items()}
+    assert (  # the front page's row
+        f"retrieval leads at half and a quarter: {s['retrieval', 0.5]} and {s['retrieval', 0.25]}; Memory Diffusion "
+        f"{s['diffusion+rl', 0.5]} and {s['diffusion+rl', 0.25]} after RL, {s['diffusion', 0.5]} and "
+        f"{s['diffusion', 0.25]} before" in README_MD
+    )
+    kept = {
+        k: f"{x['fact_kept'] * 100:.1f}% ({round(x['fact_kept'] * x['refills_with_fact'])} of {x['refills_with_fact']})"
+        for k, x in at.items()
+        if x["fact_kept"] is not None
+    }
+    text = " ".join(README.split())
+    assert f"{kept['diffusion', 0.5]} kept it at 1/2 and {kept['diffusion', 0.25]} at 1/4" in text
+    assert f"(after RL {kept['diffusion+rl', 0.5]} and {kept['diffusion+rl', 0.25]})" in text
+    seen = {f: at["diffusion+rl", f]["rl_training"] for f in (0.5, 0.25)}
+    assert (
+        f"{pct(seen[0.5]['groups_all_equal'])} of groups at 1/2 and {pct(seen[0.25]['groups_all_equal'])} at 1/4"
+        in text
+    )
+    assert f"{seen[0.5]['refill_tokens']:.1f} of the policy's {seen[0.5]['policy_tokens']:.1f} tokens" in text
+    build = results("build_memory_registers.json")
+    last = build["history"][-1]
+    assert build["env"] == "registers"
+    assert f"build-memory OUT --env registers` ({build['seconds'] / 60:.1f} min here)" in text
+    assert f"then {build['steps']} steps of register transcripts" in text
+    assert f"stopped at {pct(last['registers_success'])} greedy held-out success" in text
+    assert f"{pct(last['refill_accuracy'])} of refill rows and {pct(last['recall_accuracy'])} of recall rows" in text
 
 
 def test_the_compute_matched_table_is_the_results_file():

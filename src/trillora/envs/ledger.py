@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import re
 import string
+from collections.abc import Callable
 
 from ..tasks.prompts import decode_completion, encode_prompt
 from .env import Env, EnvGroupBuilder, StepResult
@@ -83,7 +84,9 @@ class LedgerGroup(EnvGroupBuilder):
 
 
 class LedgerDataset:
-    """`batch_size` ledgers per step (each a group of `group_size` episodes); `eval_size` fixed held-out ones."""
+    """`batch_size` episodes per step (each a group of `group_size`); `eval_size` fixed held-out ones.
+    `episode(rng)` draws one episode's lines, the key asked and its value (`ledger`, or another
+    shape on the same turns: `trillora.envs.registers`); `name` seeds the draws."""
 
     def __init__(
         self,
@@ -92,15 +95,9 @@ class LedgerDataset:
         group_size: int,
         eval_size: int,
         seed: int,
-        facts: int,
-        distractors: int,
-        asked_from: int,
+        episode: Callable[[random.Random], tuple[list[str], str, int]],
+        name: str = "ledger",
     ):
-        if facts < 1 or facts > len(KEYS) or distractors < 0 or asked_from < 1:
-            raise ValueError(
-                f"ledger needs 1 <= facts <= {len(KEYS)}, distractors >= 0 and asked_from >= 1; got "
-                f"facts={facts}, distractors={distractors}, asked_from={asked_from}"
-            )
         self.tokenizer, self.batch_size, self.group_size, self.eval_size, self.seed = (
             tokenizer,
             batch_size,
@@ -108,17 +105,17 @@ class LedgerDataset:
             eval_size,
             seed,
         )
-        self.shape = (facts, distractors, asked_from)
+        self.episode, self.name = episode, name
 
     def _group(self, rng: random.Random, size: int) -> LedgerGroup:
-        return LedgerGroup(*ledger(rng, *self.shape), self.tokenizer, size)
+        return LedgerGroup(*self.episode(rng), self.tokenizer, size)
 
     def get_batch(self, index: int) -> list[LedgerGroup]:
-        rng = random.Random(f"ledger:train:{self.seed}:{index}")
+        rng = random.Random(f"{self.name}:train:{self.seed}:{index}")
         return [self._group(rng, self.group_size) for _ in range(self.batch_size)]
 
     def eval_batch(self) -> list[LedgerGroup]:
-        rng = random.Random(f"ledger:eval:{self.seed}")
+        rng = random.Random(f"{self.name}:eval:{self.seed}")
         return [self._group(rng, 1) for _ in range(self.eval_size)]
 
 
@@ -132,4 +129,11 @@ def dataset(
     distractors: int = 3,
     asked_from: int = 2,
 ) -> LedgerDataset:
-    return LedgerDataset(tokenizer, batch_size, group_size, eval_size, seed, facts, distractors, asked_from)
+    if facts < 1 or facts > len(KEYS) or distractors < 0 or asked_from < 1:
+        raise ValueError(
+            f"ledger needs 1 <= facts <= {len(KEYS)}, distractors >= 0 and asked_from >= 1; got "
+            f"facts={facts}, distractors={distractors}, asked_from={asked_from}"
+        )
+    return LedgerDataset(
+        tokenizer, batch_size, group_size, eval_size, seed, lambda rng: ledger(rng, facts, distractors, asked_from)
+    )

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--max-steps", type=int, default=1500)
     m = sub.add_parser(
         "build-memory",
-        help="tiny-moe taught to read a ledger (the starting point for memory "
+        help="tiny-moe taught to read a ledger or registers (the starting point for memory "
         "benchmarks); written to OUT, not into the package",
     )
     m.add_argument("out", type=Path)
@@ -38,7 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--target-success", type=float, default=0.8)
     m.add_argument("--induction-steps", type=int, default=1500, help="most steps of the lookup phase (0: none)")
     m.add_argument(
-        "--memory-rows", type=int, default=24, help="rows per batch teaching refills and recall: (0: the ledger alone)"
+        "--memory-rows", type=int, default=24, help="rows per batch teaching refills and recall: (0: the env alone)"
+    )
+    m.add_argument(
+        "--env",
+        choices=("ledger", "registers"),
+        default="ledger",
+        help="the long-horizon env taught (trillora.envs.ledger or trillora.envs.registers)",
     )
     f = sub.add_parser(
         "build-family",
@@ -86,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             target_success=args.target_success,
             induction_steps=args.induction_steps,
             memory_rows=args.memory_rows,
+            shape=args.env,
         )
     elif args.command == "build-chat":
         from .chat import pretrain_chat

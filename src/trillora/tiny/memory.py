@@ -33,17 +33,20 @@ import torch
 from ..checkpoint import load_model, load_tokenizer, save_model
 
 
-def transcript(tokenizer, rng: random.Random, more_questions: bool = True) -> tuple[list[int], list[int]]:
+def transcript(
+    tokenizer, rng: random.Random, more_questions: bool = True, shape: str = "ledger"
+) -> tuple[list[int], list[int]]:
     """One episode as the env shows it (then, with `more_questions`, every other fact asked too), and
-    which tokens are the policy's (1)."""
-    from ..envs.ledger import KEYS, ledger
+    which tokens are the policy's (1). `shape`: the ledger or the registers (`memory_rows.EPISODES`)."""
+    from ..envs.ledger import KEYS
     from ..tasks.prompts import encode_prompt
+    from .memory_rows import EPISODES
 
     def text(s: str) -> list[int]:
         return tokenizer(s, add_special_tokens=False)["input_ids"]
 
     facts = rng.randint(1, 8)
-    lines, key, value = ledger(rng, facts, rng.randint(0, 3), facts)
+    lines, key, value = EPISODES[shape](rng, facts)
     ok = text("ok") + [tokenizer.eos_token_id]
     ids = encode_prompt(tokenizer, "remember:\n")
     mask = [0] * len(ids)
@@ -56,7 +59,7 @@ def transcript(tokenizer, rng: random.Random, more_questions: bool = True) -> tu
     # After the env's question (where its episode ends), every other fact is asked too, in random
     # order: one answer digit per row teaches recall too slowly; the first answer is conditioned
     # on exactly what the env shows, so nothing after it changes what is learned for it.
-    kept = dict(part.split("=") for line in lines for part in line.split() if part[0] in KEYS)
+    kept = dict(part.split("=") for line in lines for part in line.split() if part[0] in KEYS)  # last writes
     for other in rng.sample(sorted(set(kept) - {key}), len(kept) - 1):
         asked, answer = text(f"\n{other}?"), text(kept[other]) + [tokenizer.eos_token_id]
         ids, mask = ids + asked + answer, mask + [0] * len(asked) + [1] * len(answer)
@@ -107,18 +110,22 @@ def teach_induction(
     return {"steps": step, "accuracy": accuracy}
 
 
-def ledger_success(model, tokenizer, n: int = 64, facts: int = 6, distractors: int = 3) -> float:
-    """Greedy success on held-out ledgers with the whole context in view."""
-    from ..envs.ledger import dataset
+def env_success(model, tokenizer, shape: str = "ledger", n: int = 64) -> float:
+    """Greedy success on held-out episodes of the env's default size (the ledger: 6 facts, 3
+    distractors; the registers: 8 turns of 3 writes to 5) with the whole context in view."""
+    from ..envs import ledger, registers
     from ..rollout import LocalEngine, SamplingParams
     from ..trainer.episodes import EpisodeLimits, run_groups
 
     engine = LocalEngine(model, precision="fp32")
+    episodes = {"ledger": ledger, "registers": registers}[shape].dataset(tokenizer, 1, 1, n, 0).eval_batch()
     groups = run_groups(
         engine,
-        dataset(tokenizer, 1, 1, n, 0, facts=facts, distractors=distractors).eval_batch(),
+        episodes,
         SamplingParams(max_new_tokens=3, temperature=0.0, seed=0, stop_token_ids=(tokenizer.eos_token_id,)),
-        EpisodeLimits(max_turns=facts + 2, max_model_len=model.args.max_position_embeddings),
+        EpisodeLimits(
+            max_turns=max(len(e.lines) for e in episodes) + 2, max_model_len=model.args.max_position_embeddings
+        ),
     )
     rewards = [r for g in groups for r in g.total_rewards()]
     return sum(rewards) / len(rewards)
@@ -135,15 +142,15 @@ def pad_rows(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.T
     return ids, target
 
 
-def memory_action_rows(tokenizer, rng: random.Random, n: int) -> dict[str, list]:
+def memory_action_rows(tokenizer, rng: random.Random, n: int, shape: str = "ledger") -> dict[str, list]:
     """`n` refill rows and `n` recall rows (`memory_rows`), each drawn from its own episodes."""
     from .memory_rows import recall_rows, refill_rows
 
     out = {"refill": [], "recall": []}
     while len(out["refill"]) < n:
-        out["refill"] += rng.sample(rows := refill_rows(tokenizer, rng), min(2, len(rows)))
+        out["refill"] += rng.sample(rows := refill_rows(tokenizer, rng, shape=shape), min(2, len(rows)))
     while len(out["recall"]) < n:
-        out["recall"] += recall_rows(tokenizer, rng)
+        out["recall"] += recall_rows(tokenizer, rng, shape=shape)
     return {k: v[:n] for k, v in out.items()}
 
 
@@ -166,6 +173,7 @@ def pretrain_memory(
     init_from: str = "tiny-moe",
     induction_steps: int = 1500,
     memory_rows: int = 24,
+    shape: str = "ledger",
 ) -> dict:
     from rich.progress import Progress
 
@@ -191,26 +199,28 @@ def pretrain_memory(
         induction["seconds"] = time.perf_counter() - start
         bar.console.print(f"lookup: {induction['accuracy']:.3f} after {induction['steps']} steps")
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-        job = bar.add_task("teaching tiny MoE the ledger", total=max_steps)
-        held_out = memory_action_rows(tokenizer, random.Random(f"held-out:{seed}"), 128) if memory_rows else {}
+        job = bar.add_task(f"teaching tiny MoE the {shape}", total=max_steps)
+        held_out = memory_action_rows(tokenizer, random.Random(f"held-out:{seed}"), 128, shape) if memory_rows else {}
         for step in range(1, max_steps + 1):
-            rows = [transcript(tokenizer, rng) for _ in range(batch - memory_rows)]
+            rows = [transcript(tokenizer, rng, shape=shape) for _ in range(batch - memory_rows)]
             if memory_rows:
-                taught = memory_action_rows(tokenizer, rng, memory_rows // 2)
+                taught = memory_action_rows(tokenizer, rng, memory_rows // 2, shape)
                 rows += taught["refill"] + taught["recall"]
             loss = supervised_step(model, opt, *pad_rows(rows, tokenizer.pad_token_id), lr, step, max_steps)
             bar.update(
-                job, advance=1, description=f"teaching tiny MoE the ledger  loss {loss.item():.3f}  success {last:.2f}"
+                job, advance=1, description=f"teaching tiny MoE the {shape}  loss {loss.item():.3f}  success {last:.2f}"
             )
             if step % eval_every == 0 or step == max_steps:
                 model.eval()
-                last = ledger_success(model, tokenizer)
+                last = env_success(model, tokenizer, shape)
                 actions = {
                     f"{name}_accuracy": rows_answered(model, r, tokenizer.pad_token_id) for name, r in held_out.items()
                 }
                 model.train()
-                history.append({"step": step, "loss": loss.item(), "ledger_success": last, **actions})
-                bar.console.print(f"step {step}: loss {loss.item():.3f}, held-out ledger success {last:.3f}, {actions}")
+                history.append({"step": step, "loss": loss.item(), f"{shape}_success": last, **actions})
+                bar.console.print(
+                    f"step {step}: loss {loss.item():.3f}, held-out {shape} success {last:.3f}, {actions}"
+                )
                 if last >= target_success and all(a >= target_success for a in actions.values()):
                     break
     model.eval()
@@ -220,6 +230,7 @@ def pretrain_memory(
         "steps": step,
         "seconds": time.perf_counter() - start,
         "init_from": init_from,
+        "env": shape,
         "induction": induction,
         "history": history,
     }

@@ -1,9 +1,11 @@
-"""Rows that teach the memory's own actions before RL, built from the ledger env's transcripts
-through the memory code the benchmark plays (so prompts match to the token):
+"""Rows that teach the memory's own actions before RL, built from the transcripts of an env on the
+ledger's turns (`EPISODES`: the ledger, the registers) through the memory code the benchmark plays
+(so prompts match to the token):
 
 - `refill_rows`: a Memory Diffusion fill-in-the-middle prompt (`refill_prompt`: the task, a span of
   the transcript cut as `MemoryContext` cuts it, a budget N) and the rewrite that keeps its facts:
-  the lower-case `k=v` pairs that fit in N tokens, the upper-case distractors dropped.
+  the lower-case `k=v` pairs that fit in N tokens, the upper-case distractors and the writes a
+  later one in the span overwrites dropped.
 - `recall_rows`: the context a truncating `Recall` memory shows at the question; when the asked
   fact is no longer in view the policy writes "recall:" and the key, reads what the store returns,
   then answers; when it is in view it answers at once.
@@ -17,6 +19,7 @@ import random
 import re
 
 from ..context import Chunk, MemoryContext, Recall, refill_prompt, split_spans, word_cuts
+from ..envs import registers
 from ..envs.ledger import LedgerEnv, ledger
 
 FACT = re.compile(r"(?<![A-Za-z])[a-z]=\d")
@@ -25,11 +28,28 @@ FACT = re.compile(r"(?<![A-Za-z])[a-z]=\d")
 Row = tuple[list[int], list[int]]
 
 
+def _registers(rng: random.Random, turns: int) -> tuple[list[str], str, int]:
+    writes = rng.randint(1, 3)
+    return registers.episode(rng, turns, writes, rng.randint(writes + 1, 6), turns)
+
+
+EPISODES = {
+    "ledger": lambda rng, turns: ledger(rng, turns, rng.randint(0, 3), turns),
+    "registers": _registers,
+}
+"""A training episode of each env: `turns` lines (0-3 distractors, or 1-3 writes to 2-6 registers),
+the question about any of them."""
+
+
 def kept_facts(span: str, budget: int) -> str:
-    """The rewrite a refill should write: the span's whole facts in order, as many as fit in
-    `budget` characters with a space between them (one token per character here)."""
+    """The rewrite a refill should write: the span's whole facts in order, each key's last write
+    only, as many as fit in `budget` characters with a space between them (one token per character
+    here)."""
+    facts = FACT.findall(span)
     out = ""
-    for fact in FACT.findall(span):
+    for i, fact in enumerate(facts):
+        if any(later[0] == fact[0] for later in facts[i + 1 :]):
+            continue
         joined = f"{out} {fact}" if out else fact
         if len(joined) > budget:
             break
@@ -37,15 +57,17 @@ def kept_facts(span: str, budget: int) -> str:
     return out
 
 
-def _episode(tokenizer, rng: random.Random, facts: int) -> tuple[LedgerEnv, list[int]]:
-    lines, key, value = ledger(rng, facts, rng.randint(0, 3), facts)
+def _episode(tokenizer, rng: random.Random, facts: int, shape: str) -> tuple[LedgerEnv, list[int]]:
+    lines, key, value = EPISODES[shape](rng, facts)
     return LedgerEnv(lines, key, value, tokenizer), tokenizer("ok", add_special_tokens=False)["input_ids"]
 
 
-def refill_rows(tokenizer, rng: random.Random, span_tokens: tuple[int, ...] = (0, 6)) -> list[Row]:
+def refill_rows(
+    tokenizer, rng: random.Random, span_tokens: tuple[int, ...] = (0, 6), shape: str = "ledger"
+) -> list[Row]:
     """One episode's turns, whole or cut into spans (one of `span_tokens`, 0: whole turns); every span
     becomes a refill prompt with a budget under its length, its target `kept_facts` and the stop token."""
-    env, ok = _episode(tokenizer, rng, rng.randint(1, 8))
+    env, ok = _episode(tokenizer, rng, rng.randint(1, 8), shape)
     eos = tokenizer.eos_token_id
     head, _ = env.initial_observation()
     chunks, seen = [Chunk(list(head), 0)], list(head)
@@ -67,11 +89,13 @@ def refill_rows(tokenizer, rng: random.Random, span_tokens: tuple[int, ...] = (0
     return rows
 
 
-def recall_rows(tokenizer, rng: random.Random, budgets: tuple[int, int] = (24, 80), span_tokens: int = 6) -> list[Row]:
+def recall_rows(
+    tokenizer, rng: random.Random, budgets: tuple[int, int] = (24, 80), span_tokens: int = 6, shape: str = "ledger"
+) -> list[Row]:
     """One episode played through a `Recall` memory at a random budget, the policy saying "ok" to
     each fact; at the question, "recall:" + key when the fact has left the context (then the answer
     after what the store returned), else the answer."""
-    env, ok = _episode(tokenizer, rng, rng.randint(2, 8))
+    env, ok = _episode(tokenizer, rng, rng.randint(2, 8), shape)
     eos, stop = tokenizer.eos_token_id, (tokenizer.eos_token_id,)
 
     def text(s: str) -> list[int]:

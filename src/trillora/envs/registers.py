@@ -1,0 +1,72 @@
+"""A long-horizon env of another shape than the ledger: a few registers written and overwritten over
+many turns, and at the end the question about the one whose last write came early. Reward 1 when the
+answer is its last value.
+
+    task.name = "env"
+    task.options = { env = "trillora.envs.registers:dataset", turns = 8, writes = 3, registers = 5 }
+
+The turns are the ledger's (`LedgerEnv`: "remember:", a line per policy turn, then "c?"), but what
+must be kept differs. In the ledger each fact is written once and the distractors look different
+(upper-case keys), so a memory can keep facts by their form. Here every line is register writes of
+one form ("c=4 f=1"): the asked register is written at turn 1 and last at a turn up to `asked_from`
+(so an early copy holds a stale value), and after that the other registers are rewritten again and
+again. A memory must keep the asked register's last write and may drop both its stale copy and the
+many later writes that look just like it; retrieval by "c=" finds the stale and the current write alike.
+"""
+
+from __future__ import annotations
+
+import random
+
+from .ledger import KEYS, LedgerDataset, refill_kept
+
+__all__ = ["dataset", "episode", "refill_kept"]
+
+
+def episode(rng: random.Random, turns: int, writes: int, count: int, asked_from: int) -> tuple[list[str], str, int]:
+    """The lines of one episode (`writes` writes each), the register asked about and its last value.
+    The asked register is written at turn 1 and last at turn `last` (2..asked_from, a new value
+    there), maybe in between, never after; the other writes of a line go to
+    distinct ones of the `count - 1` others."""
+    keys = rng.sample(KEYS, count)
+    asked, others = keys[0], keys[1:]
+    last = rng.randint(min(2, turns), min(asked_from, turns))
+    value = rng.randint(0, 9)
+    lines = []
+    for turn in range(1, turns + 1):
+        written = turn == 1 or turn == last or (turn < last and rng.random() < 0.5)
+        parts = [f"{key}={rng.randint(0, 9)}" for key in rng.sample(others, writes - written)]
+        if written:  # a new value (the first write: any value)
+            value = rng.choice([v for v in range(10) if v != value]) if turn > 1 else value
+            parts.append(f"{asked}={value}")
+        rng.shuffle(parts)
+        lines.append(" ".join(parts))
+    return lines, asked, value
+
+
+def dataset(
+    tokenizer,
+    batch_size: int,
+    group_size: int,
+    eval_size: int,
+    seed: int,
+    turns: int = 8,
+    writes: int = 3,
+    registers: int = 5,
+    asked_from: int = 2,
+) -> LedgerDataset:
+    count = registers
+    if turns < 1 or not 1 <= writes < count <= len(KEYS) or asked_from < 1:
+        raise ValueError(
+            f"registers needs turns >= 1, 1 <= writes < registers <= {len(KEYS)} and asked_from >= 1; got "
+            f"turns={turns}, writes={writes}, registers={count}, asked_from={asked_from}"
+        )
+    return LedgerDataset(
+        tokenizer,
+        batch_size,
+        group_size,
+        eval_size,
+        seed,
+        lambda rng: episode(rng, turns, writes, count, asked_from),
+        name="registers",
+    )
