@@ -2,7 +2,7 @@
 Diffusion after RL.
 
     python benchmarks/context_budget.py --model runs/tiny-moe-memory [--seeds 0 1 2] [--episodes 64] [--rl-steps 40]
-    python benchmarks/context_budget.py --config examples/registers.toml --model runs/tiny-moe-registers
+    python benchmarks/context_budget.py --config examples/registers.toml --model runs/tiny-moe-registers [key=value ...]
 
 `--config` (default `examples/ledger.toml`) names the env, its turns and the Memory Diffusion
 settings; `--model`: a checkpoint that can do that env with the whole context (`python -m
@@ -31,6 +31,7 @@ import atexit
 import dataclasses
 import importlib
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -84,7 +85,7 @@ def play(engine, tokenizer, episodes: int, seed: int, memory: MemorySection | No
     with_fact = [k for k in kept if k is not None]
     # the allocation gave the refill room for the fact (its budget, "]] N:", at least the fact's tokens)
     room = [
-        int(prompt[prompt.rfind("]] ") + 3 : prompt.rfind(":")])
+        int(re.search(r"(\d+):\n$", prompt).group(1))  # the prompt ends "N:\n"
         >= len(tokenizer(f"{ledger.key}={ledger.value}", add_special_tokens=False)["input_ids"])
         for prompt, _, ledger in refills
     ]
@@ -125,7 +126,9 @@ def plot(rows: list[dict], full: float, path: Path, name: str) -> None:
     plt.close(fig)
 
 
-def train_diffusion(config: Path, model: str, budget: int, seed: int, steps: int, work: Path) -> tuple[Path, dict]:
+def train_diffusion(
+    config: Path, overrides: list[str], model: str, budget: int, seed: int, steps: int, work: Path
+) -> tuple[Path, dict]:
     """RL with Memory Diffusion at `budget` (the example config); the adapter and the run's summary,
     with what its training steps saw (`training`: the means over its steps of the metrics that say
     whether refills could learn)."""
@@ -137,6 +140,7 @@ def train_diffusion(config: Path, model: str, budget: int, seed: int, steps: int
             "trillora",
             "train",
             str(config),
+            *overrides,
             f"model.path={model}",
             f"memory.budget={budget}",
             f"seed={seed}",
@@ -212,6 +216,7 @@ def rl_row(fraction: float, budget: int, rl_seeds: list[int], steps: int, traine
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
+    p.add_argument("overrides", nargs="*", help="key=value settings over the config's (the plays and the RL runs)")
     p.add_argument("--config", type=Path, default=ROOT / "examples" / "ledger.toml", help="the env and its memory")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--episodes", type=int, default=64)
@@ -227,7 +232,7 @@ def main() -> None:
     p.add_argument("--rl-seeds", type=int, nargs="+", default=[0])
     p.add_argument("--out", type=Path, help="default: results/context_budget.json, or _<config name>.json")
     a = p.parse_args()
-    cfg = load_config(a.config)
+    cfg = load_config(a.config, a.overrides)
     diffusion = cfg.memory  # played before and after its RL
     a.out = a.out or RESULTS / ("context_budget.json" if cfg.name == "ledger" else f"context_budget_{cfg.name}.json")
     work = Path(tempfile.mkdtemp(prefix="memory-budget-"))
@@ -264,7 +269,7 @@ def main() -> None:
             trained = []  # per RL seed: (summary, runs over the eval seeds)
             for rl_seed in a.rl_seeds if a.rl_steps else []:
                 status.update(f"RL with Memory Diffusion at {fraction:g} ({budget} tokens), seed {rl_seed}")
-                adapter, summary = train_diffusion(a.config, a.model, budget, rl_seed, a.rl_steps, work)
+                adapter, summary = train_diffusion(a.config, a.overrides, a.model, budget, rl_seed, a.rl_steps, work)
                 policy = LocalEngine(load_adapter(load_model(a.model), adapter), precision="fp32")
                 memory = dataclasses.replace(diffusion, budget=budget)
                 trained.append((summary, [play(policy, tokenizer, a.episodes, s, memory, cfg) for s in a.seeds]))
@@ -293,6 +298,7 @@ def main() -> None:
                 "episode_tokens": length,
                 "span_tokens": a.span_tokens,
                 "env": cfg.task.options,
+                "overrides": a.overrides,
                 "diffusion": dataclasses.asdict(diffusion),
                 "whole_context": {
                     "success": full,

@@ -312,6 +312,16 @@ def test_diffusion_masks_allocates_and_refills_by_hand(tiny_engine):
     assert [r.prompt[-3:] for r in md.refills] == [tok("1:\n", add_special_tokens=False)["input_ids"]] * 3
     # the task alone over the limit: nothing to refill, the oldest go, as truncation does
     assert MemoryDiffusion(engine, tok, params, recency).compress(chunks, 3) == [head]
+    # refill_context: each refill's prompt holds the chunks after its own, then the budget
+    md = MemoryDiffusion(engine, tok, params, recency, "proportional", refill_context=True)
+    md.compress(chunks, 14)
+    first, second = md.refills
+
+    def text(x: str) -> list[int]:
+        return tok(x, add_special_tokens=False)["input_ids"]
+
+    assert first.prompt == head.tokens + marker + c1.tokens + text("]]") + c2.tokens + recent.tokens + text("\n2:\n")
+    assert second.prompt == head.tokens + marker + c2.tokens + text("]]") + recent.tokens + text("\n4:\n")
 
 
 def test_policy_scores_equal_the_model_on_each_variant(tiny_engine):
@@ -599,6 +609,7 @@ def test_refill_rows_keep_the_facts_that_fit_and_drop_the_distractors():
     assert kept_facts("c=4 Q=7 d=5\n", 7) == "c=4 d=5"
     assert kept_facts("c=4 Q=7 d=5\n", 6) == "c=4" and kept_facts("Q=7 c=4", 2) == ""
     assert kept_facts("ok<eos>\nc=", 5) == ""  # half a fact is not a fact
+    assert kept_facts("c=4 Q=7 d=5\n", 7, after="ok<eos>\nd=1 R=2") == "c=4"  # d is written again after it
     tok = load_tokenizer("tiny-moe")
     rows = refill_rows(tok, random.Random(5))
     facts = []

@@ -552,6 +552,25 @@ def test_the_registers_table_is_the_results_file():
     assert f"then {build['steps']} steps of register transcripts" in text
     assert f"stopped at {pct(last['registers_success'])} greedy held-out success" in text
     assert f"{pct(last['refill_accuracy'])} of refill rows and {pct(last['recall_accuracy'])} of recall rows" in text
+    # the refills that see the context after their chunk: their own model and run, no RL
+    ctx = {(x["policy"], x["fraction"]): x for x in results("context_budget_registers_refill_context.json")["rows"]}
+    assert "memory.refill_context=true" in results("context_budget_registers_refill_context.json")["command"]
+    held = {
+        k: f"{x['fact_kept'] * 100:.1f}% ({round(x['fact_kept'] * x['refills_with_fact'])} of {x['refills_with_fact']})"
+        for k, x in ctx.items()
+        if x["fact_kept"] is not None
+    }
+    assert f"last write, {held['diffusion', 0.5]} kept it at 1/2 and {held['diffusion', 0.25]} at 1/4" in text
+    assert (
+        f"Diffusion scored {pct(ctx['diffusion', 0.5]['success'])} and {pct(ctx['diffusion', 0.25]['success'])}, "
+        f"against retrieval's {pct(ctx['retrieval', 0.5]['success'])} and {pct(ctx['retrieval', 0.25]['success'])}"
+        in text
+    )
+    built = results("build_memory_registers_refill_context.json")
+    assert built["refill_context"] is True
+    last = built["history"][-1]
+    assert f"{pct(last['registers_success'])} held-out success after {built['steps']} steps, but only" in text
+    assert f"only {pct(last['refill_accuracy'])} of held-out refill rows came out whole" in text
 
 
 def test_the_compute_matched_table_is_the_results_file():

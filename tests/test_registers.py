@@ -77,6 +77,15 @@ def test_warm_up_rows_for_the_registers_keep_only_last_writes():
             span = prompt[prompt.rfind("[[") + 2 : prompt.rfind("]]")]
             keys = [f[0] for f in target.split()]
             assert len(keys) == len(set(keys)) and all(f in span for f in target.split())
+    # with the context after the span in the prompt, a register written again there is left out
+    for seed in range(5):
+        for ids, mask in refill_rows(tok, random.Random(seed), shape="registers", refill_context=True):
+            prompt = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+            target = tok.decode([t for t, m in zip(ids, mask, strict=True) if m]).removesuffix("<eos>")
+            span, after = prompt[prompt.rfind("[[") + 2 : prompt.rfind("]]")], prompt[prompt.rfind("]]") + 2 :]
+            budget = int(re.search(r"\n(\d+):\n$", after).group(1))
+            assert target == kept_facts(span, budget, after) and len(target) <= budget
+            assert not {f[0] for f in target.split()} & set(re.findall(r"([a-z])=\d", after))
     ids, mask = transcript(tok, random.Random(11), shape="registers")
     text = tok.decode(ids)
     written = dict(p.split("=") for p in re.findall(r"(?<![a-z?])[a-z]=\d", text))  # the last write of each

@@ -281,6 +281,9 @@ class MemorySection:
     """diffusion: the latest turns kept verbatim."""
     min_refill: int = 0
     """diffusion: no chunk is refilled in fewer tokens; one under it is dropped and the budget shared again."""
+    refill_context: bool = False
+    """diffusion: a refill's prompt also holds the context after its chunk (what later turns wrote), not
+    only the task and the chunk, so it can tell what was superseded."""
     summary_tokens: int = 32
     """summary: the longest summary the policy may write."""
 

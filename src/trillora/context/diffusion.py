@@ -4,7 +4,9 @@ beside the task) are the ones the memory may rewrite. Allocate: each masked chun
 budget from its importance (`allocate.RULES`) out of what the kept chunks leave. Refill: a chunk
 whose budget covers it stays verbatim, one with budget 0 is dropped, and any other is rewritten by
 the policy itself from a fill-in-the-middle prompt — the task, the marker "[[", the chunk, the
-marker "]] N:" with its budget N — sampling at most N tokens. Refills are policy actions: the
+marker "]] N:" with its budget N — sampling at most N tokens. With `refill_context` the prompt also
+holds what follows the chunk in the context ("[[" chunk "]]" after "\nN:"), so a refill can tell a
+fact that later turns overwrote from one they did not. Refills are policy actions: the
 episode runner adds each as a transition of its own (prompt: mask 0, refill: mask 1, the episode's
 reward), so RL teaches the policy what to keep; the rewritten context around them is observation.
 
@@ -70,9 +72,18 @@ def sample_refills(engine, params, requests: list[RefillRequest]) -> list[Refill
     return refills
 
 
-def refill_prompt(task: list[int], chunk: list[int], budget: int, text: Callable[[str], list[int]]) -> list[int]:
-    """The fill-in-the-middle prompt a refill is sampled from: task "\n[[" chunk "]] N:\n"."""
-    return task + text("\n[[") + chunk + text(f"]] {budget}:\n")
+def refill_prompt(
+    task: list[int],
+    chunk: list[int],
+    budget: int,
+    text: Callable[[str], list[int]],
+    after: list[int] | None = None,
+) -> list[int]:
+    """The fill-in-the-middle prompt a refill is sampled from: task "\n[[" chunk "]] N:\n", or with
+    the context `after` the chunk, task "\n[[" chunk "]]" after "\nN:\n"."""
+    if after is None:
+        return task + text("\n[[") + chunk + text(f"]] {budget}:\n")
+    return task + text("\n[[") + chunk + text("]]") + after + text(f"\n{budget}:\n")
 
 
 def surprise(model) -> Importance:
@@ -179,12 +190,14 @@ class MemoryDiffusion:
         floor: float = 0.0,
         forward_flops: Callable[[int], float] | None = None,
         min_refill: int = 0,
+        refill_context: bool = False,
     ):
         if allocate not in RULES:
             raise ValueError(f"memory.allocate={allocate!r}; allowed: {', '.join(RULES)}")
         self.engine, self.tokenizer, self.params, self.importance = engine, tokenizer, params, importance
         self.allocate, self.keep_recent, self.floor = allocate, keep_recent, floor
         self.min_refill = min_refill  # no refill shorter than this (`allocate.at_least`)
+        self.refill_context = refill_context  # refill prompts hold the context after their chunk
         self.forward_flops = forward_flops
         """FLOPs of one row through the model (`ModelFlops.forward`): the importance forwards are counted."""
         self.refills: list[Refill] = []  # sampled since the episode runner last took them
@@ -226,8 +239,12 @@ class MemoryDiffusion:
         extra = (self.floor,) if self.allocate == "threshold" else ()
         budgets = at_least(lambda w: rule(w, lengths, room, *extra), scores, lengths, self.min_refill)
         task = [t for c in head for t in c.tokens]
+
+        def after(i: int) -> list[int] | None:
+            return [t for c in chunks[i + 1 :] for t in c.tokens] if self.refill_context else None
+
         requests = {
-            i: RefillRequest(refill_prompt(task, chunks[i].tokens, b, self._text), b)
+            i: RefillRequest(refill_prompt(task, chunks[i].tokens, b, self._text, after(i)), b)
             for i, n, b in zip(masked, lengths, budgets, strict=True)
             if 0 < b < n
         }

@@ -46,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         default="ledger",
         help="the long-horizon env taught (trillora.envs.ledger or trillora.envs.registers)",
     )
+    m.add_argument(
+        "--refill-context",
+        action="store_true",
+        help="refill rows hold the context after their chunk (memory.refill_context = true)",
+    )
     f = sub.add_parser(
         "build-family",
         help="the tiny recipe at several widths, each pretrained on the same data "
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             induction_steps=args.induction_steps,
             memory_rows=args.memory_rows,
             shape=args.env,
+            refill_context=args.refill_context,
         )
     elif args.command == "build-chat":
         from .chat import pretrain_chat

@@ -142,13 +142,17 @@ def pad_rows(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.T
     return ids, target
 
 
-def memory_action_rows(tokenizer, rng: random.Random, n: int, shape: str = "ledger") -> dict[str, list]:
+def memory_action_rows(
+    tokenizer, rng: random.Random, n: int, shape: str = "ledger", refill_context: bool = False
+) -> dict[str, list]:
     """`n` refill rows and `n` recall rows (`memory_rows`), each drawn from its own episodes."""
     from .memory_rows import recall_rows, refill_rows
 
     out = {"refill": [], "recall": []}
     while len(out["refill"]) < n:
-        out["refill"] += rng.sample(rows := refill_rows(tokenizer, rng, shape=shape), min(2, len(rows)))
+        out["refill"] += rng.sample(
+            rows := refill_rows(tokenizer, rng, shape=shape, refill_context=refill_context), min(2, len(rows))
+        )
     while len(out["recall"]) < n:
         out["recall"] += recall_rows(tokenizer, rng, shape=shape)
     return {k: v[:n] for k, v in out.items()}
@@ -174,6 +178,7 @@ def pretrain_memory(
     induction_steps: int = 1500,
     memory_rows: int = 24,
     shape: str = "ledger",
+    refill_context: bool = False,
 ) -> dict:
     from rich.progress import Progress
 
@@ -200,11 +205,15 @@ def pretrain_memory(
         bar.console.print(f"lookup: {induction['accuracy']:.3f} after {induction['steps']} steps")
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
         job = bar.add_task(f"teaching tiny MoE the {shape}", total=max_steps)
-        held_out = memory_action_rows(tokenizer, random.Random(f"held-out:{seed}"), 128, shape) if memory_rows else {}
+        held_out = (
+            memory_action_rows(tokenizer, random.Random(f"held-out:{seed}"), 128, shape, refill_context)
+            if memory_rows
+            else {}
+        )
         for step in range(1, max_steps + 1):
             rows = [transcript(tokenizer, rng, shape=shape) for _ in range(batch - memory_rows)]
             if memory_rows:
-                taught = memory_action_rows(tokenizer, rng, memory_rows // 2, shape)
+                taught = memory_action_rows(tokenizer, rng, memory_rows // 2, shape, refill_context)
                 rows += taught["refill"] + taught["recall"]
             loss = supervised_step(model, opt, *pad_rows(rows, tokenizer.pad_token_id), lr, step, max_steps)
             bar.update(
@@ -231,6 +240,7 @@ def pretrain_memory(
         "seconds": time.perf_counter() - start,
         "init_from": init_from,
         "env": shape,
+        "refill_context": refill_context,
         "induction": induction,
         "history": history,
     }

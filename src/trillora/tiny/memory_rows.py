@@ -41,14 +41,15 @@ EPISODES = {
 the question about any of them."""
 
 
-def kept_facts(span: str, budget: int) -> str:
+def kept_facts(span: str, budget: int, after: str = "") -> str:
     """The rewrite a refill should write: the span's whole facts in order, each key's last write
-    only, as many as fit in `budget` characters with a space between them (one token per character
-    here)."""
+    only (none whose key is written again later in the span or in the context `after` it), as many
+    as fit in `budget` characters with a space between them (one token per character here)."""
     facts = FACT.findall(span)
+    rewritten = {fact[0] for fact in FACT.findall(after)}
     out = ""
     for i, fact in enumerate(facts):
-        if any(later[0] == fact[0] for later in facts[i + 1 :]):
+        if fact[0] in rewritten or any(later[0] == fact[0] for later in facts[i + 1 :]):
             continue
         joined = f"{out} {fact}" if out else fact
         if len(joined) > budget:
@@ -63,10 +64,16 @@ def _episode(tokenizer, rng: random.Random, facts: int, shape: str) -> tuple[Led
 
 
 def refill_rows(
-    tokenizer, rng: random.Random, span_tokens: tuple[int, ...] = (0, 6), shape: str = "ledger"
+    tokenizer,
+    rng: random.Random,
+    span_tokens: tuple[int, ...] = (0, 6),
+    shape: str = "ledger",
+    refill_context: bool = False,
 ) -> list[Row]:
     """One episode's turns, whole or cut into spans (one of `span_tokens`, 0: whole turns); every span
-    becomes a refill prompt with a budget under its length, its target `kept_facts` and the stop token."""
+    becomes a refill prompt with a budget under its length, its target `kept_facts` and the stop token.
+    With `refill_context` the prompt also holds the spans after it up to a random later one (the
+    context at some later turn), and the target leaves out the facts that context writes again."""
     env, ok = _episode(tokenizer, rng, rng.randint(1, 8), shape)
     eos = tokenizer.eos_token_id
     head, _ = env.initial_observation()
@@ -78,12 +85,17 @@ def refill_rows(
         seen = history
     rows = []
     cut = rng.choice(span_tokens)
-    for span in (split_spans(chunks, cut, word_cuts(tokenizer)) if cut else chunks)[1:]:
+    spans = (split_spans(chunks, cut, word_cuts(tokenizer)) if cut else chunks)[1:]
+    for k, span in enumerate(spans):
         if len(span.tokens) < 2:
             continue
         budget = rng.randint(1, len(span.tokens) - 1)
-        prompt = refill_prompt(head, span.tokens, budget, lambda s: tokenizer(s, add_special_tokens=False)["input_ids"])
-        rewrite = tokenizer(kept_facts(tokenizer.decode(span.tokens), budget), add_special_tokens=False)["input_ids"]
+        after = [t for s in spans[k + 1 : rng.randint(k + 1, len(spans))] for t in s.tokens] if refill_context else None
+        prompt = refill_prompt(
+            head, span.tokens, budget, lambda s: tokenizer(s, add_special_tokens=False)["input_ids"], after
+        )
+        kept = kept_facts(tokenizer.decode(span.tokens), budget, tokenizer.decode(after or []))
+        rewrite = tokenizer(kept, add_special_tokens=False)["input_ids"]
         target = rewrite + [eos]
         rows.append((prompt + target, [0] * len(prompt) + [1] * len(target)))
     return rows

@@ -269,6 +269,7 @@ def memory_factory(m, engine, tokenizer, flops: ModelFlops | None = None):
                 m.floor,
                 forward_flops=flops.forward if flops is not None else None,
                 min_refill=m.min_refill,
+                refill_context=m.refill_context,
             )
         cuts = word_cuts(tokenizer) if m.span_words else None
         return MemoryContext(policy, m.budget, params.max_new_tokens, m.span_tokens, cuts)
