@@ -11,9 +11,11 @@ score noise). Each held-out episode (the ledger: 6 facts, 3 distractors, the que
 the first two; the registers: 8 lines of 3 writes) is played at T = 1 with the whole context,
 then at 1/2, 1/4 and 1/8 of the mean whole-episode length under truncation, retrieval (BM25
 `recall:`) and a summary after every turn, each on spans of `--span-tokens` (ending between
-words), and Memory Diffusion as `examples/ledger.toml` sets it (surprise importance, proportional,
-whole turns: a refill rewrites a turn). A turn may write the config's `rollout.max_new_tokens` (10:
-"recall:c=" and its stop), so every context holds at most the budget less that.
+words), and Memory Diffusion as the config's `[memory]` sets it (`examples/ledger.toml`: surprise
+importance, proportional, whole turns, so that a refill rewrites a turn). The env's module must
+define `refill_kept(prompt, refill, key, value)` (the ledger's and the registers' do). A turn may
+write the config's `rollout.max_new_tokens` (10: "recall:c=" and its stop), so every context holds
+at most the budget less that.
 Reported per policy and budget: success (mean and per seed), refill quality (of the refills that
 rewrote a chunk holding the asked fact, the share that kept it) and the tokens processed per episode
 (every call's context read plus the tokens written: turns, refills, summaries; the importance
@@ -232,6 +234,8 @@ def main() -> None:
     p.add_argument("--rl-seeds", type=int, nargs="+", default=[0])
     p.add_argument("--out", type=Path, help="default: results/context_budget.json, or _<config name>.json")
     a = p.parse_args()
+    if a.overrides and a.out is None:  # the default name would be the plain config's results
+        p.error("with key=value overrides, name the results file with --out")
     cfg = load_config(a.config, a.overrides)
     diffusion = cfg.memory  # played before and after its RL
     a.out = a.out or RESULTS / ("context_budget.json" if cfg.name == "ledger" else f"context_budget_{cfg.name}.json")

@@ -575,6 +575,10 @@ def test_a_refill_keeps_the_asked_fact_only_when_it_writes_it():
     assert refill_kept(prompt, "Q=7", "c", 4) is False
     assert refill_kept(prompt, "c=4", "c", 5) is None  # the chunk does not hold c=5
     assert refill_kept("remember:\n\n[[=4 R=2]] 2:\n", "=4", "c", 4) is None  # the span cut the fact
+    # with the context after the chunk (memory.refill_context), a later "c=4" or "]]" is not the chunk
+    after = "remember:\n\n[[ok\nQ=7 W=1]]ok\nc=4 ]] x\n3:\n"
+    assert refill_kept(after, "c=4", "c", 4) is None
+    assert refill_kept("remember:\n\n[[c=4]]ok\nd=1\n1:\n", "c=4", "c", 4) is True
 
 
 def test_induction_rows_are_answered_only_by_a_lookup():

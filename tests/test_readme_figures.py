@@ -437,6 +437,13 @@ def test_the_info_table_is_what_trillora_info_counts():
             assert f"{size(c.bytes_mxfp4_experts())}" in README.split("As released (MXFP4 routed experts")[1][:120]
 
 
+def kept_of(x: dict, room: str = "") -> str:
+    """ "85.7% (168 of 196)": of a context_budget row's refills that rewrote a chunk holding the asked
+    fact (with `room`, those whose budget could hold it), the share that kept it."""
+    share, n = x[f"fact_kept{room}"], x["refills_with_room" if room else "refills_with_fact"]
+    return f"{share * 100:.1f}% ({round(share * n)} of {n})"
+
+
 def budget_table(r: dict) -> list[str]:
     """The lines of a context_budget results file's table in docs/memory.md: the header, a row per
     policy (success, per seed, tokens processed), and the whole context's cell."""
@@ -483,10 +490,7 @@ def test_the_context_budget_table_is_the_results_file():
     assert ", ".join(pct(x) for x in rl[0.5]["success_per_rl_seed"]) in README
     assert f"spans of {r['span_tokens']} tokens ending between words" in README
 
-    def kept(x: dict, room: str = "") -> str:  # "85.7% (168 of 196)": refills that kept the asked fact
-        share, n = x[f"fact_kept{room}"], x["refills_with_room" if room else "refills_with_fact"]
-        return f"{share * 100:.1f}% ({round(share * n)} of {n})"
-
+    kept = kept_of
     diffusion = {x["fraction"]: x for x in rows if x["policy"] == "diffusion"}
     assert f"keep it {kept(diffusion[0.5])} at 1/2 and {kept(diffusion[0.25])} at 1/4" in README
     assert f"after RL, {kept(rl[0.5])} and\n  {kept(rl[0.25])}" in README
@@ -531,14 +535,18 @@ def test_the_registers_table_is_the_results_file():
         f"{s['diffusion+rl', 0.5]} and {s['diffusion+rl', 0.25]} after RL, {s['diffusion', 0.5]} and "
         f"{s['diffusion', 0.25]} before" in README_MD
     )
-    kept = {
-        k: f"{x['fact_kept'] * 100:.1f}% ({round(x['fact_kept'] * x['refills_with_fact'])} of {x['refills_with_fact']})"
-        for k, x in at.items()
-        if x["fact_kept"] is not None
-    }
     text = " ".join(README.split())
-    assert f"{kept['diffusion', 0.5]} kept it at 1/2 and {kept['diffusion', 0.25]} at 1/4" in text
-    assert f"(after RL {kept['diffusion+rl', 0.5]} and {kept['diffusion+rl', 0.25]})" in text
+    assert f"{kept_of(at['diffusion', 0.5])} kept it at 1/2 and {kept_of(at['diffusion', 0.25])} at 1/4" in text
+    assert f"(after RL {kept_of(at['diffusion+rl', 0.5])} and {kept_of(at['diffusion+rl', 0.25])})" in text
+    whole = r["whole_context"]
+    assert (
+        f"Retrieval scores {s['retrieval', 0.5]} at 1/2 and {s['retrieval', 0.25]} at 1/4, where it is above the "
+        f"whole context's {pct(whole['success'])}" in text
+    )
+    assert at["retrieval", 0.25]["success"] > whole["success"] > at["retrieval", 0.5]["success"]
+    rl = {f: at["diffusion+rl", f] for f in (0.5, 0.25)}
+    assert f"seeds {', '.join(pct(x) for x in rl[0.5]['success_per_rl_seed'])} at 1/2" in text
+    assert f"RL {rl[0.5]['rl_seconds'] / 60:.1f} and {rl[0.25]['rl_seconds'] / 60:.1f} minutes per run" in text
     seen = {f: at["diffusion+rl", f]["rl_training"] for f in (0.5, 0.25)}
     assert (
         f"{pct(seen[0.5]['groups_all_equal'])} of groups at 1/2 and {pct(seen[0.25]['groups_all_equal'])} at 1/4"
@@ -549,18 +557,17 @@ def test_the_registers_table_is_the_results_file():
     last = build["history"][-1]
     assert build["env"] == "registers"
     assert f"build-memory OUT --env registers` ({build['seconds'] / 60:.1f} min here)" in text
+    assert f"{build['induction']['steps']} steps of content induction, then {build['steps']} steps" in text
     assert f"then {build['steps']} steps of register transcripts" in text
     assert f"stopped at {pct(last['registers_success'])} greedy held-out success" in text
     assert f"{pct(last['refill_accuracy'])} of refill rows and {pct(last['recall_accuracy'])} of recall rows" in text
     # the refills that see the context after their chunk: their own model and run, no RL
     ctx = {(x["policy"], x["fraction"]): x for x in results("context_budget_registers_refill_context.json")["rows"]}
     assert "memory.refill_context=true" in results("context_budget_registers_refill_context.json")["command"]
-    held = {
-        k: f"{x['fact_kept'] * 100:.1f}% ({round(x['fact_kept'] * x['refills_with_fact'])} of {x['refills_with_fact']})"
-        for k, x in ctx.items()
-        if x["fact_kept"] is not None
-    }
-    assert f"last write, {held['diffusion', 0.5]} kept it at 1/2 and {held['diffusion', 0.25]} at 1/4" in text
+    assert (
+        f"last write, {kept_of(ctx['diffusion', 0.5])} kept it at 1/2 and {kept_of(ctx['diffusion', 0.25])} at 1/4"
+        in text
+    )
     assert (
         f"Diffusion scored {pct(ctx['diffusion', 0.5]['success'])} and {pct(ctx['diffusion', 0.25]['success'])}, "
         f"against retrieval's {pct(ctx['retrieval', 0.5]['success'])} and {pct(ctx['retrieval', 0.25]['success'])}"

@@ -27,7 +27,7 @@ def test_the_asked_register_is_last_written_early_and_an_older_write_is_stale():
         # written at turn 1 and last at turn 2 with another value; never after
         assert [t for t, _ in asked] == [1, 2] and asked[0][1] != asked[1][1] == value
         assert len({k for w in per_turn for k, _ in w}) == 5  # five registers, the others rewritten
-    # a longer early phase: the last write anywhere in 2..asked_from, each write a new value
+    # a longer early phase: the last write anywhere in 2..asked_from, each write another value than the last
     lasts = set()
     for seed in range(60):
         lines, key, value = episode(random.Random(seed), turns=8, writes=2, count=4, asked_from=5)
@@ -58,6 +58,8 @@ def test_the_env_rewards_the_last_write_not_the_stale_one():
     assert ds.get_batch(0)[0].lines != dataset(tok, 2, 3, 4, 2).get_batch(0)[0].lines  # the seed counts
     with pytest.raises(ValueError, match="1 <= writes < registers <= 26 .* writes=5, registers=5"):
         dataset(tok, 1, 1, 1, 0, writes=5, registers=5)
+    with pytest.raises(ValueError, match="asked_from >= 2 .* asked_from=1"):  # the asked register is written twice
+        dataset(tok, 1, 1, 1, 0, asked_from=1)
 
 
 def test_warm_up_rows_for_the_registers_keep_only_last_writes():
@@ -71,7 +73,7 @@ def test_warm_up_rows_for_the_registers_keep_only_last_writes():
     assert kept_facts("c=4 d=2\nok<eos>\nc=5 e=1\n", 7) == "d=2 c=5"
     tok = load_tokenizer("tiny-moe")
     for seed in range(5):
-        for ids, mask in refill_rows(tok, random.Random(seed), shape="registers"):
+        for ids, mask in refill_rows(tok, random.Random(seed), env_name="registers"):
             prompt = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
             target = tok.decode([t for t, m in zip(ids, mask, strict=True) if m]).removesuffix("<eos>")
             span = prompt[prompt.rfind("[[") + 2 : prompt.rfind("]]")]
@@ -79,14 +81,14 @@ def test_warm_up_rows_for_the_registers_keep_only_last_writes():
             assert len(keys) == len(set(keys)) and all(f in span for f in target.split())
     # with the context after the span in the prompt, a register written again there is left out
     for seed in range(5):
-        for ids, mask in refill_rows(tok, random.Random(seed), shape="registers", refill_context=True):
+        for ids, mask in refill_rows(tok, random.Random(seed), env_name="registers", refill_context=True):
             prompt = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
             target = tok.decode([t for t, m in zip(ids, mask, strict=True) if m]).removesuffix("<eos>")
             span, after = prompt[prompt.rfind("[[") + 2 : prompt.rfind("]]")], prompt[prompt.rfind("]]") + 2 :]
             budget = int(re.search(r"\n(\d+):\n$", after).group(1))
             assert target == kept_facts(span, budget, after) and len(target) <= budget
             assert not {f[0] for f in target.split()} & set(re.findall(r"([a-z])=\d", after))
-    ids, mask = transcript(tok, random.Random(11), shape="registers")
+    ids, mask = transcript(tok, random.Random(11), env_name="registers")
     text = tok.decode(ids)
     written = dict(p.split("=") for p in re.findall(r"(?<![a-z?])[a-z]=\d", text))  # the last write of each
     asked = re.findall(r"\n([a-z])\?(\d)<eos>", text)

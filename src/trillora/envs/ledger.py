@@ -68,9 +68,11 @@ def ledger(rng: random.Random, facts: int, distractors: int, asked_from: int) ->
 
 
 def refill_kept(prompt: str, refill: str, key: str, value: int) -> bool | None:
-    """Whether a Memory Diffusion refill kept the fact the question asks, `key=value`: its prompt
-    ends "[[" chunk "]] N:"; None when the chunk did not hold the fact whole (a span may cut it)."""
-    chunk = prompt[prompt.rfind("[[") + 2 : prompt.rfind("]]")]
+    """Whether a Memory Diffusion refill kept the fact the question asks, `key=value`: its prompt is
+    the task, "[[", the chunk, "]]" (then, with `memory.refill_context`, what follows the chunk) and
+    "N:"; None when the chunk did not hold the fact whole (a span may cut it)."""
+    start = prompt.find("[[") + 2
+    chunk = prompt[start : prompt.find("]]", start)]
     fact = f"{key}={value}"
     return None if fact not in chunk else fact in refill
 

@@ -8,10 +8,12 @@ answer is its last value.
 The turns are the ledger's (`LedgerEnv`: "remember:", a line per policy turn, then "c?"), but what
 must be kept differs. In the ledger each fact is written once and the distractors look different
 (upper-case keys), so a memory can keep facts by their form. Here every line is register writes of
-one form ("c=4 f=1"): the asked register is written at turn 1 and last at a turn up to `asked_from`
-(so an early copy holds a stale value), and after that the other registers are rewritten again and
-again. A memory must keep the asked register's last write and may drop both its stale copy and the
-many later writes that look just like it; retrieval by "c=" finds the stale and the current write alike.
+one form ("c=4 f=1"): the asked register is written at turn 1 and last at a turn in 2..`asked_from`
+(with the default `asked_from = 2`, the turn-1 copy always holds another value: a stale one), and
+after that the other registers are rewritten again and again. A memory must keep the asked
+register's last write and may drop both its stale copy and the many later writes that look just
+like it; retrieval by "c=" matches the stale write and the current one alike (of equal scores it
+returns the newer).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ __all__ = ["dataset", "episode", "refill_kept"]
 
 def episode(rng: random.Random, turns: int, writes: int, count: int, asked_from: int) -> tuple[list[str], str, int]:
     """The lines of one episode (`writes` writes each), the register asked about and its last value.
-    The asked register is written at turn 1 and last at turn `last` (2..asked_from, a new value
-    there), maybe in between, never after; the other writes of a line go to
+    The asked register is written at turn 1 and last at turn `last` (2..asked_from), maybe in
+    between, never after, each write a value other than the one before it (from the third write on,
+    an older one may come back); the other writes of a line go to
     distinct ones of the `count - 1` others."""
     keys = rng.sample(KEYS, count)
     asked, others = keys[0], keys[1:]
@@ -55,11 +58,11 @@ def dataset(
     registers: int = 5,
     asked_from: int = 2,
 ) -> LedgerDataset:
-    count = registers
-    if turns < 1 or not 1 <= writes < count <= len(KEYS) or asked_from < 1:
+    if turns < 2 or not 1 <= writes < registers <= len(KEYS) or asked_from < 2:
         raise ValueError(
-            f"registers needs turns >= 1, 1 <= writes < registers <= {len(KEYS)} and asked_from >= 1; got "
-            f"turns={turns}, writes={writes}, registers={count}, asked_from={asked_from}"
+            f"registers needs turns >= 2, 1 <= writes < registers <= {len(KEYS)} and asked_from >= 2 (the asked "
+            f"register is written twice); got turns={turns}, writes={writes}, registers={registers}, "
+            f"asked_from={asked_from}"
         )
     return LedgerDataset(
         tokenizer,
@@ -67,6 +70,6 @@ def dataset(
         group_size,
         eval_size,
         seed,
-        lambda rng: episode(rng, turns, writes, count, asked_from),
+        lambda rng: episode(rng, turns, writes, registers, asked_from),
         name="registers",
     )

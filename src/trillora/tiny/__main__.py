@@ -10,6 +10,7 @@ from pathlib import Path
 from ..checkpoint import resolve_model_path
 from . import __doc__ as DOC
 from . import write_random_checkpoint
+from .memory_rows import EPISODES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     m.add_argument(
         "--env",
-        choices=("ledger", "registers"),
+        choices=tuple(EPISODES),
         default="ledger",
         help="the long-horizon env taught (trillora.envs.ledger or trillora.envs.registers)",
     )
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             target_success=args.target_success,
             induction_steps=args.induction_steps,
             memory_rows=args.memory_rows,
-            shape=args.env,
+            env_name=args.env,
             refill_context=args.refill_context,
         )
     elif args.command == "build-chat":

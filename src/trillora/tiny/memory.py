@@ -24,6 +24,7 @@ The checkpoint is written where asked, not into the package:
 
 from __future__ import annotations
 
+import importlib
 import random
 import time
 from pathlib import Path
@@ -34,10 +35,10 @@ from ..checkpoint import load_model, load_tokenizer, save_model
 
 
 def transcript(
-    tokenizer, rng: random.Random, more_questions: bool = True, shape: str = "ledger"
+    tokenizer, rng: random.Random, more_questions: bool = True, env_name: str = "ledger"
 ) -> tuple[list[int], list[int]]:
     """One episode as the env shows it (then, with `more_questions`, every other fact asked too), and
-    which tokens are the policy's (1). `shape`: the ledger or the registers (`memory_rows.EPISODES`)."""
+    which tokens are the policy's (1). `env_name`: the ledger or the registers (`memory_rows.EPISODES`)."""
     from ..envs.ledger import KEYS
     from ..tasks.prompts import encode_prompt
     from .memory_rows import EPISODES
@@ -46,7 +47,7 @@ def transcript(
         return tokenizer(s, add_special_tokens=False)["input_ids"]
 
     facts = rng.randint(1, 8)
-    lines, key, value = EPISODES[shape](rng, facts)
+    lines, key, value = EPISODES[env_name](rng, facts)
     ok = text("ok") + [tokenizer.eos_token_id]
     ids = encode_prompt(tokenizer, "remember:\n")
     mask = [0] * len(ids)
@@ -110,15 +111,14 @@ def teach_induction(
     return {"steps": step, "accuracy": accuracy}
 
 
-def env_success(model, tokenizer, shape: str = "ledger", n: int = 64) -> float:
+def env_success(model, tokenizer, env_name: str = "ledger", n: int = 64) -> float:
     """Greedy success on held-out episodes of the env's default size (the ledger: 6 facts, 3
     distractors; the registers: 8 turns of 3 writes to 5) with the whole context in view."""
-    from ..envs import ledger, registers
     from ..rollout import LocalEngine, SamplingParams
     from ..trainer.episodes import EpisodeLimits, run_groups
 
     engine = LocalEngine(model, precision="fp32")
-    episodes = {"ledger": ledger, "registers": registers}[shape].dataset(tokenizer, 1, 1, n, 0).eval_batch()
+    episodes = importlib.import_module(f"trillora.envs.{env_name}").dataset(tokenizer, 1, 1, n, 0).eval_batch()
     groups = run_groups(
         engine,
         episodes,
@@ -143,7 +143,7 @@ def pad_rows(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.T
 
 
 def memory_action_rows(
-    tokenizer, rng: random.Random, n: int, shape: str = "ledger", refill_context: bool = False
+    tokenizer, rng: random.Random, n: int, env_name: str = "ledger", refill_context: bool = False
 ) -> dict[str, list]:
     """`n` refill rows and `n` recall rows (`memory_rows`), each drawn from its own episodes."""
     from .memory_rows import recall_rows, refill_rows
@@ -151,10 +151,10 @@ def memory_action_rows(
     out = {"refill": [], "recall": []}
     while len(out["refill"]) < n:
         out["refill"] += rng.sample(
-            rows := refill_rows(tokenizer, rng, shape=shape, refill_context=refill_context), min(2, len(rows))
+            rows := refill_rows(tokenizer, rng, env_name=env_name, refill_context=refill_context), min(2, len(rows))
         )
     while len(out["recall"]) < n:
-        out["recall"] += recall_rows(tokenizer, rng, shape=shape)
+        out["recall"] += recall_rows(tokenizer, rng, env_name=env_name)
     return {k: v[:n] for k, v in out.items()}
 
 
@@ -177,7 +177,7 @@ def pretrain_memory(
     init_from: str = "tiny-moe",
     induction_steps: int = 1500,
     memory_rows: int = 24,
-    shape: str = "ledger",
+    env_name: str = "ledger",
     refill_context: bool = False,
 ) -> dict:
     from rich.progress import Progress
@@ -204,31 +204,33 @@ def pretrain_memory(
         induction["seconds"] = time.perf_counter() - start
         bar.console.print(f"lookup: {induction['accuracy']:.3f} after {induction['steps']} steps")
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-        job = bar.add_task(f"teaching tiny MoE the {shape}", total=max_steps)
+        job = bar.add_task(f"teaching tiny MoE the {env_name}", total=max_steps)
         held_out = (
-            memory_action_rows(tokenizer, random.Random(f"held-out:{seed}"), 128, shape, refill_context)
+            memory_action_rows(tokenizer, random.Random(f"held-out:{seed}"), 128, env_name, refill_context)
             if memory_rows
             else {}
         )
         for step in range(1, max_steps + 1):
-            rows = [transcript(tokenizer, rng, shape=shape) for _ in range(batch - memory_rows)]
+            rows = [transcript(tokenizer, rng, env_name=env_name) for _ in range(batch - memory_rows)]
             if memory_rows:
-                taught = memory_action_rows(tokenizer, rng, memory_rows // 2, shape, refill_context)
+                taught = memory_action_rows(tokenizer, rng, memory_rows // 2, env_name, refill_context)
                 rows += taught["refill"] + taught["recall"]
             loss = supervised_step(model, opt, *pad_rows(rows, tokenizer.pad_token_id), lr, step, max_steps)
             bar.update(
-                job, advance=1, description=f"teaching tiny MoE the {shape}  loss {loss.item():.3f}  success {last:.2f}"
+                job,
+                advance=1,
+                description=f"teaching tiny MoE the {env_name}  loss {loss.item():.3f}  success {last:.2f}",
             )
             if step % eval_every == 0 or step == max_steps:
                 model.eval()
-                last = env_success(model, tokenizer, shape)
+                last = env_success(model, tokenizer, env_name)
                 actions = {
                     f"{name}_accuracy": rows_answered(model, r, tokenizer.pad_token_id) for name, r in held_out.items()
                 }
                 model.train()
-                history.append({"step": step, "loss": loss.item(), f"{shape}_success": last, **actions})
+                history.append({"step": step, "loss": loss.item(), f"{env_name}_success": last, **actions})
                 bar.console.print(
-                    f"step {step}: loss {loss.item():.3f}, held-out {shape} success {last:.3f}, {actions}"
+                    f"step {step}: loss {loss.item():.3f}, held-out {env_name} success {last:.3f}, {actions}"
                 )
                 if last >= target_success and all(a >= target_success for a in actions.values()):
                     break
@@ -239,7 +241,7 @@ def pretrain_memory(
         "steps": step,
         "seconds": time.perf_counter() - start,
         "init_from": init_from,
-        "env": shape,
+        "env": env_name,
         "refill_context": refill_context,
         "induction": induction,
         "history": history,

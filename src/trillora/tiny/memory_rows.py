@@ -58,8 +58,8 @@ def kept_facts(span: str, budget: int, after: str = "") -> str:
     return out
 
 
-def _episode(tokenizer, rng: random.Random, facts: int, shape: str) -> tuple[LedgerEnv, list[int]]:
-    lines, key, value = EPISODES[shape](rng, facts)
+def _episode(tokenizer, rng: random.Random, facts: int, env_name: str) -> tuple[LedgerEnv, list[int]]:
+    lines, key, value = EPISODES[env_name](rng, facts)
     return LedgerEnv(lines, key, value, tokenizer), tokenizer("ok", add_special_tokens=False)["input_ids"]
 
 
@@ -67,14 +67,14 @@ def refill_rows(
     tokenizer,
     rng: random.Random,
     span_tokens: tuple[int, ...] = (0, 6),
-    shape: str = "ledger",
+    env_name: str = "ledger",
     refill_context: bool = False,
 ) -> list[Row]:
     """One episode's turns, whole or cut into spans (one of `span_tokens`, 0: whole turns); every span
     becomes a refill prompt with a budget under its length, its target `kept_facts` and the stop token.
     With `refill_context` the prompt also holds the spans after it up to a random later one (the
     context at some later turn), and the target leaves out the facts that context writes again."""
-    env, ok = _episode(tokenizer, rng, rng.randint(1, 8), shape)
+    env, ok = _episode(tokenizer, rng, rng.randint(1, 8), env_name)
     eos = tokenizer.eos_token_id
     head, _ = env.initial_observation()
     chunks, seen = [Chunk(list(head), 0)], list(head)
@@ -102,12 +102,12 @@ def refill_rows(
 
 
 def recall_rows(
-    tokenizer, rng: random.Random, budgets: tuple[int, int] = (24, 80), span_tokens: int = 6, shape: str = "ledger"
+    tokenizer, rng: random.Random, budgets: tuple[int, int] = (24, 80), span_tokens: int = 6, env_name: str = "ledger"
 ) -> list[Row]:
     """One episode played through a `Recall` memory at a random budget, the policy saying "ok" to
     each fact; at the question, "recall:" + key when the fact has left the context (then the answer
     after what the store returned), else the answer."""
-    env, ok = _episode(tokenizer, rng, rng.randint(2, 8), shape)
+    env, ok = _episode(tokenizer, rng, rng.randint(2, 8), env_name)
     eos, stop = tokenizer.eos_token_id, (tokenizer.eos_token_id,)
 
     def text(s: str) -> list[int]:
