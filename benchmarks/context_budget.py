@@ -23,7 +23,8 @@ scorer's forwards are not counted). With `--rl-steps N`, Memory Diffusion is als
 at each budget (the config: refills and answers trained with the episode's reward, one
 run per `--rl-seeds` seed) and played again with each adapter ("diffusion+rl": one row over the RL
 seeds, with each seed's success for the band). Writes
-benchmarks/results/context_budget.json (context_budget_<name>.json for another config) and a PNG.
+benchmarks/results/context_budget.json (context_budget_<name>.json for another config) and a PNG
+(success against the budget, a min–max band over the seeds); `--replot FILE` redraws a file's PNG.
 """
 
 from __future__ import annotations
@@ -115,9 +116,13 @@ def plot(rows: list[dict], full: float, path: Path, name: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for policy in POLICIES:
-        pts = sorted((r["fraction"], r["success"]) for r in rows if r["policy"] == policy)
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", label=policy)
+        mine = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["fraction"])
+        if not mine:
+            continue
+        x = [r["fraction"] for r in mine]
+        (line,) = ax.plot(x, [r["success"] for r in mine], marker="o", label=policy)
+        seeds = [r["success_per_seed"] + r.get("success_per_rl_seed", []) for r in mine]  # the min–max band
+        ax.fill_between(x, [min(s) for s in seeds], [max(s) for s in seeds], color=line.get_color(), alpha=0.2)
     ax.axhline(full, color="gray", ls="--", label="whole context")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("memory budget / whole episode")
@@ -217,7 +222,8 @@ def rl_row(fraction: float, budget: int, rl_seeds: list[int], steps: int, traine
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", help="required unless --replot")
+    p.add_argument("--replot", type=Path, help="only redraw the PNG of this results file")
     p.add_argument("overrides", nargs="*", help="key=value settings over the config's (the plays and the RL runs)")
     p.add_argument("--config", type=Path, default=ROOT / "examples" / "ledger.toml", help="the env and its memory")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -234,6 +240,13 @@ def main() -> None:
     p.add_argument("--rl-seeds", type=int, nargs="+", default=[0])
     p.add_argument("--out", type=Path, help="default: results/context_budget.json, or _<config name>.json")
     a = p.parse_args()
+    if a.replot:
+        r = json.loads(a.replot.read_text())
+        name = r.get("env", {}).get("env", "trillora.envs.ledger:").split(":")[0].rsplit(".", 1)[-1]
+        plot(r["rows"], r["whole_context"]["success"], a.replot.with_suffix(".png"), name)
+        return
+    if not a.model:
+        p.error("--model is required")
     if a.overrides and a.out is None:  # the default name would be the plain config's results
         p.error("with key=value overrides, name the results file with --out")
     cfg = load_config(a.config, a.overrides)

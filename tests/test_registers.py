@@ -120,3 +120,12 @@ def test_the_context_budget_benchmark_runs_the_registers(tmp_path):
     assert {r["policy"] for r in report["rows"]} == {"truncate", "retrieval", "summary", "diffusion"}
     assert report["episode_tokens"] > 100  # 8 lines of 3 writes
     assert "registers success" in run.stdout and out.with_suffix(".png").exists()
+    png = out.with_suffix(".png")
+    png.unlink()  # --replot draws it again from the results file alone
+    again = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "context_budget.py"), "--replot", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", again.stderr[-2000:]
