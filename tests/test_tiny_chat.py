@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from trillora.checkpoint import load_model, resolve_model_path
@@ -53,3 +54,22 @@ def test_the_chat_model_starts_from_tiny_moe_with_new_rows_untouched():
     for name, p in model.named_parameters():
         if p.shape == base[name].shape:
             assert torch.equal(p, base[name]), name
+
+
+@pytest.mark.slow
+def test_build_chat_runs_its_training_loop(tmp_path):
+    """`python -m trillora.tiny build-chat OUT`: the supervised loop (rows padded by `pad_rows`, loss
+    on the assistant's tokens) runs and writes a loadable checkpoint with its report."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "trillora.tiny", "build-chat", str(tmp_path / "c"), "--max-steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "c" / "pretrain_report.json").read_text())
+    assert report["steps"] == 2 and load_model(tmp_path / "c").args.vocab_size > 0

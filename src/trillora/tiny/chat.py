@@ -177,7 +177,7 @@ def pretrain_chat(
     from rich.progress import Progress
 
     from ..rollout import LocalEngine
-    from .pretrain import supervised_step
+    from .pretrain import pad_rows, supervised_step
 
     torch.manual_seed(seed)
     tokenizer = build_chat_tokenizer()
@@ -202,15 +202,7 @@ def pretrain_chat(
                 chat_example(tokenizer, *_example(rng, call_fraction, history_fraction, history_chars))
                 for _ in range(batch)
             ]
-            width = max(len(ids) for ids, _ in rows)
-            ids = torch.full((batch, width), tokenizer.pad_token_id)
-            target = torch.full((batch, width), -100)
-            for i, (row, mask) in enumerate(rows):
-                ids[i, : len(row)] = torch.tensor(row)
-                target[i, : len(row) - 1] = torch.tensor(
-                    [t if m else -100 for t, m in zip(row[1:], mask[1:], strict=True)]
-                )
-            loss = supervised_step(model, opt, ids, target, lr, step, max_steps)
+            loss = supervised_step(model, opt, *pad_rows(rows, tokenizer.pad_token_id), lr, step, max_steps)
             bar.update(job, advance=1, description=f"pretraining tiny MoE (chat)  loss {loss.item():.3f}  {last}")
             if step % eval_every == 0:
                 model.eval()

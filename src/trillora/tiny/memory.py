@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import load_model, load_tokenizer, save_model
+from .pretrain import pad_rows, supervised_step
 
 
 def transcript(
@@ -92,8 +93,6 @@ def teach_induction(
 ) -> dict:
     """Phase 1: AdamW on `induction_rows` until a fresh batch is answered (greedy accuracy ≥ 0.98,
     checked every 100 steps) or `max_steps`; the steps taken and the last accuracy."""
-    from .pretrain import supervised_step
-
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     accuracy, step = 0.0, 0
     for step in range(1, max_steps + 1):
@@ -129,17 +128,6 @@ def env_success(model, tokenizer, env_name: str = "ledger", n: int = 64) -> floa
     )
     rewards = [r for g in groups for r in g.total_rewards()]
     return sum(rewards) / len(rewards)
-
-
-def pad_rows(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [B, T], target [B, T]): right-padded rows and the next token where the policy wrote it."""
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), width), pad)
-    target = torch.full((len(rows), width), -100)
-    for i, (row, mask) in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row)
-        target[i, : len(row) - 1] = torch.tensor([t if m else -100 for t, m in zip(row[1:], mask[1:], strict=True)])
-    return ids, target
 
 
 def memory_action_rows(
@@ -181,8 +169,6 @@ def pretrain_memory(
     refill_context: bool = False,
 ) -> dict:
     from rich.progress import Progress
-
-    from .pretrain import supervised_step
 
     torch.manual_seed(seed)
     tokenizer, model = load_tokenizer(init_from), load_model(init_from)

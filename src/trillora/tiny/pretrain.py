@@ -47,6 +47,17 @@ def supervised_step(
     return loss
 
 
+def pad_rows(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, T], target [B, T]): right-padded rows and the next token where the policy wrote it."""
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad)
+    target = torch.full((len(rows), width), -100)
+    for i, (row, mask) in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        target[i, : len(row) - 1] = torch.tensor([t if m else -100 for t, m in zip(row[1:], mask[1:], strict=True)])
+    return ids, target
+
+
 def pretrain(
     out: str | Path,
     seed: int = 0,
@@ -102,13 +113,8 @@ def pretrain(
                 )
                 for p, a in pairs
             ]
-            width = max(len(p) + len(a) for p, a in seqs)
-            ids = torch.full((batch, width), tokenizer.pad_token_id)
-            target = torch.full((batch, width), -100)
-            for i, (p, a) in enumerate(seqs):
-                ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-                target[i, len(p) - 1 : len(p) + len(a) - 1] = torch.tensor(a)
-            loss = supervised_step(model, opt, ids, target, lr, step, max_steps)
+            rows = [(p + a, [0] * len(p) + [1] * len(a)) for p, a in seqs]  # the answer trained
+            loss = supervised_step(model, opt, *pad_rows(rows, tokenizer.pad_token_id), lr, step, max_steps)
             seen += sum(len(p) + len(a) for p, a in seqs)
             bar.update(job, advance=1, description=f"pretraining tiny MoE  loss {loss.item():.3f}  add acc {acc:.2f}")
             if step % eval_every == 0 or step == max_steps:
