@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from machine import machine
 from rich.console import Console
 from rich.table import Table
 
@@ -226,37 +227,6 @@ def main() -> None:
             indent=2,
         )
     )
-
-
-def machine(torch, transformers, trl) -> dict:
-    """Where the ratio was measured: it moves with the CPU, its threads and the library versions."""
-    import datetime
-    import os
-    import platform
-
-    cpu = platform.processor()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        cpu = next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in cpuinfo.read_text().splitlines()
-                if line.startswith("model name")
-            ),
-            cpu,
-        )
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl.__version__,
-        "python": platform.python_version(),
-        "date": datetime.date.today().isoformat(),
-        "load_at_end": load,
-    }
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 A random 4-layer Qwen3-MoE (hidden 256, 8 experts top-2, the reference setup in DESIGN.md)
 is written once as an HF folder; every engine samples `sequences` completions of exactly
 `new-tokens` tokens (no stop token) from the same prompts at temperature 1, in fp32.
-Generated tokens per second, median of the repeats after one warm-up, side by side.
+Generated tokens per second, median of the repeats after one warm-up, side by side; the results
+file records the machine (CPU, threads, library versions, date).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from machine import machine
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -100,6 +102,7 @@ def main() -> None:
     try:
         import vllm
     except ImportError:
+        vllm = None
         rows.append(("vLLM (not installed: make setup-vllm)", float("nan"), float("nan")))
     else:
         from trillora.rollout.vllm import VLLMEngine
@@ -119,7 +122,16 @@ def main() -> None:
         table.add_row(escape(name), f"{tps:,.0f}", f"{sec:.2f}", f"{tps / base:.2f}×")
     Console(width=140).print(table)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps([{"engine": n, "tokens_per_s": t, "seconds": s} for n, t, s in rows], indent=2))
+    libraries = [transformers] + ([vllm] if vllm is not None else [])
+    a.out.write_text(
+        json.dumps(
+            {
+                "rows": [{"engine": n, "tokens_per_s": t, "seconds": s} for n, t, s in rows],
+                "machine": machine(torch, *libraries),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

