@@ -163,8 +163,23 @@ def test_sigkill_ten_times_then_resume_ends_bit_identical(tmp_path):
 @pytest.mark.parametrize(
     "overrides", [("parallel.dp=2",), ("parallel.ep=2",), ("parallel.pp=2",)], ids=["dp2-fsdp", "dp2xep2", "pp2"]
 )
-def test_resume_under_torchrun_equals_an_uninterrupted_run(tmp_path, overrides):
+def test_resume_under_torchrun_equals_an_uninterrupted_run(tmp_path, overrides, monkeypatch):
+    # every Python process of the launch marks its teardown: torchrun's agent does; the ranks leave
+    # without one (`leave_rank`), where gloo's threads freeing a collective's tensors could abort them
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import atexit, os\n"
+        "mark = os.path.join(os.environ['TEARDOWN_MARKS'], os.environ.get('RANK', 'agent'))\n"
+        "atexit.register(lambda: open(mark, 'w'))\n"
+    )
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("TEARDOWN_MARKS", str(marks))
     train(tmp_path, "whole", "steps=4", "eval_every=4", *overrides, ranks=2)
+    assert sorted(p.name for p in marks.iterdir()) == ["agent"]
+    monkeypatch.undo()
     train(tmp_path, "split", "steps=2", "eval_every=4", *overrides, ranks=2)  # stops after 2 steps (a checkpoint)
     assert (tmp_path / "split" / "checkpoints" / "step-000002" / "rank-1.safetensors").is_file()
     err = train(tmp_path, "split", "steps=4", "eval_every=4", "resume=true", *overrides, ranks=2)

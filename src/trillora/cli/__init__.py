@@ -216,7 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    code = run(build_parser().parse_args(argv))
+    if "torch.distributed" in sys.modules:  # a torchrun rank leaves without the teardown that can abort it
+        from ..trainer.world import launched, leave_rank
+
+        if launched():
+            leave_rank(code)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except TrilloraError as e:
