@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from machine import machine
+from machine import machine, matmul_peak
 from rich.console import Console
 from rich.table import Table
 
@@ -68,6 +68,8 @@ def run_trillora(steps: int, warmup: int, overrides: list[str], work: Path) -> d
     return {
         "step_seconds": [r["step_seconds"] for r in timed],
         "tokens": [r["completion_len_mean"] * batch for r in timed],
+        # model FLOPs (trillora.trainer.flops: a shared prompt counted for every row, as TRL runs it)
+        "flops": [r["flops_rollout"] + r["flops_train"] for r in timed],
         "rollout_seconds": statistics.median(r["rollout_seconds"] for r in timed),
         "update_seconds": statistics.median(r["update_seconds"] for r in timed),
         # what the step spends outside its two measured phases (the engine sync, logging): an unmeasured
@@ -136,11 +138,25 @@ def summarise(r: dict) -> dict:
     phases = {
         k: v for k, v in r.items() if (k.endswith("_seconds") and k != "step_seconds") or k == "unaccounted_fraction"
     }
-    return {
+    out = {
         "median_step_seconds": med,
         "steps_per_s": 1 / med,
         "tokens_per_s": sum(r["tokens"]) / sum(r["step_seconds"]),
         **phases,
+    }
+    if "flops" in r:
+        out["flops_per_step"] = statistics.median(r["flops"])
+        out["flops_per_s"] = sum(r["flops"]) / sum(r["step_seconds"])
+    return out
+
+
+def ceiling(ours: dict, theirs: dict, peak: float) -> dict:
+    """The step's model FLOP/s as a share of this machine's matmul peak, and the share that five times
+    TRL's steps/s would need at the same FLOPs per step: how far the issue's goal sits from the ceiling."""
+    return {
+        "matmul_peak": peak,
+        "peak_fraction": ours["flops_per_s"] / peak,
+        "five_x_peak_fraction": 5 * theirs["steps_per_s"] * ours["flops_per_step"] / peak,
     }
 
 
@@ -162,6 +178,7 @@ def main() -> None:
     import trl
     import trl_side  # noqa: F401  (quiets TRL's vLLM version warning)
 
+    peak = matmul_peak(3, torch.device("cpu"), torch.float32)  # before the runs: an idle machine's ceiling
     runs: dict[str, list[dict]] = {"trillora": [], "trl": []}
     for round_ in range(a.rounds):  # the sides alternate, so a machine that drifts weighs on both
         for side in runs:
@@ -185,6 +202,7 @@ def main() -> None:
             runs[side].append(json.loads(out.read_text()))
     results = {side: summarise(pool(rs)) for side, rs in runs.items()}
     ours, theirs = results["trillora"], results["trl"]
+    ceil = ceiling(ours, theirs, peak)
     table = Table(
         title=f"GRPO step, tiny MoE, same work ({a.rounds} runs × {a.steps} timed steps after {a.warmup}; median)"
     )
@@ -210,6 +228,11 @@ def main() -> None:
         f"trillora step: rollout {ours['rollout_seconds']:.3f} s + update {ours['update_seconds']:.3f} s (medians); "
         f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads"
     )
+    console.print(
+        f"trillora runs {ours['flops_per_s'] / 1e9:.0f} G model FLOP/s, {100 * ceil['peak_fraction']:.0f}% of a "
+        f"2048² fp32 matmul here ({peak / 1e9:.0f} GFLOP/s); 5× TRL would need "
+        f"{100 * ceil['five_x_peak_fraction']:.0f}%"
+    )
     if not a.no_profile:
         console.print("profiles: benchmarks/results/grpo_step_profile_trillora.txt, grpo_step_profile_trl.txt")
     a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -222,6 +245,7 @@ def main() -> None:
                 "overrides": a.overrides,
                 **results,
                 "speedup_steps_per_s": ours["steps_per_s"] / theirs["steps_per_s"],
+                "ceiling": ceil,
                 "machine": machine(torch, transformers, trl),
             },
             indent=2,

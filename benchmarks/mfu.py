@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from machine import matmul_peak, sync
 from rich.console import Console
 from rich.table import Table
 
@@ -64,25 +65,6 @@ SHAPES = {
         True,
     ),
 }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def matmul_peak(repeats: int, device: torch.device, dtype: torch.dtype) -> float:
-    n = 8192 if device.type == "cuda" else 2048
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
-    times = []
-    for _ in range(repeats * 3):
-        sync(device)
-        t = time.perf_counter()
-        a @ b
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / min(times)
 
 
 def step_seconds(

@@ -96,6 +96,11 @@ def test_grpo_step_benchmark_runs_both_sides(tmp_path):
         assert r[side]["steps_per_s"] > 0 and r[side]["tokens_per_s"] > 0
     assert r["speedup_steps_per_s"] == pytest.approx(r["trillora"]["steps_per_s"] / r["trl"]["steps_per_s"])
     assert r["machine"]["cpu"] and r["machine"]["torch"].startswith("2.13") and r["machine"]["torch_threads"] >= 1
+    t, c = r["trillora"], r["ceiling"]
+    assert t["flops_per_step"] > 0 and c["peak_fraction"] == pytest.approx(t["flops_per_s"] / c["matmul_peak"])
+    assert c["five_x_peak_fraction"] == pytest.approx(
+        5 * r["trl"]["steps_per_s"] * t["flops_per_step"] / c["matmul_peak"]
+    )
     # the step is its rollout and its update: what is left (sync, logging) stays under 10% of it, so a
     # cost nobody measures cannot hide between the phases the benchmark reports
     assert abs(r["trillora"]["unaccounted_fraction"]) <= 0.10, r["trillora"]

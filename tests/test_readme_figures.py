@@ -124,6 +124,24 @@ def test_the_performance_rows_are_their_results_files():
         f"s/step, {trl['tokens_per_s']:,.0f} tokens/s: **{g['speedup_steps_per_s']:.2f}× the steps/s**"
     ) in README
     assert g["machine"]["date"] in README and abs(t["unaccounted_fraction"]) <= 0.10
+    m = g["machine"]
+    assert (
+        f"| {g['speedup_steps_per_s']:.2f}× the steps/s ({t['median_step_seconds']:.3f} against "
+        f"{trl['median_step_seconds']:.3f} s; {m['date']}, {m['cpu']}, {m['cores']} cores, torch {m['torch']}) |"
+    ) in (ROOT / "README.md").read_text()
+    c = g["ceiling"]
+    assert (
+        f"trillora's step runs {100 * c['peak_fraction']:.0f}% of this machine's 2048² fp32 matmul peak in model "
+        f"FLOPs, 5× TRL would need {100 * c['five_x_peak_fraction']:.0f}%"
+    ) in README
+    flat = README.replace("\n", " ")
+    assert (
+        f"already runs {100 * c['peak_fraction']:.0f}% of that peak ({t['flops_per_s'] / 1e9:.0f} G model FLOP/s"
+        in flat
+    )
+    assert f"of {c['matmul_peak'] / 1e9:.0f}); five times TRL's steps per second" in flat
+    assert f"step would need {100 * c['five_x_peak_fraction']:.0f}%" in flat
+    assert f"Of trillora's {1000 * t['median_step_seconds']:.0f} ms step" in flat
     r = results("step_by_commit.json")
     first, env, now = (r["medians"][c] for c in (r["commits"][0], r["commits"][1], r["commits"][-1]))
     assert (

@@ -53,7 +53,9 @@ class TaskGroupBuilder(EnvGroupBuilder):
         tokenizer,
         group_size: int,
         score: Callable[[Problem, str], float] | None = None,
+        prompt_ids: list[int] | None = None,
     ):
+        """`prompt_ids`: the problem already encoded (the trainer's sampling request holds it)."""
         self.task, self.problem, self.tokenizer, self.group_size, self.score = (
             task,
             problem,
@@ -61,9 +63,13 @@ class TaskGroupBuilder(EnvGroupBuilder):
             group_size,
             score,
         )
+        self.prompt_ids = prompt_ids
 
     def make_envs(self) -> list[Env]:
-        observation = observation_of(self.tokenizer, self.problem)  # encoded once for the group
+        if self.prompt_ids is None:
+            observation = observation_of(self.tokenizer, self.problem)  # encoded once for the group
+        else:
+            observation = (self.prompt_ids, list(stop_tokens(self.tokenizer, chat=self.problem.messages is not None)))
         return [
             TaskEnv(self.task, self.problem, self.tokenizer, self.score, observation) for _ in range(self.group_size)
         ]

@@ -141,7 +141,10 @@ class Sampler:
                 groups = run_groups(self.engine, list(self.envs.get_batch(step)), self._env_params(step), self.limits)
             else:
                 req = self.request(step, k)
-                builders = [TaskGroupBuilder(self.task, p, self.tokenizer, req.n, self.reward) for p in req.problems]
+                builders = [
+                    TaskGroupBuilder(self.task, p, self.tokenizer, req.n, self.reward, ids)
+                    for p, ids in zip(req.problems, req.prompts, strict=True)
+                ]
                 groups = run_groups(self.engine, builders, req.params, self.limits)
             rewards = torch.tensor([g.total_rewards() for g in groups])  # [P, G]
             rounds.append((groups, rewards))
