@@ -4,11 +4,12 @@
 
 Each seed runs `trillora train seed=N` as written, in its own process, once per
 `algorithm.router_replay` mode (`off`, the default; `all` routes every training pass to the
-experts the rollout chose, which also runs whole rows instead of shared prompts). Reported per run: held-out 3-digit
-addition before and after RL and
-held-out string reversal (retention) before and after, both sampled at T=1 over 1024 samples, and
-the run's wall-clock seconds. Writes benchmarks/results/default_job.json and copies the seed-0
-default run's overview plot to docs/demo_overview.png.
+experts the rollout chose, which also runs whole rows instead of shared prompts). Reported per
+run: held-out 3-digit addition before and after RL and held-out string reversal (retention)
+before and after, both sampled at T=1 over 1024 samples, and the run's wall-clock seconds; and
+the machine, whose CPU decides the fp32 rounding and so the sampled trajectories. Writes
+benchmarks/results/default_job.json and copies the seed-0 default run's overview plot to
+docs/demo_overview.png.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+from machine import machine
 from rich.console import Console
 from rich.table import Table
 
@@ -106,8 +109,10 @@ def main(argv: list[str] | None = None) -> dict:
         )
     console.print(table)
     report = {
-        "command": "python benchmarks/default_job.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python benchmarks/default_job.py", *(sys.argv[1:] if argv is None else argv)]),
         "runs": rows,
+        # fp32 rounding differs between CPUs, so the sampled trajectories (and these figures) do too
+        "machine": machine(torch),
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")

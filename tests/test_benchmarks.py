@@ -193,8 +193,10 @@ def test_default_job_benchmark_runs_each_seed_and_mode(tmp_path):
         capture_output=True,
         timeout=600,
     )
-    runs = json.loads(out.read_text())["runs"]
+    report = json.loads(out.read_text())
+    runs = report["runs"]
     assert [(r["mode"], r["seed"]) for r in runs] == [("off", 0), ("off", 1), ("all", 0), ("all", 1)]
+    assert report["machine"]["cpu"] and report["machine"]["torch"].startswith("2.13")
     for r in runs:
         assert r["gain_points"] == pytest.approx(100 * (r["addition_after"] - r["addition_before"]))
         assert 0 <= r["retention_after"] <= 1 and r["seconds"] > 0

@@ -69,6 +69,8 @@ def test_the_default_job_text_is_the_results_files():
     headline = f"+{gain[0]:.1f} to +{gain[1]:.1f} points of held-out addition"
     assert f"{headline}, at most {lost[1]:.1f} points of retention lost |" in README_MD  # the README's results row
     assert f"gains {headline} and loses at\nmost {lost[1]:.1f} points of held-out reversal" in README_MD
+    secs = span(now, "off", "seconds")
+    assert f"150 steps of 256 completions, {secs[0]:.0f} to {secs[1]:.0f} s on 2 CPU cores" in README_MD
 
 
 def test_the_agent_env_rows_are_the_results_file():
