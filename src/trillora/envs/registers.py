@@ -27,10 +27,11 @@ __all__ = ["dataset", "episode", "refill_kept"]
 
 def episode(rng: random.Random, turns: int, writes: int, count: int, asked_from: int) -> tuple[list[str], str, int]:
     """The lines of one episode (`writes` writes each), the register asked about and its last value.
+
     The asked register is written at turn 1 and last at turn `last` (2..asked_from), maybe in
     between, never after, each write a value other than the one before it (from the third write on,
-    an older one may come back); the other writes of a line go to
-    distinct ones of the `count - 1` others."""
+    an older one may come back); the other writes of a line go to distinct ones of the `count - 1`
+    others."""
     keys = rng.sample(KEYS, count)
     asked, others = keys[0], keys[1:]
     last = rng.randint(min(2, turns), min(asked_from, turns))
