@@ -152,7 +152,7 @@ def summarise(r: dict) -> dict:
 
 def ceiling(ours: dict, theirs: dict, peak: float) -> dict:
     """The step's model FLOP/s as a share of this machine's matmul peak, and the share that five times
-    TRL's steps/s would need at the same FLOPs per step: how far the issue's goal sits from the ceiling."""
+    TRL's steps/s would need at the same FLOPs per step: how far a 5× goal sits from the ceiling."""
     return {
         "matmul_peak": peak,
         "peak_fraction": ours["flops_per_s"] / peak,

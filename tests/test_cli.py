@@ -67,3 +67,13 @@ def test_train_bad_override_is_one_line_error(tmp_path):
     out = trillora("train", "rollout.temprature=1", f"out_dir={tmp_path}")
     assert out.returncode == 2
     assert "did you mean 'rollout.temperature'?" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_main_returns_to_its_caller_under_torchrun_env(monkeypatch, capsys):
+    """Only the process entry (`trillora`, `python -m trillora`) leaves a torchrun rank with os._exit;
+    a script that calls `main()` itself gets the exit code back and goes on."""
+    from trillora.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["info", "qwen3-30b-a3b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)

@@ -175,11 +175,11 @@ def test_resume_under_torchrun_equals_an_uninterrupted_run(tmp_path, overrides, 
     )
     marks = tmp_path / "marks"
     marks.mkdir()
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("TEARDOWN_MARKS", str(marks))
-    train(tmp_path, "whole", "steps=4", "eval_every=4", *overrides, ranks=2)
+    with monkeypatch.context() as m:
+        m.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+        m.setenv("TEARDOWN_MARKS", str(marks))
+        train(tmp_path, "whole", "steps=4", "eval_every=4", *overrides, ranks=2)
     assert sorted(p.name for p in marks.iterdir()) == ["agent"]
-    monkeypatch.undo()
     train(tmp_path, "split", "steps=2", "eval_every=4", *overrides, ranks=2)  # stops after 2 steps (a checkpoint)
     assert (tmp_path / "split" / "checkpoints" / "step-000002" / "rank-1.safetensors").is_file()
     err = train(tmp_path, "split", "steps=4", "eval_every=4", "resume=true", *overrides, ranks=2)

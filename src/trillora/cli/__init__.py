@@ -8,6 +8,7 @@ or value) print one line, not a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 
@@ -215,17 +216,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    code = run(build_parser().parse_args(argv))
-    if "torch.distributed" in sys.modules:  # a torchrun rank leaves without the teardown that can abort it
+def entry() -> typing.NoReturn:
+    """The process's entry (`trillora`, `python -m trillora`): a torchrun rank leaves without the
+    interpreter's teardown (`leave_rank`); `main()` itself returns to its caller."""
+    code = main()
+    if "WORLD_SIZE" in os.environ:
         from ..trainer.world import launched, leave_rank
 
         if launched():
             leave_rank(code)
-    return code
+    sys.exit(code)
 
 
-def run(args: argparse.Namespace) -> int:
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except TrilloraError as e:

@@ -38,9 +38,10 @@ class TaskEnv(Env):
         return StepResult(reward=float(reward), episode_done=True, next_observation=[], next_stop_condition=[])
 
 
-def observation_of(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
-    """The prompt's ids and what stops its completion."""
-    return encode_problem(tokenizer, problem), list(stop_tokens(tokenizer, chat=problem.messages is not None))
+def observation_of(tokenizer, problem: Problem, ids: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """The prompt's ids (`ids` when the caller encoded it already) and what stops its completion."""
+    ids = encode_problem(tokenizer, problem) if ids is None else ids
+    return ids, list(stop_tokens(tokenizer, chat=problem.messages is not None))
 
 
 class TaskGroupBuilder(EnvGroupBuilder):
@@ -66,10 +67,7 @@ class TaskGroupBuilder(EnvGroupBuilder):
         self.prompt_ids = prompt_ids
 
     def make_envs(self) -> list[Env]:
-        if self.prompt_ids is None:
-            observation = observation_of(self.tokenizer, self.problem)  # encoded once for the group
-        else:
-            observation = (self.prompt_ids, list(stop_tokens(self.tokenizer, chat=self.problem.messages is not None)))
+        observation = observation_of(self.tokenizer, self.problem, self.prompt_ids)  # encoded once for the group
         return [
             TaskEnv(self.task, self.problem, self.tokenizer, self.score, observation) for _ in range(self.group_size)
         ]
