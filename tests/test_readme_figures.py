@@ -155,6 +155,10 @@ def test_the_performance_rows_are_their_results_files():
         f"→ {now['rollout_seconds']:.4f} s (**{now['rollout_seconds'] / first['rollout_seconds']:.2f}×** the first); "
         f"step {first['step_seconds']:.4f} → {now['step_seconds']:.4f} s"
     ) in README
+    updates = [x["update_seconds"] for x in r["runs"][r["commits"][-1]]]
+    assert (
+        f"(the code at {r['worktree_at']}; its three updates took {min(updates):.3f} to {max(updates):.3f} s)" in README
+    )
     one, whole = results("memory_lora_vs_full.json"), results("memory_lora_vs_full_micro8.json")
     assert one["micro_rows"] == 1 and whole["micro_rows"] == 8
     (lo, fu), (lo8, fu8) = one["rows"], whole["rows"]
