@@ -601,6 +601,28 @@ def test_the_registers_table_is_the_results_file():
         f"against retrieval's {pct(ctx['retrieval', 0.5]['success'])} and {pct(ctx['retrieval', 0.25]['success'])}"
         in text
     )
+    # before the warm-up: the env's transcripts alone (--memory-rows 0), played without RL
+    raw = results("context_budget_registers_before_warmup.json")
+    bare = {(x["policy"], x["fraction"]): x for x in raw["rows"]}
+    assert "--memory-rows" not in raw["command"] and "--rl-steps" not in raw["command"]
+    assert (
+        f"refill kept the asked register's last write: {kept_of(bare['diffusion', 0.5])} at 1/2 and "
+        f"{kept_of(bare['diffusion', 0.25])} at 1/4"
+    ) in text
+    assert f"model read a whole episode ({pct(raw['whole_context']['success'])}) but Memory Diffusion scored" in text
+    assert f"scored {pct(bare['diffusion', 0.5]['success'])} and {pct(bare['diffusion', 0.25]['success'])}" in text
+    for f in (0.5, 0.25):  # no recall: retrieval plays exactly as truncation
+        assert bare["retrieval", f]["success"] == bare["truncate", f]["success"]
+        assert bare["retrieval", f]["tokens_processed"] == bare["truncate", f]["tokens_processed"]
+    half, quarter = bare["retrieval", 0.5], bare["retrieval", 0.25]
+    assert (
+        f"({pct(half['success'])} and {pct(quarter['success'])}, {half['tokens_processed']:.0f} and "
+        f"{quarter['tokens_processed']:.0f} tokens an episode"
+    ) in text
+    assert (
+        f"from 0 to the {pct(at['diffusion', 0.5]['fact_kept'])} and {pct(at['diffusion', 0.25]['fact_kept'])} above"
+        in text
+    )
     built = results("build_memory_registers_refill_context.json")
     assert built["refill_context"] is True
     last = built["history"][-1]
