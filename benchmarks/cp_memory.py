@@ -104,9 +104,11 @@ def worker(rank: int, world: int, port: int, family: str, seq_len: int, results)
 
 
 def measure(family: str, cp: int, seq_len: int) -> dict:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
     results = ctx.SimpleQueue()
-    mp.start_processes(worker, args=(cp, free_port(), family, seq_len, results), nprocs=cp, start_method="spawn")
+    # forkserver, not spawn: its children end with os._exit, so gloo's threads cannot abort them in
+    # the interpreter's teardown (see trainer.world.leave_rank)
+    mp.start_processes(worker, args=(cp, free_port(), family, seq_len, results), nprocs=cp, start_method="forkserver")
     rows = [results.get() for _ in range(cp)]
     return dict(
         family=family,

@@ -135,7 +135,9 @@ def on_ranks(args) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from engine_helpers import free_port
 
-    mp.start_processes(_rank, args=(args, free_port()), nprocs=args.ep, start_method="spawn")
+    # forkserver, not spawn: its children end with os._exit, so gloo's threads cannot abort them in
+    # the interpreter's teardown (see trainer.world.leave_rank)
+    mp.start_processes(_rank, args=(args, free_port()), nprocs=args.ep, start_method="forkserver")
     return json.loads(output_path(args).read_text())
 
 

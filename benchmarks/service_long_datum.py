@@ -103,10 +103,12 @@ def worker(rank: int, world: int, port: int, flags: dict, seq_len: int, vocab: i
 
 def measure(name: str, flags: dict, seq_len: int, vocab: int, root: str) -> dict:
     world = flags.get("cp", 1) * flags.get("tp", 1)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
     results = ctx.SimpleQueue()
+    # forkserver, not spawn: its children end with os._exit, so gloo's threads cannot abort them in
+    # the interpreter's teardown (see trainer.world.leave_rank)
     mp.start_processes(
-        worker, args=(world, free_port(), flags, seq_len, vocab, root, results), nprocs=world, start_method="spawn"
+        worker, args=(world, free_port(), flags, seq_len, vocab, root, results), nprocs=world, start_method="forkserver"
     )
     rows = [results.get() for _ in range(world)]
     return dict(

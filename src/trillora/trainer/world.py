@@ -41,7 +41,7 @@ def launched() -> bool:
 
 
 def leave_rank(code: int) -> typing.NoReturn:
-    """A torchrun rank ends without the interpreter's teardown, as multiprocessing's children do.
+    """A torchrun rank ends without the interpreter's teardown, as multiprocessing's fork and forkserver children do.
 
     gloo's worker threads free a finished collective's tensors a moment after the caller's `wait`
     returns; when that moment falls inside teardown the thread cannot take the GIL and the process
