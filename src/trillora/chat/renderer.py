@@ -40,6 +40,7 @@ class ChatRenderer:
                 f"with it (use a chat model's tokenizer, or set tokenizer.chat_template)"
             )
         self._tool_format = tool_format
+        self._specials = [t for t in tokenizer.all_special_tokens if t]
         self.end_text, self.separator = self._turn_end()
         ids = self._encode(self.end_text) if self.end_text else []
         eos = tokenizer.eos_token_id
@@ -54,8 +55,19 @@ class ChatRenderer:
 
     def _render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+            [self._plain_tool(m) for m in messages],
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
         )
+
+    def _plain_tool(self, message: dict) -> dict:
+        """A tool's output (what a model-written program printed) cannot write the template's markers:
+        its special tokens are dropped, so a forged `<|im_end|><|im_start|>user` stays text of its turn."""
+        content = message.get("content")
+        if message.get("role") != "tool" or not isinstance(content, str):
+            return message
+        return {**message, "content": _without(self._specials, content)}
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -113,7 +125,7 @@ class ChatRenderer:
                 parsed = ParsedTurn(parsed.content, reasoning=parsed.reasoning)
         else:
             parsed = ParsedTurn(text.strip())
-        parsed.content = _strip_specials(self.tokenizer, parsed.content)
+        parsed.content = _without(self._specials, parsed.content).strip()  # a stray end-of-text in the answer
         message: dict = {"role": "assistant", "content": parsed.content}
         if parsed.tool_calls:
             message["tool_calls"] = [
@@ -123,9 +135,7 @@ class ChatRenderer:
         return AssistantTurn(text, parsed, truncated, reasoning, message)
 
 
-def _strip_specials(tokenizer, text: str) -> str:
-    """The text without special tokens (a stray end-of-text inside the answer)."""
-    for tok in tokenizer.all_special_tokens:
-        if tok:
-            text = text.replace(tok, "")
-    return text.strip()
+def _without(tokens: list[str], text: str) -> str:
+    for tok in tokens:
+        text = text.replace(tok, "")
+    return text

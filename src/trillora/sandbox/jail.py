@@ -87,6 +87,15 @@ def _remove_folder(folder: str) -> None:
             time.sleep(0.02)
 
 
+def _read_bounded(path: Path, cut: int, tail: bool) -> str:
+    """At most `cut` bytes of an output file (its start, or its end), whatever size it claims: the
+    program cannot write past `RLIMIT_FSIZE`, but a file's size is not all it could forge."""
+    with open(path, "rb") as f:
+        if tail:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - cut))
+        return f.read(cut).decode(errors="replace")
+
+
 def python_install() -> tuple[str, list[str], list[str]]:
     """The base interpreter (not a virtual environment's), the folders it needs and the folders of
     installed packages the program must not see."""
@@ -108,9 +117,11 @@ def jail_spec(code: str, root: Path, limits: Limits, python: str, dirs: list[str
     """What `launcher.py` reads: the program, the empty folder its root is built in, the interpreter
     and the limits."""
     seccomp = importlib.util.find_spec("pyseccomp")
+    code_file = root.parent / "main.py"  # a file, not an argument: argv is capped (128 KiB) and seen in /proc
+    code_file.write_bytes(code.encode("utf-8", "surrogatepass"))  # a lone surrogate: Python refuses the file
     return {
         "root": str(root),
-        "code": code,
+        "code_file": str(code_file),
         "python": python,
         "python_dirs": dirs,
         "masked": masked,
@@ -164,9 +175,8 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Result:
                 reports = [json.loads(line) for line in report.read().decode().splitlines() if line.strip()]
                 for folder in (f for r in reports for f in r.get("cgroups", [])):  # the launcher's, if it was killed:
                     _remove_folder(folder)  # removed once the jail's last process is gone
-        cut = limits.output_bytes
-        out = (root / "stdout").read_bytes()[:cut].decode(errors="replace")
-        err = (root / "stderr").read_bytes()[-cut:].decode(errors="replace")
+        out = _read_bounded(root / "stdout", limits.output_bytes, tail=False)
+        err = _read_bounded(root / "stderr", limits.output_bytes, tail=True)
     if stuck:
         return Result(returncode=-signal.SIGKILL, stdout=out, stderr=err, timed_out=True)
     errors = [r["error"] for r in reports if "error" in r]
