@@ -66,7 +66,9 @@ def served_logprobs(service, tokens: list[int]) -> list[float]:
         return token_logprobs(service.base.model, torch.tensor([tokens]))[0][0].tolist()
 
 
-def record(store, service, trace: str, revision: str, shift: float, reward: float | None, prompt_len: int = 6):
+def record(
+    store, service, trace: str, revision: str, shift: float, reward: float | None, prompt_len: int = 6, owner: str = "k"
+):
     tokens = [1, 100, 34, 32, 18, 31, 99, 62, 21, 14, 33, 98]
     lp = served_logprobs(service, tokens)
     prompt, completion = tokens[:prompt_len], tokens[prompt_len:]
@@ -77,7 +79,7 @@ def record(store, service, trace: str, revision: str, shift: float, reward: floa
                 f"r-{trace}",
                 0,
                 trace,
-                "k",
+                owner,
                 "tiny-moe-chat",
                 revision,
                 "chat",
@@ -89,7 +91,7 @@ def record(store, service, trace: str, revision: str, shift: float, reward: floa
         ]
     )
     if reward is not None:
-        store.add_feedback(Feedback(trace, "k", reward))
+        store.add_feedback(Feedback(trace, owner, reward))
 
 
 def test_traces_from_an_older_revision_carry_their_importance_ratios(service, tmp_path):
@@ -308,6 +310,28 @@ def test_group_and_running_baselines():
     # tag t: the first trace sets the mean (1.0, advantage 0), the second gets 0.0 - 1.0, the mean moves to
     # 0.5 · 1.0 + 0.5 · 0.0 = 0.5
     assert out == [0.5, -0.5, 0.0, -1.0] and b.means == {"t": 0.5}
+
+
+def test_one_keys_feedback_trains_nothing_of_another_unless_asked(service, tmp_path):
+    """Another key's thumbs trained the revision every key was served (83 revisions in 90 s made the
+    operator's `1+1=` start wrong); and traces of one prompt from two keys formed one group, so one
+    key's rewards moved the other's baseline. Now the learner takes the keys it is given, and groups
+    each key's traces apart."""
+    from trillora.traces.experience import Baselines, collect
+
+    store = TraceStore(str(tmp_path / "t.db"))
+    for trace, owner, reward in (("a1", "a", 1.0), ("a2", "a", 0.0), ("b1", "b", 1.0), ("b2", "b", 1.0)):
+        record(store, service, trace, "tiny-moe-chat", 0.0, reward, owner=owner)
+    learn, vocab = load_config(learn_config(tmp_path)).learn, service.base.model.args.vocab_size
+    assert learn.from_keys == "operator"
+    every = collect(store, 0, learn, 1.0, Baselines(0.9), None, vocab)
+    assert every.trace_ids == [("a", "a1"), ("a", "a2"), ("b", "b1"), ("b", "b2")]
+    assert every.advantages == [0.5, -0.5, 0.0, 0.0]  # a's mean 0.5, b's 1.0 (pooled: 0.75 for all four)
+    only_a = collect(store, 0, learn, 1.0, Baselines(0.9), None, vocab, owners={"a"})
+    assert only_a.trace_ids == [("a", "a1"), ("a", "a2")] and only_a.dropped == {"other_key": 2}
+    assert only_a.left_out == [("b", "b1"), ("b", "b2")]
+    with pytest.raises(Exception, match="learn.from_keys='mine'; allowed: 'operator', 'all'"):
+        load_config(learn_config(tmp_path), ["learn.from_keys=mine"])
 
 
 def post(url: str, path: str, body: dict, key: str = "k1") -> tuple[int, dict]:

@@ -143,6 +143,9 @@ def test_chat_completions_with_a_real_chat_template(tmp_path):
         url, "/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": 5}]}, key=None
     )
     assert status == 400 and "messages do not fit the chat template" in out["error"]["message"]
+    # bounded before the template renders it on the event loop (1 MiB took 1 to 2.3 s of it)
+    status, out = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 40_000}]}, key=None)
+    assert status == 400 and "positions can hold" in out["error"]["message"]
     next(gen, None)
 
 

@@ -127,7 +127,35 @@ def test_declared_shapes_and_token_counts_are_bounded(server):
     assert status == 400 and "--max-call-tokens" in out["error"], out
     status, out = post(server, "/api/v1/asample", {**sample, "prompt": {"chunks": [{"tokens": [True, 5]}]}})
     assert status == 400 and "integers" in out["error"], out
+    for stop in (["never"] * 65, ["x" * 257]):  # each stop string is looked for on the worker everyone shares
+        sample["sampling_params"], sample["num_samples"] = {"max_tokens": 10, "stop": stop}, 1
+        status, out = post(server, "/api/v1/asample", sample)
+        assert status == 400 and "at most 64 entries of at most 256 characters" in out["error"], out
     finish(server, sid)
+
+
+def test_a_completion_is_cut_where_its_text_first_holds_a_stop_string():
+    """Bisection against the token-by-token scan it replaced (20,000 stop strings × 400 tokens of
+    decodes held the worker 285 s)."""
+    from transformers import AutoTokenizer
+
+    from trillora.checkpoint.hf import resolve_model_path
+    from trillora.rollout.types import Completion
+    from trillora.serve.tinker_checks import cut_at_stop
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("tiny-moe"))
+    tokens = tok("12+34=46 and 7*8=56; done", add_special_tokens=False)["input_ids"]
+    c = Completion(prompt_ids=[], token_ids=tokens, logprobs=[-0.5] * len(tokens), finish_reason="length")
+
+    def scan(stops):
+        for k in range(1, len(tokens) + 1):
+            if any(s in tok.decode(tokens[:k]) for s in stops):
+                return tokens[:k], c.logprobs[:k], "stop"
+        return tokens, c.logprobs, "length"
+
+    for stops in [("=",), ("46",), ("56;",), ("done",), ("never",), ("8=", "+"), ("12+34=46 and 7*8=56; done",)]:
+        assert cut_at_stop(c, stops, tok) == scan(stops), stops
+    assert cut_at_stop(c, ("56",), tok)[0] == tok("12+34=46 and 7*8=56", add_special_tokens=False)["input_ids"]
 
 
 def test_a_model_is_created_once_and_a_seq_id_runs_once(server):

@@ -108,6 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="--tinker: sessions held at once (one not heard from for 5 minutes is ended and freed)",
     )
+    p.add_argument(
+        "--max-unread-mib",
+        type=int,
+        default=1024,
+        help="--tinker: a key's results not yet retrieved hold at most this much (its oldest are dropped)",
+    )
+    p.add_argument(
+        "--max-state-gib",
+        type=float,
+        default=64.0,
+        help="--tinker: saved states under --state-dir hold at most this much (a save past it is refused)",
+    )
     p.add_argument("--idle-seconds", type=float, default=60.0, help="a connection may wait this long before a request")
     p.add_argument("--header-seconds", type=float, default=10.0, help="from a request's first byte to its headers' end")
     p.add_argument("--body-seconds", type=float, default=60.0, help="for a request's whole body")

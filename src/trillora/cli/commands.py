@@ -104,6 +104,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_clients=args.max_clients,
         max_samplers=args.max_samplers,
         max_sessions=args.max_sessions,
+        max_unread_mib=args.max_unread_mib,
+        max_state_gib=args.max_state_gib,
         max_call_tokens=args.max_call_tokens,
         device=args.device,
         idle_seconds=args.idle_seconds,
@@ -159,7 +161,7 @@ def start_learning(server, config_path: str, poll_seconds: float = 1.0):
         )
     revisions = Revisions(server.service, train.learn.publish_as or server.cfg.model, train.learn.keep)
     server.app.include_router(revisions.router)
-    service = server.service
+    service, operator = server.service, server.cfg.operator()
     learner = Learner(
         service.base,
         server.openai.recorder.store,
@@ -168,6 +170,7 @@ def start_learning(server, config_path: str, poll_seconds: float = 1.0):
         Path(server.cfg.state_dir) / "learner",
         service.device,
         service.tokenizer,
+        owners={operator} if operator is not None and train.learn.from_keys == "operator" else None,
     )
     revisions.attach(learner, server.worker, poll_seconds)
     server.revisions = revisions
@@ -225,8 +228,8 @@ def _serve_parallel(cfg) -> int:
     finally:
         if rank == 0:
             service.stop()
-        # the meshes and FSDP states hold process groups in reference cycles: freed now, while the
-        # interpreter is whole (freed at exit, gloo's threads can abort the process)
+        # the meshes and FSDP states hold process groups in reference cycles: freed now, for a caller of
+        # main() that goes on (`cli.entry` then leaves the rank without teardown: `trainer.world.leave_rank`)
         del service
         gc.collect()
         dist.destroy_process_group()

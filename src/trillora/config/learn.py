@@ -9,6 +9,7 @@ from ..errors import ConfigError
 from .checks import check_positive as _check_positive
 
 GATES = ("", "env", "traces")
+FROM_KEYS = ("operator", "all")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -30,6 +31,10 @@ class LearnSection:
     """`module:function(calls) -> float` scoring a trace that has no feedback ("" = feedback only)."""
     publish_as: str = ""
     """The served name whose requests get each new revision ("" = the model's own name)."""
+    from_keys: str = "operator"
+    """Whose rewarded traffic trains when the server has several `--api-key`: "operator" (the first key's;
+    the others' traces are left out and counted: any key's feedback otherwise moves what every key is
+    served) or "all" (each key's traces measured against its own). With one key, its traffic."""
     baseline_decay: float = 0.9
     """A trace whose task does not recur in its batch is measured against a running mean reward of its
     tag (`metadata.task`): mean ← decay · mean + (1 - decay) · reward."""
@@ -52,6 +57,8 @@ class LearnSection:
         _check_positive("learn.every", self.every)
         _check_positive("learn.minutes", self.minutes, zero_ok=True)
         _check_positive("learn.gate_tolerance", self.gate_tolerance, zero_ok=True)
+        if self.from_keys not in FROM_KEYS:
+            raise ConfigError(f"learn.from_keys={self.from_keys!r}; allowed: {', '.join(map(repr, FROM_KEYS))}")
         if self.gate not in GATES:
             raise ConfigError(f"learn.gate={self.gate!r}; allowed: {', '.join(repr(g) for g in GATES)}")
         if self.gate == "traces" and not self.reward:

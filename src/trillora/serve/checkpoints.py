@@ -12,6 +12,7 @@ listing). A checkpoint id is Tinker's: `weights/<name>` or `sampler_weights/<nam
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -37,8 +38,23 @@ def write_json(path: Path, data: dict) -> None:
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, base_model: str):
-        self.root, self.base_model = root, base_model
+    def __init__(self, root: Path, base_model: str, max_bytes: int = 64 << 30):
+        self.root, self.base_model, self.max_bytes = root, base_model, max_bytes
+
+    def check_room(self) -> None:
+        """403 once the saved states take `max_bytes` of disk (named saves in a loop wrote 1 GB/s); not a
+        5xx, which the SDK retries ten times before it tells the user."""
+        used = 0
+        for folder, _, files in os.walk(self.root):  # links are not followed
+            for name in files:
+                with contextlib.suppress(OSError):
+                    used += os.lstat(os.path.join(folder, name)).st_blocks * 512
+        if used >= self.max_bytes:
+            raise BadRequest(
+                f"saved states take {used / 2**20:.1f} MiB, the server's bound (--max-state-gib); "
+                "delete some, or save with a TTL",
+                403,
+            )
 
     # --- the REST routes under /api/v1/training_runs/ ------------------------------------------
     def get(self, path: str, registry) -> dict:

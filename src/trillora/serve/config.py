@@ -49,6 +49,11 @@ class ServeConfig:
     max_samplers: int = 256
     """Sampling sessions (saved revisions) held at once, over all Tinker sessions."""
     max_sessions: int = 256
+    """With several keys each key holds at most its even share of the sessions, clients and samplers."""
+    max_unread_mib: int = 1024
+    """A key's results not yet retrieved hold at most this much; past it its oldest are dropped (410)."""
+    max_state_gib: float = 64.0
+    """Saved states under `state_dir` hold at most this much; past it a save is refused (403)."""
     session_seconds: float = 300.0
     """A Tinker session not heard from (heartbeat or any call) for this long is ended and its training
     clients and samplers freed (the SDK beats every 10 s)."""
@@ -129,18 +134,25 @@ class ServeConfig:
             "max_clients",
             "max_samplers",
             "max_sessions",
+            "max_unread_mib",
         ):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1")
         keys = [self.api_key] if isinstance(self.api_key, str) else self.api_key
         if keys is not None and (not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys)):
             raise BadRequest("api_key: a non-empty string, or a list of them")
+        gib = self.max_state_gib
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < float("inf"):
+            raise BadRequest(f"max_state_gib={gib!r}; allowed: a finite number of GiB > 0")
         mib = self.adapter_memory_mib
         if mib is not None and (not isinstance(mib, (int, float)) or not 0 <= mib < float("inf")):
             raise BadRequest(f"adapter_memory_mib={mib!r}; allowed: a finite number of MiB >= 0 (or unset)")
         for key in ("idle_seconds", "header_seconds", "body_seconds", "poll_seconds", "session_seconds"):
             if not getattr(self, key) > 0:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: a number of seconds > 0")
+
+    def key_count(self) -> int:
+        return 1 if isinstance(self.api_key, str) else len(self.api_key or [])
 
     def operator(self) -> str | None:
         """The digest (`http.owner_of`) of the operator's key when several keys are given, else None."""

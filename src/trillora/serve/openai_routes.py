@@ -188,6 +188,11 @@ class OpenAIRoutes:
             raise BadRequest("tools must be a list of objects ({'type': 'function', 'function': {...}})")
         if self.renderer is None:
             raise BadRequest("this model's tokenizer has no chat template")
+        chars = len(json.dumps([messages, tools], ensure_ascii=False, default=str))
+        if chars > 64 * self.max_len:  # bounded before the template and the tokenizer run on the event loop
+            raise BadRequest(
+                f"messages and tools of {chars} characters: more than the model's {self.max_len} positions can hold"
+            )
         if tools:
             try:
                 self.renderer.tool_format  # noqa: B018 - raises when the template has no tool calls

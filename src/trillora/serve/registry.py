@@ -36,7 +36,8 @@ class Registry:
         self.aliases: dict[str, str] = {}
         """Served names that stand for another (a learner's `name` → its current `name@k`)."""
 
-    def create_session(self) -> str:
+    def create_session(self, owner: str = "") -> str:
+        """`owner`: the opening key's digest; with several keys each holds at most its share."""
         with self.lock:
             if len(self.sessions) - 1 >= self.cfg.max_sessions:
                 raise BadRequest(
@@ -44,9 +45,21 @@ class Registry:
                     f"or wait {self.cfg.session_seconds:.0f} s for an idle one to end",
                     429,
                 )
+            self._within_share(owner, lambda s: 1, self.cfg.max_sessions, "sessions")
             sid = f"session-{secrets.token_urlsafe(12)}"
-            self.sessions[sid] = Session(sid)
+            self.sessions[sid] = Session(sid, owner)
         return sid
+
+    def _within_share(self, owner: str, count, cap: int, what: str) -> None:
+        """429 when `owner`'s sessions already hold its share of `cap` (`count(session)` each): with
+        several keys an even share, so that no key locks the others (the operator's among them) out."""
+        keys = self.cfg.key_count()
+        if self.follower or keys < 2:
+            return
+        share = max(1, cap // keys)
+        held = sum(count(s) for k, s in self.sessions.items() if k != SERVED and s.owner == owner)
+        if held >= share:
+            raise BadRequest(f"this key holds {held} {what}, its share of the server's {cap} ({keys} keys)", 429)
 
     def session(self, sid: str) -> Session:
         if self.follower:
@@ -96,6 +109,7 @@ class Registry:
                     "finish a session to free its clients",
                     429,
                 )
+            self._within_share(session.owner, lambda s: len(s.models), self.cfg.max_clients, "training clients")
             session.models[client.model_id] = client
         return {"model_id": client.model_id, "type": "create_model"}
 
@@ -107,16 +121,21 @@ class Registry:
         sampler_id = revision.sampler_id = f"{sid}:sample:{seq}"
         with self.lock:
             held = sum(len(s.samplers) for k, s in self.sessions.items() if k != SERVED)
-            if sid != SERVED and sampler_id not in session.samplers and held >= self.cfg.max_samplers:
-                oldest = next((k for k in session.samplers if k in session.ephemeral), None)
-                if oldest is None:
-                    raise BadRequest(
-                        f"the server holds {self.cfg.max_samplers} samplers (--max-samplers); "
-                        "finish a session to free its samplers",
-                        429,
-                    )
-                del session.samplers[oldest]
-                session.ephemeral.discard(oldest)
+            if sid != SERVED and sampler_id not in session.samplers:
+                try:
+                    if held >= self.cfg.max_samplers:
+                        raise BadRequest(
+                            f"the server holds {self.cfg.max_samplers} samplers (--max-samplers); "
+                            "finish a session to free its samplers",
+                            429,
+                        )
+                    self._within_share(session.owner, lambda s: len(s.samplers), self.cfg.max_samplers, "samplers")
+                except BadRequest:
+                    oldest = next((k for k in session.samplers if k in session.ephemeral), None)
+                    if oldest is None:
+                        raise
+                    del session.samplers[oldest]
+                    session.ephemeral.discard(oldest)
             session.samplers.pop(sampler_id, None)  # a replaced one counts as new: it goes last
             session.ephemeral.discard(sampler_id)
             session.samplers[sampler_id] = revision

@@ -178,20 +178,34 @@ def _stops(stop, vocab: int, eos: int | None) -> tuple[tuple[int, ...], tuple[st
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, (str, int)) for s in stop):
         raise BadRequest("sampling_params.stop must be a string, a list of strings or a list of token ids")
+    if len(stop) > MAX_STOPS or any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stop):
+        raise BadRequest(f"sampling_params.stop: at most {MAX_STOPS} entries of at most {MAX_STOP_CHARS} characters")
     ids = tuple(s for s in stop if isinstance(s, int))
     if any(not 0 <= i < vocab for i in ids):
         raise BadRequest(f"sampling_params.stop token ids must be in 0..{vocab - 1}")
     return ids, tuple(s for s in stop if isinstance(s, str) and s)
 
 
+MAX_STOPS, MAX_STOP_CHARS = 64, 256
+"""Every stop string is looked for in the worker that serves everyone: 20,000 of them held it 285 s."""
+
+
 def cut_at_stop(c, stop_strings: tuple[str, ...], tokenizer) -> tuple[list[int], list[float], str]:
-    """The completion up to and including the token that completes a stop string."""
+    """The completion up to and including the token that completes a stop string: the shortest prefix
+    whose text holds one, found by bisection (a longer prefix's text holds what a shorter one's does)."""
     tokens, logprobs, reason = c.token_ids, c.logprobs, c.finish_reason
-    if stop_strings:
-        for k in range(1, len(tokens) + 1):
-            if any(s in tokenizer.decode(tokens[:k]) for s in stop_strings):
-                return tokens[:k], logprobs[:k], "stop"
-    return tokens, logprobs, reason
+
+    def stops(k: int) -> bool:
+        text = tokenizer.decode(tokens[:k])
+        return any(s in text for s in stop_strings)
+
+    if not stop_strings or not stops(len(tokens)):
+        return tokens, logprobs, reason
+    lo, hi = 1, len(tokens)  # stops(hi) holds
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if stops(mid) else (mid + 1, hi)
+    return tokens[:hi], logprobs[:hi], "stop"
 
 
 def adam_settings(adam: dict) -> tuple[float, float, float, float, float, float]:

@@ -1,11 +1,14 @@
 """The Tinker service's futures: an operation that computes is queued on the worker and answered
 with an id at once; `retrieve_future` holds the poll on the event loop (no thread) until the
 outcome is there or `poll_seconds` pass (`try_again`). A retrieved outcome is released; one not
-retrieved within an hour is dropped."""
+retrieved within an hour is dropped, and so are a key's oldest unread outcomes once they hold
+more than `max_unread_bytes` together (a sample with top-k logprobs is 16 MiB: a client that never
+reads could hold the server's memory)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import secrets
@@ -26,17 +29,24 @@ class Future:
     body: bytes = b""
     proto: bool = False
     created: float = field(default_factory=time.monotonic)
+    owner: str = ""
+    """The digest of the key that queued it (`http.owner_of`)."""
+    settled: bool = False
+    """`body` holds the outcome (set on the worker; `done` follows on the event loop)."""
 
 
 class Futures:
-    def __init__(self, worker: Worker, poll_seconds: float):
-        self.worker, self.poll_seconds = worker, poll_seconds
+    def __init__(self, worker: Worker, poll_seconds: float, max_unread_bytes: int = 1 << 30):
+        self.worker, self.poll_seconds, self.max_unread_bytes = worker, poll_seconds, max_unread_bytes
         self.futures: dict[str, Future] = {}
+        self.dropped: collections.deque[str] = collections.deque(maxlen=4096)
+        """Ids whose unread outcome made room for a newer one (answered 410, not 404)."""
         self.lock = threading.Lock()  # routes run on the threadpool
         self.loop: asyncio.AbstractEventLoop | None = None  # the HTTP layer's, where futures are settled
 
     def start(
         self,
+        owner: str,
         fn,
         proto: bool = False,
         model_id: str | None = None,
@@ -45,11 +55,11 @@ class Futures:
         payload=None,
         encode=json.dumps,
     ) -> dict:
-        """Queue `fn` (a result that `encode` makes bytes or text of); the future's id.
+        """Queue `fn` (a result that `encode` makes bytes or text of) for `owner`; the future's id.
         `fuse`/`payload`: the kind of request and what its fuser needs, to share a pass."""
         with self.lock:  # an id no other client can guess: whoever holds it may read the result
             rid = f"req-{secrets.token_urlsafe(16)}"
-            fut = self.futures[rid] = Future(proto=proto)
+            fut = self.futures[rid] = Future(proto=proto, owner=owner)
             old = [k for k, f in self.futures.items() if f.done.is_set() and time.monotonic() - f.created > 3600]
             for k in old:
                 del self.futures[k]
@@ -71,6 +81,8 @@ class Futures:
                         json.dumps({"error": f"{type(e).__name__}: {e}", "category": "server"}).encode(),
                         False,
                     )
+            fut.settled = True
+            self._bound(owner)
             with contextlib.suppress(RuntimeError):  # the server has stopped: no poll is waiting any more
                 self.loop.call_soon_threadsafe(fut.done.set)
 
@@ -81,6 +93,18 @@ class Futures:
                 del self.futures[rid]
             raise BadRequest(str(e), 409) from None
         return {"request_id": rid, **({"model_id": model_id} if model_id else {})}
+
+    def _bound(self, owner: str) -> None:
+        """Drop `owner`'s oldest unread outcomes while they hold more than `max_unread_bytes` (its newest is kept)."""
+        with self.lock:
+            unread = [(k, f) for k, f in self.futures.items() if f.owner == owner and f.settled]
+            total = sum(len(f.body) for _, f in unread)
+            for rid, f in unread[:-1]:  # oldest first: the dict keeps creation order
+                if total <= self.max_unread_bytes:
+                    break
+                total -= len(f.body)
+                del self.futures[rid]
+                self.dropped.append(rid)
 
     def now(self, fn):
         """`fn`'s result (or the error it raised), run on the worker between requests: calls that
@@ -98,6 +122,12 @@ class Futures:
         one not retrieved within an hour is dropped)."""
         rid = body.get("request_id", "")
         fut = self.futures.get(rid) if isinstance(rid, str) else None
+        if fut is None and rid in self.dropped:
+            raise BadRequest(
+                f"request_id {rid!r} was dropped unread: this key's unread results passed "
+                f"{self.max_unread_bytes >> 20} MiB (--max-unread-mib)",
+                410,
+            )
         if fut is None:
             raise BadRequest(f"unknown request_id {rid!r}", 404)
         try:

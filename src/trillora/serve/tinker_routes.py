@@ -29,7 +29,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from . import hosted, wire
 from .checkpoints import CheckpointStore
-from .http import json_object
+from .http import json_object, owner_of
 from .registry import SERVED
 from .tinker_checks import sample_options
 from .tinker_futures import PROTO, Futures
@@ -52,12 +52,12 @@ CLIENT_CONFIG = {
 class TinkerRoutes:
     def __init__(self, server: Server):
         self.server, self.cfg, self.service, self.worker = server, server.cfg, server.service, server.worker
-        self.futures = Futures(self.worker, self.cfg.poll_seconds)
+        self.futures = Futures(self.worker, self.cfg.poll_seconds, self.cfg.max_unread_mib << 20)
         self.ids = itertools.count()  # names of states saved without one
         self.router = APIRouter()
         self.router.add_api_route("/api/v1/healthz", self.health, methods=["GET"])
         self.router.add_api_route("/api/v1/{rest:path}", self.handle, methods=["GET", "POST", "PUT", "DELETE"])
-        self.store = CheckpointStore(self.service.root, self.cfg.model)
+        self.store = CheckpointStore(self.service.root, self.cfg.model, int(self.cfg.max_state_gib * 2**30))
         threading.Thread(target=self._sweep, daemon=True, name="checkpoint-ttl").start()
 
     def _sweep(self, every: float = 30.0) -> None:
@@ -87,11 +87,14 @@ class TinkerRoutes:
         if path == "/api/v1/retrieve_future":
             data, content_type = await self.futures.retrieve(_json_object(raw))
         else:
-            data, content_type = await run_in_threadpool(self.post, path, raw, request.headers.get("content-type", ""))
+            data, content_type = await run_in_threadpool(
+                self.post, path, raw, request.headers.get("content-type", ""), owner_of(request.scope)
+            )
         return Response(data, media_type=content_type)
 
     # --- routes --------------------------------------------------------------------------
-    def post(self, path: str, raw: bytes, content_type: str) -> tuple[bytes, str]:
+    def post(self, path: str, raw: bytes, content_type: str, owner: str = "") -> tuple[bytes, str]:
+        """`owner`: the request's key digest (`http.owner_of`): what it opens and queues counts against that key."""
         s = self.service
         if path == "/api/v1/forward_backward":
             if PROTO not in content_type:
@@ -107,6 +110,7 @@ class TinkerRoutes:
             encode = lambda o: wire.forward_backward_output({"logprobs": o[0]}, o[1], len(call.data))  # noqa: E731
             return self._json(
                 self.futures.start(
+                    owner,
                     lambda: s.forward_backward_many([call])[0],
                     proto=True,
                     model_id=req.model_id,
@@ -117,7 +121,7 @@ class TinkerRoutes:
                 )
             )
         body = _json_object(raw)
-        handler = self._routes().get(path)
+        handler = self._routes(owner).get(path)
         if handler is None and path.startswith("/api/v1/sessions/") and path.endswith("/finish"):
             sid = path.split("/")[-2]
             if sid in s.sessions and sid != SERVED:
@@ -145,24 +149,24 @@ class TinkerRoutes:
                     self.worker.submit(Job(lambda: None, lambda out: None, model_id), seq_id)
             raise
 
-    def _routes(self) -> dict:
+    def _routes(self, owner: str) -> dict:
         s = self.service
         return {
             "/api/v1/client/config": lambda b: CLIENT_CONFIG,
             "/api/v1/client/dynamic_config": lambda b: {"refresh_interval_sec": 300},
             "/api/v1/telemetry": lambda b: {"status": "accepted"},
-            "/api/v1/create_session": self._create_session,
+            "/api/v1/create_session": lambda b: self._create_session(b, owner),
             "/api/v1/session_heartbeat": lambda b: (s.session(b.get("session_id", "")), {"type": "session_heartbeat"})[
                 1
             ],
-            "/api/v1/create_model": self._create_model,
+            "/api/v1/create_model": lambda b: self._create_model(b, owner),
             "/api/v1/get_info": lambda b: s.info(b.get("model_id", "")),
-            "/api/v1/optim_step": self._optim_step,
-            "/api/v1/save_weights": self._save_weights,
-            "/api/v1/save_weights_for_sampler": self._save_for_sampler,
-            "/api/v1/load_weights": self._load_weights,
+            "/api/v1/optim_step": lambda b: self._optim_step(b, owner),
+            "/api/v1/save_weights": lambda b: self._save_weights(b, owner),
+            "/api/v1/save_weights_for_sampler": lambda b: self._save_for_sampler(b, owner),
+            "/api/v1/load_weights": lambda b: self._load_weights(b, owner),
             "/api/v1/create_sampling_session": self._create_sampler,
-            "/api/v1/asample": self._sample,
+            "/api/v1/asample": lambda b: self._sample(b, owner),
             "/api/v1/weights_info": self._weights_info,
         }
 
@@ -187,14 +191,14 @@ class TinkerRoutes:
     def _json(payload: dict) -> tuple[bytes, str]:
         return json.dumps(payload).encode(), "application/json"
 
-    def _create_session(self, b: dict) -> dict:
+    def _create_session(self, b: dict, owner: str = "") -> dict:
         s = self.service
         idle = s.idle_sessions()
         if idle:  # their clients and samplers freed first (on the worker: a parallel service's ranks follow)
             self.futures.now(lambda: s.end_sessions(idle))
-        return {"type": "create_session", "session_id": s.create_session()}
+        return {"type": "create_session", "session_id": s.create_session(owner)}
 
-    def _create_model(self, b: dict) -> dict:
+    def _create_model(self, b: dict, owner: str = "") -> dict:
         s, sid, seq = self.service, b.get("session_id", ""), _seq(b, "model_seq_id")
         if f"{sid}:train:{seq}" in s.session(sid).models:
             raise BadRequest(f"model_seq_id {seq} of this session is taken by {sid}:train:{seq}", 409)
@@ -208,20 +212,23 @@ class TinkerRoutes:
             self.store.record_run(out["model_id"], rank, roles, metadata)
             return out
 
-        return self.futures.start(create, model_id=f"{sid}:train:{seq}")
+        return self.futures.start(owner, create, model_id=f"{sid}:train:{seq}")
 
-    def _optim_step(self, b: dict) -> dict:
+    def _optim_step(self, b: dict, owner: str = "") -> dict:
         s, mid = self.service, b.get("model_id", "")
         s.client(mid)
         if "adam_params" not in b:
             raise BadRequest("optim_step needs adam_params (this server runs AdamW)")
-        return self.futures.start(lambda: s.optim_step(mid, b["adam_params"]), model_id=mid, seq_id=b.get("seq_id"))
+        return self.futures.start(
+            owner, lambda: s.optim_step(mid, b["adam_params"]), model_id=mid, seq_id=b.get("seq_id")
+        )
 
-    def _save_weights(self, b: dict) -> dict:
+    def _save_weights(self, b: dict, owner: str = "") -> dict:
         s, mid = self.service, b.get("model_id", "")
         s.client(mid)
         name = b.get("path") or f"state-{next(self.ids)}"
         s.state_path(mid, "weights", name)  # refuses a bad name now
+        self.store.check_room()
         ttl, metadata = b.get("ttl_seconds"), _metadata(b)
 
         def save() -> dict:
@@ -229,14 +236,15 @@ class TinkerRoutes:
             self.store.annotate(out["path"], ttl, metadata)
             return out
 
-        return self.futures.start(save, model_id=mid, seq_id=b.get("seq_id"))
+        return self.futures.start(owner, save, model_id=mid, seq_id=b.get("seq_id"))
 
-    def _save_for_sampler(self, b: dict) -> dict:
+    def _save_for_sampler(self, b: dict, owner: str = "") -> dict:
         s, mid = self.service, b.get("model_id", "")
         s.client(mid)
         name = b.get("path")
         if name is not None:
             s.state_path(mid, "sampler_weights", name)
+            self.store.check_room()
         seq, ttl, metadata = _seq(b, "sampling_session_seq_id"), b.get("ttl_seconds"), _metadata(b)
 
         def save() -> dict:
@@ -245,9 +253,9 @@ class TinkerRoutes:
                 self.store.annotate(out["path"], ttl, metadata)
             return out
 
-        return self.futures.start(save, model_id=mid, seq_id=b.get("seq_id"))
+        return self.futures.start(owner, save, model_id=mid, seq_id=b.get("seq_id"))
 
-    def _load_weights(self, b: dict) -> dict:
+    def _load_weights(self, b: dict, owner: str = "") -> dict:
         s, path, optimizer = self.service, b.get("path", ""), bool(b.get("optimizer", False))
         s.resolve(path)
         if "model_id" in b:  # the legacy form: a new client under the same id is not what it asks
@@ -266,7 +274,7 @@ class TinkerRoutes:
             self.store.record_run(out["model_id"], c.rank, c.roles, metadata)
             return out
 
-        return self.futures.start(load, model_id=f"{sid}:train:{seq}")
+        return self.futures.start(owner, load, model_id=f"{sid}:train:{seq}")
 
     def _create_sampler(self, b: dict) -> dict:
         s = self.service
@@ -276,7 +284,7 @@ class TinkerRoutes:
         )
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
-    def _sample(self, b: dict) -> dict:
+    def _sample(self, b: dict, owner: str = "") -> dict:
         s = self.service
         sid = b.get("sampling_session_id") or ""
         if not sid and b.get("model_path"):
@@ -298,6 +306,7 @@ class TinkerRoutes:
         calls = [SampleCall(sid, prompt, n, params, want_prompt, options=sample_options(b, len(prompt), s.vocab))]
         s.check_sample(calls[0])  # refused now, not in the future
         out = self.futures.start(
+            owner,
             lambda: self.server.sample([calls])[0],
             proto=True,
             fuse="sample",

@@ -66,6 +66,8 @@ class SampleCall:
 @dataclass
 class Session:
     session_id: str
+    owner: str = ""
+    """The digest of the key that opened it (`http.owner_of`): what it holds counts against that key's share."""
     models: dict[str, Client] = field(default_factory=dict)
     samplers: dict[str, Revision] = field(default_factory=dict)
     ephemeral: set[str] = field(default_factory=set)

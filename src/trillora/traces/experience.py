@@ -93,14 +93,22 @@ def collect(
     baselines: Baselines,
     score: Callable[[list[Call]], float] | None,
     vocab_size: int,
+    owners: set[str] | None = None,
 ) -> Experience:
     """The untrained traces with a reward, as training sequences with advantages (a trace holding
-    a token id past `vocab_size` was served by another model: left out and counted)."""
+    a token id past `vocab_size` was served by another model: left out and counted). `owners`: the
+    keys (digests) whose traces may train (None: every key's); each key's traces form their own groups."""
     rewards, tasks, tags, picked, samples_per, served_by, left_out = [], [], [], [], [], [], []
-    dropped = {"stale": 0, "other_temperature": 0, "bad_reward": 0, "too_long": 0, "other_vocabulary": 0}
+    dropped = dict.fromkeys(
+        ("stale", "other_temperature", "bad_reward", "too_long", "other_vocabulary", "other_key"), 0
+    )
     tokens, held = 0, []
     for t in store.untrained(rewarded_only=score is None):
         key = (t["owner"], t["trace_id"])
+        if owners is not None and t["owner"] not in owners:
+            dropped["other_key"] += 1
+            left_out.append(key)
+            continue
         if learn.gate == "traces" and held_out(key, learn.holdout):
             held.append(key)
             continue
@@ -134,8 +142,8 @@ def collect(
             continue
         picked.append(key)
         rewards.append(float(reward))
-        tasks.append(tuple(calls[0].prompt_ids))
-        tags.append(calls[0].tag)
+        tasks.append((t["owner"], tuple(calls[0].prompt_ids)))  # one key's rewards never move another's baseline
+        tags.append(f"{t['owner']}:{calls[0].tag}")  # a running mean per key and tag
         samples_per.append(samples_of(calls))
         served_by.append(calls[0].revision_number)
     adv = advantages(rewards, tasks, tags, baselines)

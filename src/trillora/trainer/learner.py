@@ -51,11 +51,13 @@ class Learner:
         folder: str | Path,
         device: torch.device,
         tokenizer=None,
+        owners: set[str] | None = None,
     ):
         """`base`: the service's resident base (`use`, `new_adapter`); `store`: the trace store;
         `cfg`: a TrainConfig (its lora, optim, algorithm, rollout, learn and, for the gate, task
-        sections); `publish(k, tensors, config)`: serve revision k."""
-        self.base, self.store, self.cfg, self.publish = base, store, cfg, publish
+        sections); `publish(k, tensors, config)`: serve revision k; `owners`: the keys (digests)
+        whose traces train (None: every key's, `learn.from_keys`)."""
+        self.base, self.store, self.cfg, self.publish, self.owners = base, store, cfg, publish, owners
         self.folder, self.device, self.tokenizer = Path(folder), device, tokenizer
         self.pad_id = (tokenizer.pad_token_id or 0) if tokenizer is not None else 0
         lc, o = cfg.lora, cfg.optim
@@ -153,6 +155,7 @@ class Learner:
             self.baselines,
             self.score,
             self.base.model.args.vocab_size,
+            self.owners,
         )
         if exp.left_out:
             self.store.mark_trained(exp.left_out, -1)
