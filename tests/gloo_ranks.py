@@ -59,7 +59,7 @@ def _rank(rank: int, fn, world: int, port: int, errors, args: tuple) -> None:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
     finally:
-        # what `fn` built (meshes, FSDP states) may still hold process groups in reference cycles:
-        # freed here, while the interpreter is whole; freed at exit, gloo's threads abort the process
+        # what `fn` built (meshes, FSDP states) holds process groups in reference cycles: freed before the
+        # groups are destroyed (a forkserver child then ends with os._exit, without the interpreter's teardown)
         gc.collect()
         dist.destroy_process_group()

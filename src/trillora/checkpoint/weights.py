@@ -81,7 +81,6 @@ class _Filler:
         self.elsewhere = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, OtherStage))
         """Modules another pipeline stage holds: their tensors are not read."""
         self.filled: dict[str, int] = defaultdict(int)
-        self.skipped_mtp = 0
 
     def wanted(self, name: str) -> bool:
         """False for another rank's per-expert tensor (or its fp8 scale), or another pipeline stage's
@@ -95,8 +94,7 @@ class _Filler:
     def put(self, name: str, tensor: torch.Tensor, where: str) -> None:
         layer = _LAYER.match(name)
         if layer and int(layer.group(1)) >= self.args.num_layers:
-            self.skipped_mtp += 1  # multi-token-prediction layers follow the decoder layers
-            return
+            return  # multi-token-prediction layers follow the decoder layers
         if _IGNORED.search(name):
             return
         target, index = name, ()

@@ -28,10 +28,6 @@ class TokenBatch:
     samples), which lets the passes run each prompt once; None when they do not."""
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.completion_mask.sum())
-
-    @property
     def num_rows(self) -> int:
         return self.input_ids.shape[0]
 

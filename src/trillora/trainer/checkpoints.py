@@ -33,7 +33,6 @@ class RunCheckpoints:
         self.root: Path = trainer.cfg.run_dir / "checkpoints"
         self.rank = trainer.world.rank
         self.console = trainer.console
-        self.saved_step = -1
 
     # --- starting ------------------------------------------------------------------------
     def start(self) -> Resumed | None:
@@ -75,7 +74,6 @@ class RunCheckpoints:
             train_state.clear_partials(self.root)
             self.console.print(f"resuming from {found.path} (step {state['step']})")
         t.sync_engine()  # the engine samples with the restored adapter (a collective under torchrun)
-        self.saved_step = state["step"]
         return Resumed(step=state["step"], state=state)
 
     # --- saving --------------------------------------------------------------------------
@@ -107,7 +105,6 @@ class RunCheckpoints:
             files = {"config.toml": to_toml(t.cfg), "metrics.jsonl": metrics_file.read_text() if metrics_file else ""}
             path = train_state.commit(self.root, step, state, files, t.cfg.checkpoint.keep)
         t.world.barrier()
-        self.saved_step = step
         return path
 
     def metrics_of(self, resumed: Resumed) -> str:
