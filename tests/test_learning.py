@@ -376,6 +376,10 @@ def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tm
                 statuses.append(post(url, "/v1/feedback", {"trace_id": out["trace_id"], "reward": float(right)})[0])
             n += 1
 
+    status, guest = post(url, "/v1/completions", {"prompt": "1+1=", "max_tokens": 2}, key="k2")  # not the operator
+    assert (
+        status == 200 and post(url, "/v1/feedback", {"trace_id": guest["trace_id"], "reward": 1.0}, key="k2")[0] == 200
+    )
     threads = [threading.Thread(target=app, args=(i,)) for i in range(4)]
     [t.start() for t in threads]
     deadline = time.monotonic() + 300
@@ -394,6 +398,8 @@ def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tm
     assert "served:sample:tiny-moe-chat" in served_by and any("@" in r for r in served_by)  # base first, then revisions
     row = listing["revisions"][-1]["training"]
     assert row["traces"] >= 2 and "is_ratio_mean" in row and "loss" in row
+    trained = {t: k for _, t, k in TraceStore(cfg.record)._read("SELECT owner, trace_id, revision FROM trained")}
+    assert trained[guest["trace_id"]] == -1  # learn.from_keys = "operator": another key's thumbs train nothing
 
     models = {m["id"]: m for m in get(url, "/v1/models")["data"]}
     current = listing["current"]

@@ -127,10 +127,14 @@ def test_declared_shapes_and_token_counts_are_bounded(server):
     assert status == 400 and "--max-call-tokens" in out["error"], out
     status, out = post(server, "/api/v1/asample", {**sample, "prompt": {"chunks": [{"tokens": [True, 5]}]}})
     assert status == 400 and "integers" in out["error"], out
-    for stop in (["never"] * 65, ["x" * 257]):  # each stop string is looked for on the worker everyone shares
+    for stop, says in (
+        (["never"] * 65, "at most 64 entries of at most 256 characters"),  # each is looked for on the shared worker
+        (["x" * 257], "at most 64 entries of at most 256 characters"),
+        (["a\ufffd"], "may not hold U+FFFD"),
+    ):
         sample["sampling_params"], sample["num_samples"] = {"max_tokens": 10, "stop": stop}, 1
         status, out = post(server, "/api/v1/asample", sample)
-        assert status == 400 and "at most 64 entries of at most 256 characters" in out["error"], out
+        assert status == 400 and says in out["error"], out
     finish(server, sid)
 
 

@@ -6,6 +6,7 @@ bounded, and the saved states have a quota."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -13,6 +14,8 @@ import pytest
 from engine_helpers import post_json, running_server
 
 from trillora.serve.config import ServeConfig
+
+PROTO = "application/x-protobuf"
 
 
 @pytest.fixture
@@ -33,16 +36,24 @@ def poster(url: str):
     return lambda path, body, key="k1": post_json(url, path, body, key=key)
 
 
-def status_of(url: str, path: str, body: dict, key: str) -> int:
-    """The status alone: a sample's outcome is protobuf, not JSON."""
+def read(url: str, rid: str, key: str) -> tuple[int, str]:
+    """Poll until the outcome is there, as the SDK does: (status, content type)."""
+    while True:
+        status, kind = status_of(url, "/api/v1/retrieve_future", {"request_id": rid}, key)
+        if (status, kind) != (200, "application/json"):  # JSON with 200 is a try_again here
+            return status, kind
+
+
+def status_of(url: str, path: str, body: dict, key: str) -> tuple[int, str]:
+    """The status and content type: a sample's outcome is protobuf (a `try_again` is JSON)."""
     req = urllib.request.Request(
         url + path, data=json.dumps(body).encode(), headers={"X-API-Key": key, "Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status
+            return r.status, r.headers.get("content-type", "")
     except urllib.error.HTTPError as e:
-        return e.code
+        return e.code, e.headers.get("content-type", "")
 
 
 def test_each_key_holds_only_its_share_of_sessions_and_clients(serve):
@@ -63,8 +74,40 @@ def test_each_key_holds_only_its_share_of_sessions_and_clients(serve):
     assert "model_id" in client(mine, 0, "k1")
 
 
+def test_every_rank_admits_what_rank_0_admits():
+    """Under torchrun the other ranks replay rank 0's commands: their sessions learn their owner from
+    the command (`Registry.own`), so a share refuses, and an unnamed sampler makes room, on every rank
+    alike (a rank holding a client rank 0 refused would leave a pass's collectives unmatched)."""
+    from trillora.policy.adapters import Revision
+    from trillora.serve.registry import Registry
+    from trillora.serve.tinker_types import BadRequest, Client
+
+    cfg = ServeConfig(model="tiny-moe", api_key=["k1", "k2"], max_clients=4, max_samplers=4)
+    ranks = [Registry(cfg, follower=False), Registry(cfg, follower=True)]
+    guest, operator = (ranks[0].create_session(o) for o in ("guest", "op"))
+    outcomes = [[], []]
+    steps = [(guest, "client", n) for n in range(3)] + [(operator, "client", 0)]
+    steps += [(guest, "sampler", n) for n in range(4)] + [(operator, "sampler", 0)]
+    for sid, what, n in steps:
+        owner = ranks[0].owner(sid)  # what the command carries
+        for r, registry in enumerate(ranks):
+            registry.own(sid, owner)
+            try:
+                if what == "client":
+                    registry.register(sid, n, Client("", None, 2, ("attention",)))
+                else:
+                    registry.add_sampler(sid, n, Revision(None), ephemeral=True)
+                outcomes[r].append("ok")
+            except BadRequest as e:
+                outcomes[r].append(e.status)
+    assert outcomes[0] == outcomes[1] == ["ok", "ok", 429, "ok", "ok", "ok", "ok", "ok", "ok"], outcomes
+    for a, b in zip(ranks[0].sessions.values(), ranks[1].sessions.values(), strict=True):
+        assert (list(a.models), list(a.samplers)) == (list(b.models), list(b.samplers))
+    assert [k.rsplit(":", 1)[1] for k in ranks[0].sessions[guest].samplers] == ["2", "3"]  # its share: 2, newest
+
+
 def test_a_keys_unread_results_are_bounded(serve):
-    url = serve(api_key=["k1", "k2"], max_unread_mib=1)
+    url = serve(api_key=["k1", "k2"], max_unread_mib=1, poll_seconds=0.2)
     post = poster(url)
     sample = {
         "base_model": "tiny-moe",
@@ -75,11 +118,15 @@ def test_a_keys_unread_results_are_bounded(serve):
     }
     operators = post("/api/v1/asample", sample)[1]["request_id"]
     queued = [post("/api/v1/asample", sample, key="k2")[1]["request_id"] for _ in range(8)]
-    # the newest is kept; the worker ran the calls in order, so all are settled once it is
-    assert status_of(url, "/api/v1/retrieve_future", {"request_id": queued[-1]}, "k2") == 200
+    # the worker runs calls in order: all are settled once the last is; a result unread for poll_seconds
+    # may go, and the next settled result sees to it
+    assert read(url, queued[-1], "k2") == (200, PROTO)
+    time.sleep(0.5)
+    more = post("/api/v1/asample", sample, key="k2")[1]["request_id"]
+    assert read(url, more, "k2") == (200, PROTO)
     status, out = post("/api/v1/retrieve_future", {"request_id": queued[0]}, key="k2")
     assert status == 410 and "dropped unread" in out["error"] and "1 MiB (--max-unread-mib)" in out["error"], out
-    assert status_of(url, "/api/v1/retrieve_future", {"request_id": operators}, "k1") == 200  # its own budget
+    assert read(url, operators, "k1") == (200, PROTO)  # its own budget
 
 
 def test_saved_states_have_a_quota(serve):
@@ -95,3 +142,18 @@ def test_saved_states_have_a_quota(serve):
     assert status == 403 and "(--max-state-gib)" in out["error"], out
     status, out = post("/api/v1/save_weights_for_sampler", {"model_id": mid, "path": "c", "seq_id": 3})
     assert status == 403, out
+
+
+def test_saves_queued_together_are_checked_again_when_they_run(serve):
+    """Both pass the route's check before either is written; the second fails on the worker."""
+    post = poster(serve(api_key="k1", max_state_gib=2**-12))
+    sid = post("/api/v1/create_session", {})[1]["session_id"]
+    body = {"session_id": sid, "model_seq_id": 0, "base_model": "tiny-moe", "lora_config": {"rank": 32}}
+    mid = post("/api/v1/retrieve_future", post("/api/v1/create_model", body)[1])[1]["model_id"]
+    busy = {"base_model": "tiny-moe", "prompt": {"chunks": [{"tokens": [5]}]}, "num_samples": 64}
+    busy["sampling_params"] = {"max_tokens": 400}
+    post("/api/v1/asample", busy)  # the worker is busy while both saves arrive
+    queued = [post("/api/v1/save_weights", {"model_id": mid, "path": p, "seq_id": n}) for n, p in ((1, "a"), (2, "b"))]
+    assert [s for s, _ in queued] == [200, 200], queued
+    first, second = (post("/api/v1/retrieve_future", out)[1] for _, out in queued)
+    assert "path" in first and "(--max-state-gib)" in second["error"], (first, second)

@@ -41,6 +41,10 @@ class ChatRenderer:
             )
         self._tool_format = tool_format
         self._specials = [t for t in tokenizer.all_special_tokens if t]
+        # a tool's output may write none of the template's markers: the special tokens, and added tokens
+        # that look like markup (`<tool_call>`, DeepSeek's `<｜User｜>`), special or not
+        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+        self._markers = sorted({*self._specials, *(t.content for t in added if re.fullmatch(r"<[^<>\s]+>", t.content))})
         self.end_text, self.separator = self._turn_end()
         ids = self._encode(self.end_text) if self.end_text else []
         eos = tokenizer.eos_token_id
@@ -63,11 +67,21 @@ class ChatRenderer:
 
     def _plain_tool(self, message: dict) -> dict:
         """A tool's output (what a model-written program printed) cannot write the template's markers:
-        its special tokens are dropped, so a forged `<|im_end|><|im_start|>user` stays text of its turn."""
+        they are dropped, so a forged `<|im_end|><|im_start|>user` stays text of its turn."""
         content = message.get("content")
-        if message.get("role") != "tool" or not isinstance(content, str):
+        if message.get("role") != "tool":
             return message
-        return {**message, "content": _without(self._specials, content)}
+        if isinstance(content, str):
+            return {**message, "content": _without(self._markers, content)}
+        if isinstance(content, list):  # parts: [{"type": "text", "text": ...}]
+            parts = [
+                {**p, "text": _without(self._markers, p["text"])}
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+                else p
+                for p in content
+            ]
+            return {**message, "content": parts}
+        return message
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -136,6 +150,11 @@ class ChatRenderer:
 
 
 def _without(tokens: list[str], text: str) -> str:
-    for tok in tokens:
-        text = text.replace(tok, "")
-    return text
+    """`text` with every one of `tokens` gone, until none is left: dropping one may join another
+    (`<|im_<|im_end|>start|>`)."""
+    while True:
+        before = text
+        for tok in tokens:
+            text = text.replace(tok, "")
+        if text == before:
+            return text

@@ -45,7 +45,9 @@ class CheckpointStore:
         """403 once the saved states take `max_bytes` of disk (named saves in a loop wrote 1 GB/s); not a
         5xx, which the SDK retries ten times before it tells the user."""
         used = 0
-        for folder, _, files in os.walk(self.root):  # links are not followed
+        for folder, dirs, files in os.walk(self.root):  # links are not followed
+            if folder == str(self.root):
+                dirs[:] = [d for d in dirs if d != "learner"]  # a learning server's revisions are not saved states
             for name in files:
                 with contextlib.suppress(OSError):
                     used += os.lstat(os.path.join(folder, name)).st_blocks * 512

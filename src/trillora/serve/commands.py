@@ -17,9 +17,11 @@ class CreateModel:
     rank: int
     roles: tuple[str, ...]
     seed: int
+    owner: str = ""
     sharded_only = False
 
     def run(self, s):
+        s.registry.own(self.sid, self.owner)
         return s.create_model(self.sid, self.seq, self.rank, self.roles, self.seed)
 
 
@@ -29,9 +31,11 @@ class LoadState:
     seq: int
     tinker_path: str
     optimizer: bool
+    owner: str = ""
     sharded_only = False
 
     def run(self, s):
+        s.registry.own(self.sid, self.owner)
         return s.load_state(self.sid, self.seq, self.tinker_path, self.optimizer)
 
 
@@ -71,9 +75,11 @@ class SaveForSampler:
     name: str | None
     sid: str | None
     sampler_seq: int
+    owner: str = ""
     sharded_only = True
 
     def run(self, s):
+        s.registry.own(self.sid or self.model_id.split(":")[0], self.owner)
         return s.save_for_sampler(self.model_id, self.name, self.sid, self.sampler_seq)
 
 
@@ -83,9 +89,11 @@ class CreateSampler:
     seq: int
     model_path: str | None
     base_model: str | None
+    owner: str = ""
     sharded_only = True
 
     def run(self, s):
+        s.registry.own(self.sid, self.owner)
         return s.create_sampler(self.sid, self.seq, self.model_path, self.base_model)
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from fastapi import APIRouter, Request, Response
+from fastapi.concurrency import run_in_threadpool
 
 from ..chat.renderer import ChatRenderer
 from ..errors import ConfigError
@@ -168,7 +169,7 @@ class OpenAIRoutes:
             raise BadRequest(f"{len(prompt)} prompts; at most {self.cfg.max_prompts} per request")
         out = []
         for p in prompt:
-            if isinstance(p, str) and len(p) > 64 * self.max_len:  # bounded before the tokenizer runs on the event loop
+            if isinstance(p, str) and len(p) > 64 * self.max_len:  # bounded before the tokenizer runs
                 raise BadRequest(
                     f"a prompt of {len(p)} characters is longer than the model's {self.max_len} positions can hold"
                 )
@@ -189,7 +190,7 @@ class OpenAIRoutes:
         if self.renderer is None:
             raise BadRequest("this model's tokenizer has no chat template")
         chars = len(json.dumps([messages, tools], ensure_ascii=False, default=str))
-        if chars > 64 * self.max_len:  # bounded before the template and the tokenizer run on the event loop
+        if chars > 64 * self.max_len:  # bounded before the template and the tokenizer run
             raise BadRequest(
                 f"messages and tools of {chars} characters: more than the model's {self.max_len} positions can hold"
             )
@@ -203,15 +204,17 @@ class OpenAIRoutes:
         except Exception as e:  # a malformed message: the template's own error  # noqa: BLE001
             raise BadRequest(f"messages do not fit the chat template: {e}") from None
 
+    # prompts are tokenized and chats rendered on the threadpool: a body's worth of text takes seconds,
+    # which on the event loop would hold every other connection (the health checks among them)
     async def completions(self, request: Request, response: Response) -> dict:
         body = await _body(request)
-        return await self._complete(request, response, body, self._prompts(body.get("prompt")), chat=False)
+        prompts = await run_in_threadpool(self._prompts, body.get("prompt"))
+        return await self._complete(request, response, body, prompts, chat=False)
 
     async def chat_completions(self, request: Request, response: Response) -> dict:
         body = await _body(request)
-        return await self._complete(
-            request, response, body, self._chat_prompt(body.get("messages"), body.get("tools")), chat=True
-        )
+        prompts = await run_in_threadpool(self._chat_prompt, body.get("messages"), body.get("tools"))
+        return await self._complete(request, response, body, prompts, chat=True)
 
     async def _complete(
         self, request: Request, response: Response, body: dict, prompts: list[list[int]], chat: bool

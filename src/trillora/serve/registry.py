@@ -50,11 +50,21 @@ class Registry:
             self.sessions[sid] = Session(sid, owner)
         return sid
 
+    def owner(self, sid: str) -> str:
+        """Whose session `sid` is ("" if none): the commands that fill a session carry it to the other ranks."""
+        return getattr(self.sessions.get(sid), "owner", "")
+
+    def own(self, sid: str, owner: str) -> None:
+        """A follower learns whose session `sid` is, so that its shares decide as rank 0's did."""
+        if self.follower and sid != SERVED:
+            self.session(sid).owner = owner
+
     def _within_share(self, owner: str, count, cap: int, what: str) -> None:
         """429 when `owner`'s sessions already hold its share of `cap` (`count(session)` each): with
-        several keys an even share, so that no key locks the others (the operator's among them) out."""
+        several keys an even share, so that no key locks the others (the operator's among them) out.
+        Every rank decides alike: a follower's sessions carry their owner (`own`)."""
         keys = self.cfg.key_count()
-        if self.follower or keys < 2:
+        if keys < 2:
             return
         share = max(1, cap // keys)
         held = sum(count(s) for k, s in self.sessions.items() if k != SERVED and s.owner == owner)

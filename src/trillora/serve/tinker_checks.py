@@ -180,6 +180,8 @@ def _stops(stop, vocab: int, eos: int | None) -> tuple[tuple[int, ...], tuple[st
         raise BadRequest("sampling_params.stop must be a string, a list of strings or a list of token ids")
     if len(stop) > MAX_STOPS or any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stop):
         raise BadRequest(f"sampling_params.stop: at most {MAX_STOPS} entries of at most {MAX_STOP_CHARS} characters")
+    if any(isinstance(s, str) and "\ufffd" in s for s in stop):  # a half-decoded character's stand-in, not text
+        raise BadRequest("sampling_params.stop: a stop string may not hold U+FFFD")
     ids = tuple(s for s in stop if isinstance(s, int))
     if any(not 0 <= i < vocab for i in ids):
         raise BadRequest(f"sampling_params.stop token ids must be in 0..{vocab - 1}")
@@ -192,11 +194,13 @@ MAX_STOPS, MAX_STOP_CHARS = 64, 256
 
 def cut_at_stop(c, stop_strings: tuple[str, ...], tokenizer) -> tuple[list[int], list[float], str]:
     """The completion up to and including the token that completes a stop string: the shortest prefix
-    whose text holds one, found by bisection (a longer prefix's text holds what a shorter one's does)."""
+    whose text holds one, found by bisection. A longer prefix's text holds what a shorter one's does:
+    decoded as it is (no clean-up of spaces), and with no U+FFFD in a stop string (a partial
+    character's stand-in, gone once the character is whole)."""
     tokens, logprobs, reason = c.token_ids, c.logprobs, c.finish_reason
 
     def stops(k: int) -> bool:
-        text = tokenizer.decode(tokens[:k])
+        text = tokenizer.decode(tokens[:k], clean_up_tokenization_spaces=False)
         return any(s in text for s in stop_strings)
 
     if not stop_strings or not stops(len(tokens)):

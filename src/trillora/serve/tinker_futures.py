@@ -31,8 +31,8 @@ class Future:
     created: float = field(default_factory=time.monotonic)
     owner: str = ""
     """The digest of the key that queued it (`http.owner_of`)."""
-    settled: bool = False
-    """`body` holds the outcome (set on the worker; `done` follows on the event loop)."""
+    settled: float | None = None
+    """When `body` came to hold the outcome (set on the worker; `done` follows on the event loop)."""
 
 
 class Futures:
@@ -81,7 +81,7 @@ class Futures:
                         json.dumps({"error": f"{type(e).__name__}: {e}", "category": "server"}).encode(),
                         False,
                     )
-            fut.settled = True
+            fut.settled = time.monotonic()
             self._bound(owner)
             with contextlib.suppress(RuntimeError):  # the server has stopped: no poll is waiting any more
                 self.loop.call_soon_threadsafe(fut.done.set)
@@ -95,13 +95,17 @@ class Futures:
         return {"request_id": rid, **({"model_id": model_id} if model_id else {})}
 
     def _bound(self, owner: str) -> None:
-        """Drop `owner`'s oldest unread outcomes while they hold more than `max_unread_bytes` (its newest is kept)."""
+        """Drop `owner`'s oldest unread outcomes while they hold more than `max_unread_bytes`: only
+        those left unread for `poll_seconds` (a client that polls has read its own by then), never its
+        newest. One budget for all clients of a server without keys."""
         with self.lock:
-            unread = [(k, f) for k, f in self.futures.items() if f.owner == owner and f.settled]
-            total = sum(len(f.body) for _, f in unread)
+            unread = [(k, f) for k, f in self.futures.items() if f.owner == owner and f.settled is not None]
+            total, now = sum(len(f.body) for _, f in unread), time.monotonic()
             for rid, f in unread[:-1]:  # oldest first: the dict keeps creation order
                 if total <= self.max_unread_bytes:
                     break
+                if now - f.settled < self.poll_seconds:
+                    continue
                 total -= len(f.body)
                 del self.futures[rid]
                 self.dropped.append(rid)
@@ -121,8 +125,10 @@ class Futures:
         """The outcome, once: a retrieved result is released (results are as large as their calls;
         one not retrieved within an hour is dropped)."""
         rid = body.get("request_id", "")
-        fut = self.futures.get(rid) if isinstance(rid, str) else None
-        if fut is None and rid in self.dropped:
+        with self.lock:
+            fut = self.futures.get(rid) if isinstance(rid, str) else None
+            dropped = fut is None and rid in self.dropped
+        if dropped:
             raise BadRequest(
                 f"request_id {rid!r} was dropped unread: this key's unread results passed "
                 f"{self.max_unread_bytes >> 20} MiB (--max-unread-mib)",

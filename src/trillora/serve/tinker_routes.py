@@ -232,6 +232,7 @@ class TinkerRoutes:
         ttl, metadata = b.get("ttl_seconds"), _metadata(b)
 
         def save() -> dict:
+            self.store.check_room()  # again on the worker: saves queued together all passed the first check
             out = s.save_state(mid, name)
             self.store.annotate(out["path"], ttl, metadata)
             return out
@@ -248,6 +249,8 @@ class TinkerRoutes:
         seq, ttl, metadata = _seq(b, "sampling_session_seq_id"), b.get("ttl_seconds"), _metadata(b)
 
         def save() -> dict:
+            if name is not None:
+                self.store.check_room()
             out = s.save_for_sampler(mid, name, mid.split(":")[0], seq)
             if "path" in out:  # a named revision is a checkpoint: its TTL and metadata apply
                 self.store.annotate(out["path"], ttl, metadata)

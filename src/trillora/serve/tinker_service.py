@@ -148,7 +148,7 @@ class TinkerService:
 
     def create_model(self, sid: str, seq: int, rank: int, roles: tuple[str, ...], seed: int) -> dict:
         """A new training client (settings checked by `lora_settings`)."""
-        self.ranks.mirror(CreateModel(sid, seq, rank, roles, seed))
+        self.ranks.mirror(CreateModel(sid, seq, rank, roles, seed, self.registry.owner(sid)))
         expert_rank = (
             max(1, rank // self.base.model.args.top_k) if self.cfg.expert_rank_rule == "divide_by_top_k" else None
         )
@@ -320,18 +320,20 @@ class TinkerService:
 
     def load_state(self, sid: str, seq: int, tinker_path: str, optimizer: bool) -> dict:
         """A new training client from a saved state (with its AdamW moments when `optimizer`)."""
-        self.ranks.mirror(LoadState(sid, seq, tinker_path, optimizer))
+        self.ranks.mirror(LoadState(sid, seq, tinker_path, optimizer, self.registry.owner(sid)))
         return states.load_state(self, sid, seq, tinker_path, optimizer)
 
     def save_for_sampler(self, model_id: str, name: str | None, sid: str | None = None, sampler_seq: int = 0) -> dict:
         """A frozen revision: named ones are written as tinker://.../sampler_weights/<name>; unnamed
         ones become a sampling session at once."""
-        self.ranks.mirror(SaveForSampler(model_id, name, sid, sampler_seq))
+        self.ranks.mirror(
+            SaveForSampler(model_id, name, sid, sampler_seq, self.registry.owner(sid or model_id.split(":")[0]))
+        )
         return states.save_for_sampler(self, model_id, name, sid, sampler_seq)
 
     # --- sampling ------------------------------------------------------------------------
     def create_sampler(self, sid: str, seq: int, model_path: str | None, base_model: str | None) -> str:
-        self.ranks.mirror(CreateSampler(sid, seq, model_path, base_model))
+        self.ranks.mirror(CreateSampler(sid, seq, model_path, base_model, self.registry.owner(sid)))
         if model_path is None:
             self.check_base_model(base_model)
             return self.registry.add_sampler(sid, seq, Revision(None))
