@@ -129,6 +129,20 @@ def test_a_keys_unread_results_are_bounded(serve):
     assert read(url, operators, "k1") == (200, PROTO)  # its own budget
 
 
+def test_a_key_holds_a_bounded_number_of_requests(serve):
+    """20,000 one-token samples of one key were all taken (and held the worker 427 s): a key's queued
+    and unread requests are counted, and past --max-futures it is told to read its results first."""
+    url = serve(api_key=["k1", "k2"], max_futures=3)
+    post = poster(url)
+    sample = {"base_model": "tiny-moe", "prompt": {"chunks": [{"tokens": [5]}]}, "sampling_params": {"max_tokens": 1}}
+    held = [post("/api/v1/asample", sample, key="k2") for _ in range(4)]
+    assert [s for s, _ in held] == [200, 200, 200, 429], held
+    assert "holds 3 requests not yet retrieved (--max-futures)" in held[3][1]["error"]
+    assert post("/api/v1/asample", sample)[0] == 200  # another key's count
+    assert read(url, held[0][1]["request_id"], "k2") == (200, PROTO)  # one read, one more may come
+    assert post("/api/v1/asample", sample, key="k2")[0] == 200
+
+
 def test_saved_states_have_a_quota(serve):
     post = poster(serve(api_key="k1", max_state_gib=2**-12))  # 256 KiB: one rank-32 save passes it
     sid = post("/api/v1/create_session", {})[1]["session_id"]

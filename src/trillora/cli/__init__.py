@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="--tinker: sessions held at once (one not heard from for 5 minutes is ended and freed)",
     )
     p.add_argument(
+        "--max-futures",
+        type=int,
+        default=1024,
+        help="--tinker: requests one key may hold queued or not yet retrieved (past it: 429)",
+    )
+    p.add_argument(
         "--max-unread-mib",
         type=int,
         default=1024,

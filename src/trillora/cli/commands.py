@@ -105,6 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_samplers=args.max_samplers,
         max_sessions=args.max_sessions,
         max_unread_mib=args.max_unread_mib,
+        max_futures=args.max_futures,
         max_state_gib=args.max_state_gib,
         max_call_tokens=args.max_call_tokens,
         device=args.device,

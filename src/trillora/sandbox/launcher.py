@@ -210,9 +210,10 @@ def deny_syscalls(seccomp) -> None:
         f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
     # vsock is not namespaced: the network namespace does not keep it from the hypervisor's services
-    f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), "socket", seccomp.Arg(0, seccomp.GT, max(SOCKET_FAMILIES)))
-    for family in set(range(max(SOCKET_FAMILIES))) - set(SOCKET_FAMILIES):
-        f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), "socket", seccomp.Arg(0, seccomp.EQ, family))
+    for call in ("socket", "socketpair"):  # socketpair too: a family's create code runs before it fails
+        f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), call, seccomp.Arg(0, seccomp.GT, max(SOCKET_FAMILIES)))
+        for family in set(range(max(SOCKET_FAMILIES))) - set(SOCKET_FAMILIES):
+            f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), call, seccomp.Arg(0, seccomp.EQ, family))
     f.load()
 
 

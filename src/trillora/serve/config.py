@@ -50,6 +50,8 @@ class ServeConfig:
     """Sampling sessions (saved revisions) held at once, over all Tinker sessions."""
     max_sessions: int = 256
     """With several keys each key holds at most its even share of the sessions, clients and samplers."""
+    max_futures: int = 1024
+    """Tinker requests one key may hold queued or not yet retrieved; past it 429 (the SDK waits and retries)."""
     max_unread_mib: int = 1024
     """A key's results not yet retrieved hold at most this much; past it its oldest are dropped (410)."""
     max_state_gib: float = 64.0
@@ -135,6 +137,7 @@ class ServeConfig:
             "max_samplers",
             "max_sessions",
             "max_unread_mib",
+            "max_futures",
         ):
             if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1")

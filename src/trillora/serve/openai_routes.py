@@ -243,7 +243,11 @@ class OpenAIRoutes:
         calls = [SampleCall(revision.sampler_id, p, n, params, batch=batch) for p in prompts]
         try:
             outcomes = await outcome_of(
-                self.server.worker, lambda: self.server.sample([calls])[0], fuse="sample", payload=calls
+                self.server.worker,
+                lambda: self.server.sample([calls])[0],
+                fuse="sample",
+                payload=calls,
+                owner=owner_of(request.scope),
             )
         except BadRequest as e:
             if e.status == 404:  # unloaded while the request waited

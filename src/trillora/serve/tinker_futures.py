@@ -36,9 +36,14 @@ class Future:
 
 
 class Futures:
-    def __init__(self, worker: Worker, poll_seconds: float, max_unread_bytes: int = 1 << 30):
+    def __init__(self, worker: Worker, poll_seconds: float, max_unread_bytes: int = 1 << 30, max_held: int = 1024):
         self.worker, self.poll_seconds, self.max_unread_bytes = worker, poll_seconds, max_unread_bytes
+        self.max_held = max_held
         self.futures: dict[str, Future] = {}
+        self.held: collections.Counter[str] = collections.Counter()
+        """Futures per key, queued or not yet retrieved (20,000 one-token samples held the worker 427 s)."""
+        self.unread: dict[str, dict[str, None]] = collections.defaultdict(dict)
+        """Per key, the ids whose outcome is there and not yet retrieved, oldest first."""
         self.dropped: collections.deque[str] = collections.deque(maxlen=4096)
         """Ids whose unread outcome made room for a newer one (answered 410, not 404)."""
         self.lock = threading.Lock()  # routes run on the threadpool
@@ -58,11 +63,18 @@ class Futures:
         """Queue `fn` (a result that `encode` makes bytes or text of) for `owner`; the future's id.
         `fuse`/`payload`: the kind of request and what its fuser needs, to share a pass."""
         with self.lock:  # an id no other client can guess: whoever holds it may read the result
-            rid = f"req-{secrets.token_urlsafe(16)}"
-            fut = self.futures[rid] = Future(proto=proto, owner=owner)
             old = [k for k, f in self.futures.items() if f.done.is_set() and time.monotonic() - f.created > 3600]
             for k in old:
-                del self.futures[k]
+                self._forget(k)
+            if self.held[owner] >= self.max_held:
+                raise BadRequest(
+                    f"this key holds {self.held[owner]} requests not yet retrieved (--max-futures); "
+                    "retrieve their results first",
+                    429,
+                )
+            rid = f"req-{secrets.token_urlsafe(16)}"
+            fut = self.futures[rid] = Future(proto=proto, owner=owner)
+            self.held[owner] += 1
 
         def settle(out) -> None:
             if isinstance(out, BadRequest):
@@ -81,16 +93,19 @@ class Futures:
                         json.dumps({"error": f"{type(e).__name__}: {e}", "category": "server"}).encode(),
                         False,
                     )
-            fut.settled = time.monotonic()
+            with self.lock:
+                fut.settled = time.monotonic()
+                if rid in self.futures:
+                    self.unread[owner][rid] = None
             self._bound(owner)
             with contextlib.suppress(RuntimeError):  # the server has stopped: no poll is waiting any more
                 self.loop.call_soon_threadsafe(fut.done.set)
 
         try:
-            self.worker.submit(Job(fn, settle, model_id, fuse, payload), seq_id)
+            self.worker.submit(Job(fn, settle, model_id, fuse, payload, owner=owner), seq_id)
         except Replayed as e:
             with self.lock:
-                del self.futures[rid]
+                self._forget(rid)
             raise BadRequest(str(e), 409) from None
         return {"request_id": rid, **({"model_id": model_id} if model_id else {})}
 
@@ -99,16 +114,23 @@ class Futures:
         those left unread for `poll_seconds` (a client that polls has read its own by then), never its
         newest. One budget for all clients of a server without keys."""
         with self.lock:
-            unread = [(k, f) for k, f in self.futures.items() if f.owner == owner and f.settled is not None]
+            unread = [(k, self.futures[k]) for k in self.unread[owner]]
             total, now = sum(len(f.body) for _, f in unread), time.monotonic()
-            for rid, f in unread[:-1]:  # oldest first: the dict keeps creation order
+            for rid, f in unread[:-1]:  # oldest first
                 if total <= self.max_unread_bytes:
                     break
                 if now - f.settled < self.poll_seconds:
                     continue
                 total -= len(f.body)
-                del self.futures[rid]
+                self._forget(rid)
                 self.dropped.append(rid)
+
+    def _forget(self, rid: str) -> None:
+        """Release a future (retrieved, dropped, expired or refused); under `lock`."""
+        fut = self.futures.pop(rid, None)
+        if fut is not None:
+            self.held[fut.owner] -= 1
+            self.unread[fut.owner].pop(rid, None)
 
     def now(self, fn):
         """`fn`'s result (or the error it raised), run on the worker between requests: calls that
@@ -143,5 +165,5 @@ class Futures:
                 {"type": "try_again", "request_id": rid, "queue_state": "active"}
             ).encode(), "application/json"
         with self.lock:
-            self.futures.pop(rid, None)
+            self._forget(rid)
         return fut.body, PROTO if fut.proto else "application/json"

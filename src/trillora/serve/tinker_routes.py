@@ -52,7 +52,7 @@ CLIENT_CONFIG = {
 class TinkerRoutes:
     def __init__(self, server: Server):
         self.server, self.cfg, self.service, self.worker = server, server.cfg, server.service, server.worker
-        self.futures = Futures(self.worker, self.cfg.poll_seconds, self.cfg.max_unread_mib << 20)
+        self.futures = Futures(self.worker, self.cfg.poll_seconds, self.cfg.max_unread_mib << 20, self.cfg.max_futures)
         self.ids = itertools.count()  # names of states saved without one
         self.router = APIRouter()
         self.router.add_api_route("/api/v1/healthz", self.health, methods=["GET"])

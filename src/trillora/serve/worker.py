@@ -1,7 +1,9 @@
 """The Tinker service's one compute thread: every request that touches the model runs here.
 
 Order: each training client's requests run in its `seq_id` order (the SDK sends the chunks of
-one call in parallel, the first one last); everything else in arrival order. Fusing: requests
+one call in parallel, the first one last); everything else in arrival order, taken in turns by
+key (`Job.owner`): the next request is the oldest of the key served longest ago, so one key's
+queue holds another key's request behind at most one of its own at a time. Fusing: requests
 of one kind that wait together (forward_backward chunks and calls of several clients; samples
 of several samplers) are handed to that kind's fuser as one batch, so they share one pass
 through the base. A request is never moved ahead of an earlier one of its own client.
@@ -37,6 +39,8 @@ class Job:
     fuse: str | None = None
     payload: Any = None
     arrived: float = field(default_factory=time.monotonic)
+    owner: str = ""
+    """The digest of the key that sent it (`http.owner_of`): keys take turns."""
 
 
 Fuser = Callable[[list[Any]], list[Any]]  # payloads -> one outcome (result or exception) each
@@ -65,6 +69,7 @@ class Worker:
         """model_id -> (every seq_id below this was submitted, those submitted above it)."""
         self.ready = threading.Condition()
         self.order = itertools.count()
+        self.served: dict[str, int] = {}  # owner -> when it last had a job taken (in `order`'s count)
         self.fused_batches = 0  # passes that served more than one request
         self.thread = threading.Thread(target=self._run, daemon=True, name="tinker-worker")
         self.thread.start()
@@ -123,7 +128,7 @@ class Worker:
                     for model_id, heap in self.waiting.items():
                         if heap and time.monotonic() - self.since[model_id] > self.stall_seconds:
                             self._release(model_id, force=True)
-            first = self.runnable.popleft()
+            first = self._next_in_turn()
             if first.fuse is None or first.fuse not in self.fusers or self.max_fused < 2:
                 return [first]
             deadline = time.monotonic() + self.gather_seconds
@@ -142,6 +147,23 @@ class Worker:
                     blocked.add(job.model_id)
             self.runnable = kept
             return batch
+
+    def _next_in_turn(self) -> Job:
+        """The oldest runnable job of the key served longest ago (or an earlier one of the same
+        client, which must run first)."""
+        oldest: dict[str, int] = {}  # owner -> the position of its oldest runnable job
+        for i, j in enumerate(self.runnable):
+            oldest.setdefault(j.owner, i)
+        if len(oldest) == 1:
+            first = self.runnable.popleft()
+        else:
+            owner = min(oldest, key=lambda o: (self.served.get(o, -1), oldest[o]))
+            first = self.runnable[oldest[owner]]
+            if first.model_id is not None:
+                first = next(j for j in self.runnable if j.model_id == first.model_id)
+            self.runnable.remove(first)
+        self.served[first.owner] = next(self.order)
+        return first
 
     def _company_expected(self, first: Job) -> bool:
         """Another source sent this kind of request within the last second (for samples, which
@@ -176,7 +198,9 @@ def _outcome(fn: Callable[[], Any]) -> Any:
         return e
 
 
-async def outcome_of(worker: Worker, run: Callable[[], Any], fuse: str | None = None, payload: Any = None) -> Any:
+async def outcome_of(
+    worker: Worker, run: Callable[[], Any], fuse: str | None = None, payload: Any = None, owner: str = ""
+) -> Any:
     """Queue `run` (or, when it fuses, its share of a pass) and wait for its outcome on the event
     loop, holding no thread while it waits; raises what it raised."""
     loop = asyncio.get_running_loop()
@@ -186,7 +210,7 @@ async def outcome_of(worker: Worker, run: Callable[[], Any], fuse: str | None = 
         with contextlib.suppress(RuntimeError):  # the server has stopped: nobody waits any more
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
 
-    worker.submit(Job(run, settle, None, fuse, payload))
+    worker.submit(Job(run, settle, None, fuse, payload, owner=owner))
     out = await done
     if isinstance(out, Exception):
         raise out
