@@ -100,6 +100,36 @@ def test_keys_take_turns_and_a_clients_order_holds_across_keys():
     assert ran == ["a0", "b", "d", "a1", "c1", "c2", "a2", "a3", "a4"], ran
 
 
+def test_a_pass_fuses_one_keys_calls_and_a_key_waits_on_the_worker_a_bounded_number_of_times():
+    """A pass that took another key's calls along let a flood of big calls hold a key 62.8 s (about
+    ten of them); and calls answered at once (`Futures.now`) held every threadpool thread 93.5 s."""
+    from trillora.serve.tinker_futures import MAX_WAITING, Futures
+    from trillora.serve.tinker_service import BadRequest
+
+    ran: list = []
+    gate, done = threading.Event(), threading.Semaphore(0)
+    worker = Worker({"fb": lambda payloads: (ran.append(tuple(payloads)), list(payloads))[1]})
+    worker.submit(Job(gate.wait, lambda out: done.release()))
+    for name, owner in (("a1", "A"), ("b1", "B"), ("a2", "A")):
+        worker.submit(
+            Job(lambda name=name: ran.append((name,)), lambda out: done.release(), None, "fb", name, owner=owner)
+        )
+    futures = Futures(worker, poll_seconds=1.0)
+    waiting = [threading.Thread(target=futures.now, args=(lambda: None, "A")) for _ in range(MAX_WAITING)]
+    [t.start() for t in waiting]
+    while futures.waiting["A"] < MAX_WAITING:
+        threading.Event().wait(0.01)
+    with pytest.raises(BadRequest, match="calls waiting on the worker") as refused:
+        futures.now(lambda: None, "A")
+    assert refused.value.status == 429
+    gate.set()
+    [t.join(10) for t in waiting]
+    for _ in range(4):
+        assert done.acquire(timeout=10)
+    assert ran == [("a1", "a2"), ("b1",)], ran
+    assert futures.now(lambda: "ok", "A") == "ok" and futures.waiting["A"] == 0
+
+
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     return TinkerService(ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path_factory.mktemp("state"))))

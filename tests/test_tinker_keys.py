@@ -143,6 +143,24 @@ def test_a_key_holds_a_bounded_number_of_requests(serve):
     assert post("/api/v1/asample", sample, key="k2")[0] == 200
 
 
+def test_a_numbered_call_refused_for_the_cap_keeps_its_number(serve):
+    """A training client's optim_step refused with 429 (the key at --max-futures) used up its seq_id: the
+    SDK's retry got 409 and the step was lost."""
+    url = serve(api_key="k1", max_futures=2)
+    post = poster(url)
+    sid = post("/api/v1/create_session", {})[1]["session_id"]
+    body = {"session_id": sid, "model_seq_id": 0, "base_model": "tiny-moe", "lora_config": {"rank": 2}}
+    mid = post("/api/v1/retrieve_future", post("/api/v1/create_model", body)[1])[1]["model_id"]
+    sample = {"base_model": "tiny-moe", "prompt": {"chunks": [{"tokens": [5]}]}, "sampling_params": {"max_tokens": 1}}
+    held = [post("/api/v1/asample", sample)[1]["request_id"] for _ in range(2)]
+    step = {"model_id": mid, "seq_id": 1, "adam_params": {"learning_rate": 1e-4}}
+    status, out = post("/api/v1/optim_step", step)
+    assert status == 429 and "--max-futures" in out["error"], out
+    assert read(url, held[0], "k1") == (200, PROTO)
+    status, out = post("/api/v1/optim_step", step)  # the SDK's retry, same number
+    assert status == 200 and "request_id" in out, out
+
+
 def test_saved_states_have_a_quota(serve):
     post = poster(serve(api_key="k1", max_state_gib=2**-12))  # 256 KiB: one rank-32 save passes it
     sid = post("/api/v1/create_session", {})[1]["session_id"]

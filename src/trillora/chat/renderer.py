@@ -67,21 +67,20 @@ class ChatRenderer:
 
     def _plain_tool(self, message: dict) -> dict:
         """A tool's output (what a model-written program printed) cannot write the template's markers:
-        they are dropped, so a forged `<|im_end|><|im_start|>user` stays text of its turn."""
-        content = message.get("content")
-        if message.get("role") != "tool":
+        they are dropped from every string in it (parts, keys, nested values: a template renders
+        what is not a string with `str()`), so a forged `<|im_end|><|im_start|>user` stays text."""
+        if message.get("role") != "tool" or "content" not in message:
             return message
-        if isinstance(content, str):
-            return {**message, "content": _without(self._markers, content)}
-        if isinstance(content, list):  # parts: [{"type": "text", "text": ...}]
-            parts = [
-                {**p, "text": _without(self._markers, p["text"])}
-                if isinstance(p, dict) and isinstance(p.get("text"), str)
-                else p
-                for p in content
-            ]
-            return {**message, "content": parts}
-        return message
+        return {**message, "content": self._plain(message["content"])}
+
+    def _plain(self, value):
+        if isinstance(value, str):
+            return _without(self._markers, value)
+        if isinstance(value, (list, tuple)):
+            return [self._plain(v) for v in value]
+        if isinstance(value, dict):
+            return {self._plain(k): self._plain(v) for k, v in value.items()}
+        return value
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -20,6 +20,7 @@ from .tinker_service import BadRequest
 from .worker import Job, Replayed, Worker
 
 PROTO = "application/x-protobuf"
+MAX_WAITING = 4
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Futures:
         self.futures: dict[str, Future] = {}
         self.held: collections.Counter[str] = collections.Counter()
         """Futures per key, queued or not yet retrieved (20,000 one-token samples held the worker 427 s)."""
+        self.waiting: collections.Counter[str] = collections.Counter()  # `now` calls per key
         self.unread: dict[str, dict[str, None]] = collections.defaultdict(dict)
         """Per key, the ids whose outcome is there and not yet retrieved, oldest first."""
         self.dropped: collections.deque[str] = collections.deque(maxlen=4096)
@@ -132,13 +134,23 @@ class Futures:
             self.held[fut.owner] -= 1
             self.unread[fut.owner].pop(rid, None)
 
-    def now(self, fn):
+    def now(self, fn, owner: str = ""):
         """`fn`'s result (or the error it raised), run on the worker between requests: calls that
         answer at once still change the model's state only there (a parallel service mirrors
-        them to its other ranks in the worker's order)."""
-        box, done = [], threading.Event()
-        self.worker.submit(Job(fn, lambda out: (box.append(out), done.set())))
-        done.wait()
+        them to its other ranks in the worker's order). It holds a threadpool thread until `owner`'s
+        turn comes, so a key has at most `MAX_WAITING` of these at once: 45 held every thread, and
+        every other key's requests with them, while the key's own queue ran (93 s)."""
+        with self.lock:
+            if self.waiting[owner] >= MAX_WAITING:
+                raise BadRequest(f"this key has {MAX_WAITING} calls waiting on the worker; try again", 429)
+            self.waiting[owner] += 1
+        try:
+            box, done = [], threading.Event()
+            self.worker.submit(Job(fn, lambda out: (box.append(out), done.set()), owner=owner))
+            done.wait()
+        finally:
+            with self.lock:
+                self.waiting[owner] -= 1
         if isinstance(box[0], Exception):
             raise box[0]
         return box[0]

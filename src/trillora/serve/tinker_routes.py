@@ -125,7 +125,7 @@ class TinkerRoutes:
         if handler is None and path.startswith("/api/v1/sessions/") and path.endswith("/finish"):
             sid = path.split("/")[-2]
             if sid in s.sessions and sid != SERVED:
-                self.futures.now(lambda: s.end_sessions([sid]))
+                self.futures.now(lambda: s.end_sessions([sid]), owner)
             return self._json({})
         if handler is None:
             raise BadRequest(f"no route POST {path}", 404)
@@ -138,13 +138,13 @@ class TinkerRoutes:
     def _in_order(self, model_id, seq_id):
         """A request of a client's numbered sequence: a non-integer number is refused; a refused request
         still takes its place in the sequence (the worker runs a no-op there), so the client's next
-        request is not held waiting for it."""
+        request is not held waiting for it. A 429 keeps its number free: the SDK sends it again."""
         if seq_id is not None and (not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 0):
             raise BadRequest(f"seq_id={seq_id!r}; allowed: an integer >= 0")
         try:
             yield
-        except BadRequest:
-            if isinstance(model_id, str) and seq_id is not None:
+        except BadRequest as e:
+            if isinstance(model_id, str) and seq_id is not None and e.status != 429:
                 with contextlib.suppress(Replayed):  # a replay is refused, and its number was taken already
                     self.worker.submit(Job(lambda: None, lambda out: None, model_id), seq_id)
             raise
@@ -165,7 +165,7 @@ class TinkerRoutes:
             "/api/v1/save_weights": lambda b: self._save_weights(b, owner),
             "/api/v1/save_weights_for_sampler": lambda b: self._save_for_sampler(b, owner),
             "/api/v1/load_weights": lambda b: self._load_weights(b, owner),
-            "/api/v1/create_sampling_session": self._create_sampler,
+            "/api/v1/create_sampling_session": lambda b: self._create_sampler(b, owner),
             "/api/v1/asample": lambda b: self._sample(b, owner),
             "/api/v1/weights_info": self._weights_info,
         }
@@ -195,7 +195,7 @@ class TinkerRoutes:
         s = self.service
         idle = s.idle_sessions()
         if idle:  # their clients and samplers freed first (on the worker: a parallel service's ranks follow)
-            self.futures.now(lambda: s.end_sessions(idle))
+            self.futures.now(lambda: s.end_sessions(idle), owner)
         return {"type": "create_session", "session_id": s.create_session(owner)}
 
     def _create_model(self, b: dict, owner: str = "") -> dict:
@@ -279,11 +279,11 @@ class TinkerRoutes:
 
         return self.futures.start(owner, load, model_id=f"{sid}:train:{seq}")
 
-    def _create_sampler(self, b: dict) -> dict:
+    def _create_sampler(self, b: dict, owner: str = "") -> dict:
         s = self.service
         seq = _seq(b, "sampling_session_seq_id")
         sid = self.futures.now(
-            lambda: s.create_sampler(b.get("session_id", ""), seq, b.get("model_path"), b.get("base_model"))
+            lambda: s.create_sampler(b.get("session_id", ""), seq, b.get("model_path"), b.get("base_model")), owner
         )
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 

@@ -3,7 +3,7 @@
 Order: each training client's requests run in its `seq_id` order (the SDK sends the chunks of
 one call in parallel, the first one last); everything else in arrival order, taken in turns by
 key (`Job.owner`): the next request is the oldest of the key served longest ago, so one key's
-queue holds another key's request behind at most one of its own at a time. Fusing: requests
+queue holds another key's request behind at most one pass of its own at a time. Fusing: requests
 of one kind that wait together (forward_backward chunks and calls of several clients; samples
 of several samplers) are handed to that kind's fuser as one batch, so they share one pass
 through the base. A request is never moved ahead of an earlier one of its own client.
@@ -133,18 +133,24 @@ class Worker:
                 return [first]
             deadline = time.monotonic() + self.gather_seconds
             while (
-                not any(j.fuse == first.fuse for j in self.runnable)
+                not any(j.fuse == first.fuse and j.owner == first.owner for j in self.runnable)
                 and self._company_expected(first)
                 and time.monotonic() < deadline
             ):
                 self.ready.wait(max(0.0, deadline - time.monotonic()))
             batch, kept, blocked = [first], collections.deque(), set()
-            for job in self.runnable:
-                if job.fuse == first.fuse and job.model_id not in blocked and len(batch) < self.max_fused:
+            for job in self.runnable:  # of the same key: another key's calls wait for their own turn
+                source = job.model_id if job.model_id is not None else ("key", job.owner)  # a client, or a key's
+                if (
+                    job.fuse == first.fuse
+                    and job.owner == first.owner
+                    and source not in blocked
+                    and len(batch) < self.max_fused
+                ):
                     batch.append(job)
                 else:
                     kept.append(job)
-                    blocked.add(job.model_id)
+                    blocked.add(source)
             self.runnable = kept
             return batch
 
@@ -166,12 +172,13 @@ class Worker:
         return first
 
     def _company_expected(self, first: Job) -> bool:
-        """Another source sent this kind of request within the last second (for samples, which
-        belong to no client, any other sample)."""
+        """Another source of the same key sent this kind of request within the last second (for
+        samples, which belong to no client, any other sample)."""
         now = time.monotonic()
         return any(
             j is not first
             and j.fuse == first.fuse
+            and j.owner == first.owner
             and now - j.arrived < 1.0
             and (first.model_id is None or j.model_id != first.model_id)
             for j in self.recent
