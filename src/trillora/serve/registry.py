@@ -45,7 +45,8 @@ class Registry:
                     f"or wait {self.cfg.session_seconds:.0f} s for an idle one to end",
                     429,
                 )
-            self._within_share(owner, lambda s: 1, self.cfg.max_sessions, "sessions")
+            if over := self._over_share(owner, lambda s: 1, self.cfg.max_sessions, "sessions"):
+                raise BadRequest(over, 429)
             sid = f"session-{secrets.token_urlsafe(12)}"
             self.sessions[sid] = Session(sid, owner)
         return sid
@@ -59,17 +60,17 @@ class Registry:
         if self.follower and sid != SERVED:
             self.session(sid).owner = owner
 
-    def _within_share(self, owner: str, count, cap: int, what: str) -> None:
-        """429 when `owner`'s sessions already hold its share of `cap` (`count(session)` each): with
-        several keys an even share, so that no key locks the others (the operator's among them) out.
-        Every rank decides alike: a follower's sessions carry their owner (`own`)."""
+    def _over_share(self, owner: str, count, cap: int, what: str) -> str | None:
+        """Why `owner` may hold no more (its sessions hold its share of `cap`, `count(session)` each), or
+        None: with several keys an even share, so that no key locks the others (the operator's among
+        them) out. Every rank decides alike: a follower's sessions carry their owner (`own`)."""
         keys = self.cfg.key_count()
         if keys < 2:
-            return
-        share = max(1, cap // keys)
+            return None
         held = sum(count(s) for k, s in self.sessions.items() if k != SERVED and s.owner == owner)
-        if held >= share:
-            raise BadRequest(f"this key holds {held} {what}, its share of the server's {cap} ({keys} keys)", 429)
+        if held < max(1, cap // keys):
+            return None
+        return f"this key holds {held} {what}, its share of the server's {cap} ({keys} keys)"
 
     def session(self, sid: str) -> Session:
         if self.follower:
@@ -119,7 +120,10 @@ class Registry:
                     "finish a session to free its clients",
                     429,
                 )
-            self._within_share(session.owner, lambda s: len(s.models), self.cfg.max_clients, "training clients")
+            if over := self._over_share(
+                session.owner, lambda s: len(s.models), self.cfg.max_clients, "training clients"
+            ):
+                raise BadRequest(over, 429)
             session.models[client.model_id] = client
         return {"model_id": client.model_id, "type": "create_model"}
 
@@ -132,18 +136,16 @@ class Registry:
         with self.lock:
             held = sum(len(s.samplers) for k, s in self.sessions.items() if k != SERVED)
             if sid != SERVED and sampler_id not in session.samplers:
-                try:
-                    if held >= self.cfg.max_samplers:
-                        raise BadRequest(
-                            f"the server holds {self.cfg.max_samplers} samplers (--max-samplers); "
-                            "finish a session to free its samplers",
-                            429,
-                        )
-                    self._within_share(session.owner, lambda s: len(s.samplers), self.cfg.max_samplers, "samplers")
-                except BadRequest:
+                over = self._over_share(session.owner, lambda s: len(s.samplers), self.cfg.max_samplers, "samplers")
+                if held >= self.cfg.max_samplers:
+                    over = (
+                        f"the server holds {self.cfg.max_samplers} samplers (--max-samplers); "
+                        "finish a session to free its samplers"
+                    )
+                if over:  # the session's oldest unnamed sampler makes room, else 429
                     oldest = next((k for k in session.samplers if k in session.ephemeral), None)
                     if oldest is None:
-                        raise
+                        raise BadRequest(over, 429)
                     del session.samplers[oldest]
                     session.ephemeral.discard(oldest)
             session.samplers.pop(sampler_id, None)  # a replaced one counts as new: it goes last
