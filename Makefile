@@ -33,7 +33,6 @@ setup-vllm: $(VLLM_STAMP)
 # The default job: GRPO through LoRA on the shipped tiny MoE, 3-digit addition (writes runs/default/).
 demo: setup
 	$(BIN)/trillora train
-	@echo "plots: runs/default/overview.png  adapter: runs/default/adapter/"
 
 # Rebuild the shipped tiny MoE checkpoints (supervised pretraining on generated data, minutes each):
 # tiny-moe, and tiny-moe-chat (chat template, tool calls).

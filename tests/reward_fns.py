@@ -28,3 +28,17 @@ def even_first_token(calls) -> float:
     first completion token id is even."""
     ids = calls[0].completion_ids
     return float(bool(ids) and ids[0] % 2 == 0)
+
+
+def stalls_when_told(completion: str, row: dict) -> float:
+    """`exact`, but once the file named by TRILLORA_TEST_STALL exists it touches FILE.asleep and
+    sleeps ten minutes: a reward in progress when a run is interrupted."""
+    import os
+    import time
+    from pathlib import Path
+
+    marker = os.environ.get("TRILLORA_TEST_STALL")
+    if marker and os.path.exists(marker):
+        Path(marker + ".asleep").touch()
+        time.sleep(600)
+    return exact(completion, row)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -265,3 +268,52 @@ def test_a_pipeline_stage_loads_only_its_layers(tmp_path, monkeypatch):
         assert {int(n.split(".")[2]) for n in read if n.startswith("model.layers.")} == set(layers)
     with pytest.raises(CheckpointError, match="cannot keep layers 3..4 of 4"):
         trillora.load_model(path, layers=range(3, 5))
+
+
+def hub_cache(tmp_path, repo: str, files_from) -> tuple[str, dict]:
+    """A Hugging Face Hub cache holding `repo` at one commit (refs/main names it), laid out as
+    huggingface_hub lays it: models--org--name/{refs/main, snapshots/<commit>/...}; the
+    environment of a process that reads it offline."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    cache = tmp_path / "hub"
+    repo_dir = cache / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(files_from, repo_dir / "snapshots" / commit)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    return commit, {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+
+
+def test_a_hub_id_is_resolved_offline_from_the_cache_with_its_revision_and_a_typo_is_named(tmp_path):
+    from trillora.checkpoint import resolve_model_path
+
+    commit, env = hub_cache(tmp_path, "trillora-test/tiny-moe", resolve_model_path("tiny-moe"))
+    trillora_cli = [sys.executable, "-m", "trillora"]
+    for name in ("trillora-test/tiny-moe", f"trillora-test/tiny-moe@{commit}"):
+        out = subprocess.run(
+            [*trillora_cli, "generate", name, "--prompt", "864+394=", "--max-new-tokens", "5"],
+            capture_output=True, text=True, env=env, timeout=300,
+        )  # fmt: skip
+        assert out.returncode == 0 and out.stdout.strip() == "864+394=1258", out.stderr[-2000:]
+    for name, message in [
+        ("trillora-test/tiny-moe@main2", "not in the Hugging Face cache"),  # an unknown revision
+        ("someone/missing", f"not in the Hugging Face cache ({tmp_path / 'hub'} with HF_HUB_OFFLINE=1)"),
+        (
+            "tiny-moee",
+            "not a folder, not a Hugging Face Hub id (org/name) and not a shipped model: did you mean tiny-moe?",
+        ),
+    ]:
+        out = subprocess.run(
+            [*trillora_cli, "generate", name, "--prompt", "1+1="], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert out.returncode == 2 and message in out.stderr, (name, out.stderr[-2000:])
+    # a run names its Hub base in the exported adapter, as PEFT users pass one
+    out = subprocess.run(
+        [*trillora_cli, "train", "model.path=trillora-test/tiny-moe", f"out_dir={tmp_path}", "steps=1",
+         "rollout.prompts_per_step=4", "rollout.group_size=2", "task.eval_problems=4", "task.eval_samples=1"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = json.loads((tmp_path / "default" / "adapter" / "fused" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "trillora-test/tiny-moe"

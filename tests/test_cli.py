@@ -77,3 +77,30 @@ def test_main_returns_to_its_caller_under_torchrun_env(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["info", "qwen3-30b-a3b", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)
+
+
+def test_plots_label_metrics_scale_retention_apart_and_mark_a_resume(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trillora.plots import LABELS, _panel
+
+    rows = [{"step": 0, "eval_accuracy": 0.3, "retention_accuracy": 0.99}]
+    rows += [{"step": s, "mismatch_kl_k1": (-1) ** s * 1e-3, "mismatch_kl_k3": 1e-3} for s in range(1, 6)]
+    rows += [{"step": 6, "eval_accuracy": 0.5, "retention_accuracy": 0.98}]
+    fig, (acc, kl) = plt.subplots(1, 2)
+    _panel(acc, rows, ("eval_accuracy", "retention_accuracy"), "accuracy", resumed=[3])
+    _panel(kl, rows, ("mismatch_kl_k1", "mismatch_kl_k3"), "kl", resumed=[])
+    right = [a for a in fig.axes if a not in (acc, kl)]
+    assert len(right) == 1 and right[0].get_ylim() == (0, 1.05)  # retention on its own whole scale
+    assert acc.get_ylim()[0] > 0.2  # the task's curve keeps its own scale
+    assert [t.get_text() for t in acc.get_legend().get_texts()] == [
+        LABELS["eval_accuracy"],
+        LABELS["retention_accuracy"],
+        "resumed at step 3",
+    ]
+    assert any(list(line.get_ydata()) == [0, 0] for line in kl.lines)  # a zero line: k1 goes below 0
+    assert "below 0" in kl.get_legend().get_texts()[0].get_text()
+    plt.close(fig)

@@ -114,3 +114,16 @@ def test_the_context_defaults_to_the_models_positions_and_more_is_refused():
     assert fit_context(load_config(None, ["rollout.max_model_len=300"]), 512).rollout.max_model_len == 300
     with pytest.raises(ConfigError, match=r"rollout.max_model_len=1024 is over the model's 512 positions .*tiny-moe"):
         fit_context(load_config(None, ["rollout.max_model_len=1024"]), 512)
+
+
+def test_retention_auto_is_reversal_for_a_shipped_model_on_a_built_in_task_only():
+    decided = {
+        (name, model): load_config(None, [f"task.name={name}", f"model.path={model}"]).task.retention_task(model)
+        for name in ("arithmetic", "countdown", "reversal", "jsonl")
+        for model in ("tiny-moe", "tiny-moe-chat", "/models/my-moe")
+    }
+    assert decided[("arithmetic", "tiny-moe")] == decided[("countdown", "tiny-moe-chat")] == "reversal"
+    assert decided[("jsonl", "tiny-moe")] == decided[("reversal", "tiny-moe")] == ""
+    assert decided[("arithmetic", "/models/my-moe")] == ""
+    cfg = load_config(None, ["task.name=jsonl", "task.retention=reversal"])
+    assert cfg.task.retention_task("tiny-moe") == "reversal"  # asked for: kept

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import SMALL_RUN
 
 from trillora import rl
 from trillora.config import load_config
 from trillora.trainer import Trainer
+
+
+def test_little_signal_is_the_windows_mean_share_of_one_reward_groups_past_a_threshold():
+    assert rl.little_signal([1.0, 1.0, 1.0, 1.0]) is None  # fewer steps than the window
+    assert rl.little_signal([0.0, 1.0, 1.0, 0.75, 0.5, 1.0]) == pytest.approx((1 + 1 + 0.75 + 0.5 + 1) / 5)  # 0.85
+    assert rl.little_signal([0.5, 0.5, 1.0, 1.0, 0.5]) is None  # 0.7 < 0.75
+    assert rl.little_signal([0.6, 0.6], window=2, threshold=0.6) == pytest.approx(0.6)
+    default_job = [0.31, 0.41, 0.5, 0.53, 0.5]  # its worst steps (runs/default, seed 0): not flagged
+    assert rl.little_signal(default_job) is None
 
 
 def test_fill_batch_takes_informative_groups_in_sampling_order_then_pads():

@@ -4,6 +4,7 @@ running a merged per-expert checkpoint, and straightforward per-expert loops."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -62,7 +63,17 @@ def test_fused_layout_matches_peft(adapted):
 
     case, hf, model, ids, base, logits, tmp = adapted
     path = lora.save_adapter(model, tmp / "fused", expert_layout="fused")
-    peft_model = PeftModel.from_pretrained(hf, str(path))
+    config = json.loads((path / "adapter_config.json").read_text())
+    assert (config["lora_alpha"], config["use_rslora"]) == (model.lora_config.alpha, model.lora_config.rslora)
+    with warnings.catch_warnings():  # PEFT 0.21 says the patterns of target_parameters were ignored: they are not
+        warnings.filterwarnings("ignore", "The following (rank|alpha)_pattern keys did not match")
+        peft_model = PeftModel.from_pretrained(hf, str(path))
+    experts = [m for n, m in peft_model.named_modules() if n.endswith("mlp.experts.base_layer")]  # gate_up's wrapper
+    rank = model.lora_config.rank_for_experts(model.args.top_k)
+    assert experts and all(m.r["default"] == 2 * rank for m in experts)  # the rank pattern applied
+    assert all(
+        m.scaling["default"] == pytest.approx(model.lora_config.scaling(model.lora_config.rank)) for m in experts
+    )
     with torch.no_grad():
         ref = peft_model(ids).logits
     peft_model.unload()  # leave the module-scoped oracle as it was
@@ -70,8 +81,11 @@ def test_fused_layout_matches_peft(adapted):
 
 
 def test_per_expert_layout_matches_merged_transformers_reference(adapted):
-    """Fold the per-expert file (A, B per expert, scaling inside B) into a released-style checkpoint
-    by hand; transformers runs its own per-expert loop over it."""
+    """Fold the per-expert file (A, B per expert, each module's scaling from the file's alpha and
+    rank patterns as PEFT finds them) into a released-style checkpoint by hand; transformers runs
+    its own per-expert loop over it."""
+    from peft.utils.other import get_pattern_key
+
     case, hf, model, ids, base, logits, tmp = adapted
     if "router" in case:
         with pytest.raises(lora.AdapterError, match="router LoRA has no vLLM per-expert form"):
@@ -79,13 +93,23 @@ def test_per_expert_layout_matches_merged_transformers_reference(adapted):
         return
     path = lora.save_adapter(model, tmp / "per_expert", expert_layout="per_expert")
     config = json.loads((path / "adapter_config.json").read_text())
-    assert config["lora_alpha"] == config["r"]
+    assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (
+        model.lora_config.rank,
+        model.lora_config.alpha,
+        model.lora_config.rslora,
+    )  # the run's own, as the user configured them
+
+    def scaling(module: str) -> float:
+        r = config["rank_pattern"].get(get_pattern_key(config["rank_pattern"], module), config["r"])
+        alpha = config["alpha_pattern"].get(get_pattern_key(config["alpha_pattern"], module), config["lora_alpha"])
+        return alpha / r**0.5 if config["use_rslora"] else alpha / r
+
     adapter = load_file(str(path / "adapter_model.safetensors"))
     hf.save_pretrained(tmp / "released")  # per-expert names
     weights = load_file(str(tmp / "released" / "model.safetensors"))
     for key in [k for k in adapter if k.endswith("lora_A.weight")]:
         module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-        delta = adapter[key.replace("lora_A", "lora_B")] @ adapter[key]  # [out, in]
+        delta = scaling(module) * adapter[key.replace("lora_A", "lora_B")] @ adapter[key]  # [out, in]
         stacked, _, proj = module.rpartition(".")
         expert = stacked.rpartition(".")[2]
         if case == "gpt_oss" and expert.isdigit():  # stacked [E, in, out] as released, gate/up columns interleaved

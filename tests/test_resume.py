@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from trillora.checkpoint import train_state
 
+ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # killed and resumed training runs, torchrun
 
 FAST = [
@@ -106,11 +107,82 @@ def test_sigterm_saves_and_stops_after_the_step(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]  # 143: stopped, not finished
     found = train_state.find_latest(tmp_path / "run" / "checkpoints")
     step = json.loads((found.path / "state.json").read_text())["step"]
     assert 2 <= step < 400 and f"stopped at step {step} of 400" in err
     assert len(metrics.read_text().splitlines()) == step + 1
+
+
+def stalling_run(tmp_path: Path, name: str, *more: str) -> tuple[subprocess.Popen, Path]:
+    """A JSONL run whose reward sleeps ten minutes once `stall` exists (tests/reward_fns.py)."""
+    stall = tmp_path / "stall"
+    options = (
+        f'task.options={{path = "{ROOT / "examples/data/addition.jsonl"}", reward_fn = "reward_fns:stalls_when_told"}}'
+    )
+    cmd = [sys.executable, "-m", "trillora", "train", f"name={name}", f"out_dir={tmp_path}", *FAST, "task.name=jsonl"]
+    cmd += [options, "task.reward_timeout=0", "steps=400", "eval_every=400", "checkpoint.every=0", *more]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRILLORA_TEST_STALL": str(stall)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = tmp_path / name / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    return proc, stall
+
+
+def test_ctrl_c_saves_stops_after_the_step_and_exits_130(tmp_path):
+    """And the plots follow a run as it goes (`logging.plot_seconds`), not only when it ends."""
+    proc, _ = stalling_run(tmp_path, "run", "logging.plot_seconds=0")
+    assert (tmp_path / "run" / "overview.png").is_file() and (tmp_path / "run" / "reward.png").is_file()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    step = json.loads((train_state.find_latest(tmp_path / "run" / "checkpoints").path / "state.json").read_text())
+    assert f"stopped at step {step['step']} of 400" in err and (tmp_path / "run" / "adapter").is_dir()
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    """The first Ctrl-C waits for the step in progress; the second does not: here the step's reward
+    sleeps ten minutes, and the run must end long before that, with 130 and no new checkpoint."""
+    proc, stall = stalling_run(tmp_path, "run")
+    stall.touch()
+    deadline = time.time() + 300
+    while not Path(f"{stall}.asleep").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)  # the reward would hold it 600 s
+    assert proc.returncode == 130 and "interrupted" in err, err[-3000:]
+    assert "stopped at step" not in err
+
+
+def test_a_run_folder_in_use_refuses_a_second_writer(tmp_path):
+    """`make demo` twice, or two runs with one name and out_dir: the second is refused with the
+    first's pid, and the first's metrics hold every step once."""
+    first, stall = stalling_run(tmp_path, "run")
+    second = subprocess.run(
+        [sys.executable, "-m", "trillora", "train", "name=run", f"out_dir={tmp_path}", *FAST, "steps=2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert second.returncode == 2 and f"in use by process {first.pid}" in second.stderr, second.stderr
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=300)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(len(steps)))
+    # the lock went with its process: the folder takes a new run (a SIGKILLed one would free it alike)
+    third = subprocess.run(
+        [sys.executable, "-m", "trillora", "train", "name=run", f"out_dir={tmp_path}", *FAST, "steps=1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert third.returncode == 0, third.stderr[-3000:]
 
 
 def test_sigkill_ten_times_then_resume_ends_bit_identical(tmp_path):
@@ -158,6 +230,7 @@ def test_sigkill_ten_times_then_resume_ends_bit_identical(tmp_path):
     assert [(r["step"], r.get("loss"), r.get("eval_accuracy"), r.get("flops_total")) for r in one] == [
         (r["step"], r.get("loss"), r.get("eval_accuracy"), r.get("flops_total")) for r in two
     ]  # FLOPs carry over
+    assert any("resumed_from" in r for r in two) and not any("resumed_from" in r for r in one)  # marked in the plots
 
 
 @pytest.mark.parametrize(

@@ -117,3 +117,26 @@ def test_multi_pass_and_kl_paths_run(tmp_path, extra):
         assert "kl_ref" in rows[-1]
     else:
         assert rows[-1]["approx_kl_old"] >= 0
+
+
+def test_a_run_without_learning_signal_warns_and_a_users_dataset_has_no_retention_eval(tmp_path, capsys):
+    """A reward that never varies (every sample scores 0): every group's advantages are 0. The run
+    says so in the console and in metrics.jsonl (`warning`) and counts it in summary.json; and a
+    user's JSONL dataset gets no reversal retention eval unless asked (`task.retention = "auto"`)."""
+    data = tmp_path / "sub.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"{a}-{b}=", "answer": "nope"}) + "\n"
+            for a, b in zip(range(50, 90), range(10, 50), strict=True)
+        )
+    )
+    options = f'task.options={{path = "{data}", reward_fn = "trillora.tasks.rewards:exact_match"}}'
+    trainer, summary, run_dir = run(tmp_path, "name=flat", "task.name=jsonl", options, "steps=6", "eval_every=6")
+    assert trainer.retention is None and summary["retention_before"] is None
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert "retention_accuracy" not in rows[0]
+    warned = [r["step"] for r in rows if "warning" in r]
+    assert warned == [5] and "little learning signal" in rows[5]["warning"]  # after a window of 5 steps, once
+    assert all(r["groups_all_equal"] == 1.0 for r in rows[1:])
+    assert summary["little_signal_warnings"] == 1
+    assert "warning at step 5" in capsys.readouterr().err

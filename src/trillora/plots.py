@@ -13,6 +13,20 @@ PANELS = (
     ("mismatch_kl", ("mismatch_kl_k1", "mismatch_kl_k3"), "rollout vs trainer KL"),
     ("is_weights", ("is_ratio_min", "is_ratio_mean", "is_ratio_max"), "importance ratio trainer / rollout"),
 )
+LABELS = {
+    "reward_mean": "mean reward",
+    "eval_accuracy": "the task's held-out problems",
+    "retention_accuracy": "retention task (right axis)",
+    "mismatch_kl_k1": "k1 = mean(log p_rollout - log p_trainer): unbiased, can dip below 0",
+    "mismatch_kl_k3": "k3: never below 0",
+    "is_ratio_min": "min",
+    "is_ratio_mean": "mean",
+    "is_ratio_max": "max",
+}
+"""Legend text of each metric key (the keys themselves are in metrics.jsonl)."""
+SECOND_AXIS = ("retention_accuracy",)
+"""Drawn on their own right-hand scale from 0 to 1: a retention line near 1.0 on the task's scale
+would flatten the task's curve."""
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -41,19 +55,11 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     rows = read_metrics(run_dir / "metrics.jsonl")
     written = []
     fig_all, axes = plt.subplots(2, 2, figsize=(11, 7))
+    resumed = [r["resumed_from"] for r in rows if "resumed_from" in r]
     for (name, keys, title), ax_all in zip(PANELS, axes.flat, strict=True):
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for target in (ax, ax_all):
-            for key in keys:
-                pts = [(r["step"], r[key]) for r in rows if key in r]
-                if pts:
-                    xs, ys = zip(*pts, strict=True)
-                    target.plot(xs, ys, marker="o" if len(pts) < 30 else None, label=key)
-            target.set_title(title)
-            target.set_xlabel("step")
-            target.grid(alpha=0.3)
-            if len(keys) > 1:
-                target.legend(fontsize=8)
+            _panel(target, rows, keys, title, resumed)
         fig.tight_layout()
         path = run_dir / f"{name}.png"
         fig.savefig(path, dpi=110)
@@ -66,6 +72,32 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     fig_all.savefig(overview, dpi=110)
     plt.close(fig_all)
     return written + [overview]
+
+
+def _panel(ax, rows: list[dict], keys: tuple[str, ...], title: str, resumed: list[int]) -> None:
+    """One panel: each key's line under its label, a second scale for `SECOND_AXIS` keys, a zero
+    line where a curve goes below 0, and a dashed mark at each step a run was resumed from."""
+    lines = []
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if not pts:
+            continue
+        xs, ys = zip(*pts, strict=True)
+        target = ax
+        if key in SECOND_AXIS:  # its own scale, whole (0 to 1), so a change of 0.002 does not look like a fall
+            target = ax.twinx()
+            target.set_ylim(0, 1.05)
+        style = {"linestyle": "--", "color": "tab:gray"} if key in SECOND_AXIS else {}
+        lines += target.plot(xs, ys, marker="o" if len(pts) < 30 else None, label=LABELS.get(key, key), **style)
+        if min(ys) < 0 <= max(ys):
+            target.axhline(0, color="black", linewidth=0.6)
+    for step in resumed:
+        lines.append(ax.axvline(step, color="tab:red", linestyle=":", linewidth=1, label=f"resumed at step {step}"))
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if len(lines) > 1:  # "best" sees the left axis only: below a right-axis line near 1.0 instead
+        ax.legend(handles=lines, fontsize=7, loc="center right" if set(keys) & set(SECOND_AXIS) else "best")
 
 
 def _plot_episodes(plt, rows: list[dict], path: Path) -> Path:

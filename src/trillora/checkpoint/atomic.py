@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..errors import TrilloraError
+
 
 def fsync_path(path: Path) -> None:
     """Flush a file's (or a folder's entries') bytes to disk."""
@@ -86,3 +88,51 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     fsync_path(tmp)
     os.replace(tmp, path)
     fsync_path(path.parent)
+
+
+class FolderInUse(TrilloraError, RuntimeError):
+    """Another process writes this folder (a run folder, a state folder)."""
+
+
+class FolderLock:
+    """`with FolderLock(folder):` one writer at a time. An exclusive `flock` on `folder/.lock`, which
+    holds the writer's pid; the kernel frees it whenever the process ends, `kill -9` included, so a
+    crashed run never leaves a stale lock behind. A second writer is refused with the holder's pid
+    and command line instead of interleaving its rows and checkpoints with the first's."""
+
+    def __init__(self, folder: str | Path, what: str = "run folder", hint: str = ""):
+        self.folder, self.what, self.hint = Path(folder), what, hint
+        self.fd: int | None = None
+
+    def __enter__(self) -> FolderLock:
+        import fcntl
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / ".lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise FolderInUse(
+                f"{self.folder}: this {self.what} is in use by process {holder or '?'}{_command_of(holder)}; "
+                f"wait for it to end or stop it{self.hint}"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor releases the lock
+            self.fd = None
+
+
+def _command_of(pid: str) -> str:
+    try:
+        argv = Path(f"/proc/{int(pid)}/cmdline").read_bytes().split(b"\0")
+    except (ValueError, OSError):
+        return ""
+    return f" ({' '.join(a.decode(errors='replace') for a in argv if a)[:200]})"

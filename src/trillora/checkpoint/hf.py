@@ -9,7 +9,9 @@ that splits the model further (tensor parallelism) does so between `meta_model` 
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from importlib import resources
@@ -34,11 +36,52 @@ SHIPPED_CHECKPOINTS = ("tiny-moe", "tiny-moe-chat")
 """Checkpoints inside the package, loadable by name (no download)."""
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}(@[\w./-]{1,128})?")
+"""`org/name`, or `org/name@revision` (a branch, tag or commit) to pin one."""
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
+"""What a Hub download fetches: config, weights, tokenizer (and a tokenizer's own code, run only
+with trust_remote_code); not .bin/.pth copies or `original/` consolidated checkpoints."""
+
+
 def resolve_model_path(path: str | Path) -> Path:
-    """A checkpoint folder, or the folder of a model shipped with trillora (`tiny-moe`, `tiny-moe-chat`)."""
-    if str(path) in SHIPPED_CHECKPOINTS:
-        return Path(str(resources.files("trillora").joinpath(f"assets/{path}")))
-    return Path(path)
+    """The folder of a model named as users of transformers, vLLM and PEFT name one: a checkpoint
+    folder; a model shipped with trillora (`tiny-moe`, `tiny-moe-chat`); or a Hugging Face Hub id
+    (`Qwen/Qwen3-30B-A3B`, `org/name@revision` to pin one), found in the Hub cache or downloaded
+    into it by `huggingface_hub` (`HF_HOME`, `HF_HUB_CACHE` and `HF_HUB_OFFLINE=1` honoured)."""
+    name = str(path)
+    if name in SHIPPED_CHECKPOINTS:
+        return Path(str(resources.files("trillora").joinpath(f"assets/{name}")))
+    if Path(path).exists():
+        return Path(path)
+    if not HUB_ID.fullmatch(name):
+        close = difflib.get_close_matches(name, SHIPPED_CHECKPOINTS, n=1)
+        hint = f": did you mean {close[0]}?" if close else f" (shipped: {', '.join(SHIPPED_CHECKPOINTS)})"
+        raise MissingPath(
+            f"{name!r} is not a folder, not a Hugging Face Hub id (org/name) and not a shipped model{hint}"
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    repo, _, revision = name.partition("@")
+    try:
+        return Path(snapshot_download(repo, revision=revision or None, allow_patterns=HUB_FILES))
+    except LocalEntryNotFoundError as e:
+        raise MissingPath(
+            f"{name!r} is not a folder here, and the Hub id is not in the Hugging Face cache "
+            f"({_hub_cache()}) and could not be downloaded ({type(e).__name__}). Download it first "
+            f"(`hf download {repo}`), point HF_HUB_CACHE at a cache that holds it, or give a folder"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise MissingPath(
+            f"{name!r}: not a folder here, and the Hub could not give it: {type(e).__name__}: {e}"
+        ) from None
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    offline = " with HF_HUB_OFFLINE=1" if constants.HF_HUB_OFFLINE else ""
+    return f"{constants.HF_HUB_CACHE}{offline}"
 
 
 def load_model(

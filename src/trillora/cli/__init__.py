@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first asks `train` to stop after a checkpoint)
+        print(f"trillora {args.command}: interrupted", file=sys.stderr)
+        return 130
     except TrilloraError as e:
         if e.__cause__ is not None and getattr(e, "show_cause", False):  # the user's code: show where it failed
             import traceback

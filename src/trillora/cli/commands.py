@@ -79,6 +79,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         overrides.append("resume=true")
     summary = train(load_config(config, overrides))
+    if "exit_code" in summary:  # stopped by a signal after a checkpoint: 130 for Ctrl-C, 143 for SIGTERM
+        return summary["exit_code"]
     if summary:  # under torchrun only rank 0 reports
         print(json.dumps({k: v for k, v in summary.items() if k != "adapter"}, indent=2))
     return 0

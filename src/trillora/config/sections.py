@@ -49,8 +49,10 @@ class TaskSection:
     `options.store`; trained as `serve --learn` would, offline: `trainer.offline`)."""
     options: dict = field(default_factory=lambda: {"digits": 3})
     """Keyword arguments of the task (e.g. digits, ops; path and reward_fn for jsonl)."""
-    retention: str = "reversal"
-    """A second task scored before and after to check RL did not erase it; "" for none."""
+    retention: str = "auto"
+    """A second task scored before and after to check RL did not erase it; "" for none. "auto":
+    `reversal` when a shipped tiny model (pretrained on it) learns another built-in task, none
+    otherwise (a user's dataset or envs, a model of one's own: nothing there is known to keep)."""
     eval_problems: int = 512
     """Held-out problems (or env groups) scored before training, every `eval_every` steps and at the end."""
     eval_samples: int = 2
@@ -70,7 +72,17 @@ class TaskSection:
         _check_positive("task.max_turns", self.max_turns)
         _check_positive("task.reward_timeout", self.reward_timeout, zero_ok=True)
         if self.retention:
-            _check_choice("task.retention", self.retention, tuple(TASKS))
+            _check_choice("task.retention", self.retention, ("auto", *TASKS))
+
+    def retention_task(self, model_path: str) -> str:
+        """The retention task this run scores ("" for none), "auto" decided (see `retention`)."""
+        from ..checkpoint.hf import SHIPPED_CHECKPOINTS
+        from ..tasks import TASKS
+
+        if self.retention != "auto":
+            return self.retention
+        built_in = self.name in TASKS and self.name not in ("jsonl", "reversal")
+        return "reversal" if built_in and model_path in SHIPPED_CHECKPOINTS else ""
         _check_positive("task.eval_problems", self.eval_problems)
         _check_positive("task.eval_samples", self.eval_samples)
 
@@ -245,8 +257,15 @@ class LoggingSection:
     `WANDB_API_KEY` is set, otherwise offline under `runs/<name>/wandb/`); the `tracking` extra."""
     project: str = "trillora"
     """The W&B project."""
+    every: int = 10
+    """Print a line of the step's metrics to the console every this many steps (0: the progress bar only)."""
+    plot_seconds: float = 60.0
+    """Redraw the run's PNG plots after a step once this many seconds passed since the last drawing
+    (0: after every step); they are drawn at the end of a run and when it stops in any case."""
 
     def validate(self) -> None:
+        _check_positive("logging.every", self.every, zero_ok=True)
+        _check_positive("logging.plot_seconds", self.plot_seconds, zero_ok=True)
         for b in self.backends:
             if b not in TRACKERS:
                 raise ConfigError(

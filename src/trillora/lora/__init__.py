@@ -15,13 +15,22 @@ from .apply import (
     unmerge,
 )
 from .config import ROLES, LoraConfig, LoraConfigError
-from .export import AdapterError, adapter_config, adapter_tensors, fill_adapter, load_adapter, save_adapter
+from .export import (
+    AdapterError,
+    adapter_base,
+    adapter_config,
+    adapter_tensors,
+    fill_adapter,
+    load_adapter,
+    save_adapter,
+)
 
 __all__ = [
     "ROLES",
     "AdapterError",
     "LoraConfig",
     "LoraConfigError",
+    "adapter_base",
     "adapter_config",
     "adapter_skeleton",
     "adapter_stats",

@@ -1,4 +1,4 @@
-"""Adapters on disk in PEFT layout (`adapter_config.json` + `adapter_model.safetensors`).
+r"""Adapters on disk in PEFT layout (`adapter_config.json` + `adapter_model.safetensors`).
 
 Two expert layouts, named explicitly because they differ in exactly the ways that cause bugs:
 
@@ -15,8 +15,14 @@ gpt-oss differs in two places, as its stacked experts do in transformers: the ro
 `mlp.router`, and the fused gate_up B has gate and up rows interleaved (its [E, C, 2I] weight
 interleaves them column by column); PEFT's `is_transposed` experts take A and B as above.
 
-Every exported B carries its module's scaling (the file says lora_alpha = r), so any
-reader that computes alpha / r gets the update we trained, whatever our rank rule or rsLoRA.
+The file says the run's `lora_alpha` and `use_rslora`. Every module trains at the dense
+scaling whatever its rank (`apply_lora`), so a module of another rank (the fused rank-2r gate_up,
+experts under an expert rank rule) gets an `alpha_pattern` entry that gives a reader the same
+scaling: B is written as trained, and PEFT, vLLM and our loader compute one update. (PEFT 0.21
+warns that the patterns of `target_parameters` "did not match any targeted module and were
+ignored": its check looks at module targets only, and it says the same of the pattern its own
+per-expert conversion adds. The patterns are applied: `tests/test_lora.py` checks the ranks and
+logits of the adapter PEFT builds.)
 Dense layers go through `target_parameters` too in the fused layout: PEFT rewrites
 `gate_proj`/`up_proj`/`down_proj` module targets into expert parameters for these models.
 """
@@ -33,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoint.atomic import AtomicFolder
 from ..checkpoint.hf import EXPERT_LAYOUTS
+from ..checkpoint.weights import base_fingerprint
 from ..errors import TrilloraError
 from ..models import ReleaseLayout, release_of
 from .apply import apply_lora, lora_modules
@@ -46,15 +53,18 @@ class AdapterError(TrilloraError, ValueError):
     """An adapter folder that does not fit the model; the message names the key or file."""
 
 
-def _dense_tensors(name: str, m: LoraMixin) -> dict[str, torch.Tensor]:
+def _dense_tensors(name: str, m: LoraMixin, s: float) -> dict[str, torch.Tensor]:
     return {
         f"{PREFIX}{name}.lora_A.weight": m.lora_A.detach().float(),
-        f"{PREFIX}{name}.lora_B.weight": (m.lora_B.detach().float() * m.lora_scaling),
+        f"{PREFIX}{name}.lora_B.weight": (m.lora_B.detach().float() * s),
     }
 
 
-def _expert_tensors(name: str, m: LoraGroupedExperts, layout: str, release: ReleaseLayout) -> dict[str, torch.Tensor]:
-    s, e = m.lora_scaling, m.num_experts
+def _expert_tensors(
+    name: str, m: LoraGroupedExperts, layout: str, release: ReleaseLayout, s: float
+) -> dict[str, torch.Tensor]:
+    """`s`: what B is multiplied by on disk (1.0 when the file's scaling is the module's)."""
+    e = m.num_experts
     g_a, u_a, d_a = (t.detach().float() for t in (m.lora_gate_A, m.lora_up_A, m.lora_down_A))
     g_b, u_b, d_b = (t.detach().float() * s for t in (m.lora_gate_B, m.lora_up_B, m.lora_down_B))
     out: dict[str, torch.Tensor] = {}
@@ -87,12 +97,14 @@ def adapter_tensors(model: torch.nn.Module, layout: str) -> tuple[dict[str, torc
         raise ValueError(f"expert_layout={layout!r}; allowed: {', '.join(EXPERT_LAYOUTS)}")
     tensors: dict[str, torch.Tensor] = {}
     modules, parameters, ranks = set(), set(), {}
-    base_rank = model.lora_config.rank
+    cfg = model.lora_config
+    base_rank, scaling = cfg.rank, cfg.scaling(cfg.rank)  # the file's scaling of every module
     release = release_of(model.args)
     for ours, m in lora_modules(model):
         name = release.module_name(ours)
+        on_disk = m.lora_scaling / scaling  # 1.0: every module trains at the dense scaling (`apply_lora`)
         if isinstance(m, LoraGroupedExperts):
-            tensors.update(_expert_tensors(name, m, layout, release))
+            tensors.update(_expert_tensors(name, m, layout, release, on_disk))
             if layout == "per_expert":
                 modules.update({"gate_proj", "up_proj", "down_proj"})
                 if m.lora_rank != base_rank:
@@ -105,7 +117,7 @@ def adapter_tensors(model: torch.nn.Module, layout: str) -> tuple[dict[str, torc
             continue
         if isinstance(m, LoraRouterMixin) and layout == "per_expert":
             raise AdapterError("router LoRA has no vLLM per-expert form; save with expert_layout='fused'")
-        tensors.update(_dense_tensors(name, m))
+        tensors.update(_dense_tensors(name, m, on_disk))
         if layout == "per_expert":
             modules.add(name.rpartition(".")[2])
         elif isinstance(m, LoraRouterMixin) or ".mlp." in name:
@@ -116,13 +128,15 @@ def adapter_tensors(model: torch.nn.Module, layout: str) -> tuple[dict[str, torc
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": base_rank,
-        "lora_alpha": base_rank,  # B already carries each module's scaling
+        "lora_alpha": cfg.alpha,
         "rank_pattern": ranks,
-        "alpha_pattern": dict(ranks),
+        # a reader computes alpha / rank (alpha / sqrt(rank) with rsLoRA): the alpha that gives each
+        # rank of the patterns the dense scaling
+        "alpha_pattern": {k: scaling * (r**0.5 if cfg.rslora else r) for k, r in ranks.items()},
         "target_modules": sorted(modules),
         "target_parameters": sorted(parameters) or None,
         "lora_dropout": 0.0,
-        "use_rslora": False,
+        "use_rslora": cfg.rslora,
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
@@ -133,9 +147,16 @@ def adapter_tensors(model: torch.nn.Module, layout: str) -> tuple[dict[str, torc
 
 
 def save_adapter(
-    model: torch.nn.Module, path: str | Path, expert_layout: str = "per_expert", base_model: str | None = None
+    model: torch.nn.Module,
+    path: str | Path,
+    expert_layout: str = "per_expert",
+    base_model: str | None = None,
+    base_folder: str | Path | None = None,
 ) -> Path:
-    """Write the adapter atomically; refuses non-finite values so a NaN never reaches disk."""
+    """Write the adapter atomically; refuses non-finite values so a NaN never reaches disk.
+    `base_model`: what `adapter_config.json` names as the base (a Hub id or a folder);
+    `base_folder`: the base's checkpoint folder, whose fingerprint (`base_fingerprint`) the
+    adapter keeps so a server can tell an adapter of another base (`trillora_adapter.json`)."""
     tensors, config = adapter_tensors(model, expert_layout)
     bad = [k for k, t in tensors.items() if not torch.isfinite(t).all()]
     if bad:
@@ -151,6 +172,8 @@ def save_adapter(
         )
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         ours = {**dataclasses.asdict(model.lora_config), "expert_layout": expert_layout}
+        if base_folder is not None:
+            ours["base_fingerprint"] = base_fingerprint(base_folder)
         (tmp / "trillora_adapter.json").write_text(json.dumps(ours, indent=2))
     return path
 
@@ -171,9 +194,16 @@ def adapter_config(path: str | Path) -> LoraConfig:
         raise AdapterError(f"{path}: no trillora_adapter.json, so the adapter's rank and targets are unknown")
     fields = json.loads(meta.read_text())
     fields.pop("expert_layout", None)
+    fields.pop("base_fingerprint", None)
     for k in ("targets", "patterns", "exclude"):
         fields[k] = tuple(fields.get(k, ()))
     return LoraConfig(**fields)
+
+
+def adapter_base(path: str | Path) -> str | None:
+    """The fingerprint of the base an adapter folder was trained on (`base_fingerprint`), if it says."""
+    meta = Path(path) / "trillora_adapter.json"
+    return json.loads(meta.read_text()).get("base_fingerprint") if meta.exists() else None
 
 
 def load_adapter(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:

@@ -2,7 +2,7 @@
 
 from .advantages import ADVANTAGE_MODES, group_advantages
 from .aggregation import AGGREGATIONS, aggregate
-from .dynamic_sampling import fill_batch, informative_groups
+from .dynamic_sampling import fill_batch, informative_groups, little_signal
 from .kl import KL_ESTIMATORS, entropy_from_logits, kl_estimate
 from .logprobs import logprobs_from_logits, scale_by_temperature
 from .loss import policy_loss
@@ -18,6 +18,7 @@ __all__ = [
     "fill_batch",
     "group_advantages",
     "informative_groups",
+    "little_signal",
     "kl_estimate",
     "logprobs_from_logits",
     "scale_by_temperature",

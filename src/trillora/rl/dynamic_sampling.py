@@ -19,3 +19,15 @@ def fill_batch(rounds: list[torch.Tensor], want: int) -> tuple[list[tuple[int, i
     filler = [(k, int(i)) for k, r in enumerate(rounds) for i in (~informative_groups(r)).nonzero()[:, 0]]
     padding = filler[: want - len(keep)]
     return sorted(keep + padding), len(padding)
+
+
+def little_signal(all_equal_S: list[float], window: int = 5, threshold: float = 0.75) -> float | None:
+    """The share of groups whose samples all got one reward, averaged over the last `window` steps,
+    when it is at least `threshold`; else None. Such groups have zero group-relative advantage and
+    add no gradient, so a run where most groups are like that learns little or nothing (a task too
+    easy or too hard for the model, a reward that never varies). `all_equal_S`: each step's share
+    (`groups_all_equal`), oldest first. The default job stays near 0.3 (at most 0.53 in one step)."""
+    if len(all_equal_S) < window:
+        return None
+    share = sum(all_equal_S[-window:]) / window
+    return share if share >= threshold else None

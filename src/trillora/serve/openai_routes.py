@@ -17,6 +17,7 @@ adapters that wait together are sampled in one pass, each row with its own adapt
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import re
@@ -30,9 +31,12 @@ import torch
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
+from .. import lora
 from ..chat.renderer import ChatRenderer
+from ..checkpoint.weights import base_fingerprint
 from ..errors import ConfigError
 from ..lora import AdapterError
+from ..tasks.prompts import encode_prompt
 from ..traces import Call, Feedback, Recorder, TooMuchFeedback, TraceError, UnknownTrace
 from .http import check_operator, json_object, owner_of
 from .openai_requests import sampling_params, text_field, trace_of
@@ -89,7 +93,11 @@ class OpenAIRoutes:
         if any(root != p and root not in p.parents for p in [path, *files]):
             raise BadRequest(f"lora_path {given!r} is outside the adapter root", 403)
         if not (path / "adapter_config.json").exists():
-            raise BadRequest(f"no adapter at {given!r}", 404)
+            raise BadRequest(
+                f"no adapter at {given!r}: no adapter_config.json in {path} (lora_path is resolved against "
+                f"--adapter-root {root}; trillora train writes runs/<name>/adapter/fused and .../per_expert)",
+                404,
+            )
         return path
 
     async def load_adapter(self, request: Request) -> dict:
@@ -108,6 +116,13 @@ class OpenAIRoutes:
         return {"status": "ok", "lora_name": name}
 
     def _load(self, name: str, path: Path) -> None:
+        trained_on = lora.adapter_base(path)
+        if trained_on is not None and trained_on != self.base_fingerprint:
+            raise BadRequest(
+                f"adapter {name!r} at {path} was trained on another base (fingerprint {trained_on}; its "
+                f"adapter_config.json names {_named_base(path)!r}); this server's base {self.cfg.model!r} is "
+                f"{self.base_fingerprint}: serve that base to load it"
+            )
         try:
             revision = self.service.base.revision_from_folder(path)
         except (AdapterError, ValueError) as e:
@@ -121,6 +136,11 @@ class OpenAIRoutes:
                 "adapter memory is free (--adapter-memory-mib): unload one first"
             )  # 400: retrying cannot help
         self.service.serve_adapter(name, revision)
+
+    @functools.cached_property
+    def base_fingerprint(self) -> str:
+        """The served base's `checkpoint.weights.base_fingerprint` (computed at the first load)."""
+        return base_fingerprint(self.service.path)
 
     async def unload_adapter(self, request: Request) -> dict:
         check_operator(request.scope, self.cfg.operator(), "unload_lora_adapter")
@@ -174,7 +194,7 @@ class OpenAIRoutes:
                     f"a prompt of {len(p)} characters is longer than the model's {self.max_len} positions can hold"
                 )
             if isinstance(p, str):
-                out.append(self.tokenizer(p, add_special_tokens=False)["input_ids"])
+                out.append(encode_prompt(self.tokenizer, p))  # as the trainer encodes its prompts
             elif isinstance(p, list) and p and all(isinstance(t, int) and 0 <= t < len(self.tokenizer) for t in p):
                 out.append(p)
             else:
@@ -369,6 +389,13 @@ class OpenAIRoutes:
 
 async def _body(request: Request) -> dict:
     return json_object(await request.body())
+
+
+def _named_base(path: Path) -> str | None:
+    try:
+        return json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _available_bytes(device: torch.device) -> int:

@@ -8,9 +8,12 @@ from .base import Problem
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Prompts start with BOS when the tokenizer has one (the tiny model is trained that way)."""
+    """Prompts start with BOS when the tokenizer has one (the tiny model is trained that way), as
+    vLLM adds special tokens to a completion prompt; a text that already starts with BOS keeps one.
+    Every face encodes text prompts here: the trainer, `generate`, `eval` and `/v1/completions`."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []) + ids
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
 
 
 @functools.lru_cache(maxsize=8)

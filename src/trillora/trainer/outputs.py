@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from .. import lora
 from ..checkpoint import resolve_model_path, save_model
-from ..checkpoint.hf import EXPERT_LAYOUTS
+from ..checkpoint.hf import EXPERT_LAYOUTS, HUB_ID
 from ..config import TrainConfig
 
 if TYPE_CHECKING:
@@ -24,7 +24,8 @@ def write_summary(trainer: Trainer, state: dict, start: float) -> dict:
     export(trainer)
     from ..plots import plot_run  # matplotlib: imported when a run ends, not when trillora starts
 
-    plot_run(cfg.run_dir)
+    plots = plot_run(cfg.run_dir)
+    trainer.console.print(f"plots: {', '.join(str(p) for p in plots)}\n{export_dir(cfg).name}: {export_dir(cfg)}")
     dims = trainer.world.dims
     summary = {
         "eval_before": state["eval_before"],
@@ -38,6 +39,7 @@ def write_summary(trainer: Trainer, state: dict, start: float) -> dict:
         "skipped_updates": trainer.update.skipped_updates,
         "reward_failures": trainer.reward_failures,
         "dataset_rows_skipped": len(getattr(trainer.task, "skipped", [])),
+        "little_signal_warnings": trainer.little_signal_steps,
         "finetune": cfg.finetune,
         "adapter": lora.adapter_stats(trainer.full),
         **(
@@ -65,6 +67,9 @@ def export(trainer: Trainer) -> None:
         save_model(trainer.full, export_dir(trainer.cfg))
         trainer.tokenizer.save_pretrained(export_dir(trainer.cfg))
         return
-    base = str(resolve_model_path(trainer.cfg.model.path))
+    named, folder = trainer.cfg.model.path, resolve_model_path(trainer.cfg.model.path)
+    base = named if HUB_ID.fullmatch(named) and not Path(named).exists() else str(folder)  # a Hub id stays one
     for layout in EXPERT_LAYOUTS:
-        lora.save_adapter(trainer.full, export_dir(trainer.cfg) / layout, expert_layout=layout, base_model=base)
+        lora.save_adapter(
+            trainer.full, export_dir(trainer.cfg) / layout, expert_layout=layout, base_model=base, base_folder=folder
+        )
