@@ -285,6 +285,7 @@ def hub_cache(tmp_path, repo: str, files_from) -> tuple[str, dict]:
     return commit, {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
 
 
+@pytest.mark.slow  # CLI processes and a training run
 def test_a_hub_id_is_resolved_offline_from_the_cache_with_its_revision_and_a_typo_is_named(tmp_path):
     from trillora.checkpoint import resolve_model_path
 

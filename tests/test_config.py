@@ -117,13 +117,15 @@ def test_the_context_defaults_to_the_models_positions_and_more_is_refused():
 
 
 def test_retention_auto_is_reversal_for_a_shipped_model_on_a_built_in_task_only():
+    from trillora.trainer.evaluate import retention_task
+
     decided = {
-        (name, model): load_config(None, [f"task.name={name}", f"model.path={model}"]).task.retention_task(model)
+        (name, model): retention_task(load_config(None, [f"task.name={name}", f"model.path={model}"]))
         for name in ("arithmetic", "countdown", "reversal", "jsonl")
         for model in ("tiny-moe", "tiny-moe-chat", "/models/my-moe")
     }
     assert decided[("arithmetic", "tiny-moe")] == decided[("countdown", "tiny-moe-chat")] == "reversal"
     assert decided[("jsonl", "tiny-moe")] == decided[("reversal", "tiny-moe")] == ""
     assert decided[("arithmetic", "/models/my-moe")] == ""
-    cfg = load_config(None, ["task.name=jsonl", "task.retention=reversal"])
-    assert cfg.task.retention_task("tiny-moe") == "reversal"  # asked for: kept
+    asked = load_config(None, ["task.name=jsonl", "task.retention=reversal"])
+    assert retention_task(asked) == "reversal"  # asked for: kept

@@ -602,3 +602,40 @@ def test_readme_service_plan_with_divided_expert_rank(capsys):
         "--expert-rank 3 with --tinker: a service's expert adapters take the client's rank (8) or rank // top_k (1"
         in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(
+            ["--model", "kimi-k2", "--gpus", "64", "--gpu", "h800", "--seq-len", "16384", "--rollouts", "512"],
+            marks=pytest.mark.slow,  # a 64-GPU search: 18 s
+        ),
+        ["--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu", "h100"],
+    ],
+)
+def test_plan_prints_a_launch_command_whose_overrides_give_the_chosen_layout(argv, capsys):
+    import dataclasses
+    import shlex
+
+    from trillora.cli import main
+    from trillora.cli.plan import render
+    from trillora.config import load_config
+
+    assert main(["plan", *argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    words = shlex.split(out["launch"])
+    assert words[0] == "torchrun" and words[words.index("-m") + 1 : words.index("-m") + 4] == [
+        "trillora",
+        "train",
+        "CONFIG.toml",
+    ]
+    nodes, per_node = int(words[words.index("--nnodes") + 1]), int(words[words.index("--nproc-per-node") + 1])
+    assert nodes * per_node == out["gpus"]
+    cfg = load_config(None, [w for w in words if "=" in w])
+    chosen = ParallelDims(**out["best"][0]["layout"])
+    assert {f.name: getattr(cfg.parallel, f.name) for f in dataclasses.fields(ParallelDims)} == dataclasses.asdict(
+        chosen
+    )
+    render(out)
+    assert f"launch (on every node): {out['launch']}" in capsys.readouterr().out

@@ -97,7 +97,27 @@ def run(a: argparse.Namespace) -> dict:
     out["lora_vs_full"] = lora_vs_full(args, replace(training, full=False), cluster, work)
     rollout = rollout_layout(args, result.world, cluster, weight_bytes=1 if a.fp8_base else 2)
     out["rollout"] = asdict(rollout) if rollout else None
+    if result.fits:
+        out["launch"] = launch_command(out["best"][0]["layout"], result.world, cluster.gpus_per_node, training)
     return out
+
+
+def launch_command(layout: dict, world: int, per_node: int, training: Training) -> str:
+    """The torchrun command that trains with `layout` (its fields that differ from `ParallelDims`'
+    defaults, as `parallel.*` overrides) on `world` ranks, `per_node` to a node; CONFIG.toml is the
+    user's run config (model.path, task, rollout)."""
+    defaults = asdict(ParallelDims())
+    nodes = -(-world // per_node)
+    launcher = f"torchrun --nnodes {nodes} --nproc-per-node {min(world, per_node)}"
+    if nodes > 1:
+        launcher += " --rdzv-backend c10d --rdzv-endpoint HOST:29500"  # HOST: the first node's address
+    keys = []
+    for k, v in layout.items():
+        if v != defaults[k] and k in defaults:
+            keys.append(f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}")
+    if not training.full:
+        keys.append(f"lora.rank={training.lora_rank}")
+    return f"{launcher} -m trillora train CONFIG.toml {' '.join(keys)}"
 
 
 SHOWN = 10  # rows of the service table beyond those that fit
@@ -317,6 +337,8 @@ def render(out: dict) -> None:
             f"LoRA vs full-parameter: at least {lf['lora_min_gpus']} vs {lf['full_min_gpus']} GPUs "
             f"({100 * lf['ratio']:.0f}%)"
         )
+    if out.get("launch"):
+        console.print(f"launch (on every node): {out['launch']}", soft_wrap=True)
     r = out["rollout"]
     if r:
         console.print(

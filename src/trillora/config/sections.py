@@ -52,7 +52,8 @@ class TaskSection:
     retention: str = "auto"
     """A second task scored before and after to check RL did not erase it; "" for none. "auto":
     `reversal` when a shipped tiny model (pretrained on it) learns another built-in task, none
-    otherwise (a user's dataset or envs, a model of one's own: nothing there is known to keep)."""
+    otherwise (a user's dataset or envs, a model of one's own: nothing there is known to keep;
+    `trainer.evaluate.retention_task`)."""
     eval_problems: int = 512
     """Held-out problems (or env groups) scored before training, every `eval_every` steps and at the end."""
     eval_samples: int = 2
@@ -73,16 +74,6 @@ class TaskSection:
         _check_positive("task.reward_timeout", self.reward_timeout, zero_ok=True)
         if self.retention:
             _check_choice("task.retention", self.retention, ("auto", *TASKS))
-
-    def retention_task(self, model_path: str) -> str:
-        """The retention task this run scores ("" for none), "auto" decided (see `retention`)."""
-        from ..checkpoint.hf import SHIPPED_CHECKPOINTS
-        from ..tasks import TASKS
-
-        if self.retention != "auto":
-            return self.retention
-        built_in = self.name in TASKS and self.name not in ("jsonl", "reversal")
-        return "reversal" if built_in and model_path in SHIPPED_CHECKPOINTS else ""
         _check_positive("task.eval_problems", self.eval_problems)
         _check_positive("task.eval_samples", self.eval_samples)
 

@@ -17,7 +17,6 @@ adapters that wait together are sampled in one pass, each row with its own adapt
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import json
 import re
@@ -54,6 +53,7 @@ class OpenAIRoutes:
     def __init__(self, server: Server):
         self.server, self.cfg, self.service = server, server.cfg, server.service
         self.tokenizer = self.service.tokenizer
+        self.base_fingerprint = base_fingerprint(self.service.path)  # what an adapter's trillora_adapter.json names
         self.max_len = self.service.base.model.args.max_position_embeddings
         self.base_bytes = sum(
             p.numel() * p.element_size() for n, p in self.service.base.model.named_parameters() if ".lora_" not in n
@@ -119,9 +119,8 @@ class OpenAIRoutes:
         trained_on = lora.adapter_base(path)
         if trained_on is not None and trained_on != self.base_fingerprint:
             raise BadRequest(
-                f"adapter {name!r} at {path} was trained on another base (fingerprint {trained_on}; its "
-                f"adapter_config.json names {_named_base(path)!r}); this server's base {self.cfg.model!r} is "
-                f"{self.base_fingerprint}: serve that base to load it"
+                f"adapter {name!r} at {path} was trained on another base (fingerprint {trained_on}, "
+                f"adapter_config.json names it); this server's base {self.cfg.model!r} is {self.base_fingerprint}"
             )
         try:
             revision = self.service.base.revision_from_folder(path)
@@ -136,11 +135,6 @@ class OpenAIRoutes:
                 "adapter memory is free (--adapter-memory-mib): unload one first"
             )  # 400: retrying cannot help
         self.service.serve_adapter(name, revision)
-
-    @functools.cached_property
-    def base_fingerprint(self) -> str:
-        """The served base's `checkpoint.weights.base_fingerprint` (computed at the first load)."""
-        return base_fingerprint(self.service.path)
 
     async def unload_adapter(self, request: Request) -> dict:
         check_operator(request.scope, self.cfg.operator(), "unload_lora_adapter")
@@ -389,13 +383,6 @@ class OpenAIRoutes:
 
 async def _body(request: Request) -> dict:
     return json_object(await request.body())
-
-
-def _named_base(path: Path) -> str | None:
-    try:
-        return json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def _available_bytes(device: torch.device) -> int:

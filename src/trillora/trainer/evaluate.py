@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from ..checkpoint.hf import SHIPPED_CHECKPOINTS
+from ..config import TrainConfig
 from ..envs.env import EnvGroupBuilder
 from ..rollout.types import RolloutEngine, SamplingParams
+from ..tasks import TASKS
 from ..tasks.base import Problem, Task
 from ..tasks.prompts import decode_completion, encode_problem
 from .episodes import run_groups
@@ -33,3 +36,13 @@ def evaluate_envs(engine: RolloutEngine, builders: list[EnvGroupBuilder], params
         return 0.0
     returns = [r for g in run_groups(engine, builders, params, limits) for r in g.total_rewards()]
     return sum(returns) / len(returns)
+
+
+def retention_task(cfg: TrainConfig) -> str:
+    """The retention task a run scores ("" for none), `task.retention = "auto"` decided: reversal
+    when a shipped tiny model (pretrained on reversal) learns another built-in task."""
+    t = cfg.task
+    if t.retention != "auto":
+        return t.retention
+    built_in = t.name in TASKS and t.name not in ("jsonl", "reversal")
+    return "reversal" if built_in and cfg.model.path in SHIPPED_CHECKPOINTS else ""

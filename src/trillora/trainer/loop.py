@@ -39,9 +39,10 @@ from ..tasks.guard import GuardedReward
 from ..tasks.prompts import encode_problem
 from .checkpoints import RunCheckpoints
 from .engine import check_engine, make_engine
-from .evaluate import evaluate, evaluate_envs
+from .evaluate import evaluate, evaluate_envs, retention_task
 from .flops import ModelFlops
 from .outputs import export, export_dir, write_summary
+from .report import RunReport
 from .sampler import Sampler
 from .signals import StopSignal
 from .tracking import Trackers
@@ -114,7 +115,7 @@ class Trainer:
             else None
         )
         self.task = make_task(t.name, **t.options) if self.envs is None else None
-        retention = t.retention_task(cfg.model.path)
+        retention = retention_task(cfg)
         self.retention = make_task(retention) if retention else None
         self._check_dataset()
         # rewards are user code: time-limited, failures counted (an env's own steps are guarded as episodes run)
@@ -141,8 +142,6 @@ class Trainer:
         self.sampler = Sampler(
             cfg, self.engine, self.tokenizer, self.task, self.reward, self.device, routing, self.envs, self.flops
         )
-        self.all_equal: list[float] = []  # each step's groups_all_equal (rank 0), for `_warn_on_little_signal`
-        self.warned_at, self.little_signal_steps = -(10**9), 0
 
     @property
     def reward_failures(self) -> int:
@@ -258,6 +257,7 @@ class Trainer:
         self.trackers = (
             Trackers(cfg, first) if main else None
         )  # before the first evaluation: a missing package fails fast
+        self.report = RunReport(cfg, self.console, self.trackers, metrics_file) if main else None
         state = {}  # the accuracies so far, kept in checkpoints (rank 0)
         if resumed is not None:  # the metrics so far come back with the checkpoint
             state = {k: resumed.state[k] for k in ("eval_before", "retention_before", "accuracy", "retention_after")}
@@ -296,7 +296,6 @@ class Trainer:
         ):
             job = bar.add_task("rl", total=cfg.steps, completed=first, info="")
             state["steps_done"] = first
-            self.plotted = time.monotonic()
             for step in range(first, cfg.steps):
                 row = self.step(step)
                 if step == first and resumed is not None:  # the plots mark where a run was resumed
@@ -305,8 +304,7 @@ class Trainer:
                 state["steps_done"] = step + 1
                 evaluated = self.on_rank0(self._evaluate_all_timed) if self._evaluating(step, spent) else None
                 if main:
-                    self._log(row, step, state, metrics_file, bar, job, evaluated)
-                    self._replot(due=cfg.logging.plot_seconds)
+                    self._log(row, step, state, bar, job, evaluated)
                 stopping, diverged = stop.now(), self.update.diverged()
                 if checkpoints.due(step + 1, stopping or diverged or spent):
                     checkpoints.save(step + 1, state, metrics_file if main else None)
@@ -317,7 +315,7 @@ class Trainer:
                     self.world.unsharded(self.model, self.full)  # every rank joins the adapter gather
                     if main:  # the adapter so far is usable (eval, generate, serve) without unpacking a checkpoint
                         export(self)
-                        self._replot(due=0)
+                        self.report.replot(due=0)
                         self.console.print(
                             f"stopped at step {step + 1} of {cfg.steps}: weights so far in "
                             f"{export_dir(self.cfg)}; resume with resume=true"
@@ -341,8 +339,8 @@ class Trainer:
         t3 = time.perf_counter()
         return *self._evaluate_all(), time.perf_counter() - t3
 
-    def _log(self, row: dict, step: int, state: dict, metrics_file, bar, job, evaluated) -> None:
-        """Rank 0: the evaluation's results if one ran, the step's row appended, the progress bar moved."""
+    def _log(self, row: dict, step: int, state: dict, bar, job, evaluated) -> None:
+        """Rank 0: the evaluation's results if one ran, then the step reported (`report.RunReport`)."""
         if evaluated is not None:
             state["accuracy"], retention, seconds = evaluated
             row["eval_accuracy"] = state["accuracy"]
@@ -350,47 +348,7 @@ class Trainer:
                 state["retention_after"] = row["retention_accuracy"] = retention
             row["eval_seconds"] = seconds
             row["step_seconds"] += row["eval_seconds"]
-        self._warn_on_little_signal(row)
-        with open(metrics_file, "a") as log:
-            log.write(json.dumps(row) + "\n")
-        self.trackers.log(row, row["step"])
-        bar.update(
-            job,
-            advance=1,
-            info=f"reward {row['reward_mean']:.2f}  held-out acc {state['accuracy']:.3f}  "
-            f"{row['step_seconds']:.2f}s/step",
-        )
-        every = self.cfg.logging.every
-        if every and (row["step"] % every == 0 or row["step"] == self.cfg.steps):
-            self.console.print(console_line(row, state["accuracy"]))
-
-    def _replot(self, due: float) -> None:
-        """Rank 0: redraw the PNG plots when `due` seconds passed since the last drawing, so a long
-        run's plots follow it (`logging.plot_seconds`)."""
-        if time.monotonic() - self.plotted < due:
-            return
-        from ..plots import plot_run  # matplotlib: imported when first drawn, not when trillora starts
-
-        plot_run(self.cfg.run_dir)
-        self.plotted = time.monotonic()
-
-    def _warn_on_little_signal(self, row: dict) -> None:
-        """Most groups giving every sample one reward, step after step: no advantage, no gradient.
-        Said in the console and in the step's row (`warning`), again every `window` steps it lasts."""
-        window = 5
-        self.all_equal.append(row["groups_all_equal"])
-        share = rl.little_signal(self.all_equal, window)
-        if share is None or row["step"] - self.warned_at < window:
-            return
-        self.warned_at = row["step"]
-        self.little_signal_steps += 1
-        row["warning"] = (
-            f"little learning signal: over the last {window} steps {share:.0%} of groups gave all "
-            f"{self.cfg.rollout.group_size} samples one reward (mean reward {row['reward_mean']:.2f}), so their "
-            "advantages are 0. The task may be too easy or too hard for the model; try a larger "
-            "rollout.group_size, another rollout.temperature, algorithm.dynamic_sampling=true, or check the reward"
-        )
-        self.console.print(f"[yellow]warning at step {row['step']}[/]: {row['warning']}")
+        self.report.step(row, state["accuracy"], bar, job)
 
     def _diverged(self, step: int) -> TrainingDiverged:
         u = self.update
@@ -412,25 +370,6 @@ class Trainer:
             yield
         finally:
             torch.set_num_threads(before)
-
-
-CONSOLE_KEYS = (
-    ("reward_mean", "reward", ".3f"),
-    ("groups_all_equal", "one-reward groups", ".2f"),
-    ("loss", "loss", ".4f"),
-    ("grad_norm", "grad norm", ".3f"),
-    ("approx_kl_old", "kl(old)", ".2e"),
-    ("mismatch_kl_k3", "mismatch kl", ".2e"),
-    ("completion_len_mean", "length", ".1f"),
-    ("step_seconds", "s/step", ".2f"),
-)
-
-
-def console_line(row: dict, accuracy: float) -> str:
-    """The console's metrics line of a step (`logging.every`), as TRL and verl print one every N steps."""
-    parts = [f"{label} {row[k]:{fmt}}" for k, label, fmt in CONSOLE_KEYS if isinstance(row.get(k), (int, float))]
-    held_out = f"  held-out acc {accuracy:.3f}" if "eval_accuracy" in row else ""
-    return f"step {row['step']}: " + "  ".join(parts) + held_out
 
 
 def train(cfg: TrainConfig) -> dict:

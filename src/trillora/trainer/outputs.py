@@ -39,7 +39,7 @@ def write_summary(trainer: Trainer, state: dict, start: float) -> dict:
         "skipped_updates": trainer.update.skipped_updates,
         "reward_failures": trainer.reward_failures,
         "dataset_rows_skipped": len(getattr(trainer.task, "skipped", [])),
-        "little_signal_warnings": trainer.little_signal_steps,
+        "little_signal_warnings": trainer.report.little_signal_warnings,
         "finetune": cfg.finetune,
         "adapter": lora.adapter_stats(trainer.full),
         **(
