@@ -84,6 +84,10 @@ BLOCKS = {  # the first command of each ```bash block -> (the test that runs it,
         "tests/test_tinker_cookbook.py::test_cookbook_supervised_then_rl_loop_run_unchanged",
         SMALLER,
     ),
+    "python benchmarks/context_budget.py --model OUT --fractions 0.5 0.25 --rl-steps 60 --rl-seeds 0 1 2": (
+        "tests/test_context.py::test_the_context_budget_benchmark_runs_every_policy",
+        SMALLER,
+    ),
     "torchrun --nproc-per-node 4 -m trillora train parallel.tp=2 parallel.ep=2": (
         "tests/test_parallel.py::test_torchrun_train_matches_single_process",
         SMALLER,

@@ -110,6 +110,10 @@ def test_the_planner_figures_are_their_results_files(tmp_path):
     assert f"{k16['memory_total_gib']:.1f} of 72 usable" in README
     assert f"least\n{k16['full_min_gpus']} H800: LoRA needs **{100 * k16['ratio']:.0f}%**" in README
     assert k16["lora_min_gpus"] == 64
+    times = k16["full_min_gpus"] / k16["lora_min_gpus"]  # the opening paragraph's ratio
+    assert f"asks for {times:.0f}×: {k16['full_min_gpus']} H800 against {k16['lora_min_gpus']}" in " ".join(
+        README_MD.split()
+    )
     assert (
         f"layout needs {k32['memory_total_gib']:.1f} of the 72 usable GiB and the planner asks for "
         f"{k32['lora_min_gpus']} GPUs (full-parameter: {k32['full_min_gpus']},\n{100 * k32['ratio']:.0f}%"

@@ -18,7 +18,7 @@ CONSOLE_KEYS = (
     ("groups_all_equal", "one-reward groups", ".2f"),
     ("loss", "loss", ".4f"),
     ("grad_norm", "grad norm", ".3f"),
-    ("approx_kl_old", "kl(old)", ".2e"),
+    ("clip_frac", "clipped", ".3f"),
     ("mismatch_kl_k3", "mismatch kl", ".2e"),
     ("completion_len_mean", "length", ".1f"),
     ("step_seconds", "s/step", ".2f"),
