@@ -326,6 +326,7 @@ def test_diffusion_masks_allocates_and_refills_by_hand(tiny_engine):
 
 def test_policy_scores_equal_the_model_on_each_variant(tiny_engine):
     from trillora.context import policy_scores
+    from trillora.policy.logprobs import next_token_logprobs
 
     engine, _ = tiny_engine
     chunks = [Chunk([1, 14, 15], 0), Chunk([20, 21, 22], 1), Chunk([30, 31], 2), Chunk([14, 84, 15, 98], 3)]
@@ -339,7 +340,7 @@ def test_policy_scores_equal_the_model_on_each_variant(tiny_engine):
     with torch.no_grad():
         base = logp_of_latest(chunks)
         expected = [base - logp_of_latest([c for j, c in enumerate(chunks) if j != i]) for i in (1, 2)]
-    assert policy_scores(engine.model)(chunks, [1, 2]) == pytest.approx(expected, abs=1e-4)
+    assert policy_scores(next_token_logprobs(engine.model))(chunks, [1, 2]) == pytest.approx(expected, abs=1e-4)
 
 
 def test_surprise_equals_transformers_loss_over_each_chunk():
@@ -349,6 +350,7 @@ def test_surprise_equals_transformers_loss_over_each_chunk():
 
     from trillora.checkpoint import load_model, resolve_model_path
     from trillora.context import surprise
+    from trillora.policy.logprobs import next_token_logprobs
 
     chunks = [Chunk([1, 31, 18], 0), Chunk([28, 24, 2, 99], 1), Chunk([16, 84, 8, 98], 2), Chunk([56, 84, 11], 3)]
     ids = torch.tensor([[t for c in chunks for t in c.tokens]])
@@ -359,7 +361,7 @@ def test_surprise_equals_transformers_loss_over_each_chunk():
         labels[0, lo:hi] = ids[0, lo:hi]
         with torch.no_grad():
             expected.append(float(hf(ids, labels=labels).loss))
-    got = surprise(load_model("tiny-moe"))(chunks, [1, 2])
+    got = surprise(next_token_logprobs(load_model("tiny-moe")))(chunks, [1, 2])
     assert got == pytest.approx(expected, abs=1e-4)
 
 

@@ -10,6 +10,7 @@ import torch
 from trillora.checkpoint import load_model, load_tokenizer
 from trillora.context import MemoryContext, MemoryDiffusion, RefillRequest, policy_scores, recency, sample_refills
 from trillora.envs.env import Env, StepResult, TrajectoryGroup
+from trillora.policy.logprobs import next_token_logprobs
 from trillora.rollout import LocalEngine, SamplingParams
 from trillora.trainer.episodes import EpisodeLimits, run_episodes
 from trillora.trainer.flops import ModelFlops, rollout_flops
@@ -93,7 +94,7 @@ def test_the_scoring_forwards_are_counted_in_flops_rollout(engine):
     tok = load_tokenizer("tiny-moe")
     flops = ModelFlops.of(engine.model)
     params = SamplingParams(max_new_tokens=3, temperature=1.0, seed=5)
-    score = policy_scores(engine.model, tok.pad_token_id or 0)
+    score = policy_scores(next_token_logprobs(engine.model), tok.pad_token_id or 0)
     scored = []
 
     def counting(chunks, masked):

@@ -172,3 +172,15 @@ def test_every_user_facing_error_is_a_trillora_error():
         if isinstance(n, ast.ClassDef) and n.name.endswith(("Error", "Corrupt", "Diverged", "Unavailable"))
     ]
     assert len(classes) == len(set(classes)), "an error class is defined twice"
+
+
+def test_logprobs_are_read_off_the_head_in_one_place():
+    """The faces and the context layer take logprobs from the core (`policy.logprobs`,
+    `rl.logprobs.log_distribution`); none computes its own log-softmax."""
+    found = [
+        str(p.relative_to(SRC))
+        for part in ("serve", "context")
+        for p in (SRC / part).rglob("*.py")
+        if "log_softmax" in p.read_text()
+    ]
+    assert not found, found

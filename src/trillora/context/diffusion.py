@@ -86,17 +86,20 @@ def refill_prompt(
     return task + text("\n[[") + chunk + text("]]") + after + text(f"\n{budget}:\n")
 
 
-def surprise(model) -> Importance:
+NextTokenLogprobs = Callable[[torch.Tensor], torch.Tensor]
+"""The policy's log p(each next token | the tokens before it): ids [B, T] -> [B, T-1], no gradient
+(`policy.logprobs.next_token_logprobs`: the one place logprobs are read off the head)."""
+
+
+def surprise(logprobs: NextTokenLogprobs, device: torch.device | str = "cpu") -> Importance:
     """The mean over the chunk's tokens of −log p(token | every token before it), from one forward: a
     rate, not a sum, so that a chunk already refilled to its facts weighs what it weighed whole (a
     sum would make it 1/7 of a fresh turn, and the proportional rule would then drop it)."""
 
     def score(chunks: list[Chunk], masked: list[int]) -> list[float]:
-        ids = torch.tensor([[t for c in chunks for t in c.tokens]], device=next(model.parameters()).device)
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).float(), dim=-1)[0]  # [S, vocab]
+        ids = torch.tensor([[t for c in chunks for t in c.tokens]], device=device)
         nll = torch.zeros(ids.shape[1], device=ids.device)  # [S]: the first token has nothing before it
-        nll[1:] = -logp[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+        nll[1:] = -logprobs(ids)[0]
         bounds = torch.tensor([0] + [len(c.tokens) for c in chunks]).cumsum(0).tolist()
         return [float(nll[bounds[i] : bounds[i + 1]].mean()) if bounds[i + 1] > bounds[i] else 0.0 for i in masked]
 
@@ -104,7 +107,7 @@ def surprise(model) -> Importance:
     return score
 
 
-def policy_scores(model, pad_id: int = 0) -> Importance:
+def policy_scores(logprobs: NextTokenLogprobs, pad_id: int = 0, device: torch.device | str = "cpu") -> Importance:
     """Leave-one-out: log p(latest turn | context) − log p(latest turn | context without chunk i)."""
 
     def variants(chunks: list[Chunk], masked: list[int]) -> list[list[int]]:
@@ -116,17 +119,14 @@ def policy_scores(model, pad_id: int = 0) -> Importance:
         target = chunks[-1].tokens
         rows = variants(chunks, masked)
         width = max(len(r) for r in rows)
-        device = next(model.parameters()).device
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
         for k, r in enumerate(rows):  # right padding: causal, so the pads change nothing before them
             ids[k, : len(r)] = torch.tensor(r, device=device)
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).float(), dim=-1)  # [V+1, T, vocab]
+        logp = logprobs(ids)  # [V+1, T-1]: position t scores token t+1
         totals = []
         for k, r in enumerate(rows):
             start = len(r) - len(target)
-            picked = logp[k, start - 1 : len(r) - 1].gather(-1, ids[k, start : len(r), None])
-            totals.append(float(picked.sum()))
+            totals.append(float(logp[k, start - 1 : len(r) - 1].sum()))
         return [totals[0] - t for t in totals[1:]]
 
     score.rows = lambda chunks, masked: [len(r) for r in variants(chunks, masked)]

@@ -3,15 +3,20 @@ step time and `benchmarks/mfu.py` divide by."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..models.args import ModelArgs
 
-if TYPE_CHECKING:
-    from .cost import Footprint
+
+class Counted(Protocol):
+    """What the FLOPs are counted from (`cost.Footprint`): the model and its parameters by bucket,
+    {(place, kind, expert, trained): count}."""
+
+    args: ModelArgs
+    buckets: dict[tuple, float]
 
 
-def training_flops(fp: Footprint, seq_len: int) -> dict[str, float]:
+def training_flops(fp: Counted, seq_len: int) -> dict[str, float]:
     """FLOPs per token of one training pass over rows of `seq_len` tokens, by direction.
 
     Forward: 2 per weight a token multiplies through (routed experts: top-k of E; LoRA's A and

@@ -40,6 +40,17 @@ def token_logprobs(
     return logp, entropy
 
 
+def next_token_logprobs(model: CausalLM):
+    """`token_logprobs` of `model` without a gradient, as a function of the ids alone: what scores a
+    context's chunks for Memory Diffusion (`context.diffusion.surprise`, `policy_scores`)."""
+
+    @torch.no_grad()
+    def logprobs(input_ids: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(model, input_ids)[0]  # [B, T-1]
+
+    return logprobs
+
+
 def shared_prompt_logprobs(
     model: CausalLM,
     input_ids: torch.Tensor,

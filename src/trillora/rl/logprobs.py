@@ -16,12 +16,18 @@ def scale_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tens
     return logits
 
 
+def log_distribution(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) over the vocabulary, [..., V]: every distribution trillora
+    reads logprobs, top-k or draws off (T = 0, greedy, is read at T = 1)."""
+    return scale_by_temperature(logits, temperature).log_softmax(-1)
+
+
 def logprobs_from_logits(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / temperature)[target] for logits [B, T, V] and targets [B, T] (or [B, T, K]:
     K candidates per position): shaped as targets (and the entropy [B, T])."""
-    logp_all = scale_by_temperature(logits, temperature).log_softmax(-1)  # [B, T, V]
+    logp_all = log_distribution(logits, temperature)  # [B, T, V]
     per_position = targets.dim() == logits.dim() - 1
     logp = logp_all.gather(-1, targets[..., None] if per_position else targets)  # [B, T, 1 or K]
     logp = logp[..., 0] if per_position else logp

@@ -17,12 +17,10 @@ import math
 import numpy as np
 import torch
 
+from ..rl.logprobs import log_distribution
+
 MASK_LOGPROB = -99999.0
 """The SDK's sentinel for a top-k row that was not computed (with token id 0)."""
-
-
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return (logits.float() / temperature if temperature > 0 else logits.float()).log_softmax(-1)
 
 
 def topk_rows(logp: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -42,7 +40,7 @@ def score_prompt(
     """`logits` [N, V] of the prompt -> {"prompt_logprobs": [N] (NaN unscored), "topk_prompt": (ids, lps) [N, k],
     "targets": [N-1, K], "alt": (ids [N-1, k], lps [N-1, k])}, each only when asked."""
     n = len(prompt)
-    logp = logits.float().log_softmax(-1)  # [N, V]
+    logp = log_distribution(logits.float())  # [N, V]
     first = n - options.get("prompt_logprobs_last_n", n - 1)  # the first prompt position scored
     out: dict = {}
     if want_logprobs:
@@ -58,7 +56,7 @@ def score_prompt(
         got = logp[:-1].gather(-1, asked.clamp(min=0))
         out["targets"] = torch.where(asked >= 0, got, torch.zeros_like(got)).cpu().numpy().astype(np.float32)
     if k := options.get("prompt_alt_tokens_k"):
-        scaled = _scaled(logits[:-1], temperature)  # [N-1, V]
+        scaled = log_distribution(logits[:-1].float(), temperature)  # [N-1, V]
         if temperature > 0:
             draws = torch.multinomial(scaled.exp(), k, replacement=True, generator=generator)
         else:  # greedy: every draw is the most likely token
@@ -73,4 +71,4 @@ def topk_sampled(
     """`logits` [N + L - 1, V] of the prompt and the sampled tokens but the last -> the top-k of the
     distribution each sampled token was drawn from, [L, k]."""
     rows = logits[n_prompt - 1 : n_prompt - 1 + len(tokens)]  # [L, V]
-    return topk_rows(_scaled(rows, temperature), k)
+    return topk_rows(log_distribution(rows.float(), temperature), k)

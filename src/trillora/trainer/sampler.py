@@ -33,6 +33,7 @@ from ..envs.env_dataset import EnvDataset
 from ..envs.task_env import TaskGroupBuilder
 from ..envs.trajectory import merge_trajectory
 from ..errors import ConfigError
+from ..policy.logprobs import next_token_logprobs
 from ..rollout import Completion, SamplingParams
 from ..rollout.async_worker import RolloutWorker
 from ..tasks import Problem, Task
@@ -251,15 +252,16 @@ def memory_factory(m, engine, tokenizer, flops: ModelFlops | None = None):
             policy = Summarize(engine, tokenizer, seeded, m.summary_tokens)
         else:
             model = getattr(engine, "model", None)
+            device = next(model.parameters()).device if model is not None else "cpu"
             if m.importance != "recency" and model is None:
                 raise ConfigError(
                     f"memory.importance={m.importance!r} scores chunks with the policy whole in this process: "
                     "use rollout.engine='local' in one process, or memory.importance='recency'"
                 )
             importance = {
-                "policy": lambda: policy_scores(model, tokenizer.pad_token_id or 0),
+                "policy": lambda: policy_scores(next_token_logprobs(model), tokenizer.pad_token_id or 0, device),
                 "attention": lambda: attention_mass(model),
-                "surprise": lambda: surprise(model),
+                "surprise": lambda: surprise(next_token_logprobs(model), device),
                 "recency": lambda: recency,
             }[m.importance]()
             policy = MemoryDiffusion(
