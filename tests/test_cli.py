@@ -104,3 +104,28 @@ def test_plots_label_metrics_scale_retention_apart_and_mark_a_resume(tmp_path):
     assert any(list(line.get_ydata()) == [0, 0] for line in kl.lines)  # a zero line: k1 goes below 0
     assert "below 0" in kl.get_legend().get_texts()[0].get_text()
     plt.close(fig)
+
+
+def test_serve_flags_are_the_serve_config_fields():
+    """One definition: each ServeConfig field is a flag of its own name, with its default, and the
+    parsed flags give the config (`cli.flags`)."""
+    import dataclasses
+
+    from trillora.cli import build_parser
+    from trillora.cli.flags import config_of
+    from trillora.serve.config import ServeConfig
+
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    flags = {a.dest for a in serve._actions} - {"help", "learn"}
+    assert flags == {f.name for f in dataclasses.fields(ServeConfig)}
+    assert config_of(ServeConfig, parser.parse_args(["serve", "tiny-moe"])) == ServeConfig(model="tiny-moe")
+    args = parser.parse_args(
+        ["serve", "tiny-moe-chat", "--tinker", "--api-key", "a", "--api-key", "b", "--tp", "2", "--sp"]
+        + ["--max-state-gib", "0.5", "--precision", "bf16_weights", "--adapter-memory-mib", "12"]
+    )
+    cfg = config_of(ServeConfig, args)
+    assert (cfg.model, cfg.tinker, cfg.api_key, cfg.tp, cfg.sp) == ("tiny-moe-chat", True, ["a", "b"], 2, True)
+    assert (cfg.max_state_gib, cfg.precision, cfg.adapter_memory_mib) == (0.5, "bf16_weights", 12.0)
+    with pytest.raises(SystemExit):  # a value outside the field's Literal is refused by the parser
+        parser.parse_args(["serve", "tiny-moe", "--expert-rank-rule", "half"])

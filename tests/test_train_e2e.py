@@ -139,4 +139,6 @@ def test_a_run_without_learning_signal_warns_and_a_users_dataset_has_no_retentio
     assert warned == [5] and "little learning signal" in rows[5]["warning"]  # after a window of 5 steps, once
     assert all(r["groups_all_equal"] == 1.0 for r in rows[1:])
     assert summary["little_signal_warnings"] == 1
-    assert "warning at step 5" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning at step 5" in err
+    assert "step 6: reward 0.000  one-reward groups 1.00" in err  # the metrics line of the last step

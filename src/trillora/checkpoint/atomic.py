@@ -107,6 +107,7 @@ class FolderLock:
     def __enter__(self) -> FolderLock:
         import fcntl
 
+        self.created = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / ".lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -125,9 +126,13 @@ class FolderLock:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the last descriptor releases the lock
-            self.fd = None
+        if self.fd is None:
+            return
+        if self.created and [p.name for p in self.folder.iterdir()] == [".lock"]:  # a start that wrote nothing
+            (self.folder / ".lock").unlink()
+            self.folder.rmdir()
+        os.close(self.fd)  # closing the last descriptor releases the lock
+        self.fd = None
 
 
 def _command_of(pid: str) -> str:

@@ -13,10 +13,9 @@ import sys
 import typing
 
 from ..errors import TrilloraError
-from ..rollout.types import Precision
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     from ..lora.config import EXPERT_RANK_RULES
     from ..models.params import SHIPPED_CONFIGS
     from . import info, plan, traces
@@ -69,159 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="OpenAI-compatible completion server over the built-in engine; with --tinker "
         "the Tinker training API (the tinker SDK and tinker-cookbook as clients)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("model", help="Hugging Face checkpoint folder, or tiny-moe")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key",
-        action="append",
-        default=None,
-        help="require the key on every route but /health: "
-        "'Authorization: Bearer KEY' or 'X-API-Key: KEY'; repeat for several keys (each key's traces are its own)",
-    )
-    p.add_argument(
-        "--record",
-        default=None,
-        metavar="STORE",
-        help="record every OpenAI completion (token ids, logprobs, "
-        "revision, trace id) in this trace store: a SQLite file or a postgresql:// URL; /v1/feedback scores traces",
-    )
-    p.add_argument(
-        "--learn",
-        default=None,
-        metavar="CONFIG",
-        help="with --record: train the served policy on its rewarded "
-        "traffic (a train TOML: [lora], [optim], [algorithm], [learn]) and serve each new revision as it is made",
-    )
-    p.add_argument("--tinker", action="store_true", help="serve the Tinker REST API: LoRA training clients on one base")
-    p.add_argument(
-        "--state-dir",
-        default="tinker-state",
-        help="--tinker: where saved states and sampler weights go (default: tinker-state in the working folder)",
-    )
-    p.add_argument("--max-clients", type=int, default=16, help="--tinker: training clients held at once")
-    p.add_argument("--max-samplers", type=int, default=256, help="--tinker: sampling sessions held at once")
-    p.add_argument(
-        "--max-sessions",
-        type=int,
-        default=256,
-        help="--tinker: sessions held at once (one not heard from for 5 minutes is ended and freed)",
-    )
-    p.add_argument(
-        "--max-futures",
-        type=int,
-        default=1024,
-        help="--tinker: requests one key may hold queued or not yet retrieved (past it: 429)",
-    )
-    p.add_argument(
-        "--max-unread-mib",
-        type=int,
-        default=1024,
-        help="--tinker: a key's results not yet retrieved hold at most this much (its oldest are dropped)",
-    )
-    p.add_argument(
-        "--max-state-gib",
-        type=float,
-        default=64.0,
-        help="--tinker: saved states under --state-dir hold at most this much (a save past it is refused)",
-    )
-    p.add_argument("--idle-seconds", type=float, default=60.0, help="a connection may wait this long before a request")
-    p.add_argument("--header-seconds", type=float, default=10.0, help="from a request's first byte to its headers' end")
-    p.add_argument("--body-seconds", type=float, default=60.0, help="for a request's whole body")
-    p.add_argument(
-        "--max-call-tokens",
-        type=int,
-        default=65536,
-        help="tokens one call may hold: a forward_backward's datums, or n × (prompt + max_tokens) of a sample",
-    )
-    p.add_argument("--device", default="cpu", help="--tinker: where the base and the adapters live (cpu, cuda)")
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        help="--tinker under torchrun: split attention and dense MLP layers "
-        "(and the clients' adapters on them) over groups of TP ranks",
-    )
-    p.add_argument(
-        "--ep",
-        type=int,
-        default=1,
-        help="--tinker under torchrun: shard the routed experts (and the "
-        "clients' expert adapters) over groups of EP ranks",
-    )
-    p.add_argument(
-        "--pp",
-        type=int,
-        default=1,
-        help="--tinker under torchrun: split the decoder layers into PP "
-        "pipeline stages, one per rank of a pipeline group",
-    )
-    p.add_argument(
-        "--cp",
-        type=int,
-        default=1,
-        help="--tinker under torchrun: split each row of a training pass "
-        "over CP ranks (context parallelism, for long traces)",
-    )
-    p.add_argument(
-        "--fsdp",
-        action="store_true",
-        help="--tinker under torchrun: shard the frozen base over the "
-        "data-parallel ranks (FSDP2), gathered layer by layer",
-    )
-    p.add_argument(
-        "--sp",
-        action="store_true",
-        help="--tinker --tp: sequence parallelism (norms and the residual stream split over the sequence)",
-    )
-    p.add_argument(
-        "--vocab-parallel",
-        action="store_true",
-        help="--tinker --tp: split the head over the vocabulary; losses never hold the full logits",
-    )
-    p.add_argument(
-        "--pp-microbatches",
-        type=int,
-        default=1,
-        help="--tinker --pp: a pass's rows in this many chunks in flight, so the stages overlap",
-    )
-    p.add_argument(
-        "--expert-rank-rule",
-        default="same",
-        choices=EXPERT_RANK_RULES,
-        help="--tinker: each client's routed-expert adapters at its rank, or at rank // top_k",
-    )
-    p.add_argument(
-        "--activation-checkpoint-every",
-        type=int,
-        default=0,
-        help="--tinker: recompute every k-th decoder layer in backward instead of keeping its activations",
-    )
-    p.add_argument(
-        "--max-fused",
-        type=int,
-        default=16,
-        help="--tinker: waiting requests (of several clients) sharing one pass through the base; 1: never",
-    )
-    p.add_argument("--adapter-root", default=None, help="folder adapters may be loaded from (load_lora_adapter)")
-    p.add_argument(
-        "--adapter-memory-mib",
-        type=float,
-        default=None,
-        help="memory the loaded adapters may hold together (default: half of what is free once the base is loaded)",
-    )
-    p.add_argument(
-        "--precision", default="fp32", choices=[c for c in typing.get_args(Precision) if c not in ("auto", "policy")]
-    )
-    p.add_argument(
-        "--max-connections", type=int, default=512, help="connections open at once; the next is answered 503"
-    )
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="run the tokenizer's own Python code (Kimi K2's tiktoken tokenizer); off by default",
-    )
+    if serve_flags:  # its flags are ServeConfig's fields (its imports cost a second: built when used)
+        from ..serve.config import ServeConfig
+        from .flags import add_flags
+
+        add_flags(p, ServeConfig, positional=("model",))
+        p.add_argument(
+            "--learn",
+            default=None,
+            metavar="CONFIG",
+            help="with --record: train the served policy on its rewarded traffic (a train TOML: [lora], "
+            "[optim], [algorithm], [learn]) and serve each new revision as it is made",
+        )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("traces", help="list, export (JSONL, Parquet) or delete what serve --record recorded")
@@ -247,7 +107,8 @@ def entry() -> typing.NoReturn:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(serve_flags=argv[:1] == ["serve"]).parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:  # a second Ctrl-C (the first asks `train` to stop after a checkpoint)

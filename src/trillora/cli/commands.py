@@ -90,45 +90,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..serve.app import Server
     from ..serve.config import ServeConfig
     from ..trainer.world import launched
+    from .flags import config_of
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"trillora serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-    cfg = ServeConfig(
-        model=args.model,
-        tinker=args.tinker,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        state_dir=args.state_dir,
-        adapter_root=args.adapter_root,
-        adapter_memory_mib=args.adapter_memory_mib,
-        max_connections=args.max_connections,
-        max_clients=args.max_clients,
-        max_samplers=args.max_samplers,
-        max_sessions=args.max_sessions,
-        max_unread_mib=args.max_unread_mib,
-        max_futures=args.max_futures,
-        max_state_gib=args.max_state_gib,
-        max_call_tokens=args.max_call_tokens,
-        device=args.device,
-        idle_seconds=args.idle_seconds,
-        header_seconds=args.header_seconds,
-        body_seconds=args.body_seconds,
-        precision=args.precision,
-        max_fused=args.max_fused,
-        trust_remote_code=args.trust_remote_code,
-        tp=args.tp,
-        ep=args.ep,
-        pp=args.pp,
-        cp=args.cp,
-        sp=args.sp,
-        fsdp=args.fsdp,
-        vocab_parallel=args.vocab_parallel,
-        pp_microbatches=args.pp_microbatches,
-        expert_rank_rule=args.expert_rank_rule,
-        activation_checkpoint_every=args.activation_checkpoint_every,
-        record=args.record,
-    )
+    cfg = config_of(ServeConfig, args)
     if args.learn and not args.record:
         raise ConfigError("--learn trains on recorded traffic: give --record STORE too")
     if launched():

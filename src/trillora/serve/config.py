@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from ..lora.config import EXPERT_RANK_RULES
+from ..lora.config import EXPERT_RANK_RULES, ExpertRankRule
 from .http import Limits
 from .tinker_types import BadRequest
 
-PRECISIONS = ("fp32", "bf16", "bf16_weights")
+ServePrecision = Literal["fp32", "bf16", "bf16_weights"]
+PRECISIONS: tuple[str, ...] = get_args(ServePrecision)
 
 
 @dataclass
 class ServeConfig:
+    """`trillora serve`'s flags are these fields (`cli.flags`): `max_fused` is `--max-fused`."""
+
     model: str
+    """A shipped model (tiny-moe, tiny-moe-chat), a Hugging Face checkpoint folder or a Hub id."""
     tinker: bool = False
     """Serve the Tinker routes (training clients) beside the OpenAI ones, on the same port and base."""
     host: str = "127.0.0.1"
+    """Where to listen; anything but loopback serves other machines (give --api-key then)."""
     port: int = 8000
+    """0: any free port (printed at start)."""
     api_key: str | list[str] | None = None
     """Required on every route but the health checks: `Authorization: Bearer KEY` or `X-API-Key: KEY`.
     Several keys: any of them is let in, and each key's recorded traffic is its own (`--record`);
@@ -36,16 +43,19 @@ class ServeConfig:
     max_body_bytes: int | None = None
     """Request bodies; None: 64 MiB on the Tinker routes (datums of long traces), 1 MiB on the OpenAI ones."""
     max_rank: int = 256
+    """The largest LoRA rank a Tinker training client may ask for."""
     max_samples: int = 64
     """Samples per prompt (Tinker num_samples, OpenAI n)."""
     max_prompts: int = 64
     """Prompts in one OpenAI /v1/completions request."""
     max_tokens_limit: int = 4096
+    """The largest `max_tokens` of one request."""
     max_call_tokens: int = 65536
     """Tokens one call may hold: a forward_backward's datums together, or a sample request's
     n × (prompt + max_tokens). Each call's time is bounded by it, and the worker runs calls in
     arrival order, so a client waits at most for the calls that arrived before its own."""
     max_clients: int = 16
+    """Tinker training clients held at once."""
     max_samplers: int = 256
     """Sampling sessions (saved revisions) held at once, over all Tinker sessions."""
     max_sessions: int = 256
@@ -60,8 +70,10 @@ class ServeConfig:
     """A Tinker session not heard from (heartbeat or any call) for this long is ended and its training
     clients and samplers freed (the SDK beats every 10 s)."""
     lora_alpha: float = 16.0
+    """LoRA alpha of every adapter on the resident base (an adapter of rank r scales B·A by alpha / r)."""
     device: str = "cpu"
-    precision: str = "fp32"
+    """Where the base and the adapters live: cpu, cuda."""
+    precision: ServePrecision = "fp32"
     """The resident base's weights: fp32, bf16, or bf16_weights (rounded to bf16, computed in fp32:
     a bf16 engine's numerics at fp32 speed on a CPU). Adapters and their optimizer stay fp32."""
     poll_seconds: float = 20.0
@@ -100,7 +112,7 @@ class ServeConfig:
     pp_microbatches: int = 1
     """Under --pp: a forward_backward pass's rows in this many chunks in flight one after another, so
     the stages overlap (1: the whole pass at once, the stages in turn)."""
-    expert_rank_rule: str = "same"
+    expert_rank_rule: ExpertRankRule = "same"
     """Rank of each client's routed-expert adapters: `same` as its rank, or `divide_by_top_k` (rank //
     top_k, at least 1: a token's k experts add up to about one rank-r update, at 1/k of the bytes)."""
     activation_checkpoint_every: int = 0
