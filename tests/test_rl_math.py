@@ -142,3 +142,14 @@ def test_mismatch_ignores_padding_and_none_mode():
     assert m["is_ratio_mean"] == pytest.approx(2.0) and m["is_limited_frac"] == 0.0
     with pytest.raises(ValueError, match="allowed: none, token_tis"):
         rl.mismatch_weights(TRAINER, ROLLOUT, mask, "tis")
+
+
+def test_ppo_objective_by_hand_with_scalar_and_per_token_bounds():
+    from trillora.rl.loss import ppo_objective
+
+    ratio, adv = torch.tensor([0.5, 1.0, 1.5]), torch.tensor([1.0, -1.0, 1.0])
+    objective, unclipped, clipped = ppo_objective(ratio, adv, 0.8, 1.2)
+    assert objective.tolist() == pytest.approx([0.5, -1.0, 1.2])  # min(r·A, clip(r)·A)
+    assert unclipped.tolist() == pytest.approx([0.5, -1.0, 1.5]) and clipped.tolist() == pytest.approx([0.8, -1.0, 1.2])
+    per_token, _, _ = ppo_objective(ratio, adv, torch.tensor([0.4, 0.9, 0.9]), torch.tensor([2.0, 1.1, 1.4]))
+    assert per_token.tolist() == pytest.approx([0.5, -1.0, 1.4])

@@ -12,6 +12,16 @@ from .kl import kl_estimate
 from .mismatch import masked_mean
 
 
+def ppo_objective(
+    ratio: torch.Tensor, adv: torch.Tensor, low: float | torch.Tensor, high: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's per-token objective min(r·A, clip(r, low, high)·A) (Schulman et al. 2017), and its two
+    branches (unclipped r·A, clipped): the trainer's loss and the Tinker `ppo` / `gspo` losses."""
+    unclipped = ratio * adv
+    clipped = ratio.clamp(low, high) * adv
+    return torch.minimum(unclipped, clipped), unclipped, clipped
+
+
 def policy_loss(
     logp_BT: torch.Tensor,
     old_logp_BT: torch.Tensor,
@@ -38,9 +48,8 @@ def policy_loss(
     log_ratio = (logp_BT - old_logp_BT).masked_fill(~mask, 0.0)
     ratio = log_ratio.exp()
     adv = advantages_B.to(logp_BT.dtype)[:, None]  # [B, 1]
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    loss_BT = -torch.minimum(unclipped, clipped)
+    objective, unclipped, clipped = ppo_objective(ratio, adv, 1.0 - clip_low, 1.0 + clip_high)
+    loss_BT = -objective
     if is_weights_BT is not None:
         loss_BT = loss_BT * is_weights_BT.detach()
     metrics: dict[str, float] = {}

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TrilloraError
+from .loss import ppo_objective
 
 TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 REQUIRED_INPUTS = {
@@ -99,11 +100,10 @@ def datum_loss(
             ratio = torch.exp(log_s + logp - logp.detach())
         lo = _bound(inputs, config, "clip_low_threshold", logp)
         hi = _bound(inputs, config, "clip_high_threshold", logp)
-        clipped = torch.minimum(torch.maximum(ratio, lo), hi)
         if name in ("ppo", "gspo"):
-            objective = torch.minimum(ratio * adv, clipped * adv)
-        else:
-            objective = clipped.detach() * logp * adv
+            objective = ppo_objective(ratio, adv, lo, hi)[0]
+        else:  # CISPO: the clipped ratio weighs the logprob's gradient
+            objective = ratio.clamp(lo, hi).detach() * logp * adv
     elif name == "dro":
         objective = logp * adv - 0.5 * float(config["beta"]) * (logp - sampling) ** 2
     else:
