@@ -18,9 +18,9 @@ import torch
 from ..models.transformer import OtherStage
 from ..policy.adapters import ResidentBase, Revision
 from ..policy.decoding import follow_forwards, from_rank0, whole_rows
+from ..policy.logprobs import score_prompt, topk_sampled
 from ..rollout.local import LocalEngine
 from .ranks import Ranks
-from .scoring import score_prompt, topk_sampled
 from .tinker_checks import cut_at_stop
 from .tinker_types import BadRequest, SampleCall
 
@@ -83,7 +83,7 @@ class Sampling:
                 outcomes[i] = (sequences, extras.pop("prompt_logprobs", None), extras)
 
     def _scores(self, model, call: SampleCall, sequences: list, sp) -> dict:
-        """A call of its own group: what it asked beyond the tokens (`serve.scoring`)."""
+        """A call of its own group: what it asked beyond the tokens (`policy.logprobs.score_prompt`)."""
         o = call.options
         out = {}
         if call.prompt_logprobs or set(o) - {"topk_sample_logprobs"}:

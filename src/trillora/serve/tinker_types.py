@@ -60,7 +60,7 @@ class SampleCall:
     batch: int | None = None
     """The calls of one request (an OpenAI completion's prompts) share one `generate` even when seeded."""
     options: dict = field(default_factory=dict)
-    """Scores beyond the sampled tokens (`tinker_checks.sample_options`, `serve.scoring`)."""
+    """Scores beyond the sampled tokens (`tinker_checks.sample_options`, `policy.logprobs.score_prompt`)."""
 
 
 @dataclass

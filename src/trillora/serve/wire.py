@@ -273,7 +273,7 @@ def sample_response(
     extras: dict | None = None,
 ) -> bytes:
     """`SampleResponse`: (tokens, logprobs, "stop" | "length") per sequence; prompt logprobs with
-    NaN at the positions nothing scored (position 0); `extras` (`serve.scoring`): "topk_sample" (per
+    NaN at the positions nothing scored (position 0); `extras` (`policy.logprobs.score_prompt`): "topk_sample" (per
     sequence), "topk_prompt", "targets", "alt"."""
     extras = extras or {}
     body = b""
