@@ -64,7 +64,7 @@ def test_chat_prompts_are_encoded_as_the_trainer_encodes_them(served):
     assert out["prompt_token_ids"] == encode_problem(tokenizer, Problem(prompt="", answer="", messages=CHAT))
 
 
-def test_load_lora_adapter_body_path_rule_and_base_check(tmp_path):
+def test_load_lora_adapter_body_path_rule_and_base_check(tmp_path, monkeypatch):
     """vLLM's body (`lora_name`, `lora_path`); a relative `lora_path` is resolved against
     `--adapter-root` and the 404 says so; an adapter of another base is refused, naming both."""
     from trillora import lora
@@ -87,5 +87,15 @@ def test_load_lora_adapter_body_path_rule_and_base_check(tmp_path):
         assert status == 400 and "trained on another base" in message and "'tiny-moe-chat'" in message, out
         status, out = post_json(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "runs/default/adapter"})
         assert status == 404 and f"resolved against --adapter-root {tmp_path.resolve()}" in out["error"]["message"]
+        # a path from the server's working folder: the 404 says what it is under the root
+        monkeypatch.chdir(tmp_path.parent)
+        given = f"{tmp_path.name}/tiny-moe-chat/fused"
+        status, out = post_json(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": given})
+        assert status == 404 and "try 'tiny-moe-chat/fused'" in out["error"]["message"], out
+        # a run's adapter folder (both layouts in it) loads its fused layout
+        status, out = post_json(url, "/v1/load_lora_adapter", {"lora_name": "run", "lora_path": "tiny-moe-chat"})
+        assert status == 200, out
+        status, out = post_json(url, "/v1/load_lora_adapter", {"lora_name": "y", "lora_path": "/etc"})
+        assert status == 403 and f"outside the adapter root {tmp_path.resolve()}" in out["error"]["message"]
     finally:
         next(gen, None)

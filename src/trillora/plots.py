@@ -11,7 +11,11 @@ PANELS = (
     ("reward", ("reward_mean",), "train reward (mean over the batch)"),
     ("accuracy", ("eval_accuracy", "retention_accuracy"), "held-out accuracy (sampled at the rollout temperature)"),
     ("mismatch_kl", ("mismatch_kl_k1", "mismatch_kl_k3"), "rollout vs trainer KL"),
-    ("is_weights", ("is_ratio_min", "is_ratio_mean", "is_ratio_max"), "importance ratio trainer / rollout"),
+    (
+        "is_weights",
+        ("is_ratio_min", "is_ratio_mean", "is_ratio_max"),
+        "importance ratio trainer / rollout, before its cap",
+    ),
 )
 LABELS = {
     "reward_mean": "mean reward",
@@ -87,6 +91,9 @@ def _panel(ax, rows: list[dict], keys: tuple[str, ...], title: str, resumed: lis
         if key in SECOND_AXIS:  # its own scale, whole (0 to 1), so a change of 0.002 does not look like a fall
             target = ax.twinx()
             target.set_ylim(0, 1.05)
+            target.set_ylabel("retention (right axis, 0 to 1)", color="tab:gray")
+            target.tick_params(axis="y", colors="tab:gray")
+            ax.set_ylabel("the task (left axis)")
         style = {"linestyle": "--", "color": "tab:gray"} if key in SECOND_AXIS else {}
         lines += target.plot(xs, ys, marker="o" if len(pts) < 30 else None, label=LABELS.get(key, key), **style)
         if min(ys) < 0 <= max(ys):
@@ -97,7 +104,7 @@ def _panel(ax, rows: list[dict], keys: tuple[str, ...], title: str, resumed: lis
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
     if len(lines) > 1:  # "best" sees the left axis only: below a right-axis line near 1.0 instead
-        ax.legend(handles=lines, fontsize=7, loc="center right" if set(keys) & set(SECOND_AXIS) else "best")
+        ax.legend(handles=lines, fontsize=7, loc="lower right" if set(keys) & set(SECOND_AXIS) else "best")
 
 
 def _plot_episodes(plt, rows: list[dict], path: Path) -> Path:

@@ -42,19 +42,23 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     for name, helptext in (("generate", "sample completions"), ("eval", "held-out accuracy on a task")):
-        p = sub.add_parser(name, help=helptext)
-        p.add_argument("model", help="Hugging Face checkpoint folder, or tiny-moe")
-        p.add_argument("--adapter", help="adapter folder saved by trillora (either layout)")
-        p.add_argument("--max-new-tokens", type=int, default=8)
+        p = sub.add_parser(name, help=helptext, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p.add_argument("model", help="a shipped model (tiny-moe, tiny-moe-chat), a checkpoint folder or a Hub id")
+        p.add_argument(
+            "--adapter", help="an adapter folder trillora wrote: runs/<name>/adapter (its fused layout) or a layout's"
+        )
+        p.add_argument("--max-new-tokens", type=int, default=8, help="tokens a completion may have")
         p.add_argument("--temperature", type=float, default=0.0 if name == "generate" else 1.0, help="0 = greedy")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=int, default=0, help="the sampler's seed")
         p.add_argument(
             "--trust-remote-code",
             action="store_true",
             help="run the tokenizer's own Python code (Kimi K2's tiktoken tokenizer); off by default",
         )
         if name == "generate":
-            p.add_argument("--prompt", required=True)
+            p.add_argument(
+                "--prompt", required=True, help="text, encoded as the trainer encodes its prompts (BOS first)"
+            )
             p.add_argument("-n", type=int, default=1, help="samples")
             p.set_defaults(func=cmd_generate)
         else:

@@ -206,9 +206,19 @@ def adapter_base(path: str | Path) -> str | None:
     return json.loads(meta.read_text()).get("base_fingerprint") if meta.exists() else None
 
 
-def load_adapter(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
-    """Load an adapter saved in either layout; adds adapters first if the model has none."""
+def adapter_folder(path: str | Path) -> Path:
+    """The adapter folder `path` names: itself, or for the folder a run writes (`runs/<name>/adapter`,
+    holding both layouts) its `fused` layout."""
     path = Path(path)
+    if not (path / "adapter_config.json").exists() and (path / "fused" / "adapter_config.json").exists():
+        return path / "fused"
+    return path
+
+
+def load_adapter(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
+    """Load an adapter saved in either layout (a run's `adapter/` folder: its fused one); adds
+    adapters first if the model has none."""
+    path = adapter_folder(path)
     if not any(True for _ in lora_modules(model)):
         _check_files(path)
         apply_lora(model, adapter_config(path))
@@ -219,7 +229,9 @@ def load_adapter(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
 def _check_files(path: Path) -> None:
     for f in ("adapter_config.json", "adapter_model.safetensors"):
         if not (path / f).exists():
-            raise AdapterError(f"{path}: missing {f}")
+            raise AdapterError(
+                f"{path}: missing {f} (trillora train writes runs/<name>/adapter/fused and .../per_expert)"
+            )
 
 
 @torch.no_grad()

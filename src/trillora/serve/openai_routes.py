@@ -86,16 +86,18 @@ class OpenAIRoutes:
             raise BadRequest("adapter loading is disabled (start the server with --adapter-root)", 403)
         root = Path(self.cfg.adapter_root).resolve()
         try:
-            path = (root / given).resolve()  # an absolute `given` replaces the root
+            path = lora.adapter_folder((root / given).resolve())  # an absolute `given` replaces the root
             files = [(path / f).resolve() for f in ADAPTER_FILES if (path / f).exists()]
+            meant = lora.adapter_folder(Path(given).resolve())  # a path from the server's working folder
+            hint = f": try {str(meant.relative_to(root))!r}" if root in meant.parents and meant.is_dir() else ""
         except (OSError, RuntimeError, ValueError) as e:  # too long, a link loop, a NUL byte
             raise BadRequest(f"lora_path {given!r} cannot be read: {type(e).__name__}") from None
         if any(root != p and root not in p.parents for p in [path, *files]):
-            raise BadRequest(f"lora_path {given!r} is outside the adapter root", 403)
+            raise BadRequest(f"lora_path {given!r} is outside the adapter root {root}", 403)
         if not (path / "adapter_config.json").exists():
             raise BadRequest(
-                f"no adapter at {given!r}: no adapter_config.json in {path} (lora_path is resolved against "
-                f"--adapter-root {root}; trillora train writes runs/<name>/adapter/fused and .../per_expert)",
+                f"no adapter at {given!r} (lora_path is resolved against --adapter-root {root}{hint or ''}; "
+                "trillora train writes runs/<name>/adapter/fused and .../per_expert)",
                 404,
             )
         return path

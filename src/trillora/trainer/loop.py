@@ -42,7 +42,7 @@ from .engine import check_engine, make_engine
 from .evaluate import evaluate, evaluate_envs, retention_task
 from .flops import ModelFlops
 from .outputs import export, export_dir, write_summary
-from .report import RunReport
+from .report import RunReport, console_line
 from .sampler import Sampler
 from .signals import StopSignal
 from .tracking import Trackers
@@ -258,6 +258,13 @@ class Trainer:
             Trackers(cfg, first) if main else None
         )  # before the first evaluation: a missing package fails fast
         self.report = RunReport(cfg, self.console, self.trackers, metrics_file) if main else None
+        if main:
+            r = cfg.rollout
+            self.console.print(
+                f"trillora train: {cfg.model.path} on {cfg.task.name}, {cfg.steps} steps of "
+                f"{r.prompts_per_step} prompts × {r.group_size} samples; writing {cfg.run_dir}"
+                + (f", from step {first}" if first else "")
+            )
         state = {}  # the accuracies so far, kept in checkpoints (rank 0)
         if resumed is not None:  # the metrics so far come back with the checkpoint
             state = {k: resumed.state[k] for k in ("eval_before", "retention_before", "accuracy", "retention_after")}
@@ -279,6 +286,7 @@ class Trainer:
             }
             metrics_file.write_text(json.dumps(initial) + "\n")  # the start of the accuracy curves
             self.trackers.log(initial, 0)
+            self.console.print(console_line(initial, before))
         columns = [
             TextColumn("[bold]RL[/]"),
             BarColumn(),
@@ -318,7 +326,7 @@ class Trainer:
                         self.report.replot(due=0)
                         self.console.print(
                             f"stopped at step {step + 1} of {cfg.steps}: weights so far in "
-                            f"{export_dir(self.cfg)}; resume with resume=true"
+                            f"{export_dir(self.cfg)}; continue with --resume (resume=true)"
                         )
                     world.close()
                     return {"stopped_at": step + 1, "exit_code": stop.exit_code}

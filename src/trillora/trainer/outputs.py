@@ -25,7 +25,9 @@ def write_summary(trainer: Trainer, state: dict, start: float) -> dict:
     from ..plots import plot_run  # matplotlib: imported when a run ends, not when trillora starts
 
     plots = plot_run(cfg.run_dir)
-    trainer.console.print(f"plots: {', '.join(str(p) for p in plots)}\n{export_dir(cfg).name}: {export_dir(cfg)}")
+    out = export_dir(cfg)
+    layouts = f"{out}/fused (PEFT), {out}/per_expert (vLLM)" if cfg.finetune == "lora" else str(out)
+    trainer.console.print(f"plots: {', '.join(str(p) for p in plots)}\n{out.name}: {layouts}")
     dims = trainer.world.dims
     summary = {
         "eval_before": state["eval_before"],
@@ -52,6 +54,15 @@ def write_summary(trainer: Trainer, state: dict, start: float) -> dict:
             else {}
         ),
     }
+    retention = (
+        f" (retention {summary['retention_before']:.1%} → {summary['retention_after']:.1%})"
+        if summary["retention_before"] is not None
+        else ""
+    )
+    trainer.console.print(
+        f"held-out accuracy {summary['eval_before']:.1%} → {summary['eval_after']:.1%}{retention} after "
+        f"{summary['steps_done']} steps, {summary['seconds']:.0f} s; summary: {cfg.run_dir / 'summary.json'}"
+    )
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -19,19 +19,22 @@ CONSOLE_KEYS = (
     ("loss", "loss", ".4f"),
     ("grad_norm", "grad norm", ".3f"),
     ("clip_frac", "clipped", ".3f"),
-    ("mismatch_kl_k3", "mismatch kl", ".2e"),
+    ("mismatch_kl_k3", "rollout-trainer kl", ".2e"),
     ("completion_len_mean", "length", ".1f"),
-    ("step_seconds", "s/step", ".2f"),
+    ("step_seconds", "step s", ".2f"),
 )
 SIGNAL_WINDOW = 5
 """Steps over which `rl.little_signal` averages the share of one-reward groups."""
 
 
 def console_line(row: dict, accuracy: float) -> str:
-    """A step's metrics on one line (`logging.every`)."""
+    """A step's metrics on one line (`logging.every`, and every step with an evaluation)."""
     parts = [f"{label} {row[k]:{fmt}}" for k, label, fmt in CONSOLE_KEYS if isinstance(row.get(k), (int, float))]
-    held_out = f"  held-out acc {accuracy:.3f}" if "eval_accuracy" in row else ""
-    return f"step {row['step']}: " + "  ".join(parts) + held_out
+    if "eval_accuracy" in row:
+        parts.append(f"held-out acc {accuracy:.3f}")
+        if "retention_accuracy" in row:
+            parts.append(f"retention {row['retention_accuracy']:.3f}")
+    return f"step {row['step']}: " + "  ".join(parts)
 
 
 class RunReport:
@@ -53,7 +56,7 @@ class RunReport:
             info=f"reward {row['reward_mean']:.2f}  held-out acc {accuracy:.3f}  {row['step_seconds']:.2f}s/step",
         )
         every = self.cfg.logging.every
-        if every and (row["step"] % every == 0 or row["step"] == self.cfg.steps):
+        if every and (row["step"] % every == 0 or row["step"] == self.cfg.steps or "eval_accuracy" in row):
             self.console.print(console_line(row, accuracy))
         self.replot(due=self.cfg.logging.plot_seconds)
 
