@@ -202,3 +202,15 @@ def test_the_config_page_holds_the_current_reference():
 
     page = (ROOT / "docs" / "config.md").read_text()
     assert filled(page) == page, "run: python -m trillora.config.reference --write docs/config.md"
+
+
+def test_the_api_pages_first_script_runs_as_written(tmp_path):
+    import subprocess
+    import sys
+
+    page = (ROOT / "docs" / "api.md").read_text()
+    script = page.split("```python\n", 1)[1].split("\n```", 1)[0]
+    (tmp_path / "first.py").write_text(script)
+    out = subprocess.run([sys.executable, "first.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
