@@ -184,3 +184,42 @@ def test_logprobs_are_read_off_the_head_in_one_place():
         if "log_softmax" in p.read_text()
     ]
     assert not found, found
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The trillora modules a file imports, anywhere in it (lazily, under TYPE_CHECKING too):
+    `from .x import y` counts `pkg.x.y` when that is a module, else `pkg.x`."""
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    here = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+    package = here.split(".") if path.name == "__init__.py" else here.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            out |= {f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return (out & modules) - {here}
+
+
+def test_no_module_imports_itself_through_others():
+    """No file-level import circle in src/trillora, lazy and TYPE_CHECKING imports counted: a face's
+    routes read the server through a Protocol (`serve/face.py`), not the app that mounts them."""
+    files = {
+        ".".join(p.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in SRC.rglob("*.py")
+    }
+    graph = {m: imported_modules(p, set(files)) for m, p in files.items()}
+    circles = []
+    for start in sorted(graph):  # a depth-first walk from each module back to itself
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    circles.append(" -> ".join((*trail, start)))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, (*trail, nxt)))
+    assert not circles, "\n".join(sorted(circles)[:10])

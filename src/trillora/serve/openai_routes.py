@@ -24,7 +24,6 @@ import secrets
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from fastapi import APIRouter, Request, Response
@@ -37,13 +36,11 @@ from ..errors import ConfigError
 from ..lora import AdapterError
 from ..tasks.prompts import encode_prompt
 from ..traces import Call, Feedback, Recorder, TooMuchFeedback, TraceError, UnknownTrace
+from .face import Server
 from .http import check_operator, json_object, owner_of
 from .openai_requests import sampling_params, text_field, trace_of
 from .tinker_service import BadRequest, SampleCall
 from .worker import outcome_of
-
-if TYPE_CHECKING:
-    from .app import Server
 
 NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "trillora_adapter.json")

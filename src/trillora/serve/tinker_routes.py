@@ -22,22 +22,19 @@ import itertools
 import json
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from . import hosted, wire
 from .checkpoints import CheckpointStore
+from .face import Server
 from .http import json_object, owner_of
 from .registry import SERVED
 from .tinker_checks import sample_options
 from .tinker_futures import PROTO, Futures
 from .tinker_service import BadRequest, FwdBwd, SampleCall
 from .worker import Job, Replayed
-
-if TYPE_CHECKING:
-    from .app import Server
 
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from .. import lora
@@ -16,10 +18,21 @@ from ..checkpoint.atomic import AtomicFolder
 from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
 from ..policy import adamw
 from ..policy.adapters import ResidentBase
+from .registry import Registry
 from .tinker_types import BadRequest, Client
 
-if TYPE_CHECKING:
-    from .tinker_service import TinkerService
+
+class TinkerService(Protocol):
+    """What saving and loading states reads of `tinker_service.TinkerService`."""
+
+    base: ResidentBase
+    registry: Registry
+    device: torch.device
+    writes: bool
+
+    def client(self, model_id: str) -> Client: ...
+    def resolve(self, tinker_path: str) -> tuple[str, str, Path]: ...
+    def state_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]: ...
 
 
 def save_state(service: TinkerService, model_id: str, name: str, optimizer: bool = True) -> dict:

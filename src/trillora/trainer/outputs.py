@@ -7,15 +7,33 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
+
+from rich.console import Console
+from torch import nn
 
 from .. import lora
 from ..checkpoint import resolve_model_path, save_model
 from ..checkpoint.hf import EXPERT_LAYOUTS, HUB_ID
 from ..config import TrainConfig
+from .report import RunReport
+from .update import PolicyUpdate
+from .world import World
 
-if TYPE_CHECKING:
-    from .loop import Trainer
+
+class Trainer(Protocol):
+    """What a finished run's outputs read of `loop.Trainer` (rank 0)."""
+
+    cfg: TrainConfig
+    console: Console
+    full: nn.Module
+    tokenizer: Any
+    task: Any
+    world: World
+    update: PolicyUpdate
+    report: RunReport
+    flops_total: float
+    reward_failures: int
 
 
 def write_summary(trainer: Trainer, state: dict, start: float) -> dict:
