@@ -150,7 +150,9 @@ def _rank(rank: int, args, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=args.ep)
     try:
-        service = TinkerService(config(args, ep=args.ep))
+        from trillora.parallel import ParallelDims
+
+        service = TinkerService(config(args, parallel=ParallelDims(dp=0, ep=args.ep, fsdp=False)))
         if rank == 0:
             try:
                 measure(args, service)

@@ -84,10 +84,11 @@ def run(service, seq_len: int) -> tuple[int, float]:
 
 
 def worker(rank: int, world: int, port: int, flags: dict, seq_len: int, vocab: int, root: str, results) -> None:
+    from trillora.parallel import ParallelDims
     from trillora.serve.tinker_service import ServeConfig, TinkerService
 
     torch.set_num_threads(max(1, 2 // world))
-    cfg = ServeConfig(model="tiny-moe-chat", state_dir=root, **flags)
+    cfg = ServeConfig(model="tiny-moe-chat", state_dir=root, parallel=ParallelDims(dp=0, **flags))
     if not flags:
         service = TinkerService(cfg, model=base_model(seq_len, vocab))
         results.put((rank, *run(service, seq_len)))

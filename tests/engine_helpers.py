@@ -112,3 +112,12 @@ def running_server(config):
     yield server
     server.stop()
     thread.join(30)
+
+
+def serve_layout(**flags):
+    """`ServeConfig.parallel` from `serve`'s flags, with the defaults the sharded-service tests were
+    written for: the base replicated over the data-parallel ranks (fsdp off unless asked) and a
+    pass's rows in one chunk under pp."""
+    from trillora.parallel import ParallelDims
+
+    return ParallelDims(**{"dp": 0, "fsdp": False, "pp_microbatches": 1, **flags})

@@ -113,19 +113,22 @@ def test_serve_flags_are_the_serve_config_fields():
 
     from trillora.cli import build_parser
     from trillora.cli.flags import config_of
+    from trillora.parallel import ParallelDims
     from trillora.serve.config import ServeConfig
 
     parser = build_parser()
     serve = parser._subparsers._group_actions[0].choices["serve"]
     flags = {a.dest for a in serve._actions} - {"help", "learn"}
-    assert flags == {f.name for f in dataclasses.fields(ServeConfig)}
+    layout = {f.name for f in dataclasses.fields(ParallelDims)} - {"dp", "pp_schedule", "pp_stage_layers"}
+    assert flags == {f.name for f in dataclasses.fields(ServeConfig)} - {"parallel"} | layout  # --tp, not --parallel-tp
     assert config_of(ServeConfig, parser.parse_args(["serve", "tiny-moe"])) == ServeConfig(model="tiny-moe")
     args = parser.parse_args(
         ["serve", "tiny-moe-chat", "--tinker", "--api-key", "a", "--api-key", "b", "--tp", "2", "--sp"]
         + ["--max-state-gib", "0.5", "--precision", "bf16_weights", "--adapter-memory-mib", "12"]
     )
     cfg = config_of(ServeConfig, args)
-    assert (cfg.model, cfg.tinker, cfg.api_key, cfg.tp, cfg.sp) == ("tiny-moe-chat", True, ["a", "b"], 2, True)
+    assert (cfg.model, cfg.tinker, cfg.api_key) == ("tiny-moe-chat", True, ["a", "b"])
+    assert cfg.parallel == ParallelDims(dp=0, tp=2, sp=True)  # the trainer's layout type, its defaults
     assert (cfg.max_state_gib, cfg.precision, cfg.adapter_memory_mib) == (0.5, "bf16_weights", 12.0)
     with pytest.raises(SystemExit):  # a value outside the field's Literal is refused by the parser
         parser.parse_args(["serve", "tiny-moe", "--expert-rank-rule", "half"])

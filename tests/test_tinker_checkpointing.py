@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from trillora.parallel import ParallelDims
 from trillora.plan.memory_probe import MemoryProbe
 from trillora.serve.tinker_service import FwdBwd, ServeConfig, TinkerService
 from trillora.serve.wire import Datum
@@ -37,7 +38,9 @@ def one_call(service: TinkerService) -> tuple[list, dict, int]:
 def test_checkpointed_layers_give_the_same_call_and_keep_less(tmp_path):
     plain = TinkerService(ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path / "a")))
     ckpt = TinkerService(
-        ServeConfig(model="tiny-moe-chat", state_dir=str(tmp_path / "b"), activation_checkpoint_every=1)
+        ServeConfig(
+            model="tiny-moe-chat", state_dir=str(tmp_path / "b"), parallel=ParallelDims(activation_checkpoint_every=1)
+        )
     )
     lp_plain, g_plain, saved_plain = one_call(plain)
     lp_ckpt, g_ckpt, saved_ckpt = one_call(ckpt)
@@ -51,4 +54,4 @@ def test_checkpointed_layers_give_the_same_call_and_keep_less(tmp_path):
 
 def test_a_negative_interval_is_refused_by_name(tmp_path):
     with pytest.raises(Exception, match="activation_checkpoint_every=-1"):
-        ServeConfig(model="tiny-moe-chat", activation_checkpoint_every=-1)
+        ServeConfig(model="tiny-moe-chat", parallel=ParallelDims(activation_checkpoint_every=-1))

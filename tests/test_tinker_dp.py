@@ -199,19 +199,24 @@ def alone(tmp_path_factory) -> dict:
 
 
 LAYOUTS = {
-    "dp": (2, [], "data parallel over 2 ranks"),
-    "ep": (2, ["--ep", "2"], "data parallel over 2 ranks, experts over ep=2"),
+    # the defaults (ParallelDims'): the base sharded over the data-parallel ranks
+    "dp": (2, [], "data parallel over 2 ranks, the base sharded over them (FSDP)"),
+    "ep": (2, ["--ep", "2", "--no-fsdp"], "data parallel over 2 ranks, experts over ep=2"),
     "tp": (2, ["--tp", "2"], "data parallel over 1 ranks, layers over tp=2"),
     # recomputing layers in backward runs their all-reduces and all-to-alls again, in order on every rank
     "tp-ep": (
         4,
-        ["--tp", "2", "--ep", "2", "--activation-checkpoint-every", "1"],
+        ["--tp", "2", "--ep", "2", "--activation-checkpoint-every", "1", "--no-fsdp"],
         "data parallel over 2 ranks, layers over tp=2, experts over ep=2",
     ),
     # 3 datums a call: two chunks in flight through the stages
     "pp": (2, ["--pp", "2", "--pp-microbatches", "2"], "data parallel over 1 ranks, stages over pp=2"),
     # a 1-datum call leaves dp rank 1's two stages one filler token to pass down and back
-    "pp-ep": (4, ["--pp", "2", "--ep", "2"], "data parallel over 2 ranks, stages over pp=2, experts over ep=2"),
+    "pp-ep": (
+        4,
+        ["--pp", "2", "--ep", "2", "--no-fsdp"],
+        "data parallel over 2 ranks, stages over pp=2, experts over ep=2",
+    ),
     "pp-tp": (
         4,
         ["--pp", "2", "--tp", "2", "--activation-checkpoint-every", "1"],

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from engine_helpers import serve_layout
 from gloo_ranks import run_ranks
 from safetensors.torch import load_file
 
@@ -90,7 +91,9 @@ def state_of(root: str, path: str) -> dict:
 
 
 def worker(rank: int, world: int, flags: dict, root: str) -> None:
-    service = TinkerService(ServeConfig(model=MODEL, state_dir=os.path.join(root, "sharded"), **flags))
+    service = TinkerService(
+        ServeConfig(model=MODEL, state_dir=os.path.join(root, "sharded"), parallel=serve_layout(**flags))
+    )
     if flags.get("fsdp"):  # the base's layers sharded over the data-parallel ranks (and cp)
         norm = next(m for m in service.base.model.modules() if isinstance(m, DecoderLayer)).input_layernorm.weight
         assert norm.to_local().shape[0] < norm.shape[0], norm.placements
@@ -177,7 +180,7 @@ def tp_worker(rank: int, world: int, root: str) -> None:
         return real(t, *args, **kwargs)
 
     tensor_parallel.distribute_tensor = spy
-    service = TinkerService(ServeConfig(model=MODEL, state_dir=root, tp=2))
+    service = TinkerService(ServeConfig(model=MODEL, state_dir=root, parallel=serve_layout(tp=2)))
     tensor_parallel.distribute_tensor = real
     assert split_on and set(split_on) == {"meta"}  # split before anything whole was allocated
     whole = dict(trillora.load_model(MODEL).named_parameters())

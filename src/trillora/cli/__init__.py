@@ -78,7 +78,7 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
         from ..serve.config import ServeConfig
         from .flags import add_flags
 
-        add_flags(p, ServeConfig, positional=("model",))
+        add_flags(p, ServeConfig, skip=("dp", "pp_schedule", "pp_stage_layers"), positional=("model",))
         p.add_argument(
             "--learn",
             default=None,

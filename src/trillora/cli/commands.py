@@ -102,9 +102,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ConfigError("--learn runs in one process (not under torchrun) for now")
         return _serve_parallel(cfg)
     if _sharded(cfg):
+        p = cfg.parallel
         raise SystemExit(
             f"trillora serve {_layout(cfg)}: a sharded base needs several ranks; launch "
-            f"with torchrun --nproc-per-node N (N a multiple of {cfg.tp * cfg.pp * cfg.cp * cfg.ep})"
+            f"with torchrun --nproc-per-node N (N a multiple of {p.tp * p.pp * p.cp * p.ep})"
         )
     server = Server(cfg)
     if args.learn:
@@ -147,20 +148,26 @@ def start_learning(server, config_path: str, poll_seconds: float = 1.0):
 
 
 def _sharded(cfg) -> bool:
-    return cfg.ep > 1 or cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.fsdp
+    """A layout one process cannot hold (`fsdp` alone shards over data-parallel ranks: one process has one)."""
+    p = cfg.parallel
+    return p.ep > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1
 
 
 def _tp_extras(cfg) -> str:
     extras = [
         what
-        for what, on in (("sequence-parallel norms", cfg.sp), ("the head over the vocabulary", cfg.vocab_parallel))
+        for what, on in (
+            ("sequence-parallel norms", cfg.parallel.sp),
+            ("the head over the vocabulary", cfg.parallel.vocab_parallel),
+        )
         if on
     ]
     return f" ({', '.join(extras)})" if extras else ""
 
 
 def _layout(cfg) -> str:
-    return f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp}" + (" --fsdp" if cfg.fsdp else "")
+    p = cfg.parallel
+    return f"--tp {p.tp} --ep {p.ep} --pp {p.pp} --cp {p.cp}"
 
 
 def _serve_parallel(cfg) -> int:
@@ -182,13 +189,14 @@ def _serve_parallel(cfg) -> int:
     rank = service.ranks.rank
     try:
         if rank == 0:
+            d = service.ranks.dims
             split = (
-                (", the base sharded over them (FSDP)" if cfg.fsdp else "")
-                + (f", stages over pp={cfg.pp}" if cfg.pp > 1 else "")
-                + (f", rows over cp={cfg.cp}" if cfg.cp > 1 else "")
-                + (f", layers over tp={cfg.tp}" if cfg.tp > 1 else "")
+                (", the base sharded over them (FSDP)" if d.fsdp and d.dp > 1 else "")
+                + (f", stages over pp={d.pp}" if d.pp > 1 else "")
+                + (f", rows over cp={d.cp}" if d.cp > 1 else "")
+                + (f", layers over tp={d.tp}" if d.tp > 1 else "")
                 + _tp_extras(cfg)
-                + (f", experts over ep={cfg.ep}" if cfg.ep > 1 else "")
+                + (f", experts over ep={d.ep}" if d.ep > 1 else "")
             )
             print(f"trillora serve: data parallel over {service.ranks.dp_size} ranks{split}", flush=True)
             serve(cfg, service=service)

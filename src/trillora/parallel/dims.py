@@ -30,9 +30,13 @@ class ParallelDims:
     dp: int = 1
     """Data-parallel replicas; 0 = what is left of the world after pp × cp × tp (`for_world`)."""
     tp: int = 1
+    """Tensor parallelism: attention heads and MLP widths split over groups of this many ranks."""
     ep: int = 1
+    """Expert parallelism: the routed experts split over groups of this many (data-parallel) ranks."""
     pp: int = 1
+    """Pipeline parallelism: the decoder layers cut into this many stages, one per rank of a group."""
     cp: int = 1
+    """Context parallelism: each row's tokens split over this many ranks (long sequences)."""
     fsdp: bool = True
     """Shard the base and adapters over dp with FSDP2; False keeps full copies and all-reduces adapter gradients."""
     sp: bool = False

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from ..lora.config import EXPERT_RANK_RULES, ExpertRankRule
+from ..parallel.dims import ParallelDims
 from .http import Limits
 from .tinker_types import BadRequest
 
@@ -92,45 +93,20 @@ class ServeConfig:
     """How long a lone request may wait for other clients' to share its pass (only while others are active)."""
     trust_remote_code: bool = False
     """Let the tokenizer run its own Python code (Kimi K2's tiktoken tokenizer)."""
-    tp: int = 1
-    """Under torchrun: split attention and dense MLP layers over groups of this many ranks (`serve.ranks`)."""
-    ep: int = 1
-    """Under torchrun: shard the routed experts over groups of this many ranks (`serve.ranks`)."""
-    pp: int = 1
-    """Under torchrun: split the decoder layers into this many pipeline stages (`parallel.staged`)."""
-    cp: int = 1
-    """Under torchrun: split each row of a forward_backward pass over this many ranks (context
-    parallelism: long traces at 1/cp of the activations per rank); sampling decodes whole rows."""
-    fsdp: bool = False
-    """Under torchrun: shard the frozen base over the data-parallel ranks (FSDP2), each layer gathered
-    for every pass; the clients' adapters stay whole on every rank."""
-    sp: bool = False
-    """Under --tp: sequence parallelism, the norms and the residual stream between blocks split over
-    the sequence (a tp-th of those activations per rank)."""
-    vocab_parallel: bool = False
-    """Under --tp: the head split over the vocabulary; losses read logprobs without the full logits."""
-    pp_microbatches: int = 1
-    """Under --pp: a forward_backward pass's rows in this many chunks in flight one after another, so
-    the stages overlap (1: the whole pass at once, the stages in turn)."""
+    parallel: ParallelDims = field(default_factory=lambda: ParallelDims(dp=0))
+    """Under torchrun, the base's layout (`parallel.ParallelDims`, the trainer's: its flags are its
+    fields, `--tp 2 --ep 2`): layers over tp, experts over ep, stages over pp (`pp_microbatches`
+    chunks of a pass in flight, 0 = one per stage), rows of a training pass over cp, and the rest
+    of the ranks data-parallel, the frozen base sharded over them (`fsdp`, gathered layer by layer
+    for every pass; the clients' adapters stay whole on every rank)."""
     expert_rank_rule: ExpertRankRule = "same"
     """Rank of each client's routed-expert adapters: `same` as its rank, or `divide_by_top_k` (rank //
     top_k, at least 1: a token's k experts add up to about one rank-r update, at 1/k of the bytes)."""
-    activation_checkpoint_every: int = 0
-    """Recompute every k-th decoder layer in backward instead of keeping its activations (0 = off)."""
 
     def __post_init__(self) -> None:
-        for key in ("tp", "ep", "pp", "cp", "pp_microbatches"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
-                why = "" if key == "pp_microbatches" else " dividing the number of ranks"
-                raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1{why}")
-        for key in ("vocab_parallel", "sp"):
-            if getattr(self, key) and self.tp < 2:
+        for key in ("vocab_parallel", "sp"):  # the degrees themselves: ParallelDims checks them
+            if getattr(self.parallel, key) and self.parallel.tp < 2:
                 raise BadRequest(f"{key} splits over the tensor-parallel ranks; it needs tp >= 2")
-        if not isinstance(self.activation_checkpoint_every, int) or self.activation_checkpoint_every < 0:
-            raise BadRequest(
-                f"activation_checkpoint_every={self.activation_checkpoint_every!r}; allowed: an integer "
-                ">= 0 (0 = off, 1 = every layer)"
-            )
         if self.expert_rank_rule not in EXPERT_RANK_RULES:
             raise BadRequest(f"expert_rank_rule={self.expert_rank_rule!r}; allowed: {', '.join(EXPERT_RANK_RULES)}")
         if not isinstance(self.max_fused, int) or self.max_fused < 1:

@@ -42,7 +42,8 @@ class Ranks:
         parallel = dist.is_initialized() and not alone
         self.world = dist.get_world_size() if parallel else 1
         self.rank = dist.get_rank() if parallel else 0
-        self.sharded = cfg.tp > 1 or cfg.ep > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.fsdp
+        p = cfg.parallel
+        self.sharded = p.tp > 1 or p.ep > 1 or p.pp > 1 or p.cp > 1 or (p.fsdp and self.world > p.tp * p.pp * p.cp)
         """Every rank holds part of the base: each joins every pass and every sample."""
         self.dims, self.meshes, self.stages = ParallelDims(dp=1, fsdp=False), None, None
         if self.world == 1:
@@ -52,32 +53,16 @@ class Ranks:
             self.dp_rank, self.dp_size = 0, 1
             return
         try:
-            if cfg.ep > 1 and not args.num_experts:
+            if p.ep > 1 and not args.num_experts:
                 raise ParallelError(f"{cfg.model} has no routed experts to shard")
-            if self.world % (cfg.tp * cfg.pp * cfg.cp):
+            if p.pp > args.num_layers:  # the service's stages each hold at least one layer
                 raise ParallelError(
-                    f"parallel.tp={cfg.tp} × pp={cfg.pp} × cp={cfg.cp} must divide the {self.world} ranks"
+                    f"parallel.pp={p.pp} stages for {args.num_layers} layers; allowed: 1..{args.num_layers}"
                 )
-            if cfg.pp > args.num_layers:
-                raise ParallelError(
-                    f"parallel.pp={cfg.pp} stages for {args.num_layers} layers; allowed: 1..{args.num_layers}"
-                )
-            dims = ParallelDims(
-                dp=self.world // (cfg.tp * cfg.pp * cfg.cp),
-                tp=cfg.tp,
-                ep=cfg.ep,
-                pp=cfg.pp,
-                cp=cfg.cp,
-                fsdp=cfg.fsdp,
-                sp=cfg.sp,
-                vocab_parallel=cfg.vocab_parallel,
-                activation_checkpoint_every=cfg.activation_checkpoint_every,
-            )  # ep must divide dp ...
-            dims.check_model(args)  # ... and the experts; tp the heads, MLP widths (and the vocabulary)
+            dims = p.for_world(self.world)  # tp × pp × cp divide the world, ep the rest (dp) ...
+            dims.check_model(args)  # ... and the experts; tp the heads, MLP widths (and the vocabulary); pp the layers
         except ParallelError as e:
-            raise ParallelError(
-                f"--tp {cfg.tp} --ep {cfg.ep} --pp {cfg.pp} --cp {cfg.cp} on {self.world} ranks: {e}"
-            ) from None
+            raise ParallelError(f"--tp {p.tp} --ep {p.ep} --pp {p.pp} --cp {p.cp} on {self.world} ranks: {e}") from None
         self.dims, self.meshes = dims, build_meshes(dims, torch.device(cfg.device).type)
         self.dp_group, self.dp_rank, self.dp_size = self.meshes.group("dp"), self.meshes.rank("dp"), dims.dp
         self.grad_group = self.meshes.group("dp_cp")  # cp ranks ran other positions of the same rows
@@ -104,7 +89,7 @@ class Ranks:
         if not self.sharded:  # the base whole on every rank: of the layout, only activation checkpointing applies
             model = model if model is not None else load_model(path, dtype=dtype, device=cfg.device)
             base = ResidentBase(model, alpha=cfg.lora_alpha)
-            apply_activation_checkpointing(model, cfg.activation_checkpoint_every)
+            apply_activation_checkpointing(model, cfg.parallel.activation_checkpoint_every)
             return base
         experts = (meshes.rank("ep"), dims.ep) if dims.ep > 1 else None
         layers = split_layers(self.args.num_layers, dims.pp)[meshes.rank("pp")] if dims.pp > 1 else None
@@ -171,7 +156,7 @@ class Ranks:
         if not any(rows):
             rows[0] = 1
         if self.stages is not None:
-            self.stages.microbatches = self.cfg.pp_microbatches
+            self.stages.microbatches = self.dims.pp_microbatches or self.dims.pp
         return [a for _, _, a, _, _ in live], rows
 
     @torch.no_grad()

@@ -141,7 +141,7 @@ class TinkerService:
             raise BadRequest("lora_config trains nothing: set one of train_attn, train_mlp, train_unembed")
         if self.stages is not None and set(roles) <= {"lm_head"}:
             raise BadRequest(
-                f"lora_config trains only the unembedding, which lives on the last of --pp {self.cfg.pp} "
+                f"lora_config trains only the unembedding, which lives on the last of --pp {self.cfg.parallel.pp} "
                 "stages; every stage needs an adapter: set train_attn or train_mlp"
             )
         return rank, roles, int(lora_config.get("seed") or 0)
