@@ -121,3 +121,17 @@ def serve_layout(**flags):
     from trillora.parallel import ParallelDims
 
     return ParallelDims(**{"dp": 0, "fsdp": False, "pp_microbatches": 1, **flags})
+
+
+def serve_config(**flags):
+    """A ServeConfig from `serve`'s flags as keywords: the layout's into `parallel` (`serve_layout`)."""
+    import dataclasses
+
+    from trillora.parallel import ParallelDims
+    from trillora.serve.config import ServeConfig
+
+    layout = {f.name for f in dataclasses.fields(ParallelDims)}
+    return ServeConfig(
+        parallel=serve_layout(**{k: v for k, v in flags.items() if k in layout}),
+        **{k: v for k, v in flags.items() if k not in layout},
+    )

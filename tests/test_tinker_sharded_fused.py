@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from engine_helpers import serve_layout
+from engine_helpers import serve_config, serve_layout
 from gloo_ranks import run_ranks
 from safetensors.torch import load_file
 
@@ -91,9 +91,7 @@ def state_of(root: str, path: str) -> dict:
 
 
 def worker(rank: int, world: int, flags: dict, root: str) -> None:
-    service = TinkerService(
-        ServeConfig(model=MODEL, state_dir=os.path.join(root, "sharded"), parallel=serve_layout(**flags))
-    )
+    service = TinkerService(serve_config(model=MODEL, state_dir=os.path.join(root, "sharded"), **flags))
     if flags.get("fsdp"):  # the base's layers sharded over the data-parallel ranks (and cp)
         norm = next(m for m in service.base.model.modules() if isinstance(m, DecoderLayer)).input_layernorm.weight
         assert norm.to_local().shape[0] < norm.shape[0], norm.placements
