@@ -457,6 +457,7 @@ def test_readme_service_plan_command():
         "pp_microbatches": 1,
     }
     assert "--ep 8" in out["command"]
+    assert "--no-fsdp" in out["command"]  # serve shards the base over dp by default; this layout keeps it whole
     assert "--tp" not in out["command"] and "--pp" not in out["command"] and "--activation" not in out["command"]
     assert [x["call_s"] for x in out["layouts"]] == sorted(x["call_s"] for x in out["layouts"])
     eight = next(x for x in out["layouts"] if (x["pp"], x["cp"], x["tp"], x["ep"], x["fsdp"]) == (1, 1, 1, 8, False))

@@ -184,10 +184,10 @@ def run_service(a: argparse.Namespace) -> dict:
         best = ok[0].layout
         out["chosen"] = {k: out["layouts"][found.index(ok[0])][k] for k in CHOSEN_KEYS}
         weights = a.model if Path(a.model).is_dir() else f"<{a.model} checkpoint>"  # a shipped name is a config only
-        flags = (
-            (" --fsdp" if best.fsdp else "")
+        flags = (  # serve's defaults are ParallelDims': the base sharded over dp unless --no-fsdp
+            (" --no-fsdp" if not best.fsdp and best.dp > 1 else "")
             + (f" --pp {best.pp}" if best.pp > 1 else "")
-            + (f" --pp-microbatches {best.pp_microbatches}" if best.pp_microbatches > 1 else "")
+            + (f" --pp-microbatches {best.pp_microbatches}" if best.pp > 1 else "")
             + (f" --cp {best.cp}" if best.cp > 1 else "")
             + (f" --tp {best.tp}" if best.tp > 1 else "")
             + (" --sp" if best.sp else "")
