@@ -85,8 +85,10 @@ def test_load_lora_adapter_body_path_rule_and_base_check(tmp_path, monkeypatch):
         status, out = post_json(url, "/v1/load_lora_adapter", {"lora_name": "other", "lora_path": "tiny-moe/fused"})
         message = out["error"]["message"]
         assert status == 400 and "trained on another base" in message and "'tiny-moe-chat'" in message, out
+        assert str(tmp_path) not in message
         status, out = post_json(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "runs/default/adapter"})
-        assert status == 404 and f"resolved against --adapter-root {tmp_path.resolve()}" in out["error"]["message"]
+        assert status == 404 and "resolved against --adapter-root" in out["error"]["message"]
+        assert str(tmp_path) not in out["error"]["message"]  # no server path leaves the server
         # a path from the server's working folder: the 404 says what it is under the root
         monkeypatch.chdir(tmp_path.parent)
         given = f"{tmp_path.name}/tiny-moe-chat/fused"
@@ -96,6 +98,7 @@ def test_load_lora_adapter_body_path_rule_and_base_check(tmp_path, monkeypatch):
         status, out = post_json(url, "/v1/load_lora_adapter", {"lora_name": "run", "lora_path": "tiny-moe-chat"})
         assert status == 200, out
         status, out = post_json(url, "/v1/load_lora_adapter", {"lora_name": "y", "lora_path": "/etc"})
-        assert status == 403 and f"outside the adapter root {tmp_path.resolve()}" in out["error"]["message"]
+        assert status == 403 and "outside the adapter root" in out["error"]["message"]
+        assert str(tmp_path) not in out["error"]["message"]
     finally:
         next(gen, None)

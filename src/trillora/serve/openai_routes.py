@@ -90,10 +90,10 @@ class OpenAIRoutes:
         except (OSError, RuntimeError, ValueError) as e:  # too long, a link loop, a NUL byte
             raise BadRequest(f"lora_path {given!r} cannot be read: {type(e).__name__}") from None
         if any(root != p and root not in p.parents for p in [path, *files]):
-            raise BadRequest(f"lora_path {given!r} is outside the adapter root {root}", 403)
+            raise BadRequest(f"lora_path {given!r} is outside the adapter root (--adapter-root)", 403)
         if not (path / "adapter_config.json").exists():
             raise BadRequest(
-                f"no adapter at {given!r} (lora_path is resolved against --adapter-root {root}{hint or ''}; "
+                f"no adapter at {given!r} (lora_path is resolved against --adapter-root{hint}; "
                 "trillora train writes runs/<name>/adapter/fused and .../per_expert)",
                 404,
             )
@@ -118,7 +118,7 @@ class OpenAIRoutes:
         trained_on = lora.adapter_base(path)
         if trained_on is not None and trained_on != self.base_fingerprint:
             raise BadRequest(
-                f"adapter {name!r} at {path} was trained on another base (fingerprint {trained_on}, "
+                f"adapter {name!r} was trained on another base (fingerprint {trained_on}, "
                 f"adapter_config.json names it); this server's base {self.cfg.model!r} is {self.base_fingerprint}"
             )
         try:
