@@ -69,12 +69,16 @@ def test_load_lora_adapter_body_path_rule_and_base_check(tmp_path, monkeypatch):
     `--adapter-root` and the 404 says so; an adapter of another base is refused, naming both."""
     from trillora import lora
     from trillora.checkpoint import resolve_model_path
+    from trillora.checkpoint.weights import base_fingerprint
 
     for base in SHIPPED_CHECKPOINTS:
         model = load_model(base)
         lora.apply_lora(model, lora.LoraConfig(rank=4, alpha=8.0, targets=("mlp", "experts")))
         folder = resolve_model_path(base)
-        lora.save_adapter(model, tmp_path / base / "fused", "fused", base_model=str(folder), base_folder=folder)
+        fingerprint = base_fingerprint(folder)
+        lora.save_adapter(
+            model, tmp_path / base / "fused", "fused", base_model=str(folder), base_fingerprint=fingerprint
+        )
     gen = running_server(ServeConfig(model="tiny-moe-chat", port=0, adapter_root=str(tmp_path)))
     url = f"http://127.0.0.1:{next(gen).cfg.port}"
     try:

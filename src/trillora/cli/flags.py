@@ -45,12 +45,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
 
 def _add_nested(parser: argparse.ArgumentParser, cls: type, value, skip: tuple[str, ...]) -> None:
     """The flags of a nested dataclass's fields, defaults from `value` (the outer field's default)."""
-    sub = argparse.ArgumentParser(add_help=False)
-    add_flags(sub, cls, skip)
-    for action in sub._actions:
-        if action.dest in {f.name for f in dataclasses.fields(cls)}:
-            action.default = getattr(value, action.dest)
-            parser._add_action(action)
+    add_flags(parser, cls, skip)
+    parser.set_defaults(**{f.name: getattr(value, f.name) for f in dataclasses.fields(cls) if f.name not in skip})
 
 
 def config_of(cls: type, args: argparse.Namespace, **given):

@@ -39,7 +39,6 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoint.atomic import AtomicFolder
 from ..checkpoint.hf import EXPERT_LAYOUTS
-from ..checkpoint.weights import base_fingerprint
 from ..errors import TrilloraError
 from ..models import ReleaseLayout, release_of
 from .apply import apply_lora, lora_modules
@@ -53,20 +52,17 @@ class AdapterError(TrilloraError, ValueError):
     """An adapter folder that does not fit the model; the message names the key or file."""
 
 
-def _dense_tensors(name: str, m: LoraMixin, s: float) -> dict[str, torch.Tensor]:
+def _dense_tensors(name: str, m: LoraMixin) -> dict[str, torch.Tensor]:
     return {
         f"{PREFIX}{name}.lora_A.weight": m.lora_A.detach().float(),
-        f"{PREFIX}{name}.lora_B.weight": (m.lora_B.detach().float() * s),
+        f"{PREFIX}{name}.lora_B.weight": m.lora_B.detach().float(),
     }
 
 
-def _expert_tensors(
-    name: str, m: LoraGroupedExperts, layout: str, release: ReleaseLayout, s: float
-) -> dict[str, torch.Tensor]:
-    """`s`: what B is multiplied by on disk (1.0 when the file's scaling is the module's)."""
+def _expert_tensors(name: str, m: LoraGroupedExperts, layout: str, release: ReleaseLayout) -> dict[str, torch.Tensor]:
     e = m.num_experts
     g_a, u_a, d_a = (t.detach().float() for t in (m.lora_gate_A, m.lora_up_A, m.lora_down_A))
-    g_b, u_b, d_b = (t.detach().float() * s for t in (m.lora_gate_B, m.lora_up_B, m.lora_down_B))
+    g_b, u_b, d_b = (t.detach().float() for t in (m.lora_gate_B, m.lora_up_B, m.lora_down_B))
     out: dict[str, torch.Tensor] = {}
     if layout == "per_expert":
         for i in range(e):
@@ -102,9 +98,10 @@ def adapter_tensors(model: torch.nn.Module, layout: str) -> tuple[dict[str, torc
     release = release_of(model.args)
     for ours, m in lora_modules(model):
         name = release.module_name(ours)
-        on_disk = m.lora_scaling / scaling  # 1.0: every module trains at the dense scaling (`apply_lora`)
+        if m.lora_scaling != scaling:  # `apply_lora` gives every module the dense scaling; the file says it once
+            raise AdapterError(f"{ours}: scaling {m.lora_scaling} is not the adapter's {scaling}; not saved")
         if isinstance(m, LoraGroupedExperts):
-            tensors.update(_expert_tensors(name, m, layout, release, on_disk))
+            tensors.update(_expert_tensors(name, m, layout, release))
             if layout == "per_expert":
                 modules.update({"gate_proj", "up_proj", "down_proj"})
                 if m.lora_rank != base_rank:
@@ -117,7 +114,7 @@ def adapter_tensors(model: torch.nn.Module, layout: str) -> tuple[dict[str, torc
             continue
         if isinstance(m, LoraRouterMixin) and layout == "per_expert":
             raise AdapterError("router LoRA has no vLLM per-expert form; save with expert_layout='fused'")
-        tensors.update(_dense_tensors(name, m, on_disk))
+        tensors.update(_dense_tensors(name, m))
         if layout == "per_expert":
             modules.add(name.rpartition(".")[2])
         elif isinstance(m, LoraRouterMixin) or ".mlp." in name:
@@ -151,12 +148,12 @@ def save_adapter(
     path: str | Path,
     expert_layout: str = "per_expert",
     base_model: str | None = None,
-    base_folder: str | Path | None = None,
+    base_fingerprint: str | None = None,
 ) -> Path:
     """Write the adapter atomically; refuses non-finite values so a NaN never reaches disk.
     `base_model`: what `adapter_config.json` names as the base (a Hub id or a folder);
-    `base_folder`: the base's checkpoint folder, whose fingerprint (`base_fingerprint`) the
-    adapter keeps so a server can tell an adapter of another base (`trillora_adapter.json`)."""
+    `base_fingerprint`: the base's `checkpoint.weights.base_fingerprint`, kept in
+    `trillora_adapter.json` so a server can tell an adapter of another base."""
     tensors, config = adapter_tensors(model, expert_layout)
     bad = [k for k, t in tensors.items() if not torch.isfinite(t).all()]
     if bad:
@@ -172,8 +169,8 @@ def save_adapter(
         )
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
         ours = {**dataclasses.asdict(model.lora_config), "expert_layout": expert_layout}
-        if base_folder is not None:
-            ours["base_fingerprint"] = base_fingerprint(base_folder)
+        if base_fingerprint is not None:
+            ours["base_fingerprint"] = base_fingerprint
         (tmp / "trillora_adapter.json").write_text(json.dumps(ours, indent=2))
     return path
 

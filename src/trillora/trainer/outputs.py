@@ -15,6 +15,7 @@ from torch import nn
 from .. import lora
 from ..checkpoint import resolve_model_path, save_model
 from ..checkpoint.hf import EXPERT_LAYOUTS, HUB_ID
+from ..checkpoint.weights import base_fingerprint
 from ..config import TrainConfig
 from .report import RunReport
 from .update import PolicyUpdate
@@ -98,7 +99,8 @@ def export(trainer: Trainer) -> None:
         return
     named, folder = trainer.cfg.model.path, resolve_model_path(trainer.cfg.model.path)
     base = named if HUB_ID.fullmatch(named) and not Path(named).exists() else str(folder)  # a Hub id stays one
+    fingerprint = base_fingerprint(folder)  # once for both layouts
     for layout in EXPERT_LAYOUTS:
         lora.save_adapter(
-            trainer.full, export_dir(trainer.cfg) / layout, expert_layout=layout, base_model=base, base_folder=folder
+            trainer.full, export_dir(trainer.cfg) / layout, layout, base_model=base, base_fingerprint=fingerprint
         )
