@@ -107,7 +107,7 @@ def measure(family: str, cp: int, seq_len: int) -> dict:
     ctx = mp.get_context("forkserver")
     results = ctx.SimpleQueue()
     # forkserver, not spawn: its children end with os._exit, so gloo's threads cannot abort them in
-    # the interpreter's teardown (see trainer.world.leave_rank)
+    # the interpreter's teardown (see policy.world.leave_rank)
     mp.start_processes(worker, args=(cp, free_port(), family, seq_len, results), nprocs=cp, start_method="forkserver")
     rows = [results.get() for _ in range(cp)]
     return dict(

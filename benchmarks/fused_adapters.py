@@ -11,7 +11,7 @@ grouped per adapter, per (expert, adapter) in MoE layers). The same for sampling
 timing, the fused results are checked against the separate ones (logprobs, every gradient).
 `--shape`: instead of the tiny model's weights, a shipped config's layer shapes (its first
 `--layers` layers) with random weights, the tiny tokenizer's ids as input.
-`--ep K`: the service on K gloo ranks holding E/K experts each (`serve.ranks`), each
+`--ep K`: the service on K gloo ranks holding E/K experts each (`policy.world`), each
 call's rows split over them; fused, every routed row's adapter travels with it through the
 all-to-all. Rank 0 times the calls; the adapters get their non-zero B from one AdamW step each
 (a random fill on rank 0 alone would leave the ranks' adapters apart).
@@ -136,7 +136,7 @@ def on_ranks(args) -> dict:
     from engine_helpers import free_port
 
     # forkserver, not spawn: its children end with os._exit, so gloo's threads cannot abort them in
-    # the interpreter's teardown (see trainer.world.leave_rank)
+    # the interpreter's teardown (see policy.world.leave_rank)
     mp.start_processes(_rank, args=(args, free_port()), nprocs=args.ep, start_method="forkserver")
     return json.loads(output_path(args).read_text())
 

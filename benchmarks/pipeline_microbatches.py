@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     Console().print(f"{args.stages} stages, {args.rows} rows × {args.tokens} tokens: timing {args.chunks} chunks ...")
     # forkserver, not spawn: its children end with os._exit, so gloo's threads cannot abort them in
-    # the interpreter's teardown (see trainer.world.leave_rank)
+    # the interpreter's teardown (see policy.world.leave_rank)
     mp.start_processes(_rank, args=(args, free_port()), nprocs=args.stages, start_method="forkserver")
     report = json.loads(Path(args.out or RESULTS / "pipeline_microbatches.json").read_text())
     table = Table(title=f"forward + backward through {args.stages} stages ({args.model}, CPU, 1 thread per stage)")

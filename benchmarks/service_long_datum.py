@@ -107,7 +107,7 @@ def measure(name: str, flags: dict, seq_len: int, vocab: int, root: str) -> dict
     ctx = mp.get_context("forkserver")
     results = ctx.SimpleQueue()
     # forkserver, not spawn: its children end with os._exit, so gloo's threads cannot abort them in
-    # the interpreter's teardown (see trainer.world.leave_rank)
+    # the interpreter's teardown (see policy.world.leave_rank)
     mp.start_processes(
         worker, args=(world, free_port(), flags, seq_len, vocab, root, results), nprocs=world, start_method="forkserver"
     )

@@ -26,7 +26,7 @@ def full_run(tmp_path, name: str, *extra: str) -> Trainer:
 def test_every_weight_trains_and_the_engine_and_export_follow(tmp_path):
     base = load_model("tiny-moe")
     trainer = full_run(tmp_path, "full")
-    assert len(trainer.opt.param_groups[0]["params"]) == len(list(base.parameters()))  # nothing frozen
+    assert len(trainer.policy.opt.param_groups[0]["params"]) == len(list(base.parameters()))  # nothing frozen
     summary = trainer.run(close_engine=False)
     assert summary["finetune"] == "full"
     after = dict(trainer.model.named_parameters())

@@ -54,7 +54,7 @@ ALLOWED = {
     "rollout": {"errors", "models", "lora", "checkpoint"},
     "config": {"errors", "lora", "parallel", "rl", "rollout", "tasks"},
     "plots": {"errors"},
-    "policy": {"errors", "models", "lora", "parallel", "rl", "rollout"},
+    "policy": {"errors", "models", "checkpoint", "lora", "parallel", "rl", "rollout"},
     "trainer": EVERYTHING - {"cli", "tiny", "serve"},
     "traces": {"errors", "tasks", "envs"},
     "serve": {

@@ -79,11 +79,11 @@ def test_rows_of_a_group_must_share_their_prompt():
 def test_trainer_update_with_and_without_shared_prompts(tmp_path, monkeypatch):
     """One RL update on the same rollout batch: same loss, grad norm and metrics either way
     (several passes and a KL term, so the old and reference passes go through it too)."""
-    import trillora.trainer.update
+    import trillora.policy.policy
 
     calls = []
     monkeypatch.setattr(
-        trillora.trainer.update,
+        trillora.policy.policy,
         "shared_prompt_logprobs",
         lambda *a, **k: calls.append(1) or shared_prompt_logprobs(*a, **k),
     )

@@ -15,10 +15,11 @@ from safetensors.torch import load_file
 from trillora import lora, rl
 from trillora.models import build_model, from_hf_config
 from trillora.policy.logprobs import token_logprobs
+from trillora.policy.policy import Policy
+from trillora.policy.world import World
 from trillora.trainer import Trainer
 from trillora.trainer.batch import build_batch
 from trillora.trainer.update import PolicyUpdate
-from trillora.trainer.world import World
 
 SETTINGS = (
     "algorithm.minibatches=2",
@@ -57,14 +58,19 @@ def _adam(model, o):
     )
 
 
+def _update(model, cfg) -> PolicyUpdate:
+    """The trainer's update over a one-process `Policy` of `model`'s adapter."""
+    named, adam = dict(lora.lora_parameters(model)), _adam(model, cfg.optim)
+    return PolicyUpdate(Policy(model, World.start(model, cfg.parallel, torch.device("cpu")), named, adam), cfg)
+
+
 def test_two_minibatches_are_two_sequential_updates(small_config):
     cfg = small_config(*SETTINGS, "rollout.group_size=2")
     a, o = cfg.algorithm, cfg.optim
     model, batch = _policy(), _batch()
     by_hand = copy.deepcopy(model)
 
-    world = World.start(model, cfg, torch.device("cpu"))
-    update = PolicyUpdate(model, _adam(model, o), world, cfg)
+    update = _update(model, cfg)
     metrics = update(batch)
 
     # the same two steps, written out: old logprobs once, then per half a loss normalised by that half
@@ -100,7 +106,7 @@ def test_two_minibatches_are_two_sequential_updates(small_config):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
     assert metrics["optimizer_steps"] == 2.0
     assert metrics["loss"] == pytest.approx(sum(losses) / 2, rel=1e-6)
-    assert all(int(update.opt.state[p]["step"]) == 2 for _, p in lora.lora_parameters(model))
+    assert all(int(update.policy.opt.state[p]["step"]) == 2 for _, p in lora.lora_parameters(model))
     # the policy moved between the minibatches: the second one's ratio to the old policy is not 1
     assert metrics["approx_kl_old"] > 0
 
@@ -109,8 +115,7 @@ def test_one_minibatch_is_one_step_on_fresh_samples(small_config):
     """With epochs = minibatches = 1 no old-logprob pass runs (the sampling policy is the current one)."""
     cfg = small_config("rollout.group_size=2")
     model, batch = _policy(), _batch()
-    world = World.start(model, cfg, torch.device("cpu"))
-    update = PolicyUpdate(model, _adam(model, cfg.optim), world, cfg)
+    update = _update(model, cfg)
     calls = []
     model.lm_head.register_forward_hook(lambda *args: calls.append(torch.is_grad_enabled()))
     metrics = update(batch)

@@ -103,7 +103,7 @@ def entry() -> typing.NoReturn:
     interpreter's teardown (`leave_rank`); `main()` itself returns to its caller."""
     code = main()
     if "WORLD_SIZE" in os.environ:
-        from ..trainer.world import launched, leave_rank
+        from ..policy.world import launched, leave_rank
 
         if launched():
             leave_rank(code)

@@ -87,9 +87,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from ..policy.world import launched
     from ..serve.app import Server
     from ..serve.config import ServeConfig
-    from ..trainer.world import launched
     from .flags import config_of
 
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -172,15 +172,15 @@ def _layout(cfg) -> str:
 
 def _serve_parallel(cfg) -> int:
     """Under torchrun: every rank holds the base (split with --tp / --ep / --pp) and the clients' adapters;
-    rank 0 serves HTTP (`serve.ranks`)."""
+    rank 0 serves HTTP (`policy.world`)."""
     import dataclasses
     import gc
 
     import torch.distributed as dist
 
+    from ..policy.world import pick_device
     from ..serve.app import serve
     from ..serve.tinker_service import TinkerService
-    from ..trainer.world import pick_device
 
     device = pick_device(cfg.device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -198,7 +198,7 @@ def _serve_parallel(cfg) -> int:
                 + _tp_extras(cfg)
                 + (f", experts over ep={d.ep}" if d.ep > 1 else "")
             )
-            print(f"trillora serve: data parallel over {service.ranks.dp_size} ranks{split}", flush=True)
+            print(f"trillora serve: data parallel over {service.ranks.dims.dp} ranks{split}", flush=True)
             serve(cfg, service=service)
         else:
             service.follow()
@@ -206,7 +206,7 @@ def _serve_parallel(cfg) -> int:
         if rank == 0:
             service.stop()
         # the meshes and FSDP states hold process groups in reference cycles: freed now, for a caller of
-        # main() that goes on (`cli.entry` then leaves the rank without teardown: `trainer.world.leave_rank`)
+        # main() that goes on (`cli.entry` then leaves the rank without teardown: `policy.world.leave_rank`)
         del service
         gc.collect()
         dist.destroy_process_group()

@@ -5,7 +5,7 @@ split (each rank keeps its stages' layers), expert parallel (slices stacked expe
 all-to-all hooks), tensor parallel (`parallelize_module` over the plan), context parallel
 (attention gathers K/V, the backbone takes this rank's tokens), activation checkpointing
 (inside the FSDP units), then FSDP2 over dp × cp. The model code is not touched. The trainer
-(`trainer.world`) and a service (`serve.ranks`, which brings its own stage and adapter slots)
+(`policy.world`) and a service (`policy.resident`, which brings its own stage and adapter slots)
 both lay the base out here.
 
 At world size 1 without a process group there are no meshes: every plan is the identity except

@@ -22,12 +22,12 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..parallel.vocab_parallel import gather_vocab
 from ..rollout.local import LocalEngine
 from ..rollout.types import SamplingParams
+from .world import from_rank0
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class LockstepEngine:
     """Rank 0's `LocalEngine` calls, run by every rank of a sharded policy."""
 
     returns_routing = True
+    in_place = True  # it samples with the trained weights themselves (`Policy.publish`)
     model = None  # no rank may run the policy alone (memory scoring asks for it: refused by name)
 
     def __init__(self, model: nn.Module, par, rank: int, device: torch.device, pad_id: int):
@@ -121,13 +122,6 @@ class LockstepEngine:
         """Rank 0 says a forward follows (True) or the call ended (None); every rank hears it. The
         drivers' announcements are rank 0's too: each runs the same forwards."""
         from_rank0(True if forward else None)
-
-
-def from_rank0(obj):
-    """Rank 0's object on every rank (what the others pass is ignored)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def follow_forwards(run) -> None:

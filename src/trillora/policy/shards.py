@@ -1,6 +1,6 @@
 """Where this rank's part of each client adapter tensor lies when the resident base is sharded.
 
-A parallel Tinker service (`serve.ranks`) splits the base as `trillora train` does:
+A parallel Tinker service (`policy.world`) splits the base as `trillora train` does:
 routed experts over ep (each rank keeps rows [rank·E/ep, (rank+1)·E/ep) of every [E, ...]
 tensor) and attention / dense MLP layers over tp (a column-parallel layer's B split by output
 row, a row-parallel layer's A by input column, the other adapter matrix replicated; both as

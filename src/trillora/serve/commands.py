@@ -1,4 +1,4 @@
-"""What rank 0 of a parallel service tells the other ranks to run (`serve.ranks`): one typed command
+"""What rank 0 of a parallel service tells the other ranks to run (`policy.world`): one typed command
 per service call that must run on more than one rank, broadcast before rank 0 runs it, so every
 rank applies the same calls in the same order. `sharded_only`: with the base replicated, rank 0
 runs that call alone (it holds every adapter); with a sharded base every rank joins it."""

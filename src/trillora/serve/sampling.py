@@ -1,6 +1,6 @@
 """Sampling on the resident base, for the service's `sample_many`: the calls that wait together
 grouped by their settings, one `generate` per group with each row's own revision (`lora.multi`),
-one group's failure its own calls' outcome. On a sharded base (`serve.ranks`) every rank samples:
+one group's failure its own calls' outcome. On a sharded base (`policy.world`) every rank samples:
 the ranks of dp rank 0's tp / cp / pp group drive the same `generate` (the same logits after the
 all-reduces, the same seeded generator, so the same tokens) over whole rows and whole logits, and
 before each forward rank 0 names the revision(s) so that the other ranks run one token through the
@@ -17,10 +17,10 @@ import torch
 
 from ..models.transformer import OtherStage
 from ..policy.adapters import ResidentBase, Revision
-from ..policy.decoding import follow_forwards, from_rank0, whole_rows
+from ..policy.decoding import follow_forwards, whole_rows
 from ..policy.logprobs import score_prompt, topk_sampled
+from ..policy.world import World, from_rank0
 from ..rollout.local import LocalEngine
-from .ranks import Ranks
 from .tinker_checks import cut_at_stop
 from .tinker_types import BadRequest, SampleCall
 
@@ -30,7 +30,7 @@ class Sampling:
         self,
         base: ResidentBase,
         engine: LocalEngine,
-        ranks: Ranks,
+        ranks: World,
         tokenizer,
         device: torch.device,
         check: Callable,
@@ -108,7 +108,7 @@ class Sampling:
         model = self.base.model
         vocab_parallel = self.ranks.dims.vocab_parallel and not isinstance(model.lm_head, OtherStage)
         with whole_rows(
-            getattr(model, "context_parallel", None), model.lm_head if vocab_parallel else None, self.ranks.tp_group
+            getattr(model, "context_parallel", None), model.lm_head if vocab_parallel else None, self.ranks.group("tp")
         ):
             if self.stages is None:
                 yield

@@ -6,7 +6,7 @@ Every method here runs on the service's single worker (`serve.worker`), one call
 resident model's adapter slots are never shared by two calls; the `*_many` methods serve several
 waiting requests, of one client or several, in one pass with each row's own adapter. Bad requests raise
 `BadRequest` (HTTP 400/404 with the message); nothing half-applied is left behind. Under torchrun
-every rank runs this same class over its part of the base (`serve.ranks`: an identity in one
+every rank runs this same class over its part of the base (`policy.world.World`: an identity in one
 process); rank 0 sends each call every rank must run as a typed command (`serve.commands`).
 Shape legend: B datums, T tokens (padded), V vocabulary, N one datum's tokens, K top-k targets.
 """
@@ -23,9 +23,12 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from .. import lora
-from ..policy import adamw, optimizer_step
+from ..policy import adamw
 from ..policy.adapters import Revision, roles_of
 from ..policy.logprobs import target_logprobs
+from ..policy.policy import Policy
+from ..policy.resident import resident_base
+from ..policy.world import World
 from ..rl.tinker_losses import datum_loss
 from ..rollout.local import LocalEngine
 from ..rollout.types import SamplingParams
@@ -43,7 +46,6 @@ from .commands import (
     Stop,
 )
 from .config import ServeConfig
-from .ranks import Ranks
 from .registry import SERVED, Registry
 from .sampling import Sampling
 from .tinker_checks import adam_settings, check_data, check_sample, resolve, state_path
@@ -57,7 +59,7 @@ class TinkerService:
     def __init__(self, cfg: ServeConfig, model=None, alone: bool = False):
         """`model`: an already built model to serve instead of the checkpoint's weights (benchmarks
         of real shapes with random weights); the tokenizer still comes from `cfg.model`. Under
-        torchrun (a process group initialised), this rank's part of a parallel service (`serve.ranks`),
+        torchrun (a process group initialised), this rank's part of a parallel service (`policy.world`),
         unless `alone`."""
         from ..checkpoint import check_tokenizer_fits, load_tokenizer, resolve_model_path
         from ..models import load_hf_config
@@ -66,9 +68,10 @@ class TinkerService:
         self.path = path = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
         dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-        self.ranks = Ranks(cfg, model.args if model is not None else load_hf_config(path)[0], alone)
+        args = model.args if model is not None else load_hf_config(path)[0]
+        self.ranks = World.serving(cfg.parallel, args, torch.device(cfg.device), cfg.model, alone)
         self.writes = self.ranks.rank == 0  # saved states are written once
-        self.base = self.ranks.resident(path, dtype, model)
+        self.base = resident_base(self.ranks, path, dtype, args, cfg.parallel, cfg.lora_alpha, cfg.precision, model)
         self.stages = self.ranks.stages  # this rank's pipeline stage (`parallel.staged`), under pp
         check_tokenizer_fits(self.tokenizer, self.base.model.args.vocab_size, path)
         self.device = torch.device(cfg.device)
@@ -99,7 +102,7 @@ class TinkerService:
 
     def stop(self) -> None:
         self.ranks.mirror(Stop())
-        if self.ranks.world > 1:
+        if self.ranks.size > 1:
             dist.barrier()
 
     # --- sessions ------------------------------------------------------------------------
@@ -290,7 +293,7 @@ class TinkerService:
         )
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
-        """One AdamW step on the accumulated gradients (`policy.optimizer_step`)."""
+        """One AdamW step on the accumulated gradients (`Policy.optim_step`)."""
         self.ranks.mirror(OptimStep(model_id, adam))
         client = self.client(model_id)
         lr, b1, b2, eps, wd, clip = adam_settings(adam)  # refused before the gradients are summed: a retry sums once
@@ -301,11 +304,16 @@ class TinkerService:
             a.optimizer = adamw(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
         for g in a.optimizer.param_groups:
             g.update(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
-        outcome = optimizer_step(a.optimizer, params, self.ranks.gradient_sync(a.params, self.base.placement), clip)
+        outcome, _ = self.policy(a).optim_step(clip)
         if not outcome.stepped:  # a NaN never reaches the adapter
             raise BadRequest("the accumulated gradient is not finite; the step was dropped")
         a.steps += 1
         return {"metrics": {"grad_norm:mean": outcome.norm}}
+
+    def policy(self, adapter) -> Policy:
+        """A training client's adapter as a `Policy` on the resident base (its AdamW made)."""
+        sync = self.ranks.gradient_sync(adapter.params, self.base.placement)
+        return Policy(self.base.model, self.ranks, adapter.params, adapter.optimizer, sync=sync)
 
     # --- saved states --------------------------------------------------------------------
     def state_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:

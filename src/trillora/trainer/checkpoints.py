@@ -63,8 +63,7 @@ class RunCheckpoints:
                 f"{found.path} was written by a run with layout {state['layout']}; this run has "
                 f"{t.world.layout()}: resume with the same torchrun size and parallel settings"
             )
-        params = dict(lora.trained_parameters(t.model))
-        train_state.restore_rank_tensors(tensors, params, t.opt, found.path / f"rank-{self.rank}.safetensors")
+        t.policy.load(tensors, found.path / f"rank-{self.rank}.safetensors")
         train_state.restore_python_rng(state["rng"])
         t.update.skipped_updates, t.update.nonfinite_in_a_row = state["skipped_updates"], state["nonfinite_in_a_row"]
         if t.reward is not None:
@@ -84,8 +83,7 @@ class RunCheckpoints:
     def save(self, step: int, run_state: dict, metrics_file: Path | None) -> Path | None:
         """All ranks: write this rank's file; rank 0 then commits the checkpoint of `step` done steps."""
         t = self.t
-        params = dict(lora.trained_parameters(t.model))
-        train_state.write_rank_file(self.root, step, self.rank, train_state.rank_tensors(params, t.opt))
+        train_state.write_rank_file(self.root, step, self.rank, t.policy.state())
         t.world.barrier()
         path = None
         if t.world.main:

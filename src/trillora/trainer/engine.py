@@ -6,8 +6,8 @@ from torch import nn
 
 from ..checkpoint import resolve_model_path
 from ..errors import ConfigError
+from ..policy.world import launched
 from ..rollout import LocalEngine, OpenAIEngine, RolloutEngine
-from .world import launched
 
 
 def check_engine(cfg) -> None:

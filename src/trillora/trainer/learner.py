@@ -10,7 +10,7 @@ Each round (`step`, run on the server's one compute thread, between served reque
                                            behaviour (algorithm.mismatch), clip, KL, AdamW
     publish(revision k + 1)                new requests get it; requests in flight finish on theirs
 
-The update is `trillora train`'s (`trainer.update.PolicyUpdate`) on a world of one, so the
+The update is `trillora train`'s (`trainer.update.PolicyUpdate`, a client of `policy.Policy`) on a world of one, so the
 off-policy gap of traffic served by an older revision is corrected by the same importance
 weights, masks and metrics (`is_ratio_*`) as the gap between an engine and the trainer. Every
 published revision is written (adapter and AdamW state, atomically) under the state folder, and
@@ -30,15 +30,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.atomic import AtomicFolder
-from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
 from ..parallel import ParallelDims, parallelize
 from ..policy import adamw
+from ..policy.policy import Policy
+from ..policy.world import World
 from ..traces.experience import Baselines, Experience, collect, reward_function
 from ..traces.store import HELD_OUT
 from .batch import batch_from_samples
 from .gates import make_gate
 from .update import PolicyUpdate
-from .world import World
 
 
 class Learner:
@@ -62,10 +62,11 @@ class Learner:
         self.pad_id = (tokenizer.pad_token_id or 0) if tokenizer is not None else 0
         lc, o = cfg.lora, cfg.optim
         self.adapter = base.new_adapter(lc.rank, tuple(lc.targets), cfg.seed, lc.expert_rank)
-        params = list(self.adapter.params.values())
-        self.adapter.optimizer = adamw(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        world = World(0, 1, parallelize(base.model, ParallelDims(activation_checkpoint_every=0)), device)
-        self.update = PolicyUpdate(base.model, self.adapter.optimizer, world, cfg)
+        params = self.adapter.params
+        self.adapter.optimizer = adamw(params.values(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        world = World.of(parallelize(base.model, ParallelDims(activation_checkpoint_every=0)), device)
+        self.policy = Policy(base.model, world, params, self.adapter.optimizer)
+        self.update = PolicyUpdate(self.policy, cfg)
         self.baselines = Baselines(cfg.learn.baseline_decay)
         self.score = reward_function(cfg.learn.reward)
         self.revision = 0
@@ -90,9 +91,7 @@ class Learner:
             return
         last = saved[-1]
         meta = json.loads((last / "learner.json").read_text())
-        restore_rank_tensors(
-            load_file(str(last / "adapter.safetensors")), self.adapter.params, self.adapter.optimizer, last
-        )
+        self.policy.load(load_file(str(last / "adapter.safetensors")), last)
         self.revision, self.history = meta["revision"], meta["history"]
         self.baselines.means, self.best, self.best_basis = (
             meta["baselines"],
@@ -103,7 +102,7 @@ class Learner:
 
     def _save(self) -> None:
         with AtomicFolder(self.folder / f"revision-{self.revision}") as tmp:
-            save_file(rank_tensors(self.adapter.params, self.adapter.optimizer), str(tmp / "adapter.safetensors"))
+            save_file(self.policy.state(), str(tmp / "adapter.safetensors"))
             (tmp / "learner.json").write_text(
                 json.dumps(
                     {
@@ -125,9 +124,7 @@ class Learner:
     def restore(self, k: int) -> None:
         """Go on from revision k (a rollback): its adapter and AdamW state back in the slot."""
         folder = self.folder / f"revision-{k}"
-        restore_rank_tensors(
-            load_file(str(folder / "adapter.safetensors")), self.adapter.params, self.adapter.optimizer, folder
-        )
+        self.policy.load(load_file(str(folder / "adapter.safetensors")), folder)
 
     # --- a round ------------------------------------------------------------------------------
     def due(self) -> bool:

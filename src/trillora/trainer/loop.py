@@ -2,12 +2,13 @@
 
     for step:  rollout = world.share(sampler.sample(step))    rank 0 samples, every rank gets it
                advantages = rl.group_advantages(rewards)      once, for every rank
-               metrics = update(batch)                        minibatches, AdamW steps (`update`)
-               engine.sync(world.unsharded(model))            every rank joins the adapter gather
+               metrics = update(batch)                        minibatches: `policy.forward_backward`,
+                                                              `optim_step` (`update`)
+               policy.publish(engine)                         every rank joins the adapter gather
                log, evaluate (rank 0); checkpoint (all ranks)
 
 Under torchrun the local engine is the sharded policy itself: while rank 0 samples or evaluates,
-the other ranks decode their parts with it (`on_rank0`, `policy.decoding`).
+the other ranks decode their parts with it (`Policy.on_rank0`, `policy.decoding`).
 
 The math lives in `trillora.rl`; the parts of a step in the modules named after them.
 Shape legend: P prompts per step, G group size, B = P·G rows.
@@ -34,6 +35,8 @@ from ..envs.env_dataset import load_env_dataset
 from ..errors import ConfigError, TrainingDiverged
 from ..policy import adamw
 from ..policy.decoding import LockstepEngine
+from ..policy.policy import Policy
+from ..policy.world import World, launched, pick_device
 from ..tasks import make_task
 from ..tasks.guard import GuardedReward
 from ..tasks.prompts import encode_problem
@@ -47,7 +50,6 @@ from .sampler import Sampler
 from .signals import StopSignal
 from .tracking import Trackers
 from .update import PolicyUpdate
-from .world import World, launched, pick_device
 
 
 def fit_context(cfg: TrainConfig, positions: int) -> TrainConfig:
@@ -85,7 +87,7 @@ class Trainer:
             lora.apply_lora(self.model, cfg.lora)
         self.flops = ModelFlops.of(self.model)  # counted unsharded, before any parallel plan applies
         self.flops_total = 0.0  # the run's so far, on every rank (all of them decide alike when the budget is spent)
-        self.world = World.start(self.model, cfg, self.device)
+        self.world = World.start(self.model, cfg.parallel, self.device, plan=self._planned, auto=cfg.parallel.auto)
         # `full`: the unsharded adapter the export and an external engine read: the model itself in one
         # process; under torchrun rank 0's skeleton of it, the base on the meta device (no copy)
         self.full = (
@@ -97,9 +99,10 @@ class Trainer:
         )
         self.world.unsharded(self.model, self.full)  # the initial adapter in the skeleton
         o = cfg.optim
-        params = [p for _, p in lora.trained_parameters(self.model)]
-        self.opt = adamw(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        self.update = PolicyUpdate(self.model, self.opt, self.world, cfg)
+        named = dict(lora.trained_parameters(self.model))
+        opt = adamw(named.values(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.policy = Policy(self.model, self.world, named, opt, self.full)
+        self.update = PolicyUpdate(self.policy, cfg)
         t, r = cfg.task, cfg.rollout
         # a task (single-turn, built in or JSONL) or user envs (`task.name = "env"`), both sampled as envs
         self.envs = (
@@ -164,30 +167,22 @@ class Trainer:
                 f"first: {self.task.skipped[0]}"
             )
 
+    def _planned(self, world: int):
+        """`parallel.auto`: the planner's layout for `world` ranks."""
+        from ..plan.planner import auto_dims
+
+        c, r = self.cfg, self.cfg.rollout
+        rows = r.prompts_per_step * r.group_size
+        return auto_dims(self.model.args, c.lora, world, r.max_model_len, rows, c.algorithm.minibatches, self.device)[0]
+
     def sync_engine(self) -> dict[str, float]:
         """Bring the engine up to date (every rank joins the adapter gather; rank 0 syncs)."""
-        if isinstance(self.engine, LockstepEngine):  # it samples with the trained weights themselves
-            return self.engine.sync()
-        full = self.world.unsharded(self.model, self.full)
-        return self.engine.sync(full) if self.world.main else {}
-
-    def on_rank0(self, work):
-        """`work()` on rank 0 (sampling, evaluating: its result), while the other ranks decode their
-        shards of the policy for its engine calls (None there)."""
-        if not isinstance(self.engine, LockstepEngine):
-            return work() if self.world.main else None
-        if not self.world.main:
-            return self.engine.follow()
-        try:
-            return work()
-        finally:
-            self.engine.release()
+        return self.policy.publish(self.engine)
 
     def _set_lr(self, step: int) -> float:
         o = self.cfg.optim
         lr = o.lr * min(1.0, (step + 1) / max(1, o.warmup_steps))
-        for g in self.opt.param_groups:
-            g["lr"] = lr
+        self.policy.set_lr(lr)
         return lr
 
     def evaluate(self, task, problems) -> float:
@@ -213,7 +208,7 @@ class Trainer:
         lr = self._set_lr(step)
         failures = self.reward_failures
         with record_function("trillora.rollout"):
-            rollout = self.world.share(self.on_rank0(lambda: self.sampler.sample(step)))
+            rollout = self.world.share(self.policy.on_rank0(self.engine, lambda: self.sampler.sample(step)))
         t1 = time.perf_counter()
         with record_function("trillora.update"):
             a = self.cfg.algorithm
@@ -271,7 +266,7 @@ class Trainer:
             self.flops_total = resumed.state.get("flops_total", 0.0)
             if main:
                 metrics_file.write_text(checkpoints.metrics_of(resumed))
-        elif (evaluated := self.on_rank0(self._evaluate_all)) is not None:
+        elif (evaluated := self.policy.on_rank0(self.engine, self._evaluate_all)) is not None:
             before, retention = evaluated
             state = {
                 "eval_before": before,
@@ -310,7 +305,11 @@ class Trainer:
                     row["resumed_from"] = first
                 spent = cfg.flops_budget > 0 and self.flops_total >= cfg.flops_budget  # the last step of the run
                 state["steps_done"] = step + 1
-                evaluated = self.on_rank0(self._evaluate_all_timed) if self._evaluating(step, spent) else None
+                evaluated = (
+                    self.policy.on_rank0(self.engine, self._evaluate_all_timed)
+                    if self._evaluating(step, spent)
+                    else None
+                )
                 if main:
                     self._log(row, step, state, bar, job, evaluated)
                 stopping, diverged = stop.now(), self.update.diverged()
@@ -320,7 +319,7 @@ class Trainer:
                     world.close()
                     raise self._diverged(step + 1)
                 if stopping:
-                    self.world.unsharded(self.model, self.full)  # every rank joins the adapter gather
+                    self.policy.unsharded()  # every rank joins the adapter gather
                     if main:  # the adapter so far is usable (eval, generate, serve) without unpacking a checkpoint
                         export(self)
                         self.report.replot(due=0)
@@ -332,7 +331,7 @@ class Trainer:
                     return {"stopped_at": step + 1, "exit_code": stop.exit_code}
                 if spent:
                     break
-        self.world.unsharded(self.model, self.full)
+        self.policy.unsharded()
         summary = write_summary(self, state, start) if main else {}
         if close_engine and self.engine is not None:
             self.engine.close()

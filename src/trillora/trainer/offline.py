@@ -20,9 +20,9 @@ from ..checkpoint import load_model, load_tokenizer
 from ..config import TrainConfig, to_toml
 from ..errors import ConfigError
 from ..policy.adapters import ResidentBase
+from ..policy.world import pick_device
 from ..traces import TraceStore
 from .learner import Learner
-from .world import pick_device
 
 
 def train_on_traces(cfg: TrainConfig) -> dict:

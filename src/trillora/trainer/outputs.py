@@ -17,9 +17,9 @@ from ..checkpoint import resolve_model_path, save_model
 from ..checkpoint.hf import EXPERT_LAYOUTS, HUB_ID
 from ..checkpoint.weights import base_fingerprint
 from ..config import TrainConfig
+from ..policy.world import World
 from .report import RunReport
 from .update import PolicyUpdate
-from .world import World
 
 
 class Trainer(Protocol):

@@ -11,7 +11,7 @@ import threading
 
 from rich.console import Console
 
-from .world import World
+from ..policy.world import World
 
 
 class StopSignal:

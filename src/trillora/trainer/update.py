@@ -20,13 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import lora, rl
+from .. import rl
 from ..errors import ConfigError
-from ..policy import optimizer_step
-from ..policy.logprobs import shared_prompt_logprobs, token_logprobs
+from ..policy.policy import Policy, Rows
 from .batch import TokenBatch, completion_spans
 from .router_replay import RouterReplay
-from .world import World
 
 
 @dataclass
@@ -49,9 +47,11 @@ class Minibatch:
 
 
 class PolicyUpdate:
-    def __init__(self, model, optimizer: torch.optim.Optimizer, world: World, cfg):
-        self.model, self.opt, self.world = model, optimizer, world
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+    """The GRPO update, a client of `Policy`: which rows each pass and step runs, with which loss."""
+
+    def __init__(self, policy: Policy, cfg):
+        self.policy, self.world, self.model = policy, policy.world, policy.model
+        world = self.world
         self.algorithm, self.optim = cfg.algorithm, cfg.optim
         r, p = cfg.rollout, cfg.parallel
         self.temperature, self.norm_len = r.temperature, float(r.max_new_tokens)
@@ -71,10 +71,6 @@ class PolicyUpdate:
             )
         self.skipped_updates = 0  # optimizer steps skipped for a non-finite loss or gradient (whole run)
         self.nonfinite_in_a_row = 0
-
-    @property
-    def pipeline(self):
-        return self.world.par.pipeline
 
     @property
     def proximal_pass(self) -> bool:
@@ -122,8 +118,8 @@ class PolicyUpdate:
             for mb in minibatches:
                 losses.append(self._minibatch(local, whole_groups, fixed, mb, replay, parts, measure=epoch == 0))
                 steps.append(self._optimizer_step())
-        if self.pipeline is not None:
-            parts = self.pipeline.share_from_last(parts)
+        if self.policy.pipeline is not None:
+            parts = self.policy.pipeline.share_from_last(parts)
         per_token, tokens = token_weighted_mean(parts)
         averaged = combine_steps(steps)
         averaged.update(replay.metrics() if replay is not None else {})  # this rank's rows (rank 0 logs)
@@ -132,14 +128,24 @@ class PolicyUpdate:
     def _fixed_passes(self, local: TokenBatch, whole_groups: bool, replay: RouterReplay | None) -> Fixed:
         fixed = Fixed()
         everything = torch.arange(local.num_rows, device=local.input_ids.device)
+        rows = self._rows(local, whole_groups)
         if self.proximal_pass:
             with _replaying(replay, self.model, everything, "old") as whole:
-                fixed.old = self._logprobs(local, whole_groups, whole)
+                fixed.old = self.policy.forward(rows, self.temperature, whole_rows=whole)
             fixed.is_weights, fixed.mismatch = self._mismatch(fixed.old, local)
         if self.reference_pass:
-            with lora.disable_adapter(self.model), _replaying(replay, self.model, everything, "reference") as whole:
-                fixed.ref = self._logprobs(local, whole_groups, whole)
+            with _replaying(replay, self.model, everything, "reference") as whole:
+                fixed.ref = self.policy.forward(rows, self.temperature, adapter=False, whole_rows=whole)
         return fixed
+
+    def _rows(self, local: TokenBatch, whole_groups: bool, idx: torch.Tensor | None = None) -> Rows:
+        """Rows `idx` of this rank's batch (None: all) for the policy's passes; with their groups'
+        prompt lengths when each group's prompt may run once (`parallel.share_prompts`)."""
+        idx = torch.arange(local.num_rows, device=local.input_ids.device) if idx is None else idx
+        g = local.group_size
+        if not (self.share_prompts and g and whole_groups and local.prompt_lengths is not None):
+            return Rows(local.input_ids[idx])
+        return Rows(local.input_ids[idx], g, local.prompt_lengths[idx], completion_spans(local, idx))
 
     def _minibatch(
         self,
@@ -152,24 +158,17 @@ class PolicyUpdate:
         measure: bool,
     ) -> float:
         """Forward + backward of one minibatch's rows (gradients accumulated); its loss."""
-        if self.pipeline is None:
-            loss = 0.0
-            for micro in mb.rows.split(self.micro_batch_rows or len(mb.rows)):
-                # the replay context spans backward too: checkpointed layers replay again there
-                with _replaying(replay, self.model, micro, "policy", measure) as whole:
-                    logp, entropy = self._rows_logprobs(local, whole_groups, micro, True, whole)
-                    part, metrics = self._loss(local, fixed, mb, logp, entropy, micro)
-                    part.backward()
-                parts.append(metrics)
-                loss = loss + part.detach()
-            return float(loss)
 
-        def loss_on_last_stage(logp, entropy, r):  # the pipeline's microbatch r of the minibatch
+        def loss(logp, entropy, r):  # rows r of the minibatch (a micro-batch, or a pipeline microbatch)
             part, metrics = self._loss(local, fixed, mb, logp, entropy, mb.rows[r])
             parts.append(metrics)
             return part
 
-        return float(self.pipeline.train_step(local.input_ids[mb.rows], loss_on_last_stage, self.temperature))
+        def around(r):  # the replay context spans backward too: checkpointed layers replay again there
+            return _replaying(replay, self.model, mb.rows[r], "policy", measure)
+
+        rows = self._rows(local, whole_groups, mb.rows)
+        return self.policy.forward_backward(rows, loss, self.temperature, self.micro_batch_rows, around)
 
     def _loss(
         self,
@@ -208,42 +207,6 @@ class PolicyUpdate:
         )
         return loss, {**mismatch, **metrics, "tokens": float(mask.sum())}
 
-    # --- passes --------------------------------------------------------------------------
-    @torch.no_grad()
-    def _logprobs(self, local: TokenBatch, whole_groups: bool, whole_rows: bool) -> torch.Tensor:
-        """Per-token logprobs [b, T-1] under the current adapter state, without autograd state,
-        through the same layout as training (the pipeline's stages under pp)."""
-        if self.pipeline is not None:
-            return self.pipeline.logprobs(local.input_ids, self.temperature)[0]
-        everything = torch.arange(local.num_rows, device=local.input_ids.device)
-        return self._rows_logprobs(local, whole_groups, everything, False, whole_rows)[0]
-
-    def _rows_logprobs(
-        self, local: TokenBatch, whole_groups: bool, rows: torch.Tensor, with_entropy: bool, whole_rows: bool
-    ):
-        """Logprobs (and entropies) [b, T-1] of some rows; each group's prompt runs once when the rows
-        are whole groups (`parallel.share_prompts`)."""
-        g, ids = local.group_size, local.input_ids
-        if (
-            self.share_prompts
-            and g
-            and whole_groups
-            and not whole_rows
-            and local.prompt_lengths is not None
-            and len(rows) % g == 0
-            and int(rows[0]) % g == 0
-        ):
-            return shared_prompt_logprobs(
-                self.model,
-                ids[rows],
-                local.prompt_lengths[rows],
-                completion_spans(local, rows),
-                g,
-                self.temperature,
-                with_entropy,
-            )
-        return token_logprobs(self.model, ids[rows], self.temperature, with_entropy=with_entropy)
-
     def _mismatch(self, trainer_logp: torch.Tensor, local: TokenBatch, rows: torch.Tensor | None = None):
         a = self.algorithm
         lp, mask = local.rollout_logprobs, local.completion_mask
@@ -253,12 +216,8 @@ class PolicyUpdate:
 
     # --- the optimizer -------------------------------------------------------------------
     def _optimizer_step(self) -> dict[str, float]:
-        """Sync, clip and apply the accumulated gradient; a non-finite one is dropped, so a NaN never
-        reaches the adapter, the engine or a saved file."""
-        # adapter gradients only, summed over data (and expert-data) ranks; the global norm, equal on every rank
-        sync = self.world.par.grad_sync if self.world.size > 1 else None
-        out = optimizer_step(self.opt, self.params, sync, self.optim.grad_clip)
-        traffic = self.world.par.traffic(out.sent_bytes) if sync is not None else {}
+        """One optimizer step of the policy; a non-finite gradient is dropped and counted."""
+        out, traffic = self.policy.optim_step(self.optim.grad_clip)
         if out.stepped:
             self.nonfinite_in_a_row = 0
         else:
