@@ -41,7 +41,7 @@ ROLES = ("attention", "mlp", "shared_experts", "experts", "lm_head")
 
 
 def addition_rows(service, rows: int, seed: int):
-    from trillora.serve.wire import Datum
+    from trillora.serve.tinker.wire import Datum
 
     rng, data = random.Random(seed), []
     for _ in range(rows):
@@ -89,7 +89,7 @@ def timed(fn, device: str, reps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from trillora.serve.tinker_service import TinkerService
+    from trillora.serve.tinker.service import TinkerService
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-moe-chat")
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def config(args, **extra):
-    from trillora.serve.tinker_service import ServeConfig
+    from trillora.serve.config import ServeConfig
 
     return ServeConfig(
         model=args.model,
@@ -144,7 +144,7 @@ def on_ranks(args) -> dict:
 def _rank(rank: int, args, port: int) -> None:
     import torch.distributed as dist
 
-    from trillora.serve.tinker_service import TinkerService
+    from trillora.serve.tinker.service import TinkerService
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -188,7 +188,8 @@ def shaped(args):
 
 
 def measure(args, service) -> dict:
-    from trillora.serve.tinker_service import FwdBwd, SampleCall
+    from trillora.serve.calls import SampleCall
+    from trillora.serve.tinker.service import FwdBwd
 
     sid = service.create_session()
     models = [service.create_model(sid, k + 1, args.rank, ROLES, k)["model_id"] for k in range(args.adapters)]

@@ -65,8 +65,8 @@ def run(service, seq_len: int) -> tuple[int, float]:
     import numpy as np
 
     from trillora.plan.memory_probe import MemoryProbe
-    from trillora.serve.tinker_service import FwdBwd
-    from trillora.serve.wire import Datum
+    from trillora.serve.tinker.service import FwdBwd
+    from trillora.serve.tinker.wire import Datum
 
     if service.ranks.rank > 0:  # the other ranks run rank 0's calls
         with MemoryProbe() as probe:
@@ -85,7 +85,8 @@ def run(service, seq_len: int) -> tuple[int, float]:
 
 def worker(rank: int, world: int, port: int, flags: dict, seq_len: int, vocab: int, root: str, results) -> None:
     from trillora.parallel import ParallelDims
-    from trillora.serve.tinker_service import ServeConfig, TinkerService
+    from trillora.serve.config import ServeConfig
+    from trillora.serve.tinker.service import TinkerService
 
     torch.set_num_threads(max(1, 2 // world))
     cfg = ServeConfig(model="tiny-moe-chat", state_dir=root, parallel=ParallelDims(dp=0, **flags))

@@ -123,7 +123,7 @@ def sampler(sc, model: str, tokenizer, steps: int, seed: int, out: dict) -> None
 
 # --- the hostile ones ---------------------------------------------------------------------------
 def shapes(port: int, stop: threading.Event, out: dict) -> None:
-    from trillora.serve import wire
+    from trillora.serve.tinker import wire
 
     sid = keyed_json(port, "/api/v1/create_session", {})[1]["session_id"]
     created = keyed_json(

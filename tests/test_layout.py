@@ -223,3 +223,23 @@ def test_no_module_imports_itself_through_others():
                     seen.add(nxt)
                     stack.append((nxt, (*trail, nxt)))
     assert not circles, "\n".join(sorted(circles)[:10])
+
+
+def test_the_openai_face_and_the_shared_serve_modules_import_nothing_of_tinker():
+    """`serve/` is an HTTP layer, the shared pieces and two faces: the OpenAI face and what both
+    faces share reach no Tinker module, lazily or for typing either (only `app` mounts both)."""
+    files = {
+        ".".join(p.relative_to(SRC.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in SRC.rglob("*.py")
+    }
+    serve = SRC / "serve"
+    shared = [p for p in serve.glob("*.py") if p.name not in ("app.py", "__init__.py")]
+    openai = list((serve / "openai").glob("*.py"))
+    assert openai and shared
+    reached = {
+        str(p.relative_to(SRC)): sorted(
+            m for m in imported_modules(p, set(files)) if m.startswith("trillora.serve.tinker")
+        )
+        for p in shared + openai
+    }
+    assert not {k: v for k, v in reached.items() if v}

@@ -27,7 +27,7 @@ from trillora.cli.commands import start_learning
 from trillora.config import load_config
 from trillora.policy.logprobs import token_logprobs
 from trillora.serve.config import ServeConfig
-from trillora.serve.tinker_service import TinkerService
+from trillora.serve.tinker.service import TinkerService
 from trillora.traces import Call, Feedback, TraceStore
 from trillora.trainer.learner import Learner
 

@@ -71,7 +71,8 @@ def test_the_commands_take_the_option(tmp_path):
     from trillora import save_model
     from trillora.checkpoint import resolve_model_path
     from trillora.models import build_model, from_hf_config
-    from trillora.serve.tinker_service import ServeConfig, TinkerService
+    from trillora.serve.config import ServeConfig
+    from trillora.serve.tinker.service import TinkerService
 
     config = json.loads((resolve_model_path("tiny-moe") / "config.json").read_text())
     config["vocab_size"] = 288  # the test tokenizer's 276 ids, padded

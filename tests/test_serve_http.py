@@ -385,7 +385,8 @@ def test_adapter_paths_that_cannot_be_read_or_link_outside_are_refused(tmp_path)
 def test_a_failing_group_of_samples_fails_alone():
     """Samples that wait together run as groups (one `generate` per setting); one group's failure is
     its own calls' outcome, the others' results stand."""
-    from trillora.serve.tinker_service import SampleCall, TinkerService
+    from trillora.serve.calls import SampleCall
+    from trillora.serve.tinker.service import TinkerService
 
     service = TinkerService(ServeConfig(model="tiny-moe"))
     base = f"served:sample:{service.cfg.model}"

@@ -9,8 +9,9 @@ import torch
 
 from trillora.parallel import ParallelDims
 from trillora.plan.memory_probe import MemoryProbe
-from trillora.serve.tinker_service import FwdBwd, ServeConfig, TinkerService
-from trillora.serve.wire import Datum
+from trillora.serve.config import ServeConfig
+from trillora.serve.tinker.service import FwdBwd, TinkerService
+from trillora.serve.tinker.wire import Datum
 
 ROLES = ("attention", "mlp", "shared_experts", "experts", "lm_head")
 

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from trillora.errors import TrilloraError
-from trillora.serve.tinker_service import FwdBwd, SampleCall, ServeConfig, TinkerService
-from trillora.serve.wire import Datum
+from trillora.serve.calls import SampleCall
+from trillora.serve.config import ServeConfig
+from trillora.serve.tinker.service import FwdBwd, TinkerService
+from trillora.serve.tinker.wire import Datum
 from trillora.serve.worker import Job, Worker
 
 
@@ -103,8 +105,8 @@ def test_keys_take_turns_and_a_clients_order_holds_across_keys():
 def test_a_pass_fuses_one_keys_calls_and_a_key_waits_on_the_worker_a_bounded_number_of_times():
     """A pass that took another key's calls along let a flood of big calls hold a key 62.8 s (about
     ten of them); and calls answered at once (`Futures.now`) held every threadpool thread 93.5 s."""
-    from trillora.serve.tinker_futures import MAX_WAITING, Futures
-    from trillora.serve.tinker_service import BadRequest
+    from trillora.serve.calls import BadRequest
+    from trillora.serve.tinker.futures import MAX_WAITING, Futures
 
     ran: list = []
     gate, done = threading.Event(), threading.Semaphore(0)

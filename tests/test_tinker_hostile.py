@@ -14,8 +14,8 @@ from test_serve_http import KEY, keyed
 from test_tinker_wire import request as datum_bytes
 from test_tinker_wire import tensor
 
-from trillora.serve import wire
 from trillora.serve.config import ServeConfig
+from trillora.serve.tinker import wire
 
 POSITIONS = 512  # tiny-moe's
 
@@ -145,7 +145,7 @@ def test_a_completion_is_cut_where_its_text_first_holds_a_stop_string():
 
     from trillora.checkpoint.hf import resolve_model_path
     from trillora.rollout.types import Completion
-    from trillora.serve.tinker_checks import cut_at_stop
+    from trillora.serve.calls import cut_at_stop
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("tiny-moe"))
     tokens = tok("12+34=46 and 7*8=56; done", add_special_tokens=False)["input_ids"]

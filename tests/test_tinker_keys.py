@@ -79,8 +79,8 @@ def test_every_rank_admits_what_rank_0_admits():
     the command (`Registry.own`), so a share refuses, and an unnamed sampler makes room, on every rank
     alike (a rank holding a client rank 0 refused would leave a pass's collectives unmatched)."""
     from trillora.policy.adapters import Revision
-    from trillora.serve.registry import Registry
-    from trillora.serve.tinker_types import BadRequest, Client
+    from trillora.serve.calls import BadRequest
+    from trillora.serve.registry import Client, Registry
 
     cfg = ServeConfig(model="tiny-moe", api_key=["k1", "k2"], max_clients=4, max_samplers=4)
     ranks = [Registry(cfg, follower=False), Registry(cfg, follower=True)]

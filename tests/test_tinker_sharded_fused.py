@@ -18,8 +18,10 @@ from gloo_ranks import run_ranks
 from safetensors.torch import load_file
 
 from trillora.models.transformer import DecoderLayer
-from trillora.serve.tinker_service import FwdBwd, SampleCall, ServeConfig, TinkerService
-from trillora.serve.wire import Datum
+from trillora.serve.calls import SampleCall
+from trillora.serve.config import ServeConfig
+from trillora.serve.tinker.service import FwdBwd, TinkerService
+from trillora.serve.tinker.wire import Datum
 
 pytestmark = pytest.mark.slow  # spawned multi-rank services
 

@@ -10,7 +10,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 from tinker.proto import request_conv, response_conv  # noqa: E402
 
-from trillora.serve import wire  # noqa: E402
+from trillora.serve.tinker import wire  # noqa: E402
 
 
 def sdk_request(data, loss_fn="ppo", config=None):
@@ -135,8 +135,8 @@ def test_tokens_past_the_call_bound_are_refused_before_they_are_read():
 def test_target_ids_as_json_csr_share_the_protobuf_checks():
     """`target_prompt_logprobs` arrives as JSON TensorData; its CSR form goes through the same
     `dense_from_csr` as a protobuf tensor: listed cells filled, the rest -1, bad pointers refused."""
-    from trillora.serve.tinker_checks import sample_options
-    from trillora.serve.tinker_types import BadRequest
+    from trillora.serve.calls import BadRequest
+    from trillora.serve.tinker.checks import sample_options
 
     good = {
         "data": [5, 7],

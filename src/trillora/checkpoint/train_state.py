@@ -125,7 +125,8 @@ def restore_rank_tensors(
                     else value
                 )
             state[k.rsplit(".", 1)[1]] = value
-    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.torch" in tensors:  # a run's own checkpoint; another writer's RNG is not this run's
+        torch.set_rng_state(tensors["rng.torch"])
 
 
 def python_rng_state() -> dict:
@@ -232,3 +233,42 @@ def load(path: Path, rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
 def clear_partials(root: Path) -> None:
     for p in root.glob(".step-*.partial"):
         shutil.rmtree(p, ignore_errors=True)
+
+
+@dataclass
+class AdapterState:
+    """An adapter's saved state, whichever face wrote it: a `trillora train` checkpoint of one
+    process, or a Tinker client's saved state (`serve.tinker.states`). Both hold the adapter and
+    AdamW moments as `rank_tensors` names (`param.<module>.lora_X`, `optim.<module>.lora_X.<key>`)."""
+
+    lora: dict
+    """`lora.LoraConfig` fields: rank, alpha, targets, expert_rank, and a run's rslora, patterns, ..."""
+    tensors: dict[str, torch.Tensor]
+    optimizer_steps: int
+    """AdamW steps taken (a Tinker client's optim_step calls; a run's steps × minibatches × epochs)."""
+
+
+def read_adapter_state(folder: Path) -> AdapterState:
+    """The state in `folder`: a Tinker saved state (`adapter.safetensors`, `state.json`) or a
+    checkpoint of a one-process run (`rank-0.safetensors`, `state.json`, `config.toml`, verified
+    against its manifest); a checkpoint of a torchrun layout is refused by name (its tensors are
+    per-rank shards)."""
+    import tomllib
+
+    folder = Path(folder)
+    meta = json.loads((folder / "state.json").read_text())
+    if (folder / "adapter.safetensors").is_file():
+        lora = {"rank": meta["rank"], "targets": tuple(meta["roles"]), "expert_rank": meta.get("expert_rank")}
+        lora.update({k: meta[k] for k in ("alpha", "seed") if k in meta})
+        return AdapterState(lora, load_file(str(folder / "adapter.safetensors")), int(meta.get("steps", 0)))
+    verify(folder)
+    if meta.get("layout", {"world": 1}) != {"world": 1}:
+        raise CheckpointCorrupt(
+            f"{folder} was written by a torchrun layout ({meta['layout']}): its tensors are per-rank "
+            "shards; resume that run with the same layout, or use its exported adapter/"
+        )
+    lora = tomllib.loads((folder / "config.toml").read_text())["lora"]
+    lora["targets"] = tuple(lora.get("targets", ()))
+    tensors = load_file(str(folder / "rank-0.safetensors"))
+    steps = [int(t) for k, t in tensors.items() if k.startswith("optim.") and k.endswith(".step")]
+    return AdapterState(lora, tensors, max(steps, default=0))

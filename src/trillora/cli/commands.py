@@ -98,9 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.learn and not args.record:
         raise ConfigError("--learn trains on recorded traffic: give --record STORE too")
     if launched():
-        if args.learn:
-            raise ConfigError("--learn runs in one process (not under torchrun) for now")
-        return _serve_parallel(cfg)
+        return _serve_parallel(cfg, args.learn)
     if _sharded(cfg):
         p = cfg.parallel
         raise SystemExit(
@@ -116,12 +114,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def start_learning(server, config_path: str, poll_seconds: float = 1.0):
     """`--learn CONFIG`: a learner on the server's base, publishing revisions as its traffic is rewarded."""
-    from pathlib import Path
+    from ..serve.revisions import Revisions
 
+    train = _learn_config(config_path)
+    revisions = Revisions(server.service, train.learn.publish_as or server.cfg.model, train.learn.keep)
+    server.app.include_router(revisions.router)
+    operator = server.cfg.operator()
+    owners = {operator} if operator is not None and train.learn.from_keys == "operator" else None
+    learner = _learner(server.service, train, server.openai.recorder.store, revisions.publish, owners)
+    revisions.attach(learner, server.worker, poll_seconds)
+    server.revisions = revisions
+    return revisions
+
+
+def follow_learning(service, config_path: str):
+    """The other ranks of a learning server: the same learner on their part of the base, publishing
+    each revision into their registry as rank 0 does (its rounds reach them as commands)."""
+    from ..policy.adapters import Revision
+
+    train = _learn_config(config_path)
+    name, keep = train.learn.publish_as or service.cfg.model, train.learn.keep
+    return _learner(service, train, None, lambda k, t, c: service.registry.publish(name, k, Revision(c, t), keep))
+
+
+def _learn_config(config_path: str):
     from ..config import load_config
     from ..policy.adapters import SLOT_ROLES
-    from ..serve.revisions import Revisions
-    from ..trainer.learner import Learner
 
     train = load_config(config_path)
     if train.lora.patterns or train.lora.exclude or not set(train.lora.targets) <= set(SLOT_ROLES):
@@ -129,22 +147,19 @@ def start_learning(server, config_path: str, poll_seconds: float = 1.0):
             f"{config_path}: [lora] of a learning server adapts whole roles of {list(SLOT_ROLES)} "
             f"(no patterns or exclude); got targets={list(train.lora.targets)}"
         )
-    revisions = Revisions(server.service, train.learn.publish_as or server.cfg.model, train.learn.keep)
-    server.app.include_router(revisions.router)
-    service, operator = server.service, server.cfg.operator()
-    learner = Learner(
-        service.base,
-        server.openai.recorder.store,
-        train,
-        revisions.publish,
-        Path(server.cfg.state_dir) / "learner",
-        service.device,
-        service.tokenizer,
-        owners={operator} if operator is not None and train.learn.from_keys == "operator" else None,
+    return train
+
+
+def _learner(service, train, store, publish, owners=None):
+    from pathlib import Path
+
+    from ..trainer.learner import Learner
+
+    folder = Path(service.cfg.state_dir) / "learner"
+    service.learner = Learner(
+        service.base, store, train, publish, folder, service.device, service.tokenizer, owners, service.ranks
     )
-    revisions.attach(learner, server.worker, poll_seconds)
-    server.revisions = revisions
-    return revisions
+    return service.learner
 
 
 def _sharded(cfg) -> bool:
@@ -170,17 +185,17 @@ def _layout(cfg) -> str:
     return f"--tp {p.tp} --ep {p.ep} --pp {p.pp} --cp {p.cp}"
 
 
-def _serve_parallel(cfg) -> int:
+def _serve_parallel(cfg, learn: str | None = None) -> int:
     """Under torchrun: every rank holds the base (split with --tp / --ep / --pp) and the clients' adapters;
-    rank 0 serves HTTP (`policy.world`)."""
+    rank 0 serves HTTP (`policy.world`); with `learn`, every rank runs the learner's rounds."""
     import dataclasses
     import gc
 
     import torch.distributed as dist
 
     from ..policy.world import pick_device
-    from ..serve.app import serve
-    from ..serve.tinker_service import TinkerService
+    from ..serve.app import Server
+    from ..serve.tinker.service import TinkerService
 
     device = pick_device(cfg.device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -199,8 +214,13 @@ def _serve_parallel(cfg) -> int:
                 + (f", experts over ep={d.ep}" if d.ep > 1 else "")
             )
             print(f"trillora serve: data parallel over {service.ranks.dims.dp} ranks{split}", flush=True)
-            serve(cfg, service=service)
+            server = Server(cfg, service)
+            if learn:
+                start_learning(server, learn)
+            server.run()
         else:
+            if learn:
+                follow_learning(service, learn)
             service.follow()
     finally:
         if rank == 0:

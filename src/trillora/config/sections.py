@@ -230,10 +230,17 @@ class CheckpointSection:
     """Save every this many steps (0 = only at the end); always at the end and on SIGTERM / Ctrl-C."""
     keep: int = 3
     """Complete checkpoints kept; older ones are deleted after a newer one is in place."""
+    resume_from: str = ""
+    """Start from a saved adapter state instead of step 0 (when this run has no checkpoint of its
+    own to resume): a Tinker client's saved state (`<state_dir>/<model id>/weights/<name>` of
+    `trillora serve --tinker`) or a checkpoint folder of another one-process run. Its LoRA settings
+    must be this run's; the run starts at the step its AdamW steps make (÷ minibatches × epochs)."""
 
     def validate(self) -> None:
         _check_positive("checkpoint.every", self.every, zero_ok=True)
         _check_positive("checkpoint.keep", self.keep)
+        if not isinstance(self.resume_from, str):
+            raise ConfigError(f"checkpoint.resume_from={self.resume_from!r}: a folder path, as a string")
 
 
 TRACKERS = ("tensorboard", "wandb")

@@ -78,7 +78,8 @@ class Policy:
 
     @property
     def pipeline(self):
-        return self.world.par.pipeline
+        """The training schedule over pipeline stages (None without pp, and on a service's base)."""
+        return self.world.par.pipeline if self.world.par is not None else None
 
     # --- passes ----------------------------------------------------------------------------
     @torch.no_grad()

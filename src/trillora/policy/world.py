@@ -8,7 +8,7 @@ synced over the adapter only, and after the step every rank joins the gather of 
 which rank 0 writes into its copy for the engine sync and the export.
 
 Serving (`World.serving`, `trillora serve MODEL --tinker` under torchrun): rank 0 speaks HTTP and
-runs the worker; before each call every rank must run it sends a typed command (`serve.commands`,
+runs the worker; before each call every rank must run it sends a typed command (`serve.tinker.commands`,
 `mirror`), and the other ranks run the commands they receive, in order. With the base replicated
 the calls that change a client run everywhere, sampling and saving on rank 0; with a sharded base
 (`sharded`) every rank joins every pass and every sample. A call's datums split over dp (`block`);
@@ -167,14 +167,10 @@ class World:
         return from_rank0(payload if self.main else None) if self.size > 1 else payload
 
     def rows(self, b: int) -> slice:
-        """This rank's rows of b: contiguous blocks by data-parallel rank."""
-        dp = self.dims.dp
-        if b % dp:
-            raise ConfigError(
-                f"a minibatch of {b} rows does not split over dp={dp}: make rollout.prompts_per_step × "
-                f"group_size a multiple of algorithm.minibatches × dp"
-            )
-        return slice(self.dp_rank * b // dp, (self.dp_rank + 1) * b // dp)
+        """This rank's rows of b: contiguous blocks by data-parallel rank (equal when dp divides b,
+        as the trainer's batches do; a learner's round may leave one rank a row fewer)."""
+        lo, hi = self.block(b)
+        return slice(lo, hi)
 
     def any(self, flag: bool) -> bool:
         """True on every rank when it is True on one (a stop request every rank must act on)."""

@@ -13,11 +13,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from .calls import BadRequest, SampleCall
 from .config import ServeConfig
 from .http import Listener, error_body
-from .openai_routes import OpenAIRoutes
-from .tinker_routes import TinkerRoutes
-from .tinker_service import BadRequest, SampleCall, TinkerService
+from .openai.routes import OpenAIRoutes
+from .tinker.routes import TinkerRoutes
+from .tinker.service import TinkerService
 from .worker import Worker
 
 

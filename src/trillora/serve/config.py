@@ -8,8 +8,8 @@ from typing import Literal, get_args
 
 from ..lora.config import EXPERT_RANK_RULES, ExpertRankRule
 from ..parallel.dims import ParallelDims
+from .calls import BadRequest
 from .http import Limits
-from .tinker_types import BadRequest
 
 ServePrecision = Literal["fp32", "bf16", "bf16_weights"]
 PRECISIONS: tuple[str, ...] = get_args(ServePrecision)

@@ -29,7 +29,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .tinker_types import BadRequest
+from .calls import BadRequest
 
 DRAIN = 16
 """A body over the limit by at most this factor is read and dropped before the 413 (clients that

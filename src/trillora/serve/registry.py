@@ -5,7 +5,7 @@ Ids are random (`session-<16 characters>`), and a session's models and samplers 
 it (`<session>:train:<n>`, `<session>:sample:<n>`), so an id is the right to use it. A session
 not heard from for `session_seconds` is idle; ended sessions free everything they held, and
 their ids answer 410 (the SDK stops its heartbeat on it). The registry changes no model: the
-service mirrors what every rank must do (`serve.commands`) and then records it here.
+service mirrors what every rank must do (`serve.tinker.commands`) and then records it here.
 """
 
 from __future__ import annotations
@@ -14,10 +14,33 @@ import collections
 import secrets
 import threading
 import time
+from dataclasses import dataclass, field
 
-from ..policy.adapters import Revision
+from ..policy.adapters import Adapter, Revision
+from .calls import BadRequest
 from .config import ServeConfig
-from .tinker_types import BadRequest, Client, Session
+
+
+@dataclass
+class Client:
+    model_id: str
+    adapter: Adapter
+    rank: int
+    roles: tuple[str, ...]
+
+
+@dataclass
+class Session:
+    session_id: str
+    owner: str = ""
+    """The digest of the key that opened it (`http.owner_of`): what it holds counts against that key's share."""
+    models: dict[str, Client] = field(default_factory=dict)
+    samplers: dict[str, Revision] = field(default_factory=dict)
+    ephemeral: set[str] = field(default_factory=set)
+    """Its samplers made from unnamed revisions (the first to go when samplers run out)."""
+    seen: float = field(default_factory=time.monotonic)
+    """When the session was last heard from (a heartbeat or any call naming it)."""
+
 
 SERVED = "served"
 """The session that holds the OpenAI routes' revisions, by model name (no Tinker client reaches it)."""
@@ -157,6 +180,16 @@ class Registry:
 
     def sampler(self, sampler_id: str) -> Revision:
         return self._find(sampler_id, "samplers", "sampling_session_id")
+
+    def publish(self, name: str, k: int, revision: Revision, keep: int) -> None:
+        """A learner's revision k served as `name@k` and `name` pointed at it; those `keep` or more
+        before it let go (every rank of a service does the same: `serve.revisions`)."""
+        self.add_sampler(SERVED, f"{name}@{k}", revision)
+        with self.lock:
+            self.aliases[name] = f"{name}@{k}"
+            held = self.sessions[SERVED].samplers
+            for old in [j for j in range(k - keep + 1) if f"{SERVED}:sample:{name}@{j}" in held]:
+                del held[f"{SERVED}:sample:{name}@{old}"]
 
     def unserve(self, name: str) -> None:
         with self.lock:

@@ -17,9 +17,8 @@ import torch
 from fastapi import APIRouter, Request
 
 from ..policy.adapters import Revision
+from .calls import BadRequest
 from .http import check_operator, json_object
-from .registry import SERVED
-from .tinker_types import BadRequest
 from .worker import Job, outcome_of
 
 
@@ -39,15 +38,12 @@ class Revisions:
 
     def publish(self, k: int, tensors: dict[str, torch.Tensor], config) -> None:
         """Serve revision k as `name@k`, point `name` at it, and let revisions older than `keep` go."""
-        registry = self.service.registry
         with self.lock:
-            registry.add_sampler(SERVED, f"{self.name}@{k}", Revision(config, tensors))
+            self.service.registry.publish(self.name, k, Revision(config, tensors), self.keep)
             self.published[k] = time.time()
-            registry.aliases[self.name] = f"{self.name}@{k}"
             self.current = k
             for old in [r for r in self.published if r <= k - self.keep]:
                 del self.published[old]
-                registry.unserve(f"{self.name}@{old}")
 
     async def listing(self) -> dict:
         history = {row["revision"]: row for row in (self.learner.history if self.learner is not None else [])}
@@ -92,7 +88,7 @@ class Revisions:
                     f"revision {k!r} is not kept; kept: {kept} (learn.keep={self.keep})", 404 if kept else 400
                 )
         if self.learner is not None:  # the learner goes on from the revision rolled back to
-            await outcome_of(self.worker, lambda: self.learner.restore(k))
+            await outcome_of(self.worker, lambda: self.service.restore_revision(k))
         with self.lock:
             self.service.registry.aliases[self.name] = f"{self.name}@{k}"
             self.current = k
@@ -113,7 +109,7 @@ class Revisions:
                         continue
                     done, box = threading.Event(), {}
                     worker.submit(
-                        Job(run=lambda: learner.train(exp), settle=lambda out: (box.update(out=out), done.set()))  # noqa: B023 - run before the loop goes on (done.wait)
+                        Job(run=lambda: self.service.learn(exp), settle=lambda out: (box.update(out=out), done.set()))  # noqa: B023 - run before the loop goes on (done.wait)
                     )
                     done.wait()
                     if isinstance(box["out"], Exception):

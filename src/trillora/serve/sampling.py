@@ -21,8 +21,7 @@ from ..policy.decoding import follow_forwards, whole_rows
 from ..policy.logprobs import score_prompt, topk_sampled
 from ..policy.world import World, from_rank0
 from ..rollout.local import LocalEngine
-from .tinker_checks import cut_at_stop
-from .tinker_types import BadRequest, SampleCall
+from .calls import BadRequest, SampleCall, cut_at_stop
 
 
 class Sampling:

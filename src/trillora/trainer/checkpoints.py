@@ -22,7 +22,8 @@ class Resumed:
     """What the loop needs from a checkpoint to go on."""
 
     step: int
-    state: dict
+    state: dict | None
+    """The run's own state (None: another writer's state, `checkpoint.resume_from`)."""
 
 
 class RunCheckpoints:
@@ -47,16 +48,16 @@ class RunCheckpoints:
                     f"a new run: the earlier checkpoints are now in {previous} (resume=true continues a run)"
                 )
             t.world.barrier()
-            return None
+            return self._from_state()
         found = train_state.find_latest(self.root)
         if t.world.main:
             for what in found.skipped:
                 self.console.print(f"[yellow]checkpoint skipped[/]: {what}")
         if found.path is None:
             if t.world.main:
-                self.console.print(f"resume=true but {self.root} holds no complete checkpoint: starting from step 0")
+                self.console.print(f"resume=true but {self.root} holds no complete checkpoint: starting anew")
             t.world.barrier()
-            return None
+            return self._from_state()
         state, tensors = train_state.load(found.path, self.rank)
         if state["layout"] != t.world.layout():
             raise ConfigError(
@@ -74,6 +75,41 @@ class RunCheckpoints:
             self.console.print(f"resuming from {found.path} (step {state['step']})")
         t.sync_engine()  # the engine samples with the restored adapter (a collective under torchrun)
         return Resumed(step=state["step"], state=state)
+
+    def _from_state(self) -> Resumed | None:
+        """`checkpoint.resume_from`: the adapter and AdamW state of a Tinker client's saved state or of
+        another run's checkpoint, at the step its AdamW steps make (None: not set)."""
+        t, named = self.t, self.t.cfg.checkpoint.resume_from
+        if not named:
+            return None
+        if t.world.size > 1:
+            raise ConfigError("checkpoint.resume_from starts a run in one process (its state is whole, not sharded)")
+        path = Path(named)
+        if not (path / "state.json").is_file():
+            raise ConfigError(f"checkpoint.resume_from={named!r}: no saved state there (no state.json)")
+        saved = train_state.read_adapter_state(path)
+        lc, a, top_k = t.cfg.lora, t.cfg.algorithm, t.model.args.top_k
+        theirs = lora.LoraConfig(**{"alpha": lc.alpha, **saved.lora})  # a Tinker state keeps no alpha before this one
+
+        def shape(c):
+            return c.rank, c.rank_for_experts(top_k), sorted(c.targets), c.alpha, c.rslora
+
+        if shape(theirs) != shape(lc):
+            raise ConfigError(
+                f"checkpoint.resume_from={named!r} holds a LoRA of (rank, expert rank, targets, alpha, rslora) "
+                f"{shape(theirs)}; this run's [lora] is {shape(lc)}: set it to match"
+            )
+        per_step = a.epochs * a.minibatches
+        if saved.optimizer_steps % per_step:
+            raise ConfigError(
+                f"checkpoint.resume_from={named!r} took {saved.optimizer_steps} AdamW steps, not a whole number of "
+                f"this run's steps of {per_step} (algorithm.epochs × minibatches)"
+            )
+        t.policy.load(saved.tensors, path)
+        step = saved.optimizer_steps // per_step
+        self.console.print(f"starting from {path} at step {step}")
+        t.sync_engine()
+        return Resumed(step=step, state=None)
 
     # --- saving --------------------------------------------------------------------------
     def due(self, step: int, stopping: bool) -> bool:

@@ -30,7 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.atomic import AtomicFolder
-from ..parallel import ParallelDims, parallelize
+from ..errors import ConfigError
+from ..parallel import ParallelDims
 from ..policy import adamw
 from ..policy.policy import Policy
 from ..policy.world import World
@@ -52,11 +53,14 @@ class Learner:
         device: torch.device,
         tokenizer=None,
         owners: set[str] | None = None,
+        world: World | None = None,
     ):
-        """`base`: the service's resident base (`use`, `new_adapter`); `store`: the trace store;
-        `cfg`: a TrainConfig (its lora, optim, algorithm, rollout, learn and, for the gate, task
-        sections); `publish(k, tensors, config)`: serve revision k; `owners`: the keys (digests)
-        whose traces train (None: every key's, `learn.from_keys`)."""
+        """`base`: the service's resident base (`use`, `new_adapter`); `store`: the trace store (rank
+        0's; None on the other ranks); `cfg`: a TrainConfig (its lora, optim, algorithm, rollout,
+        learn and, for the gate, task sections); `publish(k, tensors, config)`: serve revision k;
+        `owners`: the keys (digests) whose traces train (None: every key's, `learn.from_keys`);
+        `world`: the service's ranks under torchrun (every rank runs each round, rank 0's
+        experience in hand: `TinkerService.learn`), None in one process."""
         self.base, self.store, self.cfg, self.publish, self.owners = base, store, cfg, publish, owners
         self.folder, self.device, self.tokenizer = Path(folder), device, tokenizer
         self.pad_id = (tokenizer.pad_token_id or 0) if tokenizer is not None else 0
@@ -64,8 +68,15 @@ class Learner:
         self.adapter = base.new_adapter(lc.rank, tuple(lc.targets), cfg.seed, lc.expert_rank)
         params = self.adapter.params
         self.adapter.optimizer = adamw(params.values(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        world = World.of(parallelize(base.model, ParallelDims(activation_checkpoint_every=0)), device)
-        self.policy = Policy(base.model, world, params, self.adapter.optimizer)
+        world = world if world is not None else World(0, 1, ParallelDims(dp=1, fsdp=False), None, device)
+        if world.size > 1 and (world.dims.pp > 1 or cfg.learn.gate):
+            raise ConfigError(
+                "--learn under torchrun: a pipeline-parallel base (--pp) and learn.gate (it samples on "
+                "one process) are not supported yet; serve with --tp / --ep / --cp, or in one process"
+            )
+        self.world = world
+        sync = world.gradient_sync(params, base.placement)  # None in one process
+        self.policy = Policy(base.model, world, params, self.adapter.optimizer, sync=sync)
         self.update = PolicyUpdate(self.policy, cfg)
         self.baselines = Baselines(cfg.learn.baseline_decay)
         self.score = reward_function(cfg.learn.reward)
@@ -91,7 +102,7 @@ class Learner:
             return
         last = saved[-1]
         meta = json.loads((last / "learner.json").read_text())
-        self.policy.load(load_file(str(last / "adapter.safetensors")), last)
+        self.policy.load(self._mine(last), last)
         self.revision, self.history = meta["revision"], meta["history"]
         self.baselines.means, self.best, self.best_basis = (
             meta["baselines"],
@@ -100,9 +111,17 @@ class Learner:
         )
         self.publish(self.revision, {k: t.clone() for k, t in self.adapter.tensors().items()}, self.adapter.config)
 
+    def _mine(self, folder: Path) -> dict[str, torch.Tensor]:
+        """This rank's part of a saved revision's tensors (all of them in one process)."""
+        placement = self.base.placement
+        return placement.local(placement.here(load_file(str(folder / "adapter.safetensors"))))
+
     def _save(self) -> None:
+        tensors = self.base.placement.full(self.policy.state(), self.device)  # whole: a collective over shards
+        if not self.world.main:
+            return
         with AtomicFolder(self.folder / f"revision-{self.revision}") as tmp:
-            save_file(self.policy.state(), str(tmp / "adapter.safetensors"))
+            save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(tmp / "adapter.safetensors"))
             (tmp / "learner.json").write_text(
                 json.dumps(
                     {
@@ -117,14 +136,14 @@ class Learner:
 
     def _prune(self) -> None:
         """Once the new revision is served: the last `keep` stay on disk, as they stay servable."""
-        for old in self.folder.glob("revision-*"):
+        for old in [] if not self.world.main else self.folder.glob("revision-*"):
             if int(old.name.split("-")[1]) <= self.revision - self.cfg.learn.keep:
                 shutil.rmtree(old, ignore_errors=True)
 
     def restore(self, k: int) -> None:
         """Go on from revision k (a rollback): its adapter and AdamW state back in the slot."""
         folder = self.folder / f"revision-{k}"
-        self.policy.load(load_file(str(folder / "adapter.safetensors")), folder)
+        self.policy.load(self._mine(folder), folder)
 
     # --- a round ------------------------------------------------------------------------------
     def due(self) -> bool:
@@ -132,7 +151,13 @@ class Learner:
         (cheap: no model work)."""
         new, learn = len(self.store.untrained(rewarded_only=self.score is None)), self.cfg.learn
         waited = learn.minutes > 0 and time.monotonic() - self.last_round >= 60 * learn.minutes
-        return new >= learn.every or (new > 0 and waited)
+        return new >= max(learn.every, self.fewest) or (new >= self.fewest and waited)
+
+    @property
+    def fewest(self) -> int:
+        """Sequences a round needs: under torchrun one per data-parallel rank and minibatch (a rank
+        with no row would hold the others' collectives)."""
+        return self.cfg.algorithm.minibatches * self.world.dims.dp if self.world.size > 1 else 1
 
     def step(self) -> dict | None:
         """One round: `train(prepare())`. None when there was nothing to train on."""
@@ -164,12 +189,15 @@ class Learner:
         """The round's model work, on the compute thread: the update, the gate, the next revision
         written and published."""
         start = time.perf_counter()
+        if len(exp.samples) < self.fewest:
+            self._mark(exp.trace_ids, -1)  # left out: a data-parallel rank with no row would hold the others
+            return None
         batch = batch_from_samples(exp.samples, self.pad_id, self.device)
         batch = dataclasses.replace(batch, advantages=torch.tensor(exp.advantages, device=self.device))
         with self.base.use(self.adapter):
             metrics = self.update(batch)
         if metrics.get("skipped_update"):  # a non-finite loss or gradient: a NaN never reaches a served revision
-            self.store.mark_trained(exp.trace_ids, -1)  # consumed: the same batch would fail again
+            self._mark(exp.trace_ids, -1)  # consumed: the same batch would fail again
             if self.revision:
                 self.restore(self.revision)
             return {"revision": self.revision, "skipped": True, "traces": len(exp.trace_ids), **metrics}
@@ -190,7 +218,7 @@ class Learner:
             if basis != self.best_basis:  # measured on other held-out traces: a new bar
                 self.best, self.best_basis = None, basis
             if self.best is not None and score < self.best - self.cfg.learn.gate_tolerance:
-                self.store.mark_trained(exp.trace_ids, -1)  # consumed: a revision that failed its check is not retried
+                self._mark(exp.trace_ids, -1)  # consumed: a revision that failed its check is not retried
                 if self.revision:
                     self.restore(self.revision)
                 return {**row, "revision": self.revision, "gated": True, "seconds": time.perf_counter() - start}
@@ -199,7 +227,12 @@ class Learner:
         row.update(seconds=time.perf_counter() - start, time=time.time())
         self.history.append(row)
         self._save()  # on disk before it is served: a restart resumes from what was published
-        self.store.mark_trained(exp.trace_ids, self.revision)
+        self._mark(exp.trace_ids, self.revision)
         self.publish(self.revision, {k: t.clone() for k, t in self.adapter.tensors().items()}, self.adapter.config)
         self._prune()
         return row
+
+    def _mark(self, trace_ids, revision: int) -> None:
+        """The store's record of what a round did with its traces (rank 0 holds the store)."""
+        if self.store is not None:
+            self.store.mark_trained(trace_ids, revision)

@@ -49,7 +49,7 @@ from .report import RunReport, console_line
 from .sampler import Sampler
 from .signals import StopSignal
 from .tracking import Trackers
-from .update import PolicyUpdate
+from .update import PolicyUpdate, check_rows
 
 
 def fit_context(cfg: TrainConfig, positions: int) -> TrainConfig:
@@ -103,6 +103,7 @@ class Trainer:
         opt = adamw(named.values(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.policy = Policy(self.model, self.world, named, opt, self.full)
         self.update = PolicyUpdate(self.policy, cfg)
+        check_rows(cfg, self.world)
         t, r = cfg.task, cfg.rollout
         # a task (single-turn, built in or JSONL) or user envs (`task.name = "env"`), both sampled as envs
         self.envs = (
@@ -261,7 +262,7 @@ class Trainer:
                 + (f", from step {first}" if first else "")
             )
         state = {}  # the accuracies so far, kept in checkpoints (rank 0)
-        if resumed is not None:  # the metrics so far come back with the checkpoint
+        if resumed is not None and resumed.state is not None:  # the metrics so far come back with the checkpoint
             state = {k: resumed.state[k] for k in ("eval_before", "retention_before", "accuracy", "retention_after")}
             self.flops_total = resumed.state.get("flops_total", 0.0)
             if main:
@@ -275,12 +276,12 @@ class Trainer:
                 "retention_after": retention,
             }
             initial = {
-                "step": 0,
+                "step": first,
                 "eval_accuracy": before,
                 **({"retention_accuracy": retention} if self.retention else {}),
             }
             metrics_file.write_text(json.dumps(initial) + "\n")  # the start of the accuracy curves
-            self.trackers.log(initial, 0)
+            self.trackers.log(initial, first)
             self.console.print(console_line(initial, before))
         columns = [
             TextColumn("[bold]RL[/]"),

@@ -64,11 +64,6 @@ class PolicyUpdate:
                 "algorithm.router_replay runs whole rows on each rank; it does not combine with "
                 "parallel.pp, parallel.cp or parallel.sp yet"
             )
-        if world.size > 1 and (r.prompts_per_step * r.group_size) % (self.algorithm.minibatches * dims.dp):
-            raise ConfigError(
-                f"rollout.prompts_per_step × group_size = {r.prompts_per_step * r.group_size} rows do not "
-                f"split into algorithm.minibatches={self.algorithm.minibatches} × dp={dims.dp} equal parts"
-            )
         self.skipped_updates = 0  # optimizer steps skipped for a non-finite loss or gradient (whole run)
         self.nonfinite_in_a_row = 0
 
@@ -224,6 +219,16 @@ class PolicyUpdate:
             self.skipped_updates += 1
             self.nonfinite_in_a_row += 1
         return {"grad_norm": out.norm if out.stepped else float("nan"), "skipped": float(not out.stepped), **traffic}
+
+
+def check_rows(cfg, world) -> None:
+    """A run's batch splits into its minibatches over the data-parallel ranks in equal parts."""
+    rows, dp, m = cfg.rollout.prompts_per_step * cfg.rollout.group_size, world.dims.dp, cfg.algorithm.minibatches
+    if world.size > 1 and rows % (m * dp):
+        raise ConfigError(
+            f"rollout.prompts_per_step × group_size = {rows} rows do not split into "
+            f"algorithm.minibatches={m} × dp={dp} equal parts"
+        )
 
 
 @contextlib.contextmanager

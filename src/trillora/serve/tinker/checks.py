@@ -1,4 +1,5 @@
-"""Checks of Tinker requests before they reach the worker: a bad datum or sampling setting is
+"""Checks of Tinker requests before they reach the worker (a sample call's are `calls.check_sample`,
+every face's): a bad datum or sampling setting is
 refused with a message naming the datum, key and allowed values, and never half-applied.
 Shape legend: N one datum's tokens, K top-k targets."""
 
@@ -11,10 +12,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..rl.tinker_losses import LossInputError, check_loss
-from ..rollout.types import SamplingParams
-from .config import ServeConfig
-from .tinker_types import MODEL_ID, NAME, BadRequest, SampleCall
+from ...rl.tinker_losses import LossInputError, check_loss
+from ..calls import BadRequest
+from .types import MODEL_ID, NAME
 from .wire import Datum, WireError, dense_from_csr
 
 
@@ -64,46 +64,6 @@ def _datum_tensors(i: int, d: Datum, loss_fn: str, vocab: int) -> dict[str, torc
     if loss_fn == "gspo" and not bool((tensors["sequence_ratio_mask"] != 0).any()):
         raise BadRequest(f"datum {i}: sequence_ratio_mask marks no token (gspo's sequence ratio is a mean over them)")
     return tensors
-
-
-def check_sample(
-    c: SampleCall, vocab: int, eos: int | None, cfg: ServeConfig, positions: int
-) -> tuple[SamplingParams, tuple[str, ...]]:
-    """The engine's sampling settings for an asample call, and its stop strings; the prompt and
-    max_tokens within the model's `positions`, n × both within `cfg.max_call_tokens`."""
-    if not c.prompt or any(type(t) is not int for t in c.prompt) or min(c.prompt) < 0 or max(c.prompt) >= vocab:
-        raise BadRequest(f"prompt token ids must be a non-empty list of integers in 0..{vocab - 1}")
-    if not isinstance(c.n, int) or not 1 <= c.n <= cfg.max_samples:
-        raise BadRequest(f"num_samples={c.n!r}; allowed: 1..{cfg.max_samples}")
-    stop_ids, stop_strings = _stops(c.params.get("stop"), vocab, eos)
-    max_tokens = c.params.get("max_tokens") or 64
-    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= cfg.max_tokens_limit:
-        raise BadRequest(f"sampling_params.max_tokens={max_tokens!r}; allowed: 1..{cfg.max_tokens_limit}")
-    if len(c.prompt) + max_tokens > positions:
-        raise BadRequest(
-            f"a prompt of {len(c.prompt)} tokens and max_tokens={max_tokens} need {len(c.prompt) + max_tokens} "
-            f"positions; the model has {positions}"
-        )
-    if c.n * (len(c.prompt) + max_tokens) > cfg.max_call_tokens:
-        raise BadRequest(
-            f"num_samples={c.n} × ({len(c.prompt)} prompt tokens + max_tokens={max_tokens}) is over "
-            f"{cfg.max_call_tokens} tokens a call (--max-call-tokens)"
-        )
-    seed = c.params.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63):
-        raise BadRequest(f"sampling_params.seed={seed!r}; allowed: an integer in 0..2**63-1")
-    try:
-        sp = SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=float(c.params.get("temperature", 1.0)),
-            top_p=float(c.params.get("top_p", 1.0)),
-            top_k=max(0, int(c.params.get("top_k", -1))),
-            stop_token_ids=stop_ids,
-            seed=seed,
-        )
-    except (TypeError, ValueError, OverflowError) as e:
-        raise BadRequest(f"sampling_params: {e}") from None
-    return sp, stop_strings
 
 
 MAX_TOPK = 64
@@ -171,47 +131,6 @@ def _targets(t, prompt_len: int, vocab: int) -> np.ndarray:
     return dense
 
 
-def _stops(stop, vocab: int, eos: int | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    if stop is None:
-        return ((eos,) if eos is not None else ()), ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, (str, int)) for s in stop):
-        raise BadRequest("sampling_params.stop must be a string, a list of strings or a list of token ids")
-    if len(stop) > MAX_STOPS or any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stop):
-        raise BadRequest(f"sampling_params.stop: at most {MAX_STOPS} entries of at most {MAX_STOP_CHARS} characters")
-    if any(isinstance(s, str) and "\ufffd" in s for s in stop):  # a half-decoded character's stand-in, not text
-        raise BadRequest("sampling_params.stop: a stop string may not hold U+FFFD")
-    ids = tuple(s for s in stop if isinstance(s, int))
-    if any(not 0 <= i < vocab for i in ids):
-        raise BadRequest(f"sampling_params.stop token ids must be in 0..{vocab - 1}")
-    return ids, tuple(s for s in stop if isinstance(s, str) and s)
-
-
-MAX_STOPS, MAX_STOP_CHARS = 64, 256
-"""Every stop string is looked for in the worker that serves everyone: 20,000 of them held it 285 s."""
-
-
-def cut_at_stop(c, stop_strings: tuple[str, ...], tokenizer) -> tuple[list[int], list[float], str]:
-    """The completion up to and including the token that completes a stop string: the shortest prefix
-    whose text holds one, found by bisection. A longer prefix's text holds what a shorter one's does:
-    decoded as it is (no clean-up of spaces), and with no U+FFFD in a stop string (a partial
-    character's stand-in, gone once the character is whole)."""
-    tokens, logprobs, reason = c.token_ids, c.logprobs, c.finish_reason
-
-    def stops(k: int) -> bool:
-        text = tokenizer.decode(tokens[:k], clean_up_tokenization_spaces=False)
-        return any(s in text for s in stop_strings)
-
-    if not stop_strings or not stops(len(tokens)):
-        return tokens, logprobs, reason
-    lo, hi = 1, len(tokens)  # stops(hi) holds
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if stops(mid) else (mid + 1, hi)
-    return tokens[:hi], logprobs[:hi], "stop"
-
-
 def adam_settings(adam: dict) -> tuple[float, float, float, float, float, float]:
     """(lr, beta1, beta2, eps, weight_decay, grad_clip_norm) with the SDK's defaults, or BadRequest."""
     lr, b1, b2 = adam.get("learning_rate", 1e-4), adam.get("beta1", 0.9), adam.get("beta2", 0.95)
@@ -252,15 +171,32 @@ def state_path(root: Path, model_id: str, kind: str, name: str) -> tuple[str, Pa
     return f"tinker://{model_id}/{kind}/{name}", folder
 
 
+RUN_CHECKPOINT = re.compile(r"tinker://runs/([^/]+)/checkpoints/(step-[0-9]{6})")
+"""A `trillora train` checkpoint of a run written under the state folder (`out_dir=<state_dir>/runs`)."""
+
+
 def resolve(root: Path, tinker_path: str) -> tuple[str, str, Path]:
-    """(model id, kind, folder) of an existing saved state's tinker:// path."""
-    m = re.fullmatch(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)", tinker_path or "")
-    if m is None:
-        raise BadRequest(f"path {tinker_path!r} is not tinker://<model_id>/weights|sampler_weights/<name>")
-    _, folder = state_path(root, m.group(1), m.group(2), m.group(3))
-    files = [folder / "adapter.safetensors", folder / "state.json"]
+    """(model id, kind, folder) of an existing saved state's tinker:// path: a client's weights or
+    sampler weights, or (kind "checkpoint") a run's checkpoint under `<root>/runs/`."""
+    if (run := RUN_CHECKPOINT.fullmatch(tinker_path or "")) is not None:
+        if not NAME.fullmatch(run.group(1)):
+            raise BadRequest(f"run name {run.group(1)!r} in {tinker_path!r}: use letters, digits, '.', '_' or '-'")
+        folder = root / "runs" / run.group(1) / "checkpoints" / run.group(2)
+        files = [folder / "rank-0.safetensors", folder / "state.json", folder / "config.toml"]
+        kind = "checkpoint"
+    else:
+        m = re.fullmatch(r"tinker://([^/]+)/(weights|sampler_weights)/([^/]+)", tinker_path or "")
+        if m is None:
+            raise BadRequest(
+                f"path {tinker_path!r} is not tinker://<model_id>/weights|sampler_weights/<name> "
+                "nor tinker://runs/<run>/checkpoints/step-<NNNNNN>"
+            )
+        _, folder = state_path(root, m.group(1), m.group(2), m.group(3))
+        files, kind = [folder / "adapter.safetensors", folder / "state.json"], m.group(2)
+    if root.resolve() not in folder.resolve().parents:  # a symlink planted under the state folder
+        raise BadRequest(f"{tinker_path!r} leads outside the server's state folder", 403)
     if any(f.is_symlink() for f in files):  # planted: it would read a file from outside the state folder
         raise BadRequest(f"{tinker_path!r} holds a link, not a saved state", 403)
     if not all(f.is_file() for f in files):
         raise BadRequest(f"no saved weights at {tinker_path!r}", 404)
-    return m.group(1), m.group(2), folder
+    return (run.group(1) if run else m.group(1)), kind, folder

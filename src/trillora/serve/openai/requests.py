@@ -8,9 +8,9 @@ import secrets
 
 from fastapi import Request
 
-from ..rollout.types import SamplingParams
-from .config import ServeConfig
-from .tinker_service import BadRequest
+from ...rollout.types import SamplingParams
+from ..calls import BadRequest
+from ..config import ServeConfig
 
 TRACE_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 

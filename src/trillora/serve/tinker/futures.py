@@ -16,8 +16,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .tinker_service import BadRequest
-from .worker import Job, Replayed, Worker
+from ..calls import BadRequest
+from ..worker import Job, Replayed, Worker
 
 PROTO = "application/x-protobuf"
 MAX_WAITING = 4

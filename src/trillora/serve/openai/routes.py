@@ -29,18 +29,18 @@ import torch
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from .. import lora
-from ..chat.renderer import ChatRenderer
-from ..checkpoint.weights import base_fingerprint
-from ..errors import ConfigError
-from ..lora import AdapterError
-from ..tasks.prompts import encode_prompt
-from ..traces import Call, Feedback, Recorder, TooMuchFeedback, TraceError, UnknownTrace
-from .face import Server
-from .http import check_operator, json_object, owner_of
-from .openai_requests import sampling_params, text_field, trace_of
-from .tinker_service import BadRequest, SampleCall
-from .worker import outcome_of
+from ... import lora
+from ...chat.renderer import ChatRenderer
+from ...checkpoint.weights import base_fingerprint
+from ...errors import ConfigError
+from ...lora import AdapterError
+from ...tasks.prompts import encode_prompt
+from ...traces import Call, Feedback, Recorder, TooMuchFeedback, TraceError, UnknownTrace
+from ..calls import BadRequest, SampleCall
+from ..face import Server
+from ..http import check_operator, json_object, owner_of
+from ..worker import outcome_of
+from .requests import sampling_params, text_field, trace_of
 
 NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "trillora_adapter.json")

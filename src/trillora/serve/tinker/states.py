@@ -11,19 +11,19 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from .. import lora
-from ..checkpoint.atomic import AtomicFolder
-from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
-from ..policy import adamw
-from ..policy.adapters import ResidentBase
-from .registry import Registry
-from .tinker_types import BadRequest, Client
+from ... import lora
+from ...checkpoint.atomic import AtomicFolder
+from ...checkpoint.train_state import rank_tensors, read_adapter_state, restore_rank_tensors
+from ...policy import adamw
+from ...policy.adapters import SLOT_ROLES, ResidentBase
+from ..calls import BadRequest
+from ..registry import Client, Registry
 
 
 class TinkerService(Protocol):
-    """What saving and loading states reads of `tinker_service.TinkerService`."""
+    """What saving and loading states reads of `tinker.service.TinkerService`."""
 
     base: ResidentBase
     registry: Registry
@@ -44,6 +44,7 @@ def save_state(service: TinkerService, model_id: str, name: str, optimizer: bool
     meta = {
         "rank": client.rank,
         "roles": list(client.roles),
+        "alpha": service.base.alpha,
         "seed": a.config.seed,
         "expert_rank": a.config.expert_rank,
         "steps": a.steps,
@@ -58,31 +59,48 @@ def save_state(service: TinkerService, model_id: str, name: str, optimizer: bool
     return {"path": path, "type": "save_weights"}
 
 
+def slot_config(service: TinkerService, lora_fields: dict, where: str) -> lora.LoraConfig:
+    """The slot adapter's LoRA settings for a saved state's (`train_state.read_adapter_state`), or
+    BadRequest naming what the resident base's slots cannot hold: they adapt whole roles at the
+    server's alpha (`--lora-alpha`), with the dense scaling alpha / rank."""
+    f = lora_fields
+    if f.get("alpha", service.base.alpha) != service.base.alpha:
+        raise BadRequest(
+            f"{where} was trained with lora alpha {f['alpha']}; this server's adapters use {service.base.alpha}"
+        )
+    if f.get("rslora") or f.get("patterns") or f.get("exclude"):
+        raise BadRequest(f"{where} uses rslora, patterns or exclude; the server's slots adapt whole roles")
+    roles = tuple(f["targets"])
+    if not roles or not set(roles) <= set(SLOT_ROLES):
+        raise BadRequest(f"{where} adapts {list(roles)}; the server's slots are {list(SLOT_ROLES)}")
+    expert_rank = f.get("expert_rank")
+    if expert_rank is None and f.get("expert_rank_rule") == "divide_by_top_k":
+        expert_rank = max(1, f["rank"] // service.base.model.args.top_k)
+    return lora.LoraConfig(
+        rank=f["rank"], alpha=service.base.alpha, targets=roles, seed=f.get("seed", 0), expert_rank=expert_rank
+    )
+
+
 def load_state(service: TinkerService, sid: str, seq: int, tinker_path: str, optimizer: bool) -> dict:
-    """A new training client from a saved state (with its AdamW moments when `optimizer`)."""
+    """A new training client from a saved state, or a `trillora train` checkpoint (with its AdamW
+    moments when `optimizer`)."""
     _, kind, folder = service.resolve(tinker_path)
-    if kind != "weights":
+    if kind == "sampler_weights":
         raise BadRequest(f"{tinker_path!r} holds sampler weights; load a tinker://.../weights/... state")
-    meta = json.loads((folder / "state.json").read_text())
-    tensors = service.base.placement.here(load_file(str(folder / "adapter.safetensors")))
-    roles = tuple(meta["roles"])
+    saved = read_adapter_state(folder)
+    config = slot_config(service, saved.lora, tinker_path)
+    tensors = service.base.placement.here(saved.tensors)
     adapter = service.base.adapter_from(
-        lora.LoraConfig(
-            rank=meta["rank"],
-            alpha=service.base.alpha,
-            targets=roles,
-            seed=meta["seed"],
-            expert_rank=meta.get("expert_rank"),
-        ),
-        {k[len("param.") :]: v for k, v in tensors.items() if k.startswith("param.")},
+        config, {k[len("param.") :]: v for k, v in tensors.items() if k.startswith("param.")}
     )
     adapter.optimizer = adamw(adapter.params.values())
     if optimizer:
         restore_rank_tensors(service.base.placement.local(tensors), adapter.params, adapter.optimizer, folder)
-        for g, saved in zip(adapter.optimizer.param_groups, meta["param_groups"], strict=True):
-            g.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-        adapter.steps = meta["steps"]
-    out = service.registry.register(sid, seq, Client("", adapter, meta["rank"], roles))
+        meta = json.loads((folder / "state.json").read_text())
+        for g, kept in zip(adapter.optimizer.param_groups, meta.get("param_groups", []), strict=False):
+            g.update({k: tuple(v) if isinstance(v, list) else v for k, v in kept.items()})
+        adapter.steps = saved.optimizer_steps
+    out = service.registry.register(sid, seq, Client("", adapter, config.rank, config.targets))
     return {"model_id": out["model_id"], "path": tinker_path, "type": "load_weights"}
 
 

@@ -7,49 +7,50 @@ resident model's adapter slots are never shared by two calls; the `*_many` metho
 waiting requests, of one client or several, in one pass with each row's own adapter. Bad requests raise
 `BadRequest` (HTTP 400/404 with the message); nothing half-applied is left behind. Under torchrun
 every rank runs this same class over its part of the base (`policy.world.World`: an identity in one
-process); rank 0 sends each call every rank must run as a typed command (`serve.commands`).
+process); rank 0 sends each call every rank must run as a typed command (`serve.tinker.commands`).
 Shape legend: B datums, T tokens (padded), V vocabulary, N one datum's tokens, K top-k targets.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
-from .. import lora
-from ..policy import adamw
-from ..policy.adapters import Revision, roles_of
-from ..policy.logprobs import target_logprobs
-from ..policy.policy import Policy
-from ..policy.resident import resident_base
-from ..policy.world import World
-from ..rl.tinker_losses import datum_loss
-from ..rollout.local import LocalEngine
-from ..rollout.types import SamplingParams
-from . import tinker_states as states
+from ...checkpoint.train_state import read_adapter_state
+from ...policy import adamw
+from ...policy.adapters import Revision, roles_of
+from ...policy.logprobs import target_logprobs
+from ...policy.policy import Policy
+from ...policy.resident import resident_base
+from ...policy.world import World
+from ...rl.tinker_losses import datum_loss
+from ...rollout.local import LocalEngine
+from ...rollout.types import SamplingParams
+from ..calls import BadRequest, SampleCall, check_sample
+from ..config import ServeConfig
+from ..registry import SERVED, Client, Registry
+from ..sampling import Sampling
+from . import states
+from .checks import adam_settings, check_data, resolve, state_path
 from .commands import (
     CreateModel,
     CreateSampler,
     EndSessions,
     ForwardBackward,
+    Learn,
     LoadState,
     OptimStep,
+    RestoreRevision,
     Sample,
     SaveForSampler,
     SaveState,
     Stop,
 )
-from .config import ServeConfig
-from .registry import SERVED, Registry
-from .sampling import Sampling
-from .tinker_checks import adam_settings, check_data, check_sample, resolve, state_path
-from .tinker_types import BadRequest, Client, FwdBwd, SampleCall
+from .types import FwdBwd
 from .wire import Datum
 
 __all__ = ["BadRequest", "FwdBwd", "SampleCall", "ServeConfig", "TinkerService"]
@@ -61,8 +62,8 @@ class TinkerService:
         of real shapes with random weights); the tokenizer still comes from `cfg.model`. Under
         torchrun (a process group initialised), this rank's part of a parallel service (`policy.world`),
         unless `alone`."""
-        from ..checkpoint import check_tokenizer_fits, load_tokenizer, resolve_model_path
-        from ..models import load_hf_config
+        from ...checkpoint import check_tokenizer_fits, load_tokenizer, resolve_model_path
+        from ...models import load_hf_config
 
         self.cfg = cfg
         self.path = path = resolve_model_path(cfg.model)
@@ -87,6 +88,8 @@ class TinkerService:
         )
         self.client, self.sampler, self.served, self.unserve_adapter = r.client, r.sampler, r.served, r.unserve
         self.root = Path(cfg.state_dir)
+        self.learner = None
+        """A learning server's learner (`--learn`, `trainer.learner`), on every rank."""
         self.sampling = Sampling(
             self.base, self.engine, self.ranks, self.tokenizer, self.device, self.check_sample, self.sampler
         )
@@ -104,6 +107,17 @@ class TinkerService:
         self.ranks.mirror(Stop())
         if self.ranks.size > 1:
             dist.barrier()
+
+    # --- a learning server --------------------------------------------------------------------
+    def learn(self, exp) -> dict:
+        """A learner's round on `exp` (rank 0 read it from the trace store), on every rank."""
+        self.ranks.mirror(Learn(exp))
+        return self.learner.train(exp)
+
+    def restore_revision(self, k: int) -> None:
+        """A rollback: the learner goes on from revision k, on every rank."""
+        self.ranks.mirror(RestoreRevision(k))
+        self.learner.restore(k)
 
     # --- sessions ------------------------------------------------------------------------
     def end_sessions(self, sids: list[str]) -> None:
@@ -346,19 +360,12 @@ class TinkerService:
             self.check_base_model(base_model)
             return self.registry.add_sampler(sid, seq, Revision(None))
         _, _, folder = self.resolve(model_path)
-        meta = json.loads((folder / "state.json").read_text())
-        tensors = load_file(str(folder / "adapter.safetensors"))
-        tensors = {k[len("param.") :]: v for k, v in tensors.items() if k.startswith("param.")} or tensors
+        saved = read_adapter_state(folder)
+        config = states.slot_config(self, saved.lora, model_path)
+        tensors = {k[len("param.") :]: v for k, v in saved.tensors.items() if k.startswith("param.")} or saved.tensors
         tensors = {
             k: self.base.placement.shard(k, v.to(self.device)) for k, v in self.base.placement.here(tensors).items()
         }
-        config = lora.LoraConfig(
-            rank=meta["rank"],
-            alpha=self.base.alpha,
-            targets=tuple(meta["roles"]),
-            seed=meta["seed"],
-            expert_rank=meta.get("expert_rank"),
-        )
         return self.registry.add_sampler(sid, seq, Revision(config, tensors))
 
     def serve_adapter(self, name: str, revision: Revision) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .tinker_types import FwdBwd, SampleCall
+from ..calls import SampleCall
+from .types import FwdBwd
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,28 @@ class EndSessions:
 
     def run(self, s):
         return s.end_sessions(list(self.sids))
+
+
+@dataclass(frozen=True)
+class Learn:
+    """A learner's round on the experience rank 0 read from its trace store (`trainer.learner`)."""
+
+    exp: object
+    sharded_only = False
+
+    def run(self, s):
+        return s.learn(self.exp)
+
+
+@dataclass(frozen=True)
+class RestoreRevision:
+    """A rollback: the learner goes on from revision k."""
+
+    k: int
+    sharded_only = False
+
+    def run(self, s):
+        return s.restore_revision(self.k)
 
 
 @dataclass(frozen=True)

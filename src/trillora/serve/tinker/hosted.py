@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from .tinker_types import BadRequest
+from ..calls import BadRequest
 
 LOCAL = "checkpoints are files under the server's --state-dir; load or sample a tinker:// path directly"
 LISTING = (

@@ -22,19 +22,22 @@ import itertools
 import json
 import threading
 import time
+from pathlib import Path
 
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
+from ...checkpoint.train_state import read_adapter_state
+from ..calls import BadRequest, SampleCall
+from ..face import Server
+from ..http import json_object, owner_of
+from ..registry import SERVED
+from ..worker import Job, Replayed
 from . import hosted, wire
 from .checkpoints import CheckpointStore
-from .face import Server
-from .http import json_object, owner_of
-from .registry import SERVED
-from .tinker_checks import sample_options
-from .tinker_futures import PROTO, Futures
-from .tinker_service import BadRequest, FwdBwd, SampleCall
-from .worker import Job, Replayed
+from .checks import sample_options
+from .futures import PROTO, Futures
+from .service import FwdBwd, TinkerService
 
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
@@ -48,7 +51,8 @@ CLIENT_CONFIG = {
 
 class TinkerRoutes:
     def __init__(self, server: Server):
-        self.server, self.cfg, self.service, self.worker = server, server.cfg, server.service, server.worker
+        self.server, self.cfg, self.worker = server, server.cfg, server.worker
+        self.service: TinkerService = server.service  # the whole service: the Tinker verbs
         self.futures = Futures(self.worker, self.cfg.poll_seconds, self.cfg.max_unread_mib << 20, self.cfg.max_futures)
         self.ids = itertools.count()  # names of states saved without one
         self.router = APIRouter()
@@ -164,7 +168,7 @@ class TinkerRoutes:
             "/api/v1/load_weights": lambda b: self._load_weights(b, owner),
             "/api/v1/create_sampling_session": lambda b: self._create_sampler(b, owner),
             "/api/v1/asample": lambda b: self._sample(b, owner),
-            "/api/v1/weights_info": self._weights_info,
+            "/api/v1/weights_info": lambda b: self._weights_info(b, owner),
         }
 
     def get(self, path: str) -> dict:
@@ -257,7 +261,7 @@ class TinkerRoutes:
 
     def _load_weights(self, b: dict, owner: str = "") -> dict:
         s, path, optimizer = self.service, b.get("path", ""), bool(b.get("optimizer", False))
-        s.resolve(path)
+        self._readable(path, owner)
         if "model_id" in b:  # the legacy form: a new client under the same id is not what it asks
             raise BadRequest(
                 "load_weights into an existing client is not supported; use "
@@ -279,6 +283,8 @@ class TinkerRoutes:
     def _create_sampler(self, b: dict, owner: str = "") -> dict:
         s = self.service
         seq = _seq(b, "sampling_session_seq_id")
+        if b.get("model_path"):
+            self._readable(b["model_path"], owner)
         sid = self.futures.now(
             lambda: s.create_sampler(b.get("session_id", ""), seq, b.get("model_path"), b.get("base_model")), owner
         )
@@ -316,14 +322,23 @@ class TinkerRoutes:
         out["sample_sequence_ids"] = [f"{out['request_id']}:{i}" for i in range(n)]
         return out
 
-    def _weights_info(self, b: dict) -> dict:
-        _, _, folder = self.service.resolve(b.get("tinker_path", ""))
-        meta = json.loads((folder / "state.json").read_text())
-        roles = set(meta["roles"])
+    def _readable(self, path: str, owner: str) -> Path:
+        """The folder of a tinker:// path this key may read: a run's checkpoint (`tinker://runs/...`,
+        names anyone can guess) only with the operator's key when there are several."""
+        _, kind, folder = self.service.resolve(path)
+        operator = self.cfg.operator()
+        if kind == "checkpoint" and operator is not None and owner != operator:
+            raise BadRequest("reading a run's checkpoint needs the operator's key (the first --api-key)", 403)
+        return folder
+
+    def _weights_info(self, b: dict, owner: str = "") -> dict:
+        folder = self._readable(b.get("tinker_path", ""), owner)
+        saved = read_adapter_state(folder)
+        roles = set(saved.lora["targets"])
         return {
             "base_model": self.cfg.model,
             "is_lora": True,
-            "lora_rank": meta["rank"],
+            "lora_rank": saved.lora["rank"],
             "train_attn": "attention" in roles,
             "train_mlp": bool(roles & {"mlp", "shared_experts", "experts"}),
             "train_unembed": "lm_head" in roles,

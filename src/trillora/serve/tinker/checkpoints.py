@@ -20,8 +20,8 @@ import shutil
 import time
 from pathlib import Path
 
-from .tinker_checks import resolve, state_path
-from .tinker_types import BadRequest
+from ..calls import BadRequest
+from .checks import resolve, state_path
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import TrilloraError
+from ...errors import TrilloraError
 
 DTYPES = {1: np.float32, 2: np.int64, 3: np.int32, 4: "bfloat16"}  # tinker_public.DType
 DTYPE_CODES = {np.dtype(np.float32): 1, np.dtype(np.int64): 2, np.dtype(np.int32): 3}
