@@ -88,6 +88,10 @@ BLOCKS = {  # the first command of each ```bash block -> (the test that runs it,
         "tests/test_context.py::test_the_context_budget_benchmark_runs_every_policy",
         SMALLER,
     ),
+    "torchrun --nproc-per-node 4 -m trillora serve tiny-moe-chat --tp 2 --ep 2 --record traces.db --learn learn.toml": (
+        "tests/test_learning_sharded.py::test_the_cli_learns_under_torchrun_and_rolls_back_on_every_rank",
+        SMALLER,
+    ),
     "torchrun --nproc-per-node 4 -m trillora train parallel.tp=2 parallel.ep=2": (
         "tests/test_parallel.py::test_torchrun_train_matches_single_process",
         SMALLER,

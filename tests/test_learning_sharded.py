@@ -142,6 +142,8 @@ def get_json(url: str, path: str) -> dict:
 
 LAYOUTS = {  # id: (ranks, service flags)
     "tp2-ep2": (4, {"tp": 2, "ep": 2}),
+    "pp2": (2, {"pp": 2}),
+    "pp2-ep2-microbatches2": (4, {"pp": 2, "ep": 2, "pp_microbatches": 2}),
     "dp2-fsdp": (2, {"fsdp": True}),
 }
 
@@ -164,20 +166,22 @@ def _refused(rank: int, world: int, root: str) -> None:
     path = os.path.join(root, f"gated-{rank}.toml")
     with open(path, "w") as f:
         f.write(LEARN.replace("[learn]\n", '[learn]\ngate = "traces"\n'))
-    with pytest.raises(ConfigError, match="learn.gate"):
+    with pytest.raises(ConfigError, match="leave learn.gate, parallel.micro_batch_rows"):
         follow_learning(service, path)
 
 
 def test_the_cli_learns_under_torchrun_and_rolls_back_on_every_rank(tmp_path):
-    """`torchrun --nproc-per-node 2 -m trillora serve MODEL --ep 2 --record STORE --learn CONFIG`
+    """`torchrun --nproc-per-node 4 -m trillora serve MODEL --tp 2 --ep 2 --record STORE --learn CONFIG`
     over a store with rewarded traces: revision 1 is published, a chat is answered with it (both
-    ranks serve it) and recorded as its, and a rollback reaches every rank."""
+    ranks serve it) and recorded as its, and a rollback reaches every rank (the docs' command, with
+    a free port and the test's files)."""
     (tmp_path / "learn.toml").write_text(LEARN)
     store = _store(str(tmp_path))
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
-        + ["-m", "trillora", "serve", MODEL, "--ep", "2", "--port", str(port), "--state-dir", str(tmp_path / "s")]
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port())]
+        + ["-m", "trillora", "serve", MODEL, "--tp", "2", "--ep", "2", "--port", str(port)]
+        + ["--state-dir", str(tmp_path / "s")]
         + ["--record", store, "--learn", str(tmp_path / "learn.toml")],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

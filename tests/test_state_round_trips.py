@@ -81,6 +81,25 @@ def test_a_state_the_slots_or_the_run_cannot_hold_is_refused_by_name(tmp_path):
         service.load_state(sid, 0, "tinker://runs/../checkpoints/step-000001", optimizer=True)
 
     folder = runs / "a32" / "checkpoints" / "step-000001"
+    (folder / "adapter.safetensors").write_bytes(b"planted")  # read as a run's checkpoint whatever else lies there
+    ok = TinkerService(ServeConfig(model="tiny-moe", state_dir=str(state_dir), lora_alpha=32.0))
+    ok.load_state(ok.create_session(), 0, "tinker://runs/a32/checkpoints/step-000001", optimizer=True)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "../../x": manifest["state.json"]}))
+    with pytest.raises(BadRequest, match="outside the checkpoint") as e:
+        ok.load_state(ok.create_session(), 0, "tinker://runs/a32/checkpoints/step-000001", optimizer=True)
+    assert e.value.status == 400 and str(state_dir) not in str(e.value)  # no server path in the answer
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    state = json.loads((folder / "state.json").read_text())
+    (folder / "state.json").write_text(json.dumps({**state, "layout": {"world": 2}}))
+    with pytest.raises(BadRequest, match="written by a torchrun layout"):
+        ok.load_state(ok.create_session(), 0, "tinker://runs/a32/checkpoints/step-000001", optimizer=True)
+    (folder / "state.json").write_text(json.dumps(state))
+    client = ok.load_state(ok.create_session(), 0, "tinker://runs/a32/checkpoints/step-000001", True)["model_id"]
+    ok.save_for_sampler(client, "w")
+    weights = state_dir / client.replace(":", "_") / "sampler_weights" / "w"
+    with pytest.raises(ConfigError, match="holds no AdamW state"):
+        Trainer(_config(tmp_path / "d", "d", "lora.alpha=32", f"checkpoint.resume_from={weights}")).run()
     with pytest.raises(
         ConfigError, match=r"this run's \[lora\] is \(8, 8, \['experts', 'mlp', 'shared_experts'\], 16.0"
     ):

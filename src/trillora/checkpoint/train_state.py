@@ -82,8 +82,10 @@ def restore_rank_tensors(
     params: dict[str, torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
     where: Path,
+    rng: bool = True,
 ) -> None:
-    """Put a rank file's tensors back in place, bit for bit; a missing or misshapen one names itself."""
+    """Put a rank file's tensors back in place, bit for bit; a missing or misshapen one names itself.
+    `rng`: the torch RNG too (a run's own checkpoint; another writer's RNG is not this process's)."""
     with torch.no_grad():
         for name, p in params.items():
             key = f"param.{name}"
@@ -125,7 +127,7 @@ def restore_rank_tensors(
                     else value
                 )
             state[k.rsplit(".", 1)[1]] = value
-    if "rng.torch" in tensors:  # a run's own checkpoint; another writer's RNG is not this run's
+    if rng:
         torch.set_rng_state(tensors["rng.torch"])
 
 
@@ -188,6 +190,8 @@ def verify(path: Path) -> None:
     except json.JSONDecodeError as e:
         raise CheckpointCorrupt(f"{manifest_path}: not JSON ({e.msg})") from None
     for name, entry in manifest.items():
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointCorrupt(f"{manifest_path}: names {name!r}, outside the checkpoint")
         f = path / name
         if not f.is_file():
             raise CheckpointCorrupt(f"{path}: {name} is missing")
@@ -246,29 +250,40 @@ class AdapterState:
     tensors: dict[str, torch.Tensor]
     optimizer_steps: int
     """AdamW steps taken (a Tinker client's optim_step calls; a run's steps × minibatches × epochs)."""
+    run_step: int | None = None
+    """A run checkpoint's step (None: a Tinker state)."""
 
 
-def read_adapter_state(folder: Path) -> AdapterState:
-    """The state in `folder`: a Tinker saved state (`adapter.safetensors`, `state.json`) or a
-    checkpoint of a one-process run (`rank-0.safetensors`, `state.json`, `config.toml`, verified
-    against its manifest); a checkpoint of a torchrun layout is refused by name (its tensors are
-    per-rank shards)."""
+def read_adapter_state(folder: Path, run: bool | None = None, tensors: bool = True) -> AdapterState:
+    """The state in `folder`: a Tinker saved state (`adapter.safetensors`, `state.json`) or, `run`
+    (None: whichever the folder holds), a checkpoint of a one-process run (`rank-0.safetensors`,
+    `state.json`, `config.toml`, verified against its manifest); a checkpoint of a torchrun layout
+    is refused by name (its tensors are per-rank shards). `tensors=False`: the settings alone, no
+    tensor read. A state.json that is not one names the folder (`CheckpointCorrupt`)."""
     import tomllib
 
     folder = Path(folder)
-    meta = json.loads((folder / "state.json").read_text())
-    if (folder / "adapter.safetensors").is_file():
-        lora = {"rank": meta["rank"], "targets": tuple(meta["roles"]), "expert_rank": meta.get("expert_rank")}
-        lora.update({k: meta[k] for k in ("alpha", "seed") if k in meta})
-        return AdapterState(lora, load_file(str(folder / "adapter.safetensors")), int(meta.get("steps", 0)))
-    verify(folder)
-    if meta.get("layout", {"world": 1}) != {"world": 1}:
-        raise CheckpointCorrupt(
-            f"{folder} was written by a torchrun layout ({meta['layout']}): its tensors are per-rank "
-            "shards; resume that run with the same layout, or use its exported adapter/"
-        )
-    lora = tomllib.loads((folder / "config.toml").read_text())["lora"]
-    lora["targets"] = tuple(lora.get("targets", ()))
-    tensors = load_file(str(folder / "rank-0.safetensors"))
-    steps = [int(t) for k, t in tensors.items() if k.startswith("optim.") and k.endswith(".step")]
-    return AdapterState(lora, tensors, max(steps, default=0))
+    try:
+        meta = json.loads((folder / "state.json").read_text())
+        if run is None:  # a run's checkpoint has its config beside its rank files; a Tinker state neither
+            run = (folder / "config.toml").is_file() and (folder / "rank-0.safetensors").is_file()
+        if not run:
+            lora = {"rank": meta["rank"], "targets": tuple(meta["roles"]), "expert_rank": meta.get("expert_rank")}
+            lora.update({k: meta[k] for k in ("alpha", "seed") if k in meta})
+            read = load_file(str(folder / "adapter.safetensors")) if tensors else {}
+            return AdapterState(lora, read, int(meta.get("steps", 0)))
+        if meta.get("layout", {"world": 1}) != {"world": 1}:
+            raise CheckpointCorrupt(
+                f"{folder} was written by a torchrun layout ({meta['layout']}): its tensors are per-rank "
+                "shards; resume that run with the same layout, or use its exported adapter/"
+            )
+        lora = tomllib.loads((folder / "config.toml").read_text())["lora"]
+        lora["targets"] = tuple(lora.get("targets", ()))
+        if not tensors:
+            return AdapterState(lora, {}, 0, int(meta["step"]))
+        verify(folder)
+        read = load_file(str(folder / "rank-0.safetensors"))
+    except (OSError, KeyError, TypeError, ValueError) as e:  # JSON, TOML and safetensors errors are ValueErrors
+        raise CheckpointCorrupt(f"{folder}: not a saved adapter state ({type(e).__name__}: {e})") from None
+    steps = [int(t) for k, t in read.items() if k.startswith("optim.") and k.endswith(".step")]
+    return AdapterState(lora, read, max(steps, default=0), int(meta["step"]))

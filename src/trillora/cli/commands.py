@@ -98,6 +98,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.learn and not args.record:
         raise ConfigError("--learn trains on recorded traffic: give --record STORE too")
     if launched():
+        if args.learn:  # refused before the process group starts, on every rank alike
+            from ..trainer.learner import check_parallel
+
+            check_parallel(_learn_config(args.learn))
         return _serve_parallel(cfg, args.learn)
     if _sharded(cfg):
         p = cfg.parallel

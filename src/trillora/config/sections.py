@@ -232,9 +232,9 @@ class CheckpointSection:
     """Complete checkpoints kept; older ones are deleted after a newer one is in place."""
     resume_from: str = ""
     """Start from a saved adapter state instead of step 0 (when this run has no checkpoint of its
-    own to resume): a Tinker client's saved state (`<state_dir>/<model id>/weights/<name>` of
-    `trillora serve --tinker`) or a checkpoint folder of another one-process run. Its LoRA settings
-    must be this run's; the run starts at the step its AdamW steps make (÷ minibatches × epochs)."""
+    own to resume): a Tinker client's `save_state` (`<state_dir>/<model id, ":" as "_">/weights/<name>`
+    of `trillora serve --tinker`), at the step its AdamW steps make (÷ minibatches × epochs), or a
+    checkpoint folder of another one-process run, at its step. Its LoRA settings must be this run's."""
 
     def validate(self) -> None:
         _check_positive("checkpoint.every", self.every, zero_ok=True)

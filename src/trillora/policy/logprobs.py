@@ -30,8 +30,18 @@ def token_logprobs(
 
     Under context parallelism (`model.context_parallel`) the model returns this rank's tokens
     only; their logprobs are gathered into whole rows, the same on every rank of the group."""
+    return next_token_logprobs_of(
+        model, model.lm_head(model.hidden_states(input_ids)), input_ids, temperature, with_entropy
+    )
+
+
+def next_token_logprobs_of(
+    model, logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of logits the model already gave for `input_ids` ([B, T or t, V]: a pipeline
+    stage's, `parallel.staged`)."""
     cp = getattr(model, "context_parallel", None)
-    logits = model.lm_head(model.hidden_states(input_ids)).float()  # [B, T or t, V]; slice after the head
+    logits = logits.float()  # [B, T or t, V]; slice after the head
     if cp is None:
         logits, targets = logits[:, :-1], input_ids[:, 1:]
     else:

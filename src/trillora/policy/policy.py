@@ -28,7 +28,7 @@ from torch import nn
 from .. import lora
 from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
 from ..parallel.data_parallel import GradientSync
-from .logprobs import shared_prompt_logprobs, token_logprobs
+from .logprobs import next_token_logprobs_of, shared_prompt_logprobs, token_logprobs
 from .optimizer import StepOutcome, optimizer_step
 from .world import World
 
@@ -90,9 +90,8 @@ class Policy:
         with contextlib.nullcontext() if adapter else lora.disable_adapter(self.model):
             if self.pipeline is not None:
                 return self.pipeline.logprobs(rows.ids, temperature)[0]
-            return self._logprobs(
-                rows, torch.arange(len(rows), device=rows.ids.device), temperature, False, whole_rows
-            )[0]
+            everything = torch.arange(len(rows), device=rows.ids.device)
+            return self.from_last(self._logprobs(rows, everything, temperature, False, whole_rows)[0])
 
     def forward_backward(
         self,
@@ -108,18 +107,34 @@ class Policy:
         replay hooks: checkpointed layers replay in backward too)."""
         if self.pipeline is not None:
             return float(self.pipeline.train_step(rows.ids, loss, temperature))
-        total = 0.0
+        total, stages = 0.0, self.world.stages
+        if stages is not None:  # a pass's row chunks in flight (GPipe), as the service's passes have them
+            stages.microbatches = self.world.dims.pp_microbatches or self.world.dims.pp
         for idx in torch.arange(len(rows), device=rows.ids.device).split(micro_rows or len(rows)):
             with around(idx) if around is not None else contextlib.nullcontext(False) as whole:
                 logp, entropy = self._logprobs(rows, idx, temperature, True, whole)
-                part = loss(logp, entropy, idx)
-                part.backward()
-            total = total + part.detach()
-        return float(total)
+                part = loss(logp, entropy, idx) if logp is not None else None  # a stage's: the last one's
+                if stages is not None:
+                    stages.backward(part)  # the loss's gradient crosses the stages from the last
+                else:
+                    part.backward()
+            total = total + (part.detach() if part is not None else 0.0)
+        return float(self.from_last(float(total)) if stages is not None else total)
+
+    def from_last(self, obj):
+        """What the last pipeline stage made (a pass's logprobs, a loss's metrics) on every stage."""
+        if self.pipeline is not None:
+            return self.pipeline.share_from_last(obj)
+        return self.world.stages.from_last(obj) if self.world.stages is not None else obj
 
     def _logprobs(self, rows: Rows, idx: torch.Tensor, temperature: float, with_entropy: bool, whole_rows: bool):
         """Logprobs (and entropies) [m, T-1] of rows `idx`; each group's prompt runs once when they are
-        whole groups."""
+        whole groups. On a service's pipeline stage: the last stage's, (None, None) before it."""
+        if self.world.stages is not None:
+            logits = self.model(rows.ids[idx])  # [m, T, V] on the last stage, None elsewhere
+            if logits is None:
+                return None, None
+            return next_token_logprobs_of(self.model, logits, rows.ids[idx], temperature, with_entropy)
         if not whole_rows and rows.shared(idx):
             return shared_prompt_logprobs(
                 self.model,
@@ -150,9 +165,10 @@ class Policy:
         """This rank's adapter (or weights) and AdamW state as one file's tensors."""
         return rank_tensors(self.named, self.opt)
 
-    def load(self, tensors: dict[str, torch.Tensor], where) -> None:
-        """`state()`'s tensors back in place; `where` names the file in errors."""
-        restore_rank_tensors(tensors, self.named, self.opt, where)
+    def load(self, tensors: dict[str, torch.Tensor], where, rng: bool = True) -> None:
+        """`state()`'s tensors back in place; `where` names the file in errors; `rng`: the torch RNG
+        too (this run's own state)."""
+        restore_rank_tensors(tensors, self.named, self.opt, where, rng)
 
     def unsharded(self) -> nn.Module | None:
         """The whole model with the current adapter (`World.unsharded`): every rank joins; rank 0

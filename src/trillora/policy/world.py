@@ -167,10 +167,14 @@ class World:
         return from_rank0(payload if self.main else None) if self.size > 1 else payload
 
     def rows(self, b: int) -> slice:
-        """This rank's rows of b: contiguous blocks by data-parallel rank (equal when dp divides b,
-        as the trainer's batches do; a learner's round may leave one rank a row fewer)."""
-        lo, hi = self.block(b)
-        return slice(lo, hi)
+        """This rank's rows of b: contiguous equal blocks by data-parallel rank."""
+        dp = self.dims.dp
+        if b % dp:
+            raise ConfigError(
+                f"a minibatch of {b} rows does not split over dp={dp}: make rollout.prompts_per_step × "
+                f"group_size a multiple of algorithm.minibatches × dp"
+            )
+        return slice(*self.block(b))
 
     def any(self, flag: bool) -> bool:
         """True on every rank when it is True on one (a stop request every rank must act on)."""

@@ -88,8 +88,13 @@ class RunCheckpoints:
         if not (path / "state.json").is_file():
             raise ConfigError(f"checkpoint.resume_from={named!r}: no saved state there (no state.json)")
         saved = train_state.read_adapter_state(path)
+        if not any(k.startswith("optim.") for k in saved.tensors) or "alpha" not in saved.lora:
+            raise ConfigError(
+                f"checkpoint.resume_from={named!r} holds no AdamW state or no LoRA alpha (a sampler's "
+                "weights, or a state saved before states recorded alpha): resume from a save_state"
+            )
         lc, a, top_k = t.cfg.lora, t.cfg.algorithm, t.model.args.top_k
-        theirs = lora.LoraConfig(**{"alpha": lc.alpha, **saved.lora})  # a Tinker state keeps no alpha before this one
+        theirs = lora.LoraConfig(**saved.lora)
 
         def shape(c):
             return c.rank, c.rank_for_experts(top_k), sorted(c.targets), c.alpha, c.rslora
@@ -100,13 +105,13 @@ class RunCheckpoints:
                 f"{shape(theirs)}; this run's [lora] is {shape(lc)}: set it to match"
             )
         per_step = a.epochs * a.minibatches
-        if saved.optimizer_steps % per_step:
+        if saved.run_step is None and saved.optimizer_steps % per_step:
             raise ConfigError(
                 f"checkpoint.resume_from={named!r} took {saved.optimizer_steps} AdamW steps, not a whole number of "
                 f"this run's steps of {per_step} (algorithm.epochs × minibatches)"
             )
-        t.policy.load(saved.tensors, path)
-        step = saved.optimizer_steps // per_step
+        t.policy.load(saved.tensors, path, rng=False)  # the writer's RNG is not this run's
+        step = saved.run_step if saved.run_step is not None else saved.optimizer_steps // per_step
         self.console.print(f"starting from {path} at step {step}")
         t.sync_engine()
         return Resumed(step=step, state=None)

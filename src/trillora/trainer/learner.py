@@ -10,7 +10,8 @@ Each round (`step`, run on the server's one compute thread, between served reque
                                            behaviour (algorithm.mismatch), clip, KL, AdamW
     publish(revision k + 1)                new requests get it; requests in flight finish on theirs
 
-The update is `trillora train`'s (`trainer.update.PolicyUpdate`, a client of `policy.Policy`) on a world of one, so the
+The update is `trillora train`'s (`trainer.update.PolicyUpdate`, a client of `policy.Policy`), on a
+world of one or on a parallel server's ranks (every rank runs each round), so the
 off-policy gap of traffic served by an older revision is corrected by the same importance
 weights, masks and metrics (`is_ratio_*`) as the gap between an engine and the trainer. Every
 published revision is written (adapter and AdamW state, atomically) under the state folder, and
@@ -42,6 +43,18 @@ from .gates import make_gate
 from .update import PolicyUpdate
 
 
+def check_parallel(cfg) -> None:
+    """What a learner on several ranks cannot do yet, refused by name: learn.gate samples with the
+    revision on one process, and a round's rows split unevenly over the ranks (micro-batches of
+    `parallel.micro_batch_rows`, or `parallel = "auto"`'s, would give them different numbers of passes)."""
+    if cfg.learn.gate or cfg.parallel.micro_batch_rows or cfg.parallel.auto:
+        raise ConfigError(
+            '--learn under torchrun: leave learn.gate, parallel.micro_batch_rows and parallel = "auto" '
+            "unset (a gate samples on one process; a round's rows split unevenly over the ranks), or "
+            "serve in one process"
+        )
+
+
 class Learner:
     def __init__(
         self,
@@ -64,20 +77,18 @@ class Learner:
         self.base, self.store, self.cfg, self.publish, self.owners = base, store, cfg, publish, owners
         self.folder, self.device, self.tokenizer = Path(folder), device, tokenizer
         self.pad_id = (tokenizer.pad_token_id or 0) if tokenizer is not None else 0
+        world = world if world is not None else World(0, 1, ParallelDims(dp=1, fsdp=False), None, device)
+        if world.size > 1:
+            check_parallel(cfg)
         lc, o = cfg.lora, cfg.optim
         self.adapter = base.new_adapter(lc.rank, tuple(lc.targets), cfg.seed, lc.expert_rank)
         params = self.adapter.params
         self.adapter.optimizer = adamw(params.values(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        world = world if world is not None else World(0, 1, ParallelDims(dp=1, fsdp=False), None, device)
-        if world.size > 1 and (world.dims.pp > 1 or cfg.learn.gate):
-            raise ConfigError(
-                "--learn under torchrun: a pipeline-parallel base (--pp) and learn.gate (it samples on "
-                "one process) are not supported yet; serve with --tp / --ep / --cp, or in one process"
-            )
         self.world = world
         sync = world.gradient_sync(params, base.placement)  # None in one process
         self.policy = Policy(base.model, world, params, self.adapter.optimizer, sync=sync)
         self.update = PolicyUpdate(self.policy, cfg)
+        self.update.uneven = world.size > 1  # one process keeps the trainer's split, bit for bit
         self.baselines = Baselines(cfg.learn.baseline_decay)
         self.score = reward_function(cfg.learn.reward)
         self.revision = 0

@@ -64,6 +64,9 @@ class PolicyUpdate:
                 "algorithm.router_replay runs whole rows on each rank; it does not combine with "
                 "parallel.pp, parallel.cp or parallel.sp yet"
             )
+        self.uneven = False
+        """Batches need not split evenly (a learner's rounds): minibatches differ by at most a row and
+        the data-parallel ranks' shares too; else a share that does not divide is refused."""
         self.skipped_updates = 0  # optimizer steps skipped for a non-finite loss or gradient (whole run)
         self.nonfinite_in_a_row = 0
 
@@ -86,8 +89,10 @@ class PolicyUpdate:
         (what sharing each group's prompt needs)."""
         a, g = self.algorithm, batch.group_size or 1
         shares, minibatches, start = [], [], 0
-        for rows in torch.arange(batch.num_rows).chunk(a.minibatches):  # global rows of each minibatch
-            mine = rows[self.world.rows(len(rows))]
+        everything = torch.arange(batch.num_rows)
+        cut = everything.tensor_split(a.minibatches) if self.uneven else everything.chunk(a.minibatches)
+        for rows in cut:  # global rows of each minibatch
+            mine = rows[slice(*self.world.block(len(rows))) if self.uneven else self.world.rows(len(rows))]
             shares.append(mine)
             minibatches.append(
                 Minibatch(
@@ -113,8 +118,7 @@ class PolicyUpdate:
             for mb in minibatches:
                 losses.append(self._minibatch(local, whole_groups, fixed, mb, replay, parts, measure=epoch == 0))
                 steps.append(self._optimizer_step())
-        if self.policy.pipeline is not None:
-            parts = self.policy.pipeline.share_from_last(parts)
+        parts = self.policy.from_last(parts)  # the losses ran on the last pipeline stage
         per_token, tokens = token_weighted_mean(parts)
         averaged = combine_steps(steps)
         averaged.update(replay.metrics() if replay is not None else {})  # this rank's rows (rank 0 logs)

@@ -47,7 +47,8 @@ class CheckpointStore:
         used = 0
         for folder, dirs, files in os.walk(self.root):  # links are not followed
             if folder == str(self.root):
-                dirs[:] = [d for d in dirs if d != "learner"]  # a learning server's revisions are not saved states
+                # a learning server's revisions and the runs trained under the folder are not saved states
+                dirs[:] = [d for d in dirs if d not in ("learner", "runs")]
             for name in files:
                 with contextlib.suppress(OSError):
                     used += os.lstat(os.path.join(folder, name)).st_blocks * 512

@@ -27,13 +27,12 @@ from pathlib import Path
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from ...checkpoint.train_state import read_adapter_state
 from ..calls import BadRequest, SampleCall
 from ..face import Server
 from ..http import json_object, owner_of
 from ..registry import SERVED
 from ..worker import Job, Replayed
-from . import hosted, wire
+from . import hosted, states, wire
 from .checkpoints import CheckpointStore
 from .checks import sample_options
 from .futures import PROTO, Futures
@@ -332,8 +331,8 @@ class TinkerRoutes:
         return folder
 
     def _weights_info(self, b: dict, owner: str = "") -> dict:
-        folder = self._readable(b.get("tinker_path", ""), owner)
-        saved = read_adapter_state(folder)
+        path = b.get("tinker_path", "")
+        saved = states.saved_state(self._readable(path, owner), self.service.resolve(path)[1], path, tensors=False)
         roles = set(saved.lora["targets"])
         return {
             "base_model": self.cfg.model,

@@ -13,14 +13,13 @@ Shape legend: B datums, T tokens (padded), V vocabulary, N one datum's tokens, K
 
 from __future__ import annotations
 
-import contextlib
 import math
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ...checkpoint.train_state import read_adapter_state
 from ...policy import adamw
 from ...policy.adapters import Revision, roles_of
 from ...policy.logprobs import target_logprobs
@@ -53,7 +52,7 @@ from .commands import (
 from .types import FwdBwd
 from .wire import Datum
 
-__all__ = ["BadRequest", "FwdBwd", "SampleCall", "ServeConfig", "TinkerService"]
+__all__ = ["FwdBwd", "TinkerService"]
 
 
 class TinkerService:
@@ -97,10 +96,16 @@ class TinkerService:
     # --- the other ranks --------------------------------------------------------------------
     def follow(self) -> None:
         """Ranks > 0: run rank 0's commands until it says stop. A command's BadRequest is rank 0's to
-        answer; here it only means the same nothing happened."""
+        answer; here it only means the same nothing happened. Any other failure (a learner's round
+        that raised, as rank 0's did) is printed, and the rank goes on following: leaving would
+        take the process group from under rank 0."""
         while not isinstance(command := self.ranks.receive(), Stop):
-            with contextlib.suppress(BadRequest):
+            try:
                 command.run(self)
+            except BadRequest:
+                pass
+            except Exception as e:  # noqa: BLE001 - rank 0 answers the caller; this rank stays in step
+                print(f"rank {self.ranks.rank}: {type(command).__name__}: {type(e).__name__}: {e}", file=sys.stderr)
         dist.barrier()  # with rank 0's in `stop`: no rank tears the group down while another still receives
 
     def stop(self) -> None:
@@ -312,22 +317,17 @@ class TinkerService:
         client = self.client(model_id)
         lr, b1, b2, eps, wd, clip = adam_settings(adam)  # refused before the gradients are summed: a retry sums once
         a = client.adapter
-        params = list(a.params.values())
-        self.ranks.join_gradients(params)
-        if a.optimizer is None:
-            a.optimizer = adamw(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+        self.ranks.join_gradients(list(a.params.values()))
+        settings = {"lr": lr, "betas": (b1, b2), "eps": eps, "weight_decay": wd}
+        a.optimizer = a.optimizer or adamw(a.params.values(), **settings)
         for g in a.optimizer.param_groups:
-            g.update(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
-        outcome, _ = self.policy(a).optim_step(clip)
+            g.update(settings)
+        sync = self.ranks.gradient_sync(a.params, self.base.placement)  # the client's adapter as a Policy
+        outcome, _ = Policy(self.base.model, self.ranks, a.params, a.optimizer, sync=sync).optim_step(clip)
         if not outcome.stepped:  # a NaN never reaches the adapter
             raise BadRequest("the accumulated gradient is not finite; the step was dropped")
         a.steps += 1
         return {"metrics": {"grad_norm:mean": outcome.norm}}
-
-    def policy(self, adapter) -> Policy:
-        """A training client's adapter as a `Policy` on the resident base (its AdamW made)."""
-        sync = self.ranks.gradient_sync(adapter.params, self.base.placement)
-        return Policy(self.base.model, self.ranks, adapter.params, adapter.optimizer, sync=sync)
 
     # --- saved states --------------------------------------------------------------------
     def state_path(self, model_id: str, kind: str, name: str) -> tuple[str, Path]:
@@ -359,8 +359,8 @@ class TinkerService:
         if model_path is None:
             self.check_base_model(base_model)
             return self.registry.add_sampler(sid, seq, Revision(None))
-        _, _, folder = self.resolve(model_path)
-        saved = read_adapter_state(folder)
+        _, kind, folder = self.resolve(model_path)
+        saved = states.saved_state(folder, kind, model_path)
         config = states.slot_config(self, saved.lora, model_path)
         tensors = {k[len("param.") :]: v for k, v in saved.tensors.items() if k.startswith("param.")} or saved.tensors
         tensors = {

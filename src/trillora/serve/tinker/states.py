@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from ... import lora
 from ...checkpoint.atomic import AtomicFolder
-from ...checkpoint.train_state import rank_tensors, read_adapter_state, restore_rank_tensors
+from ...checkpoint.train_state import CheckpointCorrupt, rank_tensors, read_adapter_state, restore_rank_tensors
 from ...policy import adamw
 from ...policy.adapters import SLOT_ROLES, ResidentBase
 from ..calls import BadRequest
@@ -59,6 +59,15 @@ def save_state(service: TinkerService, model_id: str, name: str, optimizer: bool
     return {"path": path, "type": "save_weights"}
 
 
+def saved_state(folder: Path, kind: str, tinker_path: str, tensors: bool = True):
+    """`train_state.read_adapter_state` of a resolved tinker:// path (a run's checkpoint read as one
+    whatever else its folder holds); one it cannot read is a 400 naming the path."""
+    try:
+        return read_adapter_state(folder, run=kind == "checkpoint", tensors=tensors)
+    except CheckpointCorrupt as e:
+        raise BadRequest(f"{tinker_path!r} cannot be read: {e}".replace(str(folder), "its folder")) from None
+
+
 def slot_config(service: TinkerService, lora_fields: dict, where: str) -> lora.LoraConfig:
     """The slot adapter's LoRA settings for a saved state's (`train_state.read_adapter_state`), or
     BadRequest naming what the resident base's slots cannot hold: they adapt whole roles at the
@@ -87,7 +96,7 @@ def load_state(service: TinkerService, sid: str, seq: int, tinker_path: str, opt
     _, kind, folder = service.resolve(tinker_path)
     if kind == "sampler_weights":
         raise BadRequest(f"{tinker_path!r} holds sampler weights; load a tinker://.../weights/... state")
-    saved = read_adapter_state(folder)
+    saved = saved_state(folder, kind, tinker_path)
     config = slot_config(service, saved.lora, tinker_path)
     tensors = service.base.placement.here(saved.tensors)
     adapter = service.base.adapter_from(
@@ -95,7 +104,9 @@ def load_state(service: TinkerService, sid: str, seq: int, tinker_path: str, opt
     )
     adapter.optimizer = adamw(adapter.params.values())
     if optimizer:
-        restore_rank_tensors(service.base.placement.local(tensors), adapter.params, adapter.optimizer, folder)
+        restore_rank_tensors(
+            service.base.placement.local(tensors), adapter.params, adapter.optimizer, folder, rng=False
+        )
         meta = json.loads((folder / "state.json").read_text())
         for g, kept in zip(adapter.optimizer.param_groups, meta.get("param_groups", []), strict=False):
             g.update({k: tuple(v) if isinstance(v, list) else v for k, v in kept.items()})
