@@ -157,17 +157,23 @@ def test_a_learning_server_on_sharded_ranks_publishes_one_process_revisions(tmp_
 
 
 def test_what_a_sharded_learner_cannot_do_yet_is_named(tmp_path):
-    """A gate samples on one process: a learner with one is refused by name under torchrun."""
+    """A gate samples on one process and micro-batches of unevenly split rows pass a different number
+    of times on each rank: a learner with either is refused by name under torchrun."""
     run_ranks(_refused, 2, str(tmp_path))
 
 
 def _refused(rank: int, world: int, root: str) -> None:
     service = TinkerService(serve_config(model=MODEL, state_dir=os.path.join(root, str(rank)), ep=2))
-    path = os.path.join(root, f"gated-{rank}.toml")
-    with open(path, "w") as f:
-        f.write(LEARN.replace("[learn]\n", '[learn]\ngate = "traces"\n'))
-    with pytest.raises(ConfigError, match="leave learn.gate, parallel.micro_batch_rows"):
-        follow_learning(service, path)
+    gated = 'gate = "traces"\nreward = "reward_fns:even_first_token"\n'
+    for i, extra in enumerate(("[parallel]\nmicro_batch_rows = 2\n", "", "")):
+        path = os.path.join(root, f"refused-{rank}-{i}.toml")
+        with open(path, "w") as f:
+            f.write(LEARN + (gated if i == 1 else "") + extra)
+        if i == 2:  # the same learner is fine without them
+            follow_learning(service, path)
+            continue
+        with pytest.raises(ConfigError, match="leave learn.gate, parallel.micro_batch_rows"):
+            follow_learning(service, path)
 
 
 def test_the_cli_learns_under_torchrun_and_rolls_back_on_every_rank(tmp_path):
