@@ -21,6 +21,8 @@ from trillora.serve.tinker.service import FwdBwd, TinkerService
 from trillora.serve.tinker.wire import Datum
 from trillora.trainer import Trainer
 
+pytestmark = pytest.mark.slow  # trains runs and starts services
+
 
 def _config(out, name: str, *overrides: str):
     return load_config(None, [f"out_dir={out}", f"name={name}", *SMALL_RUN, "checkpoint.every=1", *overrides])
