@@ -23,6 +23,7 @@ import torch
 from docs_pages import bash_block
 from engine_helpers import post_json, running_server, serve_process
 
+from trillora.checkpoint.train_state import read_adapter_state
 from trillora.cli.commands import start_learning
 from trillora.config import load_config
 from trillora.policy.logprobs import token_logprobs
@@ -150,6 +151,12 @@ def test_traces_from_an_older_revision_carry_their_importance_ratios(service, tm
         state["exp_avg"],
         again.adapter.optimizer.state[again.adapter.params[next(iter(again.adapter.params))]]["exp_avg"],
     )
+    # a revision is a saved state like a Tinker client's (`read_adapter_state`: what load_state and resume_from read)
+    saved = read_adapter_state(tmp_path / "learner" / "revision-4")
+    assert saved.optimizer_steps == 1 and saved.lora["rank"] == learner.adapter.config.rank
+    assert saved.lora["targets"] == tuple(learner.adapter.config.targets) and saved.lora["alpha"] == service.base.alpha
+    for k, p in learner.adapter.params.items():
+        assert torch.equal(saved.tensors[f"param.{k}"], p.detach()), k
 
 
 def test_unscored_traces_take_the_reward_function_and_a_bad_one_is_left_out(service, tmp_path):

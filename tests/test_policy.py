@@ -109,3 +109,32 @@ def test_state_then_load_resumes_to_the_same_next_step():
     other.optim_step()
     for p, q in zip(other.params, went_on, strict=True):
         torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+
+
+def test_save_writes_one_saved_state_that_reads_back_and_resumes(tmp_path):
+    """`Policy.save`: the state any face reads (`read_adapter_state`), with the AdamW steps taken; its
+    tensors loaded into another policy take the same next step."""
+    from trillora.checkpoint.train_state import read_adapter_state, state_meta
+
+    policy, rows = _policy(), _rows()
+    weights = torch.rand(4, 4, generator=torch.Generator().manual_seed(5))
+    for _ in range(2):
+        policy.forward_backward(rows, _loss(weights))
+        policy.optim_step()
+    config = lora.LoraConfig(rank=4, targets=("attention", "experts"))
+    policy.save(tmp_path / "state", state_meta(config, policy.steps, policy.opt))
+    saved = read_adapter_state(tmp_path / "state")
+    assert saved.optimizer_steps == policy.steps == 2 and saved.lora["targets"] == ("attention", "experts")
+    assert saved.lora["rank"] == 4 and saved.lora["alpha"] == config.alpha
+    here = policy.state()
+    for k, t in here.items():
+        if k != "rng.torch":
+            assert torch.equal(saved.tensors[k], t), k
+    policy.forward_backward(rows, _loss(weights))
+    policy.optim_step()
+    other = _policy()
+    other.load(saved.tensors, tmp_path / "state", rng=False)
+    other.forward_backward(rows, _loss(weights))
+    other.optim_step()
+    for p, q in zip(other.params, policy.params, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0)

@@ -213,9 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
     def at(t: float) -> int:  # conversations served by wall-clock time t
         return max((n for when, n in traffic if when <= t), default=0)
 
-    history = json.loads((work / "state" / "learner" / f"revision-{listing['current']}" / "learner.json").read_text())[
-        "history"
-    ]
+    revision = work / "state" / "learner" / f"revision-{listing['current']}"
+    history = json.loads((revision / "state.json").read_text())["learner"]["history"]
     report = {
         "command": "python examples/product/run.py " + " ".join(argv or sys.argv[1:]),
         "model": "tiny-moe-chat",

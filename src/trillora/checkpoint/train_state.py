@@ -20,6 +20,7 @@ import hashlib
 import json
 import random
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,6 +154,25 @@ def restore_python_rng(state: dict) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
+def state_meta(config, steps: int, optimizer: torch.optim.Optimizer | None = None, **extra) -> dict:
+    """A saved state's `state.json`: the LoRA settings of `config` (a `lora.LoraConfig`), the AdamW
+    steps taken and its settings (`param_groups`), and what else its writer keeps (`extra`)."""
+    meta = {"rank": config.rank, "roles": list(config.targets), "alpha": config.alpha, "seed": config.seed}
+    meta |= {"expert_rank": config.expert_rank, "steps": steps, "time": time.time()}
+    if optimizer is not None:
+        meta["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return meta | extra
+
+
+def write_state(folder: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """One saved state, whichever face writes it (a Tinker client's state or sampler weights, a
+    learner's revision): `adapter.safetensors` (whole tensors) and `state.json` (`state_meta`),
+    written atomically: a kill leaves the folder as it was or the new state, never half of one."""
+    with AtomicFolder(folder) as tmp:
+        save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(tmp / "adapter.safetensors"))
+        (tmp / "state.json").write_text(json.dumps(meta))
+
+
 def write_rank_file(root: Path, step: int, rank: int, tensors: dict[str, torch.Tensor]) -> None:
     part = partial_dir(root, step)
     part.mkdir(parents=True, exist_ok=True)
@@ -242,7 +262,7 @@ def clear_partials(root: Path) -> None:
 @dataclass
 class AdapterState:
     """An adapter's saved state, whichever face wrote it: a `trillora train` checkpoint of one
-    process, or a Tinker client's saved state (`serve.tinker.states`). Both hold the adapter and
+    process, a Tinker client's saved state (`serve.tinker.states`) or a learner's revision. All hold the adapter and
     AdamW moments as `rank_tensors` names (`param.<module>.lora_X`, `optim.<module>.lora_X.<key>`)."""
 
     lora: dict

@@ -1,24 +1,25 @@
-"""Sampling with the sharded policy itself under torchrun: every rank decodes its part in lock step.
+"""Sampling a sharded policy in lock step: the one protocol by which every rank decodes its shard.
 
-`trillora train` samples on rank 0, where its tasks, envs and rewards live. Under torchrun no rank
-holds the whole policy, so rank 0's engine calls reach every rank as typed commands (`Generate`,
-`Forget`; `None` ends a phase of sampling, `release()`), and the other ranks serve them in
-`follow()`:
+No rank holds the whole policy under torchrun, so a `generate` runs on every rank:
 
 - the drivers, data-parallel rank 0's tp / cp / pp ranks, run the same `generate`: the same logits
   after tp's all-reduces and the last stage's broadcast, the same seeded generator, so the same
   tokens. Context parallelism is off meanwhile (each cp rank runs whole rows) and a
   vocabulary-parallel head's slices are gathered;
-- every other rank runs one token through its shard for each forward of the drivers (rank 0
-  announces each), so that FSDP's gathers and the expert all-to-alls pair up.
+- before each forward of the drivers rank 0 announces what it needs (`say()`: the adapters it
+  applies), and every other rank runs one token through its shard with it (`hear`), so that FSDP's
+  gathers and the expert all-to-alls pair up; None ends the call.
 
-Nothing is copied: the engine samples with the policy's own weights, adapters unmerged, as
-`serve.sampling` does for a sharded service.
+`Lockstep` is that protocol, for both of its users: `trillora train`'s engine under torchrun
+(`LockstepEngine`: rank 0's `LocalEngine` calls reach every rank as typed commands, `Generate` and
+`Forget`, until `release()`), and a sharded service's sampling (`serve.sampling`). Nothing is
+copied: the policy samples with its own weights, adapters unmerged.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,51 @@ from torch import nn
 from ..parallel.vocab_parallel import gather_vocab
 from ..rollout.local import LocalEngine
 from ..rollout.types import SamplingParams
-from .world import from_rank0
+from .world import World, from_rank0
+
+
+class Lockstep:
+    def __init__(self, module: nn.Module, world: World, context, head: nn.Module | None, say: Callable, hear: Callable):
+        """`module`: what the drivers' decoder calls once per forward; `context`: the context-parallel
+        wrapper to switch off (or None); `head`: a vocabulary-parallel head this rank runs (or None);
+        `say()`: rank 0's payload before a forward; `hear(payload)`: a follower's forward with it."""
+        self.module, self.world, self.context, self.head, self.say, self.hear = module, world, context, head, say, hear
+        self.driver = world.dp_rank == 0
+
+    def drive(self, work):
+        """The drivers: `work()` (their `generate`), each forward announced; then the followers are let go."""
+        hook = self.module.register_forward_pre_hook(self._announce, prepend=True)  # before FSDP's gathers
+        try:
+            with self.decoding():
+                return work()
+        finally:
+            hook.remove()
+            from_rank0(None)
+
+    def _announce(self, module, args) -> None:
+        from_rank0(self.say())  # a pre-hook's return value would replace the forward's arguments
+
+    def follow(self) -> None:
+        """The other ranks: one forward per announcement, until the drivers' call ends."""
+        with self.decoding(), torch.no_grad():
+            while (payload := from_rank0(None)) is not None:
+                self.hear(payload)
+
+    @contextlib.contextmanager
+    def decoding(self):
+        """Whole rows and whole logits on every rank: context parallelism off (each cp rank runs the
+        same tokens), a vocabulary-parallel head's slices gathered over tp, and on a service's
+        pipeline stages the last stage's logits shared with every stage."""
+        with contextlib.ExitStack() as stack:
+            if self.context is not None:
+                stack.enter_context(self.context.off())
+            if self.head is not None:
+                group = self.world.group("tp")
+                hook = self.head.register_forward_hook(lambda m, args, out: gather_vocab(out, group))
+                stack.callback(hook.remove)
+            if self.world.stages is not None:
+                stack.enter_context(self.world.stages.sharing_logits())
+            yield
 
 
 @dataclass(frozen=True)
@@ -43,23 +88,21 @@ class Forget:
 
 
 class LockstepEngine:
-    """Rank 0's `LocalEngine` calls, run by every rank of a sharded policy."""
+    """Rank 0's `LocalEngine` calls, run by every rank of `trillora train`'s sharded policy."""
 
     returns_routing = True
     in_place = True  # it samples with the trained weights themselves (`Policy.publish`)
     model = None  # no rank may run the policy alone (memory scoring asks for it: refused by name)
 
-    def __init__(self, model: nn.Module, par, rank: int, device: torch.device, pad_id: int):
-        """`model`: this rank's shard of the policy; `par`: its `parallel.Parallelized` layout."""
-        self.par, self.rank, self.device = par, rank, device
-        self.driver = par.meshes.rank("dp") == 0
+    def __init__(self, model: nn.Module, world: World, pad_id: int):
+        """`model`: this rank's shard of the policy, laid out by `world` (`World.start`)."""
+        par, self.device = world.par, world.device
         decoder = par.pipeline.decoder(model) if par.pipeline is not None else model
-        self.forward = decoder  # what the followers run their token through
-        self.engine = (
-            LocalEngine(_Announcing(decoder, self._announce), precision="policy", device=device, pad_id=pad_id)
-            if self.driver
-            else None
-        )
+        head = decoder.lm_head if world.dims.vocab_parallel and par.pipeline is None else None
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.lockstep = Lockstep(decoder, world, par.context, head, say=lambda: True, hear=lambda _: decoder(ids))
+        driver = self.lockstep.driver
+        self.engine = LocalEngine(decoder, precision="policy", device=self.device, pad_id=pad_id) if driver else None
 
     @property
     def reused_tokens(self) -> int:
@@ -76,8 +119,7 @@ class LockstepEngine:
 
     # --- rank 0 -------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams):
-        command = from_rank0(Generate(prompts, n, params))
-        return self._run(command)
+        return self._run(from_rank0(Generate(prompts, n, params)))
 
     def forget(self) -> None:
         from_rank0(Forget())
@@ -97,62 +139,10 @@ class LockstepEngine:
             if isinstance(command, Forget):
                 if self.engine is not None:
                     self.engine.forget()
-            elif self.driver:
-                self._run(command)
             else:
-                self._follow_forwards()
+                self._run(command)
 
     def _run(self, command: Generate):
-        with self._decoding():
-            try:
-                return self.engine.generate(command.prompts, command.n, command.params)
-            finally:
-                self._announce(False)  # the followers leave `follow_forwards`
-
-    def _follow_forwards(self) -> None:
-        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        with self._decoding(), torch.no_grad():
-            follow_forwards(lambda _: self.forward(ids))
-
-    def _decoding(self):
-        head = self.forward.lm_head if self.par.dims.vocab_parallel and self.par.pipeline is None else None
-        return whole_rows(self.par.context, head, self.par.meshes.group("tp"))
-
-    def _announce(self, forward: bool) -> None:
-        """Rank 0 says a forward follows (True) or the call ended (None); every rank hears it. The
-        drivers' announcements are rank 0's too: each runs the same forwards."""
-        from_rank0(True if forward else None)
-
-
-def follow_forwards(run) -> None:
-    """A rank that holds no rows of the drivers' call: `run(payload)` once per forward rank 0
-    announces (its payload: what that forward needs, e.g. the adapters it applies), until None."""
-    while (payload := from_rank0(None)) is not None:
-        run(payload)
-
-
-@contextlib.contextmanager
-def whole_rows(context, head: nn.Module | None, vocab_group):
-    """Whole rows and whole logits on every rank that decodes: context parallelism off (each cp rank
-    runs the same tokens) and, with `head` (a vocabulary-parallel head this rank runs), its slices
-    gathered over tp."""
-    with contextlib.ExitStack() as stack:
-        if context is not None:
-            stack.enter_context(context.off())
-        if head is not None:
-            hook = head.register_forward_hook(lambda m, args, out: gather_vocab(out, vocab_group))
-            stack.callback(hook.remove)
-        yield
-
-
-class _Announcing(nn.Module):
-    """The decoder, announcing each forward to the ranks that follow."""
-
-    def __init__(self, decoder: nn.Module, announce):
-        super().__init__()
-        self.decoder, self.announce = decoder, announce
-        self.model, self.args = decoder.model, decoder.args  # the engine sizes its cache by model.layers
-
-    def forward(self, *args, **kwargs):
-        self.announce(True)
-        return self.decoder(*args, **kwargs)
+        if not self.lockstep.driver:
+            return self.lockstep.follow()
+        return self.lockstep.drive(lambda: self.engine.generate(command.prompts, command.n, command.params))

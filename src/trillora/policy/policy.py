@@ -4,9 +4,11 @@
     forward_backward(rows, loss)   logprobs with gradients, `loss` of them, backward (accumulates)
     optim_step(max_norm)           the accumulated gradient synced, clipped, stepped (or dropped)
     state() / load(tensors)        the adapter and its AdamW as one rank's tensors (`train_state`)
+    save(folder, meta)             the adapter and its AdamW whole, as one saved state on disk
     unsharded()                    the whole adapter gathered, what `publish` sends and exports read
     publish(engine)                the engine samples with the adapter as it is now
-    on_rank0(engine, work)         rank 0 samples; under torchrun the other ranks decode their shards
+    sample(engine, work)           a phase of sampling with the policy: `work` on rank 0 calls the
+                                   engine; under the lockstep engine every rank decodes its shard
 
 It owns the base laid out over the `World`'s ranks (`parallelize`: tensor, expert, context and
 pipeline parallelism, FSDP of the frozen weights; an identity in one process), the trained
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from .. import lora
-from ..checkpoint.train_state import rank_tensors, restore_rank_tensors
+from ..checkpoint.train_state import rank_tensors, restore_rank_tensors, write_state
 from ..parallel.data_parallel import GradientSync
 from .logprobs import next_token_logprobs_of, shared_prompt_logprobs, token_logprobs
 from .optimizer import StepOutcome, optimizer_step
@@ -75,6 +77,22 @@ class Policy:
         self.model, self.world, self.named, self.opt, self.full = model, world, named, optimizer, full
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         self.sync = sync if sync is not None or world.size == 1 else world.par.grad_sync
+        self.placement = None
+        """A service's slot adapter: where its tensors live over the shards (`policy.shards.Placement`)."""
+
+    @classmethod
+    def of_adapter(cls, base, world: World, adapter) -> Policy:
+        """A slot adapter on a service's resident base (`policy.adapters`: a Tinker client's, a
+        learner's), its AdamW made, as a Policy: its gradients synced over the shards it lives on."""
+        policy = cls(
+            base.model,
+            world,
+            adapter.params,
+            adapter.optimizer,
+            sync=world.gradient_sync(adapter.params, base.placement),
+        )
+        policy.placement = base.placement
+        return policy
 
     @property
     def pipeline(self):
@@ -156,6 +174,11 @@ class Policy:
         counted = self.sync is not None and self.world.par is not None  # a replicated service lays nothing out
         return out, (self.world.par.traffic(out.sent_bytes) if counted else {})
 
+    @property
+    def steps(self) -> int:
+        """AdamW steps taken (as its state counts them)."""
+        return max((int(s["step"]) for s in self.opt.state.values() if "step" in s), default=0)
+
     def set_lr(self, lr: float) -> None:
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -170,6 +193,18 @@ class Policy:
         too (this run's own state)."""
         restore_rank_tensors(tensors, self.named, self.opt, where, rng)
 
+    def save(self, folder, meta: dict) -> None:
+        """The adapter and its AdamW state whole, as one saved state (`train_state.write_state`, `meta`
+        its `state_meta`): every rank joins the gather of a slot adapter's shards, rank 0 writes. A
+        sharded run's own checkpoints stay per rank (`trainer.checkpoints`)."""
+        tensors = self.state()
+        if self.placement is not None:
+            tensors = self.placement.full(tensors, self.world.device)
+        elif self.world.size > 1:
+            raise ValueError("a sharded run's adapter is saved per rank (trainer checkpoints), not whole")
+        if self.world.main:
+            write_state(folder, tensors, meta)
+
     def unsharded(self) -> nn.Module | None:
         """The whole model with the current adapter (`World.unsharded`): every rank joins; rank 0
         gets it, the others None."""
@@ -183,9 +218,12 @@ class Policy:
         full = self.unsharded()
         return engine.sync(full) if self.world.main else {}
 
-    def on_rank0(self, engine, work):
-        """`work()` on rank 0 (sampling or evaluating with `engine`: its result), while under the
-        lockstep engine the other ranks decode their shards of the policy for its calls (None there)."""
+    def sample(self, engine, work):
+        """A phase of sampling with the policy as `publish` left `engine`: `work()` runs on rank 0 (its
+        rollouts or evaluation: several `engine.generate` calls, multi-turn envs among them) and is
+        returned there. Under torchrun the lockstep engine (`policy.decoding`) samples with the
+        policy's own shards, so the other ranks decode theirs for each of rank 0's calls meanwhile
+        (None there); with any other engine they wait."""
         if not getattr(engine, "in_place", False):
             return work() if self.world.main else None
         if not self.world.main:

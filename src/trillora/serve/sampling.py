@@ -1,14 +1,12 @@
 """Sampling on the resident base, for the service's `sample_many`: the calls that wait together
 grouped by their settings, one `generate` per group with each row's own revision (`lora.multi`),
-one group's failure its own calls' outcome. On a sharded base (`policy.world`) every rank samples:
-the ranks of dp rank 0's tp / cp / pp group drive the same `generate` (the same logits after the
-all-reduces, the same seeded generator, so the same tokens) over whole rows and whole logits, and
-before each forward rank 0 names the revision(s) so that the other ranks run one token through the
-same ones and their experts serve the drivers' rows."""
+one group's failure its own calls' outcome. On a sharded base (`policy.world`) every rank samples
+in lock step (`policy.decoding.Lockstep`): dp rank 0's tp / cp / pp group drives the same
+`generate`, and before each forward rank 0 names the revision(s) in use, so that the other ranks
+run one token through the same ones and their experts serve the drivers' rows."""
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 from collections.abc import Callable
 
@@ -17,9 +15,9 @@ import torch
 
 from ..models.transformer import OtherStage
 from ..policy.adapters import ResidentBase, Revision
-from ..policy.decoding import follow_forwards, whole_rows
+from ..policy.decoding import Lockstep
 from ..policy.logprobs import score_prompt, topk_sampled
-from ..policy.world import World, from_rank0
+from ..policy.world import World
 from ..rollout.local import LocalEngine
 from .calls import BadRequest, SampleCall, cut_at_stop
 
@@ -38,13 +36,18 @@ class Sampling:
         """`check(call)`: (revision, SamplingParams, stop strings), or BadRequest; `lookup(sampler_id)`: a revision."""
         self.base, self.engine, self.ranks, self.tokenizer, self.device = base, engine, ranks, tokenizer, device
         self.check, self.lookup = check, lookup
-        self.stages = ranks.stages
+        model = base.model
+        head = model.lm_head if ranks.dims.vocab_parallel and not isinstance(model.lm_head, OtherStage) else None
+        context = getattr(model, "context_parallel", None)
+        self.lockstep = Lockstep(model, ranks, context, head, say=self._in_use, hear=self._one_token)
 
     def run(self, calls: list[SampleCall]) -> list:
         if not self.ranks.sharded:
             return self._groups(calls)
-        with self._decoding():
-            return self._sample_or_follow(calls)
+        if self.lockstep.driver:
+            return self.lockstep.drive(lambda: self._groups(calls))
+        self.lockstep.follow()
+        return []
 
     def _groups(self, calls: list[SampleCall]) -> list:
         outcomes: list = [None] * len(calls)
@@ -100,50 +103,17 @@ class Sampling:
                 out["topk_sample"].append(topk_sampled(logits, len(call.prompt), tokens, k, sp.temperature))
         return out
 
-    @contextlib.contextmanager
-    def _decoding(self):
-        """Whole rows and whole logits on every rank that decodes (`policy.decoding.whole_rows`), and
-        under pp the last stage's logits shared with every stage."""
-        model = self.base.model
-        vocab_parallel = self.ranks.dims.vocab_parallel and not isinstance(model.lm_head, OtherStage)
-        with whole_rows(
-            getattr(model, "context_parallel", None), model.lm_head if vocab_parallel else None, self.ranks.group("tp")
-        ):
-            if self.stages is None:
-                yield
-            else:
-                with self.stages.sharing_logits():
-                    yield
-
-    def _sample_or_follow(self, calls: list[SampleCall]) -> list:
-        """A sharded base samples on every rank: dp rank 0's tp / cp / pp group drives the same
-        `generate` (the same logits after the all-reduces, the same seeded generator, so the same
-        tokens); before each forward rank 0 names the revision(s), and the other ranks run one token
-        through the same ones so that their experts serve the drivers' rows."""
-        if self.ranks.dp_rank == 0:
-            hook = self.base.model.register_forward_pre_hook(self._before_forward, prepend=True)  # before FSDP gathers
-            try:
-                return self._groups(calls)
-            finally:
-                hook.remove()
-                self._announce(None)
-        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-
-        def forward(named) -> None:
-            if isinstance(named, list):  # several revisions in the pass: the same ones, numbered alike
-                revisions = [self.lookup(n) for n in named]
-                use = self.base.use_many(revisions, [1] + [0] * (len(revisions) - 1))
-            else:
-                use = self.base.use(self.lookup(named))
-            with use as model, torch.no_grad():
-                model(ids)
-
-        follow_forwards(forward)
-        return []
-
-    def _before_forward(self, module, args) -> None:
+    def _in_use(self) -> str | list[str]:
+        """Rank 0, before each forward: the sampler id(s) of the revision(s) in the slots."""
         in_use = self.base.in_use
-        self._announce([r.sampler_id for r in in_use] if isinstance(in_use, tuple) else in_use.sampler_id)
+        return [r.sampler_id for r in in_use] if isinstance(in_use, tuple) else in_use.sampler_id
 
-    def _announce(self, sampler_id: str | list[str] | None) -> str | list[str] | None:
-        return from_rank0(sampler_id)
+    def _one_token(self, named: str | list[str]) -> None:
+        """A follower: one token through the revision(s) rank 0 named, numbered alike."""
+        if isinstance(named, list):
+            revisions = [self.lookup(n) for n in named]
+            use = self.base.use_many(revisions, [1] + [0] * (len(revisions) - 1))
+        else:
+            use = self.base.use(self.lookup(named))
+        with use as model:
+            model(torch.zeros(1, 1, dtype=torch.long, device=self.device))

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from ..checkpoint.atomic import AtomicFolder
+from ..checkpoint.train_state import state_meta
 from ..errors import ConfigError
 from ..parallel import ParallelDims
 from ..policy import adamw
@@ -85,8 +85,7 @@ class Learner:
         params = self.adapter.params
         self.adapter.optimizer = adamw(params.values(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         self.world = world
-        sync = world.gradient_sync(params, base.placement)  # None in one process
-        self.policy = Policy(base.model, world, params, self.adapter.optimizer, sync=sync)
+        self.policy = Policy.of_adapter(base, world, self.adapter)
         self.update = PolicyUpdate(self.policy, cfg)
         self.update.uneven = world.size > 1  # one process keeps the trainer's split, bit for bit
         self.baselines = Baselines(cfg.learn.baseline_decay)
@@ -112,7 +111,12 @@ class Learner:
         if not saved:
             return
         last = saved[-1]
-        meta = json.loads((last / "learner.json").read_text())
+        saved = last / "state.json"  # a revision's state (learner.json: written before revisions were states)
+        meta = (
+            json.loads(saved.read_text())["learner"]
+            if saved.is_file()
+            else json.loads((last / "learner.json").read_text())
+        )
         self.policy.load(self._mine(last), last)
         self.revision, self.history = meta["revision"], meta["history"]
         self.baselines.means, self.best, self.best_basis = (
@@ -128,22 +132,11 @@ class Learner:
         return placement.local(placement.here(load_file(str(folder / "adapter.safetensors"))))
 
     def _save(self) -> None:
-        tensors = self.base.placement.full(self.policy.state(), self.device)  # whole: a collective over shards
-        if not self.world.main:
-            return
-        with AtomicFolder(self.folder / f"revision-{self.revision}") as tmp:
-            save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(tmp / "adapter.safetensors"))
-            (tmp / "learner.json").write_text(
-                json.dumps(
-                    {
-                        "revision": self.revision,
-                        "history": self.history,
-                        "baselines": self.baselines.means,
-                        "best": self.best,
-                        "best_basis": self.best_basis,
-                    }
-                )
-            )
+        """Revision k as one saved state (`Policy.save`): a Tinker client or a run can start from it."""
+        learner = {"revision": self.revision, "history": self.history, "baselines": self.baselines.means}
+        learner |= {"best": self.best, "best_basis": self.best_basis}
+        meta = state_meta(self.adapter.config, self.policy.steps, self.adapter.optimizer, learner=learner)
+        self.policy.save(self.folder / f"revision-{self.revision}", meta)
 
     def _prune(self) -> None:
         """Once the new revision is served: the last `keep` stay on disk, as they stay servable."""

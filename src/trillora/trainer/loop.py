@@ -8,7 +8,7 @@
                log, evaluate (rank 0); checkpoint (all ranks)
 
 Under torchrun the local engine is the sharded policy itself: while rank 0 samples or evaluates,
-the other ranks decode their parts with it (`Policy.on_rank0`, `policy.decoding`).
+the other ranks decode their parts with it (`Policy.sample`, `policy.decoding`).
 
 The math lives in `trillora.rl`; the parts of a step in the modules named after them.
 Shape legend: P prompts per step, G group size, B = P·G rows.
@@ -140,7 +140,7 @@ class Trainer:
                     "each pipeline rank sees its own layers' routing; serve vLLM and use "
                     "rollout.engine='openai', or pp=1"
                 )
-            self.engine = LockstepEngine(self.model, self.world.par, self.world.rank, self.device, pad)
+            self.engine = LockstepEngine(self.model, self.world, pad)
         else:
             self.engine = make_engine(cfg, self.full, self.device, pad, routing) if self.world.main else None
         self.sampler = Sampler(
@@ -209,7 +209,7 @@ class Trainer:
         lr = self._set_lr(step)
         failures = self.reward_failures
         with record_function("trillora.rollout"):
-            rollout = self.world.share(self.policy.on_rank0(self.engine, lambda: self.sampler.sample(step)))
+            rollout = self.world.share(self.policy.sample(self.engine, lambda: self.sampler.sample(step)))
         t1 = time.perf_counter()
         with record_function("trillora.update"):
             a = self.cfg.algorithm
@@ -267,7 +267,7 @@ class Trainer:
             self.flops_total = resumed.state.get("flops_total", 0.0)
             if main:
                 metrics_file.write_text(checkpoints.metrics_of(resumed))
-        elif (evaluated := self.policy.on_rank0(self.engine, self._evaluate_all)) is not None:
+        elif (evaluated := self.policy.sample(self.engine, self._evaluate_all)) is not None:
             before, retention = evaluated
             state = {
                 "eval_before": before,
@@ -307,9 +307,7 @@ class Trainer:
                 spent = cfg.flops_budget > 0 and self.flops_total >= cfg.flops_budget  # the last step of the run
                 state["steps_done"] = step + 1
                 evaluated = (
-                    self.policy.on_rank0(self.engine, self._evaluate_all_timed)
-                    if self._evaluating(step, spent)
-                    else None
+                    self.policy.sample(self.engine, self._evaluate_all_timed) if self._evaluating(step, spent) else None
                 )
                 if main:
                     self._log(row, step, state, bar, job, evaluated)

@@ -35,20 +35,7 @@ from ..registry import SERVED, Client, Registry
 from ..sampling import Sampling
 from . import states
 from .checks import adam_settings, check_data, resolve, state_path
-from .commands import (
-    CreateModel,
-    CreateSampler,
-    EndSessions,
-    ForwardBackward,
-    Learn,
-    LoadState,
-    OptimStep,
-    RestoreRevision,
-    Sample,
-    SaveForSampler,
-    SaveState,
-    Stop,
-)
+from .commands import Command, Stop
 from .types import FwdBwd
 from .wire import Datum
 
@@ -116,19 +103,22 @@ class TinkerService:
     # --- a learning server --------------------------------------------------------------------
     def learn(self, exp) -> dict:
         """A learner's round on `exp` (rank 0 read it from the trace store), on every rank."""
-        self.ranks.mirror(Learn(exp))
+        self.ranks.mirror(Command("learn", (exp,)))
         return self.learner.train(exp)
 
     def restore_revision(self, k: int) -> None:
         """A rollback: the learner goes on from revision k, on every rank."""
-        self.ranks.mirror(RestoreRevision(k))
+        self.ranks.mirror(Command("restore_revision", (k,)))
         self.learner.restore(k)
 
     # --- sessions ------------------------------------------------------------------------
+    def _owner(self, sid: str) -> tuple[str, str]:
+        return sid, self.registry.owner(sid)
+
     def end_sessions(self, sids: list[str]) -> None:
         """Free sessions' training clients and samplers, on every rank (the SDK's `finish`, or an idle
         session's end); their ids answer 410 from then on."""
-        self.ranks.mirror(EndSessions(tuple(sids)))
+        self.ranks.mirror(Command("end_sessions", (sids,)))
         self.registry.end(sids)
 
     def check_base_model(self, name: str | None) -> None:
@@ -170,7 +160,7 @@ class TinkerService:
 
     def create_model(self, sid: str, seq: int, rank: int, roles: tuple[str, ...], seed: int) -> dict:
         """A new training client (settings checked by `lora_settings`)."""
-        self.ranks.mirror(CreateModel(sid, seq, rank, roles, seed, self.registry.owner(sid)))
+        self.ranks.mirror(Command("create_model", (sid, seq, rank, roles, seed), self._owner(sid)))
         expert_rank = (
             max(1, rank // self.base.model.args.top_k) if self.cfg.expert_rank_rule == "divide_by_top_k" else None
         )
@@ -214,7 +204,7 @@ class TinkerService:
         each call's rows with its own client's adapter; each outcome is what `forward_backward`
         returns, or the BadRequest it raises. The summed loss's backward gives each adapter exactly
         its own calls' gradients: rows never mix in a causal LM."""
-        self.ranks.mirror(ForwardBackward(calls))
+        self.ranks.mirror(Command("forward_backward_many", (calls,)))
         outcomes: list = [None] * len(calls)
         live = []  # (index, call, adapter, first datum, end): the datums this process runs
         for i, c in enumerate(calls):
@@ -313,7 +303,7 @@ class TinkerService:
 
     def optim_step(self, model_id: str, adam: dict) -> dict:
         """One AdamW step on the accumulated gradients (`Policy.optim_step`)."""
-        self.ranks.mirror(OptimStep(model_id, adam))
+        self.ranks.mirror(Command("optim_step", (model_id, adam)))
         client = self.client(model_id)
         lr, b1, b2, eps, wd, clip = adam_settings(adam)  # refused before the gradients are summed: a retry sums once
         a = client.adapter
@@ -322,8 +312,7 @@ class TinkerService:
         a.optimizer = a.optimizer or adamw(a.params.values(), **settings)
         for g in a.optimizer.param_groups:
             g.update(settings)
-        sync = self.ranks.gradient_sync(a.params, self.base.placement)  # the client's adapter as a Policy
-        outcome, _ = Policy(self.base.model, self.ranks, a.params, a.optimizer, sync=sync).optim_step(clip)
+        outcome, _ = Policy.of_adapter(self.base, self.ranks, a).optim_step(clip)  # the client's adapter as a Policy
         if not outcome.stepped:  # a NaN never reaches the adapter
             raise BadRequest("the accumulated gradient is not finite; the step was dropped")
         a.steps += 1
@@ -337,25 +326,24 @@ class TinkerService:
         return resolve(self.root, tinker_path)
 
     def save_state(self, model_id: str, name: str, optimizer: bool = True) -> dict:
-        self.ranks.mirror(SaveState(model_id, name, optimizer))
+        self.ranks.mirror(Command("save_state", (model_id, name, optimizer), sharded_only=True))
         return states.save_state(self, model_id, name, optimizer)
 
     def load_state(self, sid: str, seq: int, tinker_path: str, optimizer: bool) -> dict:
         """A new training client from a saved state (with its AdamW moments when `optimizer`)."""
-        self.ranks.mirror(LoadState(sid, seq, tinker_path, optimizer, self.registry.owner(sid)))
+        self.ranks.mirror(Command("load_state", (sid, seq, tinker_path, optimizer), self._owner(sid)))
         return states.load_state(self, sid, seq, tinker_path, optimizer)
 
     def save_for_sampler(self, model_id: str, name: str | None, sid: str | None = None, sampler_seq: int = 0) -> dict:
         """A frozen revision: named ones are written as tinker://.../sampler_weights/<name>; unnamed
         ones become a sampling session at once."""
-        self.ranks.mirror(
-            SaveForSampler(model_id, name, sid, sampler_seq, self.registry.owner(sid or model_id.split(":")[0]))
-        )
+        owner = self._owner(sid or model_id.split(":")[0])
+        self.ranks.mirror(Command("save_for_sampler", (model_id, name, sid, sampler_seq), owner, sharded_only=True))
         return states.save_for_sampler(self, model_id, name, sid, sampler_seq)
 
     # --- sampling ------------------------------------------------------------------------
     def create_sampler(self, sid: str, seq: int, model_path: str | None, base_model: str | None) -> str:
-        self.ranks.mirror(CreateSampler(sid, seq, model_path, base_model, self.registry.owner(sid)))
+        self.ranks.mirror(Command("create_sampler", (sid, seq, model_path, base_model), self._owner(sid), True))
         if model_path is None:
             self.check_base_model(base_model)
             return self.registry.add_sampler(sid, seq, Revision(None))
@@ -380,7 +368,7 @@ class TinkerService:
         """Several sample calls; those with the same settings (n, sampling params, no prompt logprobs,
         no seed unless they are one request's prompts) share one `generate`, each prompt with its own
         sampler's revision. Each outcome is what `sample` returns, or the BadRequest it raises."""
-        self.ranks.mirror(Sample(calls))
+        self.ranks.mirror(Command("sample_many", (calls,), sharded_only=True))
         return self.sampling.run(calls)
 
     def check_sample(self, c: SampleCall) -> tuple[Revision, SamplingParams, tuple[str, ...]]:

@@ -6,18 +6,23 @@ folder is written atomically, by rank 0 alone (`service.writes`) from the gather
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors.torch import save_file
 
 from ... import lora
-from ...checkpoint.atomic import AtomicFolder
-from ...checkpoint.train_state import CheckpointCorrupt, rank_tensors, read_adapter_state, restore_rank_tensors
+from ...checkpoint.train_state import (
+    CheckpointCorrupt,
+    read_adapter_state,
+    restore_rank_tensors,
+    state_meta,
+    write_state,
+)
 from ...policy import adamw
 from ...policy.adapters import SLOT_ROLES, ResidentBase
+from ...policy.policy import Policy
+from ...policy.world import World
 from ..calls import BadRequest
 from ..registry import Client, Registry
 
@@ -26,6 +31,7 @@ class TinkerService(Protocol):
     """What saving and loading states reads of `tinker.service.TinkerService`."""
 
     base: ResidentBase
+    ranks: World
     registry: Registry
     device: torch.device
     writes: bool
@@ -36,26 +42,12 @@ class TinkerService(Protocol):
 
 
 def save_state(service: TinkerService, model_id: str, name: str, optimizer: bool = True) -> dict:
+    """The client's adapter and AdamW moments as one saved state (`Policy.save`)."""
     client = service.client(model_id)
     path, folder = service.state_path(model_id, "weights", name)
     a = client.adapter
-    if a.optimizer is None:
-        a.optimizer = adamw(a.params.values())
-    meta = {
-        "rank": client.rank,
-        "roles": list(client.roles),
-        "alpha": service.base.alpha,
-        "seed": a.config.seed,
-        "expert_rank": a.config.expert_rank,
-        "steps": a.steps,
-        "time": time.time(),
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in a.optimizer.param_groups],
-    }
-    tensors = service.base.placement.full(rank_tensors(a.params, a.optimizer), service.device)
-    if service.writes:
-        with AtomicFolder(folder) as tmp:
-            save_file({k: t.cpu() for k, t in tensors.items()}, str(tmp / "adapter.safetensors"))
-            (tmp / "state.json").write_text(json.dumps(meta))
+    a.optimizer = a.optimizer or adamw(a.params.values())
+    Policy.of_adapter(service.base, service.ranks, a).save(folder, state_meta(a.config, a.steps, a.optimizer))
     return {"path": path, "type": "save_weights"}
 
 
@@ -131,17 +123,5 @@ def save_for_sampler(
     path, folder = service.state_path(model_id, "sampler_weights", name)
     tensors = service.base.placement.full(revision.tensors, service.device)
     if service.writes:
-        with AtomicFolder(folder) as tmp:
-            save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(tmp / "adapter.safetensors"))
-            (tmp / "state.json").write_text(
-                json.dumps(
-                    {
-                        "rank": client.rank,
-                        "roles": list(client.roles),
-                        "time": time.time(),
-                        "expert_rank": client.adapter.config.expert_rank,
-                        "seed": client.adapter.config.seed,
-                    }
-                )
-            )
+        write_state(folder, tensors, state_meta(revision.config, client.adapter.steps))
     return {"path": path, "type": "save_weights_for_sampler"}
