@@ -754,6 +754,9 @@ def test_the_context_budget_benchmark_runs_every_policy(tmp_path):
             "1",
             "--out",
             str(out),
+            "rollout.prompts_per_step=2",  # the RL runs small: one step of 2 groups of 4, 4 held-out episodes
+            "rollout.group_size=4",
+            "task.eval_problems=4",
         ],
         capture_output=True,
         text=True,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import difflib
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -190,7 +189,6 @@ def save_model(
     expert_layout: str = "fused",
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 2 * 1024**3,
-    tokenizer_from: str | Path | None = None,
 ) -> Path:
     """Write a Hugging Face folder that transformers (and trillora) load; atomic: all or nothing."""
     path = Path(path)
@@ -221,27 +219,7 @@ def save_model(
             )
         config = _config_for_save(model.args, dtype or next(iter(tensors.values())).dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        if tokenizer_from is not None:
-            copy_tokenizer(Path(tokenizer_from), tmp)
     return path
-
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "generation_config.json",
-)
-
-
-def copy_tokenizer(src: Path, dst: Path) -> None:
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy2(src / name, dst / name)
 
 
 def _config_for_save(args: ModelArgs, dtype: torch.dtype) -> dict:

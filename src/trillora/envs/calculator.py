@@ -16,7 +16,8 @@ import re
 from ..chat.renderer import ChatRenderer
 from ..errors import ConfigError
 from ..tasks.base import in_eval_split
-from .env import EnvGroupBuilder
+from .env import RepeatGroup
+from .env_dataset import SeededDataset
 from .tools import ToolEnv
 
 _INTEGER = re.compile(r"-?\d+")
@@ -74,69 +75,6 @@ def demonstration(a: int, b: int, call: bool) -> list[dict]:
     ]
 
 
-class CalculatorGroup(EnvGroupBuilder):
-    def __init__(
-        self, renderer: ChatRenderer, a: int, b: int, group_size: int, max_tool_calls: int, tool_timeout: float
-    ):
-        self.renderer, self.a, self.b, self.group_size = renderer, a, b, group_size
-        self.max_tool_calls, self.tool_timeout = max_tool_calls, tool_timeout
-
-    def make_envs(self) -> list[ToolEnv]:
-        product = self.a * self.b
-        return [
-            ToolEnv(
-                self.renderer,
-                [{"role": "user", "content": question(self.a, self.b)}],
-                [multiply],
-                lambda text: answer_score(text, product),
-                self.max_tool_calls,
-                self.tool_timeout,
-            )
-            for _ in range(self.group_size)
-        ]
-
-    def logging_tags(self) -> list[str]:
-        return ["calculator"]
-
-
-class CalculatorDataset:
-    def __init__(
-        self,
-        renderer: ChatRenderer,
-        batch_size: int,
-        group_size: int,
-        eval_size: int,
-        seed: int,
-        digits: tuple[int, int],
-        max_tool_calls: int,
-        tool_timeout: float,
-    ):
-        self.renderer, self.batch_size, self.group_size, self.eval_size, self.seed = (
-            renderer,
-            batch_size,
-            group_size,
-            eval_size,
-            seed,
-        )
-        self.digits, self.max_tool_calls, self.tool_timeout = digits, max_tool_calls, tool_timeout
-
-    def _groups(self, rng: random.Random, n: int, split: str, group_size: int) -> list[CalculatorGroup]:
-        return [
-            CalculatorGroup(
-                self.renderer, *draw(rng, self.digits, split), group_size, self.max_tool_calls, self.tool_timeout
-            )
-            for _ in range(n)
-        ]
-
-    def get_batch(self, index: int) -> list[CalculatorGroup]:
-        return self._groups(
-            random.Random(f"calculator:train:{self.seed}:{index}"), self.batch_size, "train", self.group_size
-        )
-
-    def eval_batch(self) -> list[CalculatorGroup]:
-        return self._groups(random.Random(f"calculator:eval:{self.seed}"), self.eval_size, "eval", 1)
-
-
 def dataset(
     tokenizer,
     batch_size: int,
@@ -147,16 +85,22 @@ def dataset(
     tool_format: str | None = None,
     max_tool_calls: int = 2,
     tool_timeout: float = 5.0,
-) -> CalculatorDataset:
+) -> SeededDataset:
+    """A product of a `digits[0]`-digit and a `digits[1]`-digit number per group, to be asked of the
+    `multiply` tool (`tool_format`: the chat template's tool-call format)."""
     if len(digits) != 2 or min(digits) < 1:
         raise ConfigError(f"calculator digits must be two positive counts like [4, 3], got {list(digits)}")
-    return CalculatorDataset(
-        ChatRenderer(tokenizer, tool_format),
-        batch_size,
-        group_size,
-        eval_size,
-        seed,
-        (int(digits[0]), int(digits[1])),
-        max_tool_calls,
-        tool_timeout,
-    )
+    renderer, sizes = ChatRenderer(tokenizer, tool_format), (int(digits[0]), int(digits[1]))
+
+    def draw_group(rng: random.Random, split: str, size: int) -> RepeatGroup:
+        a, b = draw(rng, sizes, split)
+
+        def make() -> ToolEnv:
+            asked = [{"role": "user", "content": question(a, b)}]
+            return ToolEnv(
+                renderer, asked, [multiply], lambda text: answer_score(text, a * b), max_tool_calls, tool_timeout
+            )
+
+        return RepeatGroup(make, size, ("calculator",))
+
+    return SeededDataset("calculator", draw_group, batch_size, group_size, eval_size, seed)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +99,19 @@ class EnvGroupBuilder:
 
     def logging_tags(self) -> list[str]:
         return []
+
+
+class RepeatGroup(EnvGroupBuilder):
+    """`size` envs made alike (`make()` once for each), logged under `tags`."""
+
+    def __init__(self, make: Callable[[], Env], size: int, tags: tuple[str, ...] = ()):
+        self.make, self.size, self.tags = make, size, tags
+
+    def make_envs(self) -> list[Env]:
+        return [self.make() for _ in range(self.size)]
+
+    def logging_tags(self) -> list[str]:
+        return list(self.tags)
 
 
 def resolve(value: Any) -> Any:

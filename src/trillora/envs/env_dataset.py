@@ -9,7 +9,8 @@ options, and with whichever of `tokenizer`, `batch_size` (groups per step, `roll
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 
 from ..errors import ConfigError
 from ..tasks.base import load_callable
@@ -24,6 +25,24 @@ class EnvDataset:
     def eval_batch(self) -> Sequence[EnvGroupBuilder]:
         """Held-out groups; the mean return of their episodes is the run's `eval_accuracy`."""
         return []
+
+
+class SeededDataset(EnvDataset):
+    """`batch_size` groups of `group_size` per step and `eval_size` fixed held-out groups of one, each
+    drawn by `draw(rng, split, size)` from a stream seeded by `name`, the split, `seed` and the step:
+    a step draws the same groups whatever ran before it (a resumed run included)."""
+
+    def __init__(self, name: str, draw: Callable, batch_size: int, group_size: int, eval_size: int, seed: int):
+        self.name, self.draw, self.seed = name, draw, seed
+        self.batch_size, self.group_size, self.eval_size = batch_size, group_size, eval_size
+
+    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        rng = random.Random(f"{self.name}:train:{self.seed}:{index}")
+        return [self.draw(rng, "train", self.group_size) for _ in range(self.batch_size)]
+
+    def eval_batch(self) -> list[EnvGroupBuilder]:
+        rng = random.Random(f"{self.name}:eval:{self.seed}")
+        return [self.draw(rng, "eval", 1) for _ in range(self.eval_size)]
 
 
 def load_env_dataset(options: dict, **context) -> EnvDataset:

@@ -14,7 +14,8 @@ import random
 import re
 
 from ..tasks.prompts import decode_completion, encode_prompt
-from .env import Env, EnvGroupBuilder, StepResult
+from .env import Env, RepeatGroup, StepResult
+from .env_dataset import SeededDataset
 
 _NUMBER = re.compile(r"-?\d+")
 
@@ -41,39 +42,15 @@ class GuessEnv(Env):
         return StepResult(0.0, False, list(self.history), self.stop, {"parse_error": float(guess is None)})
 
 
-class GuessGroup(EnvGroupBuilder):
-    def __init__(self, secret: int, low: int, high: int, tokenizer, group_size: int):
-        self.secret, self.low, self.high, self.tokenizer, self.group_size = secret, low, high, tokenizer, group_size
-
-    def make_envs(self) -> list[Env]:
-        return [GuessEnv(self.secret, self.low, self.high, self.tokenizer) for _ in range(self.group_size)]
-
-
-class GuessDataset:
-    """`batch_size` secrets per step (each a group of `group_size` games); `eval_size` fixed held-out ones."""
-
-    def __init__(self, tokenizer, batch_size: int, group_size: int, eval_size: int, seed: int, low: int, high: int):
-        if not low < high:
-            raise ValueError(f"guessing game needs low < high, got low={low}, high={high}")
-        self.tokenizer, self.batch_size, self.group_size, self.seed = tokenizer, batch_size, group_size, seed
-        self.low, self.high, self.eval_size = low, high, eval_size
-
-    def get_batch(self, index: int) -> list[GuessGroup]:
-        rng = random.Random(f"guess:train:{self.seed}:{index}")
-        return [
-            GuessGroup(rng.randint(self.low, self.high), self.low, self.high, self.tokenizer, self.group_size)
-            for _ in range(self.batch_size)
-        ]
-
-    def eval_batch(self) -> list[GuessGroup]:
-        rng = random.Random(f"guess:eval:{self.seed}")
-        return [
-            GuessGroup(rng.randint(self.low, self.high), self.low, self.high, self.tokenizer, 1)
-            for _ in range(self.eval_size)
-        ]
-
-
 def dataset(
     tokenizer, batch_size: int, group_size: int, eval_size: int, seed: int, low: int = 1, high: int = 16
-) -> GuessDataset:
-    return GuessDataset(tokenizer, batch_size, group_size, eval_size, seed, low, high)
+) -> SeededDataset:
+    """A secret in low..high per group (each a group of `group_size` games)."""
+    if not low < high:
+        raise ValueError(f"guessing game needs low < high, got low={low}, high={high}")
+
+    def draw(rng: random.Random, split: str, size: int) -> RepeatGroup:
+        secret = rng.randint(low, high)
+        return RepeatGroup(lambda: GuessEnv(secret, low, high, tokenizer), size)
+
+    return SeededDataset("guess", draw, batch_size, group_size, eval_size, seed)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from ..tasks.prompts import decode_completion, encode_prompt
 from .env import Env, EnvGroupBuilder, StepResult
+from .env_dataset import SeededDataset
 
 _DIGIT = re.compile(r"\d")
 KEYS, NOISE = string.ascii_lowercase, string.ascii_uppercase
@@ -77,48 +78,19 @@ def refill_kept(prompt: str, refill: str, key: str, value: int) -> bool | None:
     return None if fact not in chunk else fact in refill
 
 
+def episodes(tokenizer, episode: Callable[[random.Random], tuple[list[str], str, int]], name: str = "ledger"):
+    """The groups of `SeededDataset` for `episode(rng)`: one episode's lines, the key asked and its
+    value (`ledger`, or another shape on the same turns: `trillora.envs.registers`)."""
+
+    return name, lambda rng, split, size: LedgerGroup(*episode(rng), tokenizer, size)
+
+
 class LedgerGroup(EnvGroupBuilder):
     def __init__(self, lines: list[str], key: str, value: int, tokenizer, group_size: int):
         self.lines, self.key, self.value, self.tokenizer, self.group_size = lines, key, value, tokenizer, group_size
 
     def make_envs(self) -> list[Env]:
         return [LedgerEnv(self.lines, self.key, self.value, self.tokenizer) for _ in range(self.group_size)]
-
-
-class LedgerDataset:
-    """`batch_size` episodes per step (each a group of `group_size`); `eval_size` fixed held-out ones.
-    `episode(rng)` draws one episode's lines, the key asked and its value (`ledger`, or another
-    shape on the same turns: `trillora.envs.registers`); `name` seeds the draws."""
-
-    def __init__(
-        self,
-        tokenizer,
-        batch_size: int,
-        group_size: int,
-        eval_size: int,
-        seed: int,
-        episode: Callable[[random.Random], tuple[list[str], str, int]],
-        name: str = "ledger",
-    ):
-        self.tokenizer, self.batch_size, self.group_size, self.eval_size, self.seed = (
-            tokenizer,
-            batch_size,
-            group_size,
-            eval_size,
-            seed,
-        )
-        self.episode, self.name = episode, name
-
-    def _group(self, rng: random.Random, size: int) -> LedgerGroup:
-        return LedgerGroup(*self.episode(rng), self.tokenizer, size)
-
-    def get_batch(self, index: int) -> list[LedgerGroup]:
-        rng = random.Random(f"{self.name}:train:{self.seed}:{index}")
-        return [self._group(rng, self.group_size) for _ in range(self.batch_size)]
-
-    def eval_batch(self) -> list[LedgerGroup]:
-        rng = random.Random(f"{self.name}:eval:{self.seed}")
-        return [self._group(rng, 1) for _ in range(self.eval_size)]
 
 
 def dataset(
@@ -130,12 +102,11 @@ def dataset(
     facts: int = 6,
     distractors: int = 3,
     asked_from: int = 2,
-) -> LedgerDataset:
+) -> SeededDataset:
     if facts < 1 or facts > len(KEYS) or distractors < 0 or asked_from < 1:
         raise ValueError(
             f"ledger needs 1 <= facts <= {len(KEYS)}, distractors >= 0 and asked_from >= 1; got "
             f"facts={facts}, distractors={distractors}, asked_from={asked_from}"
         )
-    return LedgerDataset(
-        tokenizer, batch_size, group_size, eval_size, seed, lambda rng: ledger(rng, facts, distractors, asked_from)
-    )
+    draw = episodes(tokenizer, lambda rng: ledger(rng, facts, distractors, asked_from))
+    return SeededDataset(*draw, batch_size, group_size, eval_size, seed)

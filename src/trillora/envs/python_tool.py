@@ -17,6 +17,7 @@ from ..chat.renderer import ChatRenderer
 from ..sandbox.jail import Limits, run_python
 from ..tasks.base import in_eval_split
 from .env import EnvGroupBuilder
+from .env_dataset import SeededDataset
 from .tools import ToolEnv
 
 _INTEGER = re.compile(r"-?\d+")
@@ -100,28 +101,6 @@ class PythonGroup(EnvGroupBuilder):
         return ["python"]
 
 
-class PythonDataset:
-    def __init__(self, renderer, batch_size, group_size, eval_size, seed, max_tool_calls, limits):
-        self.renderer, self.batch_size, self.group_size, self.eval_size = renderer, batch_size, group_size, eval_size
-        self.seed, self.max_tool_calls, self.limits = seed, max_tool_calls, limits
-
-    def _groups(self, rng: random.Random, n: int, split: str, group_size: int) -> list[PythonGroup]:
-        out = []
-        while len(out) < n:
-            q, a = puzzle(rng)
-            if in_eval_split(q, 0.1) == (split == "eval"):
-                out.append(PythonGroup(self.renderer, q, a, group_size, self.max_tool_calls, self.limits))
-        return out
-
-    def get_batch(self, index: int) -> list[PythonGroup]:
-        return self._groups(
-            random.Random(f"python:train:{self.seed}:{index}"), self.batch_size, "train", self.group_size
-        )
-
-    def eval_batch(self) -> list[PythonGroup]:
-        return self._groups(random.Random(f"python:eval:{self.seed}"), self.eval_size, "eval", 1)
-
-
 def dataset(
     tokenizer,
     batch_size: int,
@@ -132,8 +111,14 @@ def dataset(
     max_tool_calls: int = 3,
     cpu_seconds: int = 2,
     wall_seconds: float = 5.0,
-) -> PythonDataset:
+) -> SeededDataset:
     limits = Limits(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds)
-    return PythonDataset(
-        ChatRenderer(tokenizer, tool_format), batch_size, group_size, eval_size, seed, max_tool_calls, limits
-    )
+    renderer = ChatRenderer(tokenizer, tool_format)
+
+    def draw(rng: random.Random, split: str, size: int) -> PythonGroup:
+        while True:  # a puzzle whose question falls in `split`
+            q, a = puzzle(rng)
+            if in_eval_split(q, 0.1) == (split == "eval"):
+                return PythonGroup(renderer, q, a, size, max_tool_calls, limits)
+
+    return SeededDataset("python", draw, batch_size, group_size, eval_size, seed)

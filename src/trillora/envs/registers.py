@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import random
 
-from .ledger import KEYS, LedgerDataset, refill_kept
+from .env_dataset import SeededDataset
+from .ledger import KEYS, episodes, refill_kept
 
 __all__ = ["dataset", "episode", "refill_kept"]
 
@@ -58,19 +59,12 @@ def dataset(
     writes: int = 3,
     registers: int = 5,
     asked_from: int = 2,
-) -> LedgerDataset:
+) -> SeededDataset:
     if turns < 2 or not 1 <= writes < registers <= len(KEYS) or asked_from < 2:
         raise ValueError(
             f"registers needs turns >= 2, 1 <= writes < registers <= {len(KEYS)} and asked_from >= 2 (the asked "
             f"register is written twice); got turns={turns}, writes={writes}, registers={registers}, "
             f"asked_from={asked_from}"
         )
-    return LedgerDataset(
-        tokenizer,
-        batch_size,
-        group_size,
-        eval_size,
-        seed,
-        lambda rng: episode(rng, turns, writes, registers, asked_from),
-        name="registers",
-    )
+    draw = episodes(tokenizer, lambda rng: episode(rng, turns, writes, registers, asked_from), name="registers")
+    return SeededDataset(*draw, batch_size, group_size, eval_size, seed)

@@ -74,12 +74,12 @@ def apply_lora(model: CausalLM, cfg: LoraConfig) -> dict[str, str]:
     return targets
 
 
-def adapter_skeleton(model: CausalLM, device: torch.device) -> CausalLM:
-    """`model`'s structure with only its adapters in memory: the base on the meta device, the adapter
-    tensors real (zeros, to write a gathered adapter into). What exporting a sharded policy's
-    adapter needs, without a copy of its base."""
+def adapter_skeleton(model: CausalLM, device: torch.device, config: LoraConfig | None = None) -> CausalLM:
+    """`model`'s structure with only its adapters (`config`, or its own) in memory: the base on the
+    meta device, the adapter tensors real (zeros, to write a gathered adapter into). What exporting
+    a sharded policy's adapter, or a slot adapter, needs without a copy of its base."""
     skeleton = build_model(model.args, device="meta", dtype=next(model.parameters()).dtype)
-    apply_lora(skeleton, model.lora_config)
+    apply_lora(skeleton, config or model.lora_config)
     for name, p in list(lora_parameters(skeleton)):
         owner, _, attr = name.rpartition(".")
         setattr(
@@ -107,10 +107,6 @@ def trained_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """What the optimizer steps: the adapters once applied, else every weight (full-parameter training)."""
     adapters = list(lora_parameters(model))
     return adapters or list(model.named_parameters())
-
-
-def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach() for name, p in lora_parameters(model)}
 
 
 def adapter_stats(model: nn.Module) -> dict[str, float]:

@@ -63,20 +63,18 @@ def train_on_traces(cfg: TrainConfig) -> dict:
 
 
 def export_adapter(learner: Learner, cfg: TrainConfig, folder) -> None:
-    """The learner's adapter in PEFT layout: its slot tensors written into a model that has the same
-    adapter applied the usual way (`lora.apply_lora`), then saved as `trillora train` saves."""
+    """The learner's adapter in PEFT layout: its slot tensors written into the base's adapter skeleton
+    (`lora.adapter_skeleton`: the adapter applied the usual way, no copy of the base), saved as
+    `trillora train` saves."""
     a = learner.adapter
-    model = load_model(cfg.model.path)
-    lora.apply_lora(
-        model,
-        lora.LoraConfig(
-            rank=a.config.rank,
-            alpha=learner.base.alpha,
-            targets=a.config.targets,
-            seed=a.config.seed,
-            expert_rank=a.config.expert_rank,
-        ),
+    config = lora.LoraConfig(
+        rank=a.config.rank,
+        alpha=learner.base.alpha,
+        targets=a.config.targets,
+        seed=a.config.seed,
+        expert_rank=a.config.expert_rank,
     )
+    model = lora.adapter_skeleton(learner.base.model, torch.device("cpu"), config)
     mine = dict(lora.lora_parameters(model))
     if set(mine) != set(a.params):
         raise ConfigError(
