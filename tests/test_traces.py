@@ -264,8 +264,11 @@ def test_feedback_errors_name_the_culprit_and_a_failing_store_never_blocks_servi
     next(gen, None)
 
 
-def test_traces_command_lists_exports_and_deletes(tmp_path):
+def test_traces_command_lists_exports_and_deletes(tmp_path, capsys):
+    """`trillora traces` through the CLI's own entry point (`cli.main`, what `python -m trillora` runs)."""
     import pyarrow.parquet as pq
+
+    from trillora.cli import main
 
     db = tmp_path / "traces.db"
     store = TraceStore(str(db))
@@ -273,12 +276,14 @@ def test_traces_command_lists_exports_and_deletes(tmp_path):
     store.record([call("r2", "b", user="bob"), call("r2", "b", user="bob", choice=1)])
     store.add_feedback(Feedback("b", "k1", 1.0, label="thumbs_up"))
 
-    def traces(*args: str) -> str:
-        out = subprocess.run(
-            [sys.executable, "-m", "trillora", "traces", str(db), *args], capture_output=True, text=True
-        )
-        assert out.returncode == 0, out.stderr
-        return out.stdout
+    def traces(*args: str, code: int = 0) -> str:
+        try:
+            rc = main(["traces", str(db), *args])
+        except SystemExit as e:  # argparse's usage errors
+            rc = e.code
+        out = capsys.readouterr()
+        assert rc == code, out.err
+        return out.out if code == 0 else out.err
 
     assert [json.loads(line)["trace_id"] for line in traces("list", "--json").splitlines()] == ["a", "b"]
     assert "b  user=bob  calls=2  rewards=1  mean_reward=1.000" in traces("list", "--user", "bob")
@@ -290,16 +295,8 @@ def test_traces_command_lists_exports_and_deletes(tmp_path):
     table = pq.read_table(tmp_path / "t.parquet").to_pylist()
     assert [r["trace_id"] for r in table] == ["a"] and table[0]["records"][0]["prompt_ids"] == [1, 2, 3]
     assert "deleted 1 traces" in traces("delete", "--older-than", "7d")
-    bad = subprocess.run(
-        [sys.executable, "-m", "trillora", "traces", str(db), "delete"], capture_output=True, text=True
-    )
-    assert bad.returncode == 2 and "needs --older-than, --user or --trace" in bad.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "trillora", "traces", str(db), "list", "--older-than", "soon"],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 2 and "--older-than 'soon'" in bad.stderr
+    assert "needs --older-than, --user or --trace" in traces("delete", code=2)
+    assert "--older-than 'soon'" in traces("list", "--older-than", "soon", code=2)
     assert [t["trace_id"] for t in TraceStore(str(db)).traces()] == ["b"]
 
 
