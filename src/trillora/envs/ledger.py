@@ -79,9 +79,9 @@ def refill_kept(prompt: str, refill: str, key: str, value: int) -> bool | None:
 
 
 def episodes(tokenizer, episode: Callable[[random.Random], tuple[list[str], str, int]], name: str = "ledger"):
-    """The groups of `SeededDataset` for `episode(rng)`: one episode's lines, the key asked and its
-    value (`ledger`, or another shape on the same turns: `trillora.envs.registers`)."""
-
+    """`SeededDataset`'s name and draw for ledger-shaped episodes: `episode(rng)` gives one episode's
+    lines, the key asked and its value (`ledger`, or another shape on the same turns:
+    `trillora.envs.registers`), a `LedgerGroup` of them per group."""
     return name, lambda rng, split, size: LedgerGroup(*episode(rng), tokenizer, size)
 
 

@@ -253,20 +253,8 @@ class Pipeline:
         stages in order (no microbatches, no autograd state to keep, so nothing to overlap)."""
         self._set_temperature(temperature)
         b, t = input_ids.shape
-        x, out = input_ids, torch.empty(b, t - 1, 2, device=self.device)
-        for s in range(self.dims.num_stages):
-            here = self.owner(s)
-            if here != self.pp_rank:
-                continue
-            if s > 0 and self.owner(s - 1) != here:
-                x = torch.empty(b, self.hidden_length(t), self.hidden_size, dtype=self.hidden_dtype, device=self.device)
-                dist.recv(x, group=self.group, group_src=self.owner(s - 1))
-            x = self.modules[self.stage_ids.index(s)](x, input_ids)
-            if s + 1 < self.dims.num_stages and self.owner(s + 1) != here:
-                dist.send(x.contiguous(), group=self.group, group_dst=self.owner(s + 1))
-        if self.has_last:
-            out = x
-        out = self._from_last(out.contiguous())
+        x = self._walk(input_ids, self.hidden_length(t), lambda stage, x: stage(x, input_ids))
+        out = self._from_last((x if self.has_last else torch.empty(b, t - 1, 2, device=self.device)).contiguous())
         return out[..., 0], out[..., 1]
 
     @torch.no_grad()
@@ -281,28 +269,40 @@ class Pipeline:
         tokens: the stages in order, as `logprobs` runs them, keeping their keys and values."""
         b, t = input_ids.shape
         positions = positions_of(input_ids, attention_mask, cache.length if cache is not None else 0)
-        x = input_ids
-        for s in range(self.dims.num_stages):
-            here = self.owner(s)
-            if here != self.pp_rank:
-                continue
-            if s > 0 and self.owner(s - 1) != here:
-                x = torch.empty(b, t, self.hidden_size, dtype=self.hidden_dtype, device=self.device)
-                dist.recv(x, group=self.group, group_src=self.owner(s - 1))
-            stage = self.modules[self.stage_ids.index(s)]
+
+        def run(stage: nn.Module, x: torch.Tensor) -> torch.Tensor:
             stage.decoding = (attention_mask, positions, cache, logits_to_keep)
             try:
-                x = stage(x, input_ids)
+                return stage(x, input_ids)
             finally:
                 stage.decoding = None
-            if s + 1 < self.dims.num_stages and self.owner(s + 1) != here:
-                dist.send(x.contiguous(), group=self.group, group_dst=self.owner(s + 1))
+
+        x = self._walk(input_ids, t, run)
         if cache is not None:
             cache.advance(t)
         logits = (
             x.float() if self.has_last else torch.empty(b, logits_to_keep or t, self.vocab_size, device=self.device)
         )
         return self._from_last(logits.contiguous())
+
+    def _walk(self, input_ids: torch.Tensor, width: int, run) -> torch.Tensor:
+        """The stages this rank holds, in order, forward only: each takes the hidden states [b, width,
+        H] from the rank of the stage before (or the ids), `run(stage, x)`, and sends them on; the
+        last one's output (this rank's last stage's, on a rank without the last)."""
+        x = input_ids
+        for s in range(self.dims.num_stages):
+            here = self.owner(s)
+            if here != self.pp_rank:
+                continue
+            if s > 0 and self.owner(s - 1) != here:
+                x = torch.empty(
+                    input_ids.shape[0], width, self.hidden_size, dtype=self.hidden_dtype, device=self.device
+                )
+                dist.recv(x, group=self.group, group_src=self.owner(s - 1))
+            x = run(self.modules[self.stage_ids.index(s)], x)
+            if s + 1 < self.dims.num_stages and self.owner(s + 1) != here:
+                dist.send(x.contiguous(), group=self.group, group_dst=self.owner(s + 1))
+        return x
 
     def decoder(self, model: nn.Module) -> StagesDecoder:
         return StagesDecoder(self, model)

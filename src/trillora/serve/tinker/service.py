@@ -92,7 +92,7 @@ class TinkerService:
             except BadRequest:
                 pass
             except Exception as e:  # noqa: BLE001 - rank 0 answers the caller; this rank stays in step
-                print(f"rank {self.ranks.rank}: {type(command).__name__}: {type(e).__name__}: {e}", file=sys.stderr)
+                print(f"rank {self.ranks.rank}: {command.method}: {type(e).__name__}: {e}", file=sys.stderr)
         dist.barrier()  # with rank 0's in `stop`: no rank tears the group down while another still receives
 
     def stop(self) -> None:
