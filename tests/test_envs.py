@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from trillora import lora
+from trillora import lora, rl
 from trillora.checkpoint import load_model, load_tokenizer
 from trillora.envs.env import Env, EnvGroupBuilder, StepResult, Trajectory, Transition
 from trillora.envs.task_env import TaskGroupBuilder
@@ -24,8 +24,19 @@ from trillora.trainer.episodes import (
     episode_metrics,
     run_episodes,
     run_groups,
-    training_samples,
 )
+
+
+def training_samples(groups, advantage: str, normalize_std: bool) -> tuple[list[Sample], list[float]]:
+    """Every trajectory's merged sequences, each with its trajectory's group-relative advantage."""
+    samples, advantages = [], []
+    for g in groups:
+        adv_G = rl.group_advantages(torch.tensor([g.total_rewards()]), advantage, normalize_std)[0]  # [G]
+        for t, a in zip(g.trajectories, adv_G.tolist(), strict=True):
+            for s in merge_trajectory(t):
+                samples.append(s)
+                advantages.append(a)
+    return samples, advantages
 
 
 def test_merge_keeps_one_sequence_while_the_prefix_property_holds():

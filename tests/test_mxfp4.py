@@ -11,7 +11,21 @@ from safetensors.torch import save_file
 
 import trillora
 from trillora.checkpoint.hf import CheckpointError
-from trillora.models.gpt_oss.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from trillora.models.gpt_oss.mxfp4 import E2M1, dequantize_mxfp4
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N] (N a multiple of 32) -> (blocks, scales): the inverse of `dequantize_mxfp4` up to
+    rounding to the nearest code: test checkpoints in the released format."""
+    groups = w.float().reshape(*w.shape[:-1], -1, 32)  # [..., G, 32]
+    top = groups.abs().amax(-1).clamp(min=2.0**-126)
+    exponent = (torch.floor(torch.log2(top)) - 2).clamp(-127, 127)  # largest |value| / 2^e lands in [4, 8)
+    scaled = groups / torch.ldexp(torch.ones_like(top), exponent.int())[..., None]
+    lut = torch.tensor(E2M1, dtype=torch.float32)
+    codes = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # nearest code; ties to the lower index
+    codes = codes.view(*codes.shape[:-1], 16, 2)
+    blocks = codes[..., 0] | (codes[..., 1] << 4)
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8)
 
 
 def test_dequantize_by_hand():

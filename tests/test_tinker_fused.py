@@ -232,6 +232,10 @@ def test_fusing_settings_are_checked_where_they_are_given():
         ServeConfig(model="tiny-moe-chat", max_fused=0)
     with pytest.raises(TrilloraError, match="gather_seconds=-1"):
         ServeConfig(model="tiny-moe-chat", gather_seconds=-1)
+    for count in ("max_rank", "max_samples", "max_clients", "max_connections", "max_futures", "max_unread_mib"):
+        for bad in (0, 1.5, True):  # every count the server keeps is a whole number >= 1
+            with pytest.raises(TrilloraError, match=f"{count}={bad!r}; allowed: an integer >= 1"):
+                ServeConfig(model="tiny-moe-chat", **{count: bad})
     out = subprocess.run(
         [sys.executable, "-m", "trillora", "serve", "tiny-moe-chat", "--tinker", "--max-fused", "0"],
         capture_output=True,

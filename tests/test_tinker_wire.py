@@ -149,3 +149,20 @@ def test_target_ids_as_json_csr_share_the_protobuf_checks():
     np.testing.assert_array_equal(got, [[-1, 5], [-1, -1], [7, -1]])
     with pytest.raises(BadRequest, match="never down"):
         sample_options({"target_prompt_logprobs": {**good, "sparse_crow_indices": [0, 2, 1, 2]}}, 4, 100)
+
+
+def test_adam_settings_take_the_sdk_defaults_and_refuse_what_torch_would_not_run():
+    from tinker import AdamParams
+
+    from trillora.serve.calls import BadRequest
+    from trillora.serve.tinker.checks import adam_settings
+
+    sdk = AdamParams()  # the SDK's own defaults are what a client that sends none gets
+    assert adam_settings({}) == (sdk.learning_rate, sdk.beta1, sdk.beta2, sdk.eps, sdk.weight_decay, 0.0)
+    assert adam_settings({"learning_rate": 1e-3, "beta1": 0}) == (1e-3, 0, sdk.beta2, sdk.eps, sdk.weight_decay, 0.0)
+    for key, value in [
+        ("beta1", 1.0), ("beta2", -0.1), ("eps", -1e-8), ("learning_rate", True),
+        ("weight_decay", float("nan")), ("grad_clip_norm", "1"), ("learning_rate", float("inf")),
+    ]:  # fmt: skip
+        with pytest.raises(BadRequest, match=rf"adam_params\.{key}="):
+            adam_settings({key: value})

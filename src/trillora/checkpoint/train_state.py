@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import TrilloraError
+from ..models.layers import local
 from .atomic import AtomicFolder, atomic_write_text, fsync_path
 
 LATEST = "latest"
@@ -61,19 +62,14 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter or state tensor (DTensor shards under FSDP / tp / ep)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def rank_tensors(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """This rank's adapter, AdamW state and torch RNG, as flat safetensors names."""
-    out = {f"param.{name}": _local(p.detach()).cpu().contiguous() for name, p in params.items()}
+    out = {f"param.{name}": local(p.detach()).cpu().contiguous() for name, p in params.items()}
     index = {id(p): name for name, p in params.items()}
     for p, state in optimizer.state.items():
         for key, value in state.items():
             if torch.is_tensor(value):
-                out[f"optim.{index[id(p)]}.{key}"] = _local(value).cpu().contiguous().clone()
+                out[f"optim.{index[id(p)]}.{key}"] = local(value).cpu().contiguous().clone()
     out["rng.torch"] = torch.get_rng_state()
     return out
 
@@ -94,13 +90,13 @@ def restore_rank_tensors(
                 raise CheckpointCorrupt(
                     f"{where}: no tensor {key!r} (was the checkpoint written with other LoRA targets?)"
                 )
-            local = _local(p.data)
-            if tuple(tensors[key].shape) != tuple(local.shape):
+            mine = local(p.data)
+            if tuple(tensors[key].shape) != tuple(mine.shape):
                 raise CheckpointCorrupt(
                     f"{where}: {key!r} has shape {tuple(tensors[key].shape)}, the model wants "
-                    f"{tuple(local.shape)} (another rank, layout or LoRA rank?)"
+                    f"{tuple(mine.shape)} (another rank, layout or LoRA rank?)"
                 )
-            local.copy_(tensors[key])
+            mine.copy_(tensors[key])
     states: dict[str, list[str]] = {}  # parameter name -> its optimizer state keys, in one pass over the file
     for k in tensors:
         if k.startswith("optim."):
@@ -111,7 +107,7 @@ def restore_rank_tensors(
             continue
         state = optimizer.state[p]
         for k in keys:
-            value = tensors[k].to(_local(p.data).device)
+            value = tensors[k].to(local(p.data).device)
             if hasattr(p.data, "to_local"):  # a sharded parameter keeps sharded state
                 from torch.distributed.tensor import DTensor
 

@@ -23,6 +23,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..errors import TrilloraError
 from ..models import CausalLM, release_of
+from ..models.layers import local
 from ..models.transformer import OtherStage
 from .fp8 import dequantize_blockwise
 
@@ -131,14 +132,10 @@ class _Filler:
         self.filled[target] += tensor.numel()
 
     def check_complete(self, path: Path) -> None:
-        missing = [k for k, t in self.targets.items() if self.filled[k] < _local(t).numel()]
+        missing = [k for k, t in self.targets.items() if self.filled[k] < local(t).numel()]
         if missing:
             shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
             raise CheckpointError(f"{path}: checkpoint lacks weights for {shown}")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _local_part(whole: torch.Tensor, dest: DTensor) -> torch.Tensor:

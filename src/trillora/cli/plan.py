@@ -124,6 +124,7 @@ SHOWN = 10  # rows of the service table beyond those that fit
 
 
 CHOSEN_KEYS = ("pp", "pp_microbatches", "tp", "ep", "cp", "sp", "fsdp", "vocab_parallel", "activation_checkpoint_every")
+LAYOUT_KEYS = (*CHOSEN_KEYS, "dp")
 
 
 def run_service(a: argparse.Namespace) -> dict:
@@ -159,16 +160,7 @@ def run_service(a: argparse.Namespace) -> dict:
         "fits": bool(ok),
         "layouts": [
             {
-                "pp": x.layout.pp,
-                "pp_microbatches": x.layout.pp_microbatches,
-                "tp": x.layout.tp,
-                "ep": x.layout.ep,
-                "dp": x.layout.dp,
-                "cp": x.layout.cp,
-                "sp": x.layout.sp,
-                "vocab_parallel": x.layout.vocab_parallel,
-                "fsdp": x.layout.fsdp,
-                "activation_checkpoint_every": x.layout.activation_checkpoint_every,
+                **{k: getattr(x.layout, k) for k in LAYOUT_KEYS},
                 "call_s": x.estimate.step_s,
                 "comm_s": x.estimate.comm_s,
                 "memory_gib": {k: v / GIB for k, v in x.estimate.memory.items()},
@@ -216,7 +208,7 @@ def render_service(out: dict) -> None:
     )
     shown = [x for i, x in enumerate(out["layouts"]) if i < SHOWN or x["fits"]]  # --json lists them all
     t = Table(title=f"memory per GPU (GiB): the {SHOWN} fastest layouts and every one that fits, fastest first")
-    for col in (
+    columns = (
         "pp",
         "cp",
         "tp",
@@ -230,8 +222,8 @@ def render_service(out: dict) -> None:
         "one pass",
         "clients",
         "total",
-        "clients that fit",
-    ):
+    )
+    for col in (*columns, "clients that fit"):
         t.add_column(col, justify="right")
     for x in shown:
         m = x["memory_gib"]

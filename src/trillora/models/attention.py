@@ -12,7 +12,7 @@ from torch import nn
 
 from .args import ModelArgs
 from .kv_cache import KVCache
-from .layers import RMSNorm, apply_rope, yarn_mscale
+from .layers import RMSNorm, apply_rope, local, yarn_mscale
 
 
 def causal_mask(
@@ -106,11 +106,6 @@ class InnerAttention(nn.Module):
         self, q, k, v, mask: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None
     ) -> torch.Tensor:
         return attend(q, k, v, mask, scale, sinks)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter a tensor-parallel plan split (a DTensor), else `t`."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class GQAttention(nn.Module):

@@ -2,7 +2,8 @@
 family of a model (`family_of(args)`), never its name.
 
 A family is a folder, `models/<family>/`: `config.py` reads its Hugging Face `config.json`,
-`model.py` builds the module, and where its releases differ from our tensor layout a
+`build` makes the module (`transformer.build` for GQA/MLA layers over MoE or
+SwiGLU; gpt-oss's `model.py` its own), and where its releases differ from our tensor layout a
 `state_dict.py` converts (gpt-oss). `registry.py` holds one line per family.
 """
 

@@ -14,6 +14,11 @@ from torch import nn
 from .args import RopeArgs
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor a parallel plan split (a DTensor: tp, ep or FSDP shards), else `t`."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 whatever the input dtype, as the reference implementations do."""
 

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from .args import ModelArgs
-from .attention import causal_mask
+from .attention import GQAttention, MLAttention, causal_mask
 from .kv_cache import KVCache
-from .layers import RMSNorm, RotaryEmbedding
+from .layers import RMSNorm, RotaryEmbedding, SwiGLU
 from .moe import MoE, SigmoidRouter
 
 
@@ -165,3 +165,15 @@ class CausalLM(nn.Module):
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
+
+
+def build(args: ModelArgs) -> CausalLM:
+    """The usual decoder (Qwen3-MoE, GLM-4.5, DeepSeek-V3 and Kimi K2): GQA, or MLA where the config
+    has a kv LoRA rank; a MoE on the layers `args.moe_layers` names, a dense SwiGLU on the rest. A
+    family whose layers differ (gpt-oss) writes its own `build`."""
+
+    def layer(i: int) -> DecoderLayer:
+        mlp = MoE(args) if args.is_moe_layer(i) else SwiGLU(args.hidden_size, args.intermediate_size)
+        return DecoderLayer(args, (MLAttention if args.kv_lora_rank else GQAttention)(args), mlp)
+
+    return CausalLM(args, layer, rope_dim=args.rope_dim)

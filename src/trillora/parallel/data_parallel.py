@@ -19,12 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..models.layers import local
 from ..models.moe import GroupedExperts
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor; a plain tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def sharded_dims(t: torch.Tensor) -> list[int]:
@@ -69,10 +65,7 @@ class GradientSync:
         self.ep_group, self.pp_group = ep_group, pp_group
         """Other ranks hold other expert slices (ep) or other layers (pp): the norm sums over them."""
         self.bytes_per_step = sum(
-            local_tensor(p).numel() * local_tensor(p).element_size()
-            for params, _, size in self.groups
-            if size > 1
-            for p in params
+            local(p).numel() * local(p).element_size() for params, _, size in self.groups if size > 1 for p in params
         )
 
     @torch.no_grad()
@@ -82,7 +75,7 @@ class GradientSync:
             if p.grad is not None and hasattr(p.grad, "placements") and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # Partial -> Replicate: all-reduce over tp
         for params, group, size in self.groups:
-            grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+            grads = [local(p.grad) for p in params if p.grad is not None]
             if size == 1 or not grads:
                 continue
             flat = torch.cat([g.reshape(-1) for g in grads])  # one collective per group
@@ -113,7 +106,7 @@ class GradientSync:
                 names.append("ep")
                 groups.append(self.ep_group)
             bucket = buckets.setdefault(tuple(names), [torch.zeros((), dtype=torch.float64), groups])
-            bucket[0] += local_tensor(g).double().square().sum()
+            bucket[0] += local(g).double().square().sum()
         total = torch.zeros((), dtype=torch.float64)
         for key in sorted(buckets):  # names are the same on every rank of a stage, so the collectives line up
             sq, groups = buckets[key]

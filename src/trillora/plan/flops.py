@@ -3,21 +3,13 @@ step time and `benchmarks/mfu.py` divide by."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from ..models.args import ModelArgs
 
 
-class Counted(Protocol):
-    """What the FLOPs are counted from (`cost.Footprint`): the model and its parameters by bucket,
-    {(place, kind, expert, trained): count}."""
-
-    args: ModelArgs
-    buckets: dict[tuple, float]
-
-
-def training_flops(fp: Counted, seq_len: int) -> dict[str, float]:
-    """FLOPs per token of one training pass over rows of `seq_len` tokens, by direction.
+def training_flops(fp, seq_len: int) -> dict[str, float]:
+    """FLOPs per token of one training pass over rows of `seq_len` tokens, by direction, counted from
+    `fp` (`cost.Footprint`: the model's args and its parameters by bucket, {(place, kind, expert,
+    trained): count}).
 
     Forward: 2 per weight a token multiplies through (routed experts: top-k of E; LoRA's A and
     B included; the embedding is a lookup) plus causal attention, 2·(keys per query)·H·(D_qk + D_v)
@@ -36,7 +28,7 @@ def training_flops(fp: Counted, seq_len: int) -> dict[str, float]:
         else:
             frozen += n
     keys = sum(mean_keys(seq_len, a.window(i)) for i in range(a.num_layers))  # per query, all layers
-    attention = 2 * keys * a.num_heads * _qk_v(a)
+    attention = 2 * keys * a.num_heads * attention_width(a)
     forward = 2 * (frozen + trained) + attention
     return {"forward": forward, "backward": 2 * (frozen + trained) + 2 * trained + 2 * attention}
 
@@ -48,7 +40,8 @@ def mean_keys(seq_len: int, window: int) -> float:
     return window - window * (window - 1) / (2 * seq_len)
 
 
-def _qk_v(args: ModelArgs) -> float:
+def attention_width(args: ModelArgs) -> int:
+    """D_qk + D_v of one head (MLA: the no-rope and rope parts of q·k, and v)."""
     if args.kv_lora_rank:
         return args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim
     return 2 * args.head_dim

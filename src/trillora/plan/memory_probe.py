@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ..models import layers
+
 
 @dataclass
 class MemoryReport:
@@ -41,7 +43,7 @@ class MemoryProbe:
         self._excluded |= {t.untyped_storage().data_ptr() for t in tensors}
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard is what this rank holds
+        local = layers.local(t)  # a DTensor's shard is what this rank holds
         try:
             s = local.untyped_storage()
             key, size = s.data_ptr(), s.nbytes()

@@ -267,18 +267,3 @@ def _service_layout(
     room = budget - est.memory_total
     est.memory["clients: adapter + grads + AdamW + revision"] = per_client * clients
     return ServiceLayout(layout, est, clients, per_client, max(0, int(room // per_client)))
-
-
-__all__ = [
-    "auto_dims",
-    "CLUSTERS",
-    "Plan",
-    "RolloutLayout",
-    "lora_vs_full",
-    "plan",
-    "plan_service",
-    "rollout_layout",
-    "ServiceLayout",
-    "smallest_cluster",
-    "valid_layouts",
-]

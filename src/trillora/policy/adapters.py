@@ -33,19 +33,10 @@ from .. import lora
 from ..lora.apply import lora_modules
 from ..lora.layers import LoraGroupedExperts, init_a
 from ..lora.multi import RowAdapters, stack_padded
-from ..models import release_of
+from ..models import layers, release_of
 from .shards import Placement
 
-SLOT_TENSORS = (
-    "lora_A",
-    "lora_B",
-    "lora_gate_A",
-    "lora_gate_B",
-    "lora_up_A",
-    "lora_up_B",
-    "lora_down_A",
-    "lora_down_B",
-)
+SLOT_TENSORS = tuple(f"lora_{m}{x}" for m in ("", "gate_", "up_", "down_") for x in "AB")
 SLOT_ROLES = ("attention", "mlp", "shared_experts", "experts", "lm_head")
 """Every module a client may adapt has a slot (the router does not: its LoRA changes routing)."""
 TINKER_ROLES = {
@@ -141,7 +132,7 @@ class ResidentBase:
             raise ValueError(f"saved adapter tensors do not fit this model: {sorted(missing)[:3]}")
         with torch.no_grad():
             for k, p in adapter.params.items():
-                local, part = p.to_local() if hasattr(p, "to_local") else p, self.placement.slice(k, tensors[k])
+                local, part = layers.local(p), self.placement.slice(k, tensors[k])
                 if local.shape != part.shape:
                     raise ValueError(
                         f"saved adapter tensor {k}: shape {tuple(tensors[k].shape)} does not fit "

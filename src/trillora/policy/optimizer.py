@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..parallel.data_parallel import GradientSync, local_tensor
+from ..models.layers import local
+from ..parallel.data_parallel import GradientSync
 
 
 def adamw(
@@ -54,7 +55,7 @@ def optimizer_step(
             coef = min(1.0, max_norm / (float(norm) + 1e-6))
             for p in params:
                 if p.grad is not None:
-                    local_tensor(p.grad).mul_(coef)
+                    local(p.grad).mul_(coef)
     stepped = bool(torch.isfinite(norm))
     if stepped:
         optimizer.step()

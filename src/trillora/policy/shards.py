@@ -129,8 +129,6 @@ class Placement:
     def full(self, tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
         """Whole tensors from this rank's parts (DTensors or their local parts): a collective over
         tp and ep, so every rank calls it with the same keys. NCCL gathers on `device`."""
-        if self.tp is None and self.experts is None and self.stages is None:
-            return tensors
         out = {}
         for k in sorted(tensors):  # the same order on every rank
             t, home = tensors[k], tensors[k].device

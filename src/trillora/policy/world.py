@@ -41,8 +41,9 @@ from torch import nn
 from ..errors import ConfigError
 from ..lora.apply import lora_parameters
 from ..parallel import ParallelDims, Parallelized, parallelize
-from ..parallel.data_parallel import GradientSync, expert_parameter_names
+from ..parallel.data_parallel import GradientSync
 from ..parallel.dims import Meshes, ParallelError, build_meshes
+from .shards import ExpertShard, Placement
 
 
 def launched() -> bool:
@@ -234,22 +235,14 @@ class World:
         return full
 
     def _gather_adapter(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Shards joined over tp (and FSDP's dp) and ep within a pipeline stage, then the stages' parts."""
-        experts = expert_parameter_names(model)
-        out = {}
-        for name, p in lora_parameters(model):
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            if name in experts and self.dims.ep > 1:
-                parts = [torch.empty_like(t) for _ in range(self.dims.ep)]
-                dist.all_gather(parts, t.contiguous(), group=self.group("ep"))
-                t = torch.cat(parts, dim=0)
-            out[name] = t
-        if self.dims.pp > 1:
-            stages = [None] * self.dims.pp
-            dist.all_gather_object(stages, {k: v.cpu() for k, v in out.items()}, group=self.group("pp"))
-            device = next(model.parameters()).device
-            out = {k: v.to(device) for part in stages for k, v in part.items()}
-        return out
+        """Shards joined over tp (and FSDP's dp) and ep within a pipeline stage, then the stages' parts:
+        `Placement.full`, as a service gathers a client's adapter."""
+        placement = Placement(getattr(model, "lora_targets", {}))  # none: full-parameter training
+        if self.dims.ep > 1:
+            ep = self.group("ep")
+            placement.experts = ExpertShard(ep, dist.get_rank(ep), self.dims.ep, model.args.num_experts)
+        placement.stages = self.group("pp") if self.dims.pp > 1 else None
+        return placement.full({k: p.detach() for k, p in lora_parameters(model)}, self.device)
 
     # --- a service's commands and passes -----------------------------------------------------
     def mirror(self, command) -> None:

@@ -175,18 +175,22 @@ class LocalEngine:
 
     def _prefill(self, prompts: list[list[int]], n: int, params: SamplingParams):
         """Each prompt prefilled once; its keys, values and last logits then serve its n samples."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompts):  # left padding: every row's last prompt token is at the end
-            ids[i, width - len(p) :] = torch.tensor(p, device=self.device)
-            mask[i, width - len(p) :] = 1
+        ids, mask, width = self._left_padded(prompts)
         cache = KVCache(len(self.model.model.layers), width + params.max_new_tokens)
-        logits = self.model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1].repeat_interleave(
-            n, 0
-        )  # [B, V]
+        logits = self.model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]  # [prompts, V]
+        logits = logits.repeat_interleave(n, 0)  # [B, V]
         cache.expand(n)
         return logits, cache, mask.repeat_interleave(n, 0), width
+
+    def _left_padded(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """ids and mask [B, W] with every row's last token at the end (W: the longest row)."""
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s) :] = torch.tensor(s, device=self.device)
+            mask[i, width - len(s) :] = 1
+        return ids, mask, width
 
     def _continuing(self, prompts: list[list[int]]) -> list[int] | None:
         """For each prompt, the row of the last call whose tokens it extends (the next turn of the same
@@ -212,12 +216,7 @@ class LocalEngine:
         old = kept.mask.shape[1]
         idx = torch.tensor(rows, device=self.device)
         added = [p[len(key) :] for p, key in zip(prompts, (kept.key_of[r] for r in rows), strict=True)]
-        width = max(len(a) for a in added)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
-        new = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
-        for i, a in enumerate(added):
-            ids[i, width - len(a) :] = torch.tensor(a, device=self.device)
-            new[i, width - len(a) :] = 1
+        ids, new, width = self._left_padded(added)
         cache = KVCache(len(self.model.model.layers), old + width + params.max_new_tokens)
         for layer, (k, v) in enumerate(zip(kept.cache.k, kept.cache.v, strict=True)):
             if k is None:  # a layer this process does not run (another pipeline stage's)

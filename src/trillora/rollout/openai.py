@@ -145,24 +145,10 @@ class OpenAIEngine:
         seed + i·n + j, because vLLM gives every sample of a seeded n>1 request the same tokens. Every
         request of the call names the same model (the revision current when it began, or `model`)."""
         model = model or self.model
-        jobs = []
-        for i, p in enumerate(prompts):
-            if params.seed is None:
-                jobs.append([self.pool.submit(self._one, p, n, params, next(self._next_url), model)])
-                continue
-            jobs.append(
-                [
-                    self.pool.submit(
-                        self._one,
-                        p,
-                        1,
-                        SamplingParams(**{**params.__dict__, "seed": params.seed + i * n + j}),
-                        next(self._next_url),
-                        model,
-                    )
-                    for j in range(n)
-                ]
-            )
+        jobs = [
+            [self.pool.submit(self._one, p, k, call, next(self._next_url), model) for p, k, call in requests]
+            for requests in params.requests(prompts, n)
+        ]
         return [[c for f in fs for c in f.result()] for fs in jobs]
 
     def pinned(self):

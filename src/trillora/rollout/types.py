@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, get_args
 
 import torch
@@ -41,6 +41,14 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p}; must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k}; must be >= 0")
+
+    def requests(self, prompts: list[list[int]], n: int) -> list[list[tuple[list[int], int, SamplingParams]]]:
+        """Per prompt, the (prompt, samples, params) requests of an external server that sample its n
+        completions: one request of n, or with a seed n requests of one seeded seed + i·n + j (vLLM
+        gives every sample of a seeded n>1 request the same tokens)."""
+        if self.seed is None:
+            return [[(p, n, self)] for p in prompts]
+        return [[(p, 1, replace(self, seed=self.seed + i * n + j)) for j in range(n)] for i, p in enumerate(prompts)]
 
 
 @dataclass(kw_only=True)

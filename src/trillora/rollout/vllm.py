@@ -138,7 +138,7 @@ class VLLMEngine:
         return {"sync_bytes": float(sent), "sync_seconds": time.perf_counter() - start}
 
     # --- sampling ------------------------------------------------------------------------
-    def _params(self, params: SamplingParams, n: int, seed: int | None):
+    def _params(self, params: SamplingParams, n: int):
         from vllm import SamplingParams as VSamplingParams
 
         return VSamplingParams(
@@ -147,7 +147,7 @@ class VLLMEngine:
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1,
-            seed=seed,
+            seed=params.seed,
             logprobs=0,
             stop_token_ids=list(params.stop_token_ids),
             ignore_eos=True,
@@ -165,14 +165,9 @@ class VLLMEngine:
         if params.return_routing and not self.returns_routing:
             raise ValueError("return_routing needs VLLMEngine(return_routing=True)")
         inputs, sampling = [], []
-        for i, p in enumerate(prompts):
-            if params.seed is None:
-                inputs.append(TokensPrompt(prompt_token_ids=list(p)))
-                sampling.append(self._params(params, n, None))
-            else:
-                for j in range(n):
-                    inputs.append(TokensPrompt(prompt_token_ids=list(p)))
-                    sampling.append(self._params(params, 1, params.seed + i * n + j))
+        for p, k, call in (r for requests in params.requests(prompts, n) for r in requests):
+            inputs.append(TokensPrompt(prompt_token_ids=list(p)))
+            sampling.append(self._params(call, k))
         outs = self.llm.generate(inputs, sampling, lora_request=self.lora, use_tqdm=False)
         flat: list[Completion] = []
         for out in outs:

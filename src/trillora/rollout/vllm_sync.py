@@ -28,20 +28,10 @@ from ..errors import TrilloraError
 from ..lora.apply import lora_modules
 from ..models import release_of
 
-SIBLINGS = {
-    "q_proj": ("q_proj", "k_proj", "v_proj"),
-    "k_proj": ("q_proj", "k_proj", "v_proj"),
-    "v_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_proj": ("gate_proj", "up_proj"),
-    "up_proj": ("gate_proj", "up_proj"),
-}
-FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""vLLM's fused projections and the projections they hold, in order."""
+SIBLINGS = {leaf: leaves for leaves in GROUPS.values() for leaf in leaves}
+FUSED = {leaf: (fused, i) for fused, leaves in GROUPS.items() for i, leaf in enumerate(leaves)}
 EXPERT = re.compile(r"^(?P<moe>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 

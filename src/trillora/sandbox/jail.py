@@ -35,7 +35,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import TrilloraError
@@ -126,12 +126,7 @@ def jail_spec(code: str, root: Path, limits: Limits, python: str, dirs: list[str
         "python_dirs": dirs,
         "masked": masked,
         "seccomp_module": seccomp.origin if seccomp is not None else "",
-        "cpu_seconds": limits.cpu_seconds,
-        "memory_bytes": limits.memory_bytes,
-        "wall_seconds": limits.wall_seconds,
-        "output_bytes": limits.output_bytes,
-        "processes": limits.processes,
-        "folder_bytes": limits.folder_bytes,
+        **asdict(limits),
     }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
 from ..lora.config import EXPERT_RANK_RULES, ExpertRankRule
@@ -115,19 +115,8 @@ class ServeConfig:
             raise BadRequest(f"gather_seconds={self.gather_seconds!r}; allowed: 0..1")
         if self.precision not in PRECISIONS:
             raise BadRequest(f"precision {self.precision!r}; allowed: {', '.join(PRECISIONS)}")
-        for key in (
-            "max_connections",
-            "max_samples",
-            "max_prompts",
-            "max_tokens_limit",
-            "max_call_tokens",
-            "max_clients",
-            "max_samplers",
-            "max_sessions",
-            "max_unread_mib",
-            "max_futures",
-        ):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+        for key in (f.name for f in fields(self) if f.name.startswith("max_") and f.type == "int"):  # counts
+            if type(getattr(self, key)) is not int or getattr(self, key) < 1:
                 raise BadRequest(f"{key}={getattr(self, key)!r}; allowed: an integer >= 1")
         keys = [self.api_key] if isinstance(self.api_key, str) else self.api_key
         if keys is not None and (not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys)):

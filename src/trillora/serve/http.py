@@ -74,19 +74,11 @@ def check_operator(scope: dict, operator: str | None, what: str) -> None:
 def error_body(path: str, status: int, message: str) -> bytes:
     if len(message) > MAX_MESSAGE:  # messages quote what was sent: a long field must not come back many times over
         message = message[:MAX_MESSAGE] + f"... ({len(message)} characters)"
-    if path.startswith(
-        "/api/"
-    ):  # the Tinker SDK; a JSON body always (an empty 400 looks like a proxy's and is retried)
+    # the Tinker SDK (/api/): a JSON body always (an empty 400 looks like a proxy's and is retried)
+    if path.startswith("/api/"):
         return json.dumps({"error": message, "detail": message}).encode()
-    return json.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": "invalid_request_error" if status < 500 else "server_error",
-                "code": status,
-            }
-        }
-    ).encode()
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
 
 
 def json_object(raw: bytes) -> dict:
@@ -179,13 +171,8 @@ class Guard:
             except TimeoutError:
                 if size > limit:  # draining what is over the limit anyway
                     break
-                await reply(
-                    send,
-                    path,
-                    408,
-                    f"the request body did not arrive within {self.limits.body_seconds:g} s",
-                    close=True,
-                )
+                late = f"the request body did not arrive within {self.limits.body_seconds:g} s"
+                await reply(send, path, 408, late, close=True)
                 return None
             if message["type"] == "http.disconnect":
                 return None

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from ..policy.adapters import Revision
 from .calls import BadRequest
 from .http import check_operator, json_object
-from .worker import Job, outcome_of
+from .worker import outcome_of, wait_for
 
 
 class Revisions:
@@ -107,14 +107,7 @@ class Revisions:
                     exp = learner.prepare()  # the store's work here; only the model's on the compute thread
                     if exp is None:
                         continue
-                    done, box = threading.Event(), {}
-                    worker.submit(
-                        Job(run=lambda: self.service.learn(exp), settle=lambda out: (box.update(out=out), done.set()))  # noqa: B023 - run before the loop goes on (done.wait)
-                    )
-                    done.wait()
-                    if isinstance(box["out"], Exception):
-                        raise box["out"]
-                    out = box["out"]
+                    out = wait_for(worker, lambda: self.service.learn(exp))  # noqa: B023 - waited for here
                     if out is not None and (out.get("skipped") or out.get("gated")):
                         self.skipped += 1
                         self.last_error = (

@@ -205,6 +205,16 @@ def _outcome(fn: Callable[[], Any]) -> Any:
         return e
 
 
+def wait_for(worker: Worker, run: Callable[[], Any], owner: str = "") -> Any:
+    """Queue `run` and block this (non-event-loop) thread until its outcome; raises what it raised."""
+    box, done = [], threading.Event()
+    worker.submit(Job(run, lambda out: (box.append(out), done.set()), owner=owner))
+    done.wait()
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
 async def outcome_of(
     worker: Worker, run: Callable[[], Any], fuse: str | None = None, payload: Any = None, owner: str = ""
 ) -> Any:

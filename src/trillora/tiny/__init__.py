@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import save_model
-from ..models import build_model, from_hf_config
+from ..models import CausalLM, build_model, from_hf_config
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
@@ -129,19 +129,23 @@ def build_chat_tokenizer():
     return tokenizer
 
 
+def new_model(tokenizer, base: dict, seed: int, std: float = 0.02) -> CausalLM:
+    """A freshly initialised tiny model of `base`'s shape over `tokenizer`'s vocabulary and special ids."""
+    ids = {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("bos", "eos", "pad")}
+    model = build_model(from_hf_config(dict(base, vocab_size=len(tokenizer), **ids), where="tiny config"), device="cpu")
+    model.init_weights(std=std, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
+def save(model: CausalLM, tokenizer, out: str | Path) -> Path:
+    """A Hugging Face checkpoint folder: the weights, then the tokenizer beside them."""
+    out = save_model(model, out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def write_random_checkpoint(
     out: str | Path, seed: int = 0, std: float = 0.05, dense: bool = False, chat: bool = False
 ) -> Path:
     tokenizer = build_chat_tokenizer() if chat else build_tokenizer()
-    config = dict(
-        TINY_QWEN3 if dense else TINY_QWEN3_MOE,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = build_model(from_hf_config(config, where="tiny config"), device="cpu")
-    model.init_weights(std=std, generator=torch.Generator().manual_seed(seed))
-    out = save_model(model, out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save(new_model(tokenizer, TINY_QWEN3 if dense else TINY_QWEN3_MOE, seed, std), tokenizer, out)

@@ -25,11 +25,9 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import save_model
 from ..envs import calculator
 from ..envs.tools import function_schema
-from ..models import build_model, from_hf_config
-from . import TINY_QWEN3_MOE, build_chat_tokenizer
+from . import TINY_QWEN3_MOE, build_chat_tokenizer, new_model, save
 
 TOOLS = [function_schema(calculator.multiply)]
 
@@ -181,15 +179,7 @@ def pretrain_chat(
 
     torch.manual_seed(seed)
     tokenizer = build_chat_tokenizer()
-    config = dict(
-        TINY_QWEN3_MOE,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = build_model(from_hf_config(config, where="tiny chat config"), device="cpu")
-    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
+    model = new_model(tokenizer, TINY_QWEN3_MOE, seed)
     if init_from is not None:
         init_from_base(model, init_from)
     rng = random.Random(seed)
@@ -220,8 +210,7 @@ def pretrain_chat(
                 ):
                     break
     model.eval()
-    out = save_model(model, out)
-    tokenizer.save_pretrained(out)
+    out = save(model, tokenizer, out)
     return {
         "steps": step,
         "seconds": time.perf_counter() - start,

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_model, load_tokenizer, save_model
+from ..checkpoint import load_model, load_tokenizer
+from . import save
 from .pretrain import pad_rows, supervised_step
 
 
@@ -221,8 +222,7 @@ def pretrain_memory(
                 if last >= target_success and all(a >= target_success for a in actions.values()):
                     break
     model.eval()
-    out = save_model(model, out)
-    tokenizer.save_pretrained(out)
+    out = save(model, tokenizer, out)
     return {
         "steps": step,
         "seconds": time.perf_counter() - start,

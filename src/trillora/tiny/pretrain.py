@@ -14,9 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import save_model
-from ..models import build_model, from_hf_config
-from . import build_tokenizer, tiny_config
+from . import build_tokenizer, new_model, save, tiny_config
 
 
 def _examples(tasks, weights, rng: random.Random, n: int, seed: int):
@@ -83,15 +81,7 @@ def pretrain(
 
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
-    config = dict(
-        tiny_config(width),
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = build_model(from_hf_config(config, where="tiny config"), device="cpu")
-    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(seed))
+    model = new_model(tokenizer, tiny_config(width), seed)
     addition, reversal = ArithmeticTask(digits=3), ReversalTask()
     tasks, weights = [addition, reversal, CountdownTask()], [0.6, 0.25, 0.15]
     rng = random.Random(seed)
@@ -131,8 +121,7 @@ def pretrain(
                     history[-1]["addition_sampled_t1"] = evaluate(engine, tokenizer, addition, held_add, sampled)
                     break
     model.eval()
-    out = save_model(model, out)
-    tokenizer.save_pretrained(out)
+    out = save(model, tokenizer, out)
     return {"steps": step, "tokens": seen, "width": width, "seconds": time.perf_counter() - start, "history": history}
 
 

@@ -20,7 +20,7 @@ import math
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -88,21 +88,9 @@ class Feedback:
 
 
 _LISTS = ("prompt_ids", "completion_ids", "logprobs", "params", "tool_calls")
-_CALL_COLUMNS = (
-    "response_id",
-    "choice",
-    "trace_id",
-    "owner",
-    "model",
-    "revision",
-    "kind",
-    *_LISTS,
-    "finish_reason",
-    "user_id",
-    "tag",
-    "created",
-)
-_FEEDBACK_COLUMNS = ("trace_id", "owner", "reward", "response_id", "label", "comment", "created")
+_CALL_COLUMNS = tuple(f.name for f in fields(Call))
+_FEEDBACK_COLUMNS = tuple(f.name for f in fields(Feedback))
+_TRACE_FIELDS = ("owner", "trace_id", "user_id", "calls", "first", "last", "rewards", "mean_reward")
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS calls (response_id TEXT NOT NULL, choice INTEGER NOT NULL, trace_id TEXT NOT NULL, "
     "owner TEXT NOT NULL, model TEXT NOT NULL, revision TEXT NOT NULL, kind TEXT NOT NULL, prompt_ids TEXT NOT NULL, "
@@ -110,9 +98,9 @@ _SCHEMA = (
     "finish_reason TEXT NOT NULL, user_id TEXT NOT NULL, tag TEXT NOT NULL, created DOUBLE PRECISION NOT NULL, "
     "PRIMARY KEY (response_id, choice))",
     "CREATE INDEX IF NOT EXISTS calls_trace ON calls (owner, trace_id, created)",
-    "CREATE TABLE IF NOT EXISTS feedback (trace_id TEXT NOT NULL, owner TEXT NOT NULL, reward DOUBLE PRECISION NOT "
-    "NULL, "
-    "response_id TEXT NOT NULL, label TEXT NOT NULL, comment TEXT NOT NULL, created DOUBLE PRECISION NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS feedback (trace_id TEXT NOT NULL, owner TEXT NOT NULL, reward DOUBLE PRECISION "
+    "NOT NULL, response_id TEXT NOT NULL, label TEXT NOT NULL, comment TEXT NOT NULL, "
+    "created DOUBLE PRECISION NOT NULL)",
     "CREATE INDEX IF NOT EXISTS feedback_trace ON feedback (owner, trace_id)",
     "CREATE TABLE IF NOT EXISTS trained (owner TEXT NOT NULL, trace_id TEXT NOT NULL, revision INTEGER NOT NULL, "
     "created DOUBLE PRECISION NOT NULL, PRIMARY KEY (owner, trace_id))",
@@ -163,23 +151,20 @@ class TraceStore:
         return text.replace("?", "%s") if self.postgres else text
 
     def _write(self, text: str, rows: list[tuple]) -> None:
-        with self.lock:
-            try:
-                cur = self._cursor()
-                cur.executemany(self._sql(text), rows)
-                self.db.commit()
-            except Exception:
-                if not (self.postgres and self.db.closed):
-                    self.db.rollback()
-                raise
+        self._run(text, rows, write=True)
 
     def _read(self, text: str, args: tuple = ()) -> list[tuple]:
+        return self._run(text, args, write=False)
+
+    def _run(self, text: str, args, write: bool) -> list[tuple]:
+        """One statement in its own transaction: a write over many rows, or a read (its commit ends
+        PostgreSQL's read transaction, so later reads see new rows)."""
         with self.lock:
             try:
                 cur = self._cursor()
-                cur.execute(self._sql(text), args)
-                rows = cur.fetchall()
-                self.db.commit()  # ends PostgreSQL's read transaction, so later reads see new rows
+                (cur.executemany if write else cur.execute)(self._sql(text), args)
+                rows = [] if write else cur.fetchall()
+                self.db.commit()
                 return rows
             except Exception:
                 if not (self.postgres and self.db.closed):
@@ -213,9 +198,8 @@ class TraceStore:
             what = f"response {fb.response_id!r}" if fb.response_id else f"trace {fb.trace_id!r}"
             raise UnknownTrace(f"no {what} in this key's recorded traffic")
         fb.trace_id = found[0][0]
-        held = self._read("SELECT COUNT(*) FROM feedback WHERE owner = ? AND trace_id = ?", (fb.owner, fb.trace_id))[0][
-            0
-        ]
+        same = (fb.owner, fb.trace_id)
+        [(held,)] = self._read("SELECT COUNT(*) FROM feedback WHERE owner = ? AND trace_id = ?", same)
         if held >= MAX_FEEDBACK:
             raise TooMuchFeedback(f"trace {fb.trace_id!r} already holds {MAX_FEEDBACK} rewards (they are averaged)")
         d = asdict(fb)
@@ -242,22 +226,19 @@ class TraceStore:
     # --- reads --------------------------------------------------------------------------------
     def calls(self, trace_id: str, owner: str | None = None) -> list[Call]:
         """A trace's calls in the order they were served (one owner's only, when given)."""
-        query = f"SELECT {', '.join(_CALL_COLUMNS)} FROM calls WHERE trace_id = ?"
-        args: tuple = (trace_id,)
-        if owner is not None:
-            query, args = query + " AND owner = ?", (trace_id, owner)
-        rows = self._read(query + " ORDER BY created, response_id, choice", args)
+        rows = self._select(_CALL_COLUMNS, "calls", trace_id, owner, "created, response_id, choice")
         return [
             Call(**{k: json.loads(v) if k in _LISTS else v for k, v in zip(_CALL_COLUMNS, r, strict=True)})
             for r in rows
         ]
 
     def feedback(self, trace_id: str, owner: str | None = None) -> list[Feedback]:
-        query, args = f"SELECT {', '.join(_FEEDBACK_COLUMNS)} FROM feedback WHERE trace_id = ?", (trace_id,)
-        if owner is not None:
-            query, args = query + " AND owner = ?", (trace_id, owner)
-        rows = self._read(query + " ORDER BY created", args)
+        rows = self._select(_FEEDBACK_COLUMNS, "feedback", trace_id, owner, "created")
         return [Feedback(**dict(zip(_FEEDBACK_COLUMNS, r, strict=True))) for r in rows]
+
+    def _select(self, columns: tuple[str, ...], table: str, trace_id: str, owner: str | None, order: str) -> list:
+        mine, args = ("", (trace_id,)) if owner is None else (" AND owner = ?", (trace_id, owner))
+        return self._read(f"SELECT {', '.join(columns)} FROM {table} WHERE trace_id = ?{mine} ORDER BY {order}", args)
 
     def traces(
         self,
@@ -286,19 +267,7 @@ class TraceStore:
         if older_than is not None:
             query, args = query + " HAVING MAX(c.created) < ?", args + [time.time() - older_than]
         rows = self._read(query + " ORDER BY MIN(c.created)", tuple(args))
-        return [
-            {
-                "owner": r[0],
-                "trace_id": r[1],
-                "user_id": r[2],
-                "calls": r[3],
-                "first": r[4],
-                "last": r[5],
-                "rewards": r[6],
-                "mean_reward": r[7],
-            }
-            for r in rows
-        ]
+        return [dict(zip(_TRACE_FIELDS, r, strict=True)) for r in rows]
 
     def mark_trained(self, keys: list[tuple[str, str]], revision: int) -> None:
         """The learner's record that these traces ((owner, trace id)) went into `revision` (-1: left

@@ -14,12 +14,8 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 
-import torch
-
-from .. import rl
 from ..context import MemoryContext, sample_refills
 from ..envs.env import Env, EnvGroupBuilder, Trajectory, TrajectoryGroup, Transition, resolve
-from ..envs.trajectory import Sample, merge_trajectory
 from ..errors import TrilloraError
 from ..rollout.types import RolloutEngine, SamplingParams
 from ..tasks.guard import OnRewardError, time_limit
@@ -96,34 +92,19 @@ def run_episodes(
             seed = params.seed if params.seed is None or (turn, k) == (0, 0) else params.seed * 8191 + turn * 127 + k
             call = dataclasses.replace(params, stop_token_ids=stops, seed=seed)
             for i, c in _sample(engine, idx, obs, group_of, call):
-                routes = c.routed_experts
+                was, routes = (obs[i], list(c.token_ids), list(c.logprobs)), c.routed_experts
                 answered = memory[i].intercept(c.token_ids, stops, turn + 1) if memory[i] is not None else None
                 if answered is not None:  # a `recall` turn: the memory answers, the env does not see it
-                    turns[i].append(
-                        Transition(
-                            obs[i], list(c.token_ids), list(c.logprobs), 0.0, False, {"memory_recalls": 1.0}, routes
-                        )
-                    )
+                    turns[i].append(Transition(*was, 0.0, False, {"memory_recalls": 1.0}, routes))
                     obs[i] = answered
                     continue
                 result = _call(envs[i], "step", turn, limits, list(c.token_ids))
                 if isinstance(result, BaseException):
-                    turns[i].append(
-                        Transition(obs[i], list(c.token_ids), list(c.logprobs), 0.0, True, {"env_error": 1.0}, routes)
-                    )
+                    turns[i].append(Transition(*was, 0.0, True, {"env_error": 1.0}, routes))
                     ended[i] = "error"
                     continue
-                turns[i].append(
-                    Transition(
-                        obs[i],
-                        list(c.token_ids),
-                        list(c.logprobs),
-                        float(result.reward),
-                        bool(result.episode_done),
-                        dict(result.metrics),
-                        routes,
-                    )
-                )
+                reward, done = float(result.reward), bool(result.episode_done)
+                turns[i].append(Transition(*was, reward, done, dict(result.metrics), routes))
                 if result.episode_done:
                     ended[i] = "done"
                 obs[i], stop[i] = list(result.next_observation), tuple(result.next_stop_condition)
@@ -238,17 +219,3 @@ def episode_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
                 totals[key] += float(value)
     out.update({f"env/{key}": value / n for key, value in sorted(totals.items())})
     return out
-
-
-def training_samples(
-    groups: list[TrajectoryGroup], advantage: str, normalize_std: bool
-) -> tuple[list[Sample], list[float]]:
-    """Every trajectory's merged sequences, each with its trajectory's group-relative advantage."""
-    samples, advantages = [], []
-    for g in groups:
-        adv_G = rl.group_advantages(torch.tensor([g.total_rewards()]), advantage, normalize_std)[0]  # [G]
-        for t, a in zip(g.trajectories, adv_G.tolist(), strict=True):
-            for s in merge_trajectory(t):
-                samples.append(s)
-                advantages.append(a)
-    return samples, advantages

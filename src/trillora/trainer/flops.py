@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..plan.flops import attention_width
+
 
 @dataclass(frozen=True)
 class ModelFlops:
@@ -104,13 +106,6 @@ def pairs(length: int, window: int = 0) -> int:
     if not window or length <= window:
         return length * (length + 1) // 2
     return window * (window + 1) // 2 + (length - window) * window
-
-
-def attention_width(args) -> int:
-    """D_qk + D_v of one head (MLA: the no-rope and rope parts of q·k, and v)."""
-    if args.kv_lora_rank:
-        return args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim
-    return 2 * args.head_dim
 
 
 def rollout_flops(model: ModelFlops, groups) -> float:

@@ -23,6 +23,7 @@ from ..errors import ConfigError
 from ..rollout import LocalEngine, SamplingParams
 from ..tasks.prompts import stop_tokens
 from ..traces.store import MAX_REWARD
+from .sampler import rollout_params
 
 GATE_SEED = 4242
 
@@ -56,14 +57,7 @@ def env_gate(learner, engine: LocalEngine):
         eval_size=t.eval_problems,
         seed=learner.cfg.seed,
     )
-    params = SamplingParams(
-        max_new_tokens=r.max_new_tokens,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        stop_token_ids=stop_tokens(learner.tokenizer, chat=False),
-        seed=GATE_SEED,
-    )
+    params = rollout_params(r, stop_tokens(learner.tokenizer, chat=False), GATE_SEED)
     limits = EpisodeLimits(
         max_turns=t.max_turns,
         max_model_len=learner.base.model.args.max_position_embeddings,

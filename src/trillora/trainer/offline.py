@@ -67,14 +67,7 @@ def export_adapter(learner: Learner, cfg: TrainConfig, folder) -> None:
     (`lora.adapter_skeleton`: the adapter applied the usual way, no copy of the base), saved as
     `trillora train` saves."""
     a = learner.adapter
-    config = lora.LoraConfig(
-        rank=a.config.rank,
-        alpha=learner.base.alpha,
-        targets=a.config.targets,
-        seed=a.config.seed,
-        expert_rank=a.config.expert_rank,
-    )
-    model = lora.adapter_skeleton(learner.base.model, torch.device("cpu"), config)
+    model = lora.adapter_skeleton(learner.base.model, torch.device("cpu"), a.config)  # its config: the base's alpha
     mine = dict(lora.lora_parameters(model))
     if set(mine) != set(a.params):
         raise ConfigError(

@@ -66,6 +66,12 @@ class Request:
     params: SamplingParams
 
 
+def rollout_params(r, stop: tuple[int, ...], seed: int | None = None) -> SamplingParams:
+    """An engine call's settings for this run's rollouts (`r`: the rollout section; `stop`: the end tokens)."""
+    same = ("max_new_tokens", "temperature", "top_p", "top_k")
+    return SamplingParams(**{k: getattr(r, k) for k in same}, stop_token_ids=stop, seed=seed)
+
+
 class Sampler:
     def __init__(
         self,
@@ -88,13 +94,7 @@ class Sampler:
         self.pad_id = tokenizer.pad_token_id or 0
         r = self.rollout
         stop = stop_tokens(tokenizer, chat=task is not None and task.chat)
-        self.params = SamplingParams(
-            max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            stop_token_ids=stop,
-        )
+        self.params = rollout_params(r, stop)
         self.worker: RolloutWorker | None = None
         """The rollout thread while a run samples ahead (`start_worker`)."""
         self.limits = EpisodeLimits(

@@ -26,17 +26,3 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]
     values = torch.ldexp(values.flatten(-2), (scales.int() - 127)[..., None])  # [..., G, 32]
     return values.flatten(-2)
-
-
-def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N] (N a multiple of 32) -> (blocks, scales): the inverse of `dequantize_mxfp4` up to
-    rounding to the nearest code; for writing test checkpoints in the released format."""
-    groups = w.float().reshape(*w.shape[:-1], -1, 32)  # [..., G, 32]
-    top = groups.abs().amax(-1).clamp(min=2.0**-126)
-    exponent = (torch.floor(torch.log2(top)) - 2).clamp(-127, 127)  # largest |value| / 2^e lands in [4, 8)
-    scaled = groups / torch.ldexp(torch.ones_like(top), exponent.int())[..., None]
-    lut = torch.tensor(E2M1, dtype=torch.float32)
-    codes = (scaled[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # nearest code; ties to the lower index
-    codes = codes.view(*codes.shape[:-1], 16, 2)
-    blocks = codes[..., 0] | (codes[..., 1] << 4)
-    return blocks.contiguous(), (exponent + 127).to(torch.uint8)

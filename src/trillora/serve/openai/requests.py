@@ -42,13 +42,7 @@ def sampling_params(body: dict, cfg: ServeConfig, tokenizer) -> tuple[dict, int]
             "seed": seed,
             "stop": stop,
         }
-        SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=params["temperature"],
-            top_p=params["top_p"],
-            top_k=params["top_k"],
-            seed=seed,
-        )
+        SamplingParams(max_new_tokens=max_tokens, **{k: params[k] for k in ("temperature", "top_p", "top_k", "seed")})
     except (TypeError, ValueError, OverflowError) as e:
         raise BadRequest(str(e)) from None
     return params, n

@@ -20,6 +20,7 @@ import shutil
 import time
 from pathlib import Path
 
+from ...checkpoint.atomic import atomic_write_text
 from ..calls import BadRequest
 from .checks import resolve, state_path
 
@@ -28,13 +29,6 @@ KINDS = {"weights": "training", "sampler_weights": "sampler"}
 
 def _iso(seconds: float | None) -> str | None:
     return None if seconds is None else datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat()
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Replace `path` whole or not at all."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 class CheckpointStore:
@@ -97,16 +91,18 @@ class CheckpointStore:
     def record_run(self, run_id: str, rank: int, roles: tuple[str, ...], user_metadata: dict | None) -> None:
         folder = self.run_folder(run_id)
         folder.mkdir(parents=True, exist_ok=True)
-        write_json(
+        atomic_write_text(
             folder / "run.json",
-            {
-                "training_run_id": run_id,
-                "base_model": self.base_model,
-                "lora_rank": rank,
-                "roles": list(roles),
-                "user_metadata": user_metadata or {},
-                "created": time.time(),
-            },
+            json.dumps(
+                {
+                    "training_run_id": run_id,
+                    "base_model": self.base_model,
+                    "lora_rank": rank,
+                    "roles": list(roles),
+                    "user_metadata": user_metadata or {},
+                    "created": time.time(),
+                }
+            ),
         )
 
     def _checkpoint(self, run_id: str, checkpoint_id: str) -> tuple[str, Path, dict]:
@@ -146,9 +142,7 @@ class CheckpointStore:
         if ttl_seconds is not None:
             self.set_ttl(run_id, checkpoint_id, ttl_seconds)
         if user_metadata:
-            _, folder, meta = self._checkpoint(run_id, checkpoint_id)
-            meta["user_metadata"] = {str(k): str(v) for k, v in user_metadata.items()}
-            write_json(folder / "state.json", meta)
+            self._update(run_id, checkpoint_id, user_metadata={str(k): str(v) for k, v in user_metadata.items()})
 
     def delete(self, run_id: str, checkpoint_id: str) -> None:
         _, folder, _ = self._checkpoint(run_id, checkpoint_id)
@@ -157,14 +151,14 @@ class CheckpointStore:
     def set_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds) -> None:
         if ttl_seconds is not None and (type(ttl_seconds) is not int or ttl_seconds < 0):
             raise BadRequest(f"ttl_seconds={ttl_seconds!r}; allowed: an integer >= 0, or null for no expiry")
-        _, folder, meta = self._checkpoint(run_id, checkpoint_id)
-        meta["expires"] = None if ttl_seconds is None else time.time() + ttl_seconds
-        write_json(folder / "state.json", meta)
+        self._update(run_id, checkpoint_id, expires=None if ttl_seconds is None else time.time() + ttl_seconds)
 
     def publish(self, run_id: str, checkpoint_id: str, public: bool) -> None:
+        self._update(run_id, checkpoint_id, public=public)
+
+    def _update(self, run_id: str, checkpoint_id: str, **changes) -> None:
         _, folder, meta = self._checkpoint(run_id, checkpoint_id)
-        meta["public"] = public
-        write_json(folder / "state.json", meta)
+        atomic_write_text(folder / "state.json", json.dumps({**meta, **changes}))
 
     def sweep(self) -> int:
         """Delete every checkpoint whose TTL has passed; how many went."""

@@ -1,12 +1,14 @@
 """Checks of Tinker requests before they reach the worker (a sample call's are `calls.check_sample`,
 every face's): a bad datum or sampling setting is
 refused with a message naming the datum, key and allowed values, and never half-applied.
+Also the service's records: what its routes hand it (`FwdBwd`) and the names it accepts.
 Shape legend: N one datum's tokens, K top-k targets."""
 
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +16,23 @@ import torch
 
 from ...rl.tinker_losses import LossInputError, check_loss
 from ..calls import BadRequest
-from .types import MODEL_ID, NAME
 from .wire import Datum, WireError, dense_from_csr
+
+# fullmatch: never "." or "..", no newline; names become folders
+NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+MODEL_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._:-]{0,127}")
+
+
+@dataclass
+class FwdBwd:
+    """One forward_backward (or forward) call, its data checked by `check_data`."""
+
+    model_id: str
+    loss_fn: str
+    config: dict
+    data: list[Datum]
+    tensors: list[dict[str, torch.Tensor]]
+    forward_only: bool
 
 
 def check_data(
@@ -131,31 +148,17 @@ def _targets(t, prompt_len: int, vocab: int) -> np.ndarray:
     return dense
 
 
+ADAM_DEFAULTS = dict(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
+
+
 def adam_settings(adam: dict) -> tuple[float, float, float, float, float, float]:
     """(lr, beta1, beta2, eps, weight_decay, grad_clip_norm) with the SDK's defaults, or BadRequest."""
-    lr, b1, b2 = adam.get("learning_rate", 1e-4), adam.get("beta1", 0.9), adam.get("beta2", 0.95)
-    eps, wd, clip = adam.get("eps", 1e-12), adam.get("weight_decay", 0.0), adam.get("grad_clip_norm", 0.0)
-    for key, v in (
-        ("learning_rate", lr),
-        ("beta1", b1),
-        ("beta2", b2),
-        ("eps", eps),
-        ("weight_decay", wd),
-        ("grad_clip_norm", clip),
-    ):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    settings = {k: adam.get(k, default) for k, default in ADAM_DEFAULTS.items()}
+    for key, v in settings.items():
+        number = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+        if not number or not 0 <= v < (1 if key.startswith("beta") else math.inf):
             raise BadRequest(f"adam_params.{key}={v!r} is out of range")
-    for key, v, ok in (
-        ("learning_rate", lr, lr >= 0),
-        ("beta1", b1, 0 <= b1 < 1),
-        ("beta2", b2, 0 <= b2 < 1),
-        ("eps", eps, eps >= 0),
-        ("weight_decay", wd, wd >= 0),
-        ("grad_clip_norm", clip, clip >= 0),
-    ):
-        if not ok:
-            raise BadRequest(f"adam_params.{key}={v!r} is out of range")
-    return lr, b1, b2, eps, wd, clip
+    return tuple(settings.values())
 
 
 def state_path(root: Path, model_id: str, kind: str, name: str) -> tuple[str, Path]:

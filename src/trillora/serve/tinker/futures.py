@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..calls import BadRequest
-from ..worker import Job, Replayed, Worker
+from ..worker import Job, Replayed, Worker, wait_for
 
 PROTO = "application/x-protobuf"
 MAX_WAITING = 4
@@ -79,22 +79,17 @@ class Futures:
             self.held[owner] += 1
 
         def settle(out) -> None:
-            if isinstance(out, BadRequest):
-                fut.body, fut.proto = json.dumps({"error": str(out), "category": "user"}).encode(), False
-            elif isinstance(out, Exception):  # a server fault still answers the poll, with what went wrong
-                fut.body, fut.proto = (
-                    json.dumps({"error": f"{type(out).__name__}: {out}", "category": "server"}).encode(),
-                    False,
-                )
-            else:
+            if not isinstance(out, Exception):
                 try:
                     body = encode(out)
                     fut.body = body.encode() if isinstance(body, str) else body
                 except Exception as e:  # noqa: BLE001 - settled as the request's error; the worker goes on
-                    fut.body, fut.proto = (
-                        json.dumps({"error": f"{type(e).__name__}: {e}", "category": "server"}).encode(),
-                        False,
-                    )
+                    out = e
+            if isinstance(out, Exception):  # a server fault still answers the poll, with what went wrong
+                user = isinstance(out, BadRequest)
+                error = str(out) if user else f"{type(out).__name__}: {out}"
+                fut.body = json.dumps({"error": error, "category": "user" if user else "server"}).encode()
+                fut.proto = False
             with self.lock:
                 fut.settled = time.monotonic()
                 if rid in self.futures:
@@ -145,15 +140,10 @@ class Futures:
                 raise BadRequest(f"this key has {MAX_WAITING} calls waiting on the worker; try again", 429)
             self.waiting[owner] += 1
         try:
-            box, done = [], threading.Event()
-            self.worker.submit(Job(fn, lambda out: (box.append(out), done.set()), owner=owner))
-            done.wait()
+            return wait_for(self.worker, fn, owner)
         finally:
             with self.lock:
                 self.waiting[owner] -= 1
-        if isinstance(box[0], Exception):
-            raise box[0]
-        return box[0]
 
     async def retrieve(self, body: dict) -> tuple[bytes, str]:
         """The outcome, once: a retrieved result is released (results are as large as their calls;
@@ -173,9 +163,8 @@ class Futures:
         try:
             await asyncio.wait_for(fut.done.wait(), self.poll_seconds)
         except TimeoutError:
-            return json.dumps(
-                {"type": "try_again", "request_id": rid, "queue_state": "active"}
-            ).encode(), "application/json"
+            again = {"type": "try_again", "request_id": rid, "queue_state": "active"}
+            return json.dumps(again).encode(), "application/json"
         with self.lock:
             self._forget(rid)
         return fut.body, PROTO if fut.proto else "application/json"

@@ -34,9 +34,8 @@ from ..config import ServeConfig
 from ..registry import SERVED, Client, Registry
 from ..sampling import Sampling
 from . import states
-from .checks import adam_settings, check_data, resolve, state_path
+from .checks import FwdBwd, adam_settings, check_data, resolve, state_path
 from .commands import Command, Stop
-from .types import FwdBwd
 from .wire import Datum
 
 __all__ = ["FwdBwd", "TinkerService"]
@@ -66,12 +65,8 @@ class TinkerService:
         self.engine = LocalEngine.sharing(self.base.model, pad_id=self.tokenizer.pad_token_id or 0)
         self.registry = r = Registry(cfg, follower=self.ranks.rank > 0)
         # what a route asks of the registry, by the service's own names
-        self.sessions, self.create_session, self.session, self.idle_sessions = (
-            r.sessions,
-            r.create_session,
-            r.session,
-            r.idle_sessions,
-        )
+        self.sessions, self.create_session = r.sessions, r.create_session
+        self.session, self.idle_sessions = r.session, r.idle_sessions
         self.client, self.sampler, self.served, self.unserve_adapter = r.client, r.sampler, r.served, r.unserve
         self.root = Path(cfg.state_dir)
         self.learner = None
@@ -286,9 +281,8 @@ class TinkerService:
 
     def _target_logprobs(self, model, data: list[Datum], tensors) -> list[torch.Tensor]:
         width = max(len(d.tokens) for d in data)
-        ids = torch.zeros(
-            len(data), width, dtype=torch.long
-        )  # [B, T] right-padded (causal: pads change nothing before them)
+        # [B, T] right-padded (causal: pads change nothing before them)
+        ids = torch.zeros(len(data), width, dtype=torch.long)
         for i, d in enumerate(data):
             ids[i, : len(d.tokens)] = torch.tensor(d.tokens)
         logits = model(ids.to(self.device))  # [B, T, V]; under cp [B, t, V]; with a vocabulary-parallel head [.., V/tp]

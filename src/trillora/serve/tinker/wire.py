@@ -109,10 +109,8 @@ def read_tensor(buf: bytes, where: str, limit: int) -> np.ndarray:
     if 2 in f:  # CSR: rows of the non-pad values, pad 0
         csr = fields(f[2][-1])
         values = _array(_one(csr, 1, b""), dtype, where)
-        crow, col = (
-            _array(_one(csr, 2, b""), np.dtype(np.int64), where),
-            _array(_one(csr, 3, b""), np.dtype(np.int64), where),
-        )
+        crow = _array(_one(csr, 2, b""), np.dtype(np.int64), where)
+        col = _array(_one(csr, 3, b""), np.dtype(np.int64), where)
         return dense_from_csr(shape, values, crow, col, 0, where)
     return np.zeros(shape or [0], dtype=dtype)
 
