@@ -23,16 +23,17 @@ from rich.table import Table
 from trillora import lora, rl
 from trillora.checkpoint import load_model, load_tokenizer, resolve_model_path
 from trillora.config import TrainConfig
+from trillora.envs.trajectory import Sample
 from trillora.policy.logprobs import token_logprobs
 from trillora.rollout import LocalEngine, SamplingParams
 from trillora.tasks import make_task
 from trillora.tasks.prompts import encode_prompt
-from trillora.trainer.batch import build_batch
+from trillora.trainer.batch import batch_from_samples
 
 
 def score(model, groups) -> tuple[dict, float]:
     flat = [c for g in groups for c in g]
-    batch = build_batch([c.prompt_ids for c in flat], [c.token_ids for c in flat], [c.logprobs for c in flat])
+    batch = batch_from_samples([Sample.single_turn(c.prompt_ids, c.token_ids, c.logprobs) for c in flat], 0, "cpu")
     with torch.no_grad():
         trainer, _ = token_logprobs(model, batch.input_ids, 1.0)  # [B, T]
     _, metrics = rl.mismatch_weights(trainer, batch.rollout_logprobs, batch.completion_mask, "token_tis", 2.0)

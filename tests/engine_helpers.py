@@ -13,9 +13,26 @@ import urllib.request
 
 import torch
 
+from trillora.envs.trajectory import Sample
 from trillora.policy.logprobs import token_logprobs
 from trillora.serve.config import ServeConfig
-from trillora.trainer.batch import build_batch
+from trillora.trainer.batch import TokenBatch, batch_from_samples, with_routes
+
+
+def build_batch(
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    logprobs: list[list[float]],
+    pad_id: int = 0,
+    device: torch.device | str = "cpu",
+    routes: list[torch.Tensor] | None = None,
+) -> TokenBatch:
+    """Single-turn rows (prompt, completion, its logprobs). `routes`: each completion's recorded routing
+    [len(prompt) + len(completion) - 1, L, K], or None."""
+    batch = batch_from_samples(
+        [Sample.single_turn(p, c, lp) for p, c, lp in zip(prompts, completions, logprobs, strict=True)], pad_id, device
+    )
+    return with_routes(batch, routes) if routes is not None else batch
 
 
 def free_port() -> int:

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from engine_helpers import build_batch
 
 from trillora import lora, rl
 from trillora.checkpoint import load_model, load_tokenizer
@@ -17,7 +18,7 @@ from trillora.envs.trajectory import Sample, merge_trajectory
 from trillora.policy.logprobs import shared_prompt_logprobs, token_logprobs
 from trillora.rollout import LocalEngine, SamplingParams
 from trillora.tasks import ArithmeticTask
-from trillora.trainer.batch import batch_from_samples, build_batch, completion_spans
+from trillora.trainer.batch import batch_from_samples, completion_spans
 from trillora.trainer.episodes import (
     EnvError,
     EpisodeLimits,

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 from test_messages import encode, play
+from test_tool_calls import format_tool_call
 
 from trillora.chat.renderer import ChatRenderer
-from trillora.chat.tool_calls import ToolCall, detect_format, format_tool_call, parse_tool_calls
+from trillora.chat.tool_calls import ToolCall, detect_format, parse_tool_calls
 from trillora.envs.calculator import multiply
 from trillora.envs.env import Trajectory
 from trillora.envs.tools import ToolEnv, function_schema

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import build_batch
 from hf_models import CONFIGS
 
 from trillora import lora, rl
@@ -12,7 +13,6 @@ from trillora.models import build_model, from_hf_config
 from trillora.policy.logprobs import token_logprobs
 from trillora.rollout import LocalEngine, SamplingParams
 from trillora.rollout.routing import record_routing
-from trillora.trainer.batch import build_batch
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 6], [11]]
 

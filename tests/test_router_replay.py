@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from engine_helpers import build_batch
 from hf_models import CONFIGS
 
 from trillora import lora
@@ -16,7 +17,6 @@ from trillora.policy.logprobs import token_logprobs
 from trillora.rollout import LocalEngine, SamplingParams
 from trillora.rollout.routing import record_routing
 from trillora.trainer import Trainer
-from trillora.trainer.batch import build_batch
 from trillora.trainer.router_replay import compare_routing
 
 

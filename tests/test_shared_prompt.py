@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from engine_helpers import build_batch
 from hf_models import CONFIGS
 
 from trillora import lora, rl
@@ -14,7 +15,6 @@ from trillora.config import load_config
 from trillora.models import build_model, from_hf_config
 from trillora.policy.logprobs import shared_prompt_logprobs, token_logprobs
 from trillora.trainer import Trainer
-from trillora.trainer.batch import build_batch
 
 
 def _model(name):

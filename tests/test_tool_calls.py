@@ -3,15 +3,43 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 import pytest
 from transformers.utils import get_json_schema
 
-from trillora.chat.tool_calls import TOOL_FORMATS, ToolCall, detect_format, format_tool_call, parse_tool_calls
+from trillora.chat import tool_calls
+from trillora.chat.tool_calls import TOOL_FORMATS, ToolCall, detect_format, parse_tool_calls
 from trillora.envs.tools import function_schema
 from trillora.errors import ConfigError
 from trillora.tiny import build_chat_tokenizer, build_tokenizer
+
+
+def format_tool_call(call: ToolCall, fmt: str, index: int = 0) -> str:
+    """A call written the way `fmt`'s models write it: the parsers' round trip."""
+    args = json.dumps(call.arguments)
+    if fmt == "hermes":
+        return f'<tool_call>\n{{"name": "{call.name}", "arguments": {args}}}\n</tool_call>'
+    if fmt == "kimi_k2":
+        return (
+            f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{call.name}:{index}"
+            f"<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>"
+        )
+    if fmt == "harmony":  # as gpt-oss writes it after the `<|start|>assistant` generation prompt
+        return f"<|channel|>commentary to=functions.{call.name} <|constrain|>json<|message|>{args}<|call|>"
+    if fmt == "glm45":
+        pairs = "".join(
+            f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
+            f"</arg_value>\n"
+            for k, v in call.arguments.items()
+        )
+        return f"<tool_call>{call.name}\n{pairs}</tool_call>"
+    assert fmt == "deepseek_v3", fmt
+    call_text = (
+        f"{tool_calls._DS_BEGIN}function{tool_calls._DS_SEP}{call.name}\n```json\n{args}\n```{tool_calls._DS_END}"
+    )
+    return f"<｜tool▁calls▁begin｜>{call_text}<｜tool▁calls▁end｜>"
 
 
 def test_hermes_calls_text_and_errors():

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from engine_helpers import build_batch
 from hf_models import CONFIGS
 from safetensors.torch import load_file
 
@@ -18,7 +19,6 @@ from trillora.policy.logprobs import token_logprobs
 from trillora.policy.policy import Policy
 from trillora.policy.world import World
 from trillora.trainer import Trainer
-from trillora.trainer.batch import build_batch
 from trillora.trainer.update import PolicyUpdate
 
 SETTINGS = (

@@ -64,18 +64,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for target in (ax, ax_all):
             _panel(target, rows, keys, title, resumed)
-        fig.tight_layout()
-        path = run_dir / f"{name}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(plt, fig, run_dir / f"{name}.png"))
     if any("turns_mean" in r for r in rows):
         written.append(_plot_episodes(plt, rows, run_dir / "episodes.png"))
-    fig_all.tight_layout()
-    overview = run_dir / "overview.png"
-    fig_all.savefig(overview, dpi=110)
-    plt.close(fig_all)
-    return written + [overview]
+    return written + [_save(plt, fig_all, run_dir / "overview.png")]
 
 
 def _panel(ax, rows: list[dict], keys: tuple[str, ...], title: str, resumed: list[int]) -> None:
@@ -120,6 +112,10 @@ def _plot_episodes(plt, rows: list[dict], path: Path) -> Path:
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

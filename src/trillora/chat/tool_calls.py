@@ -228,27 +228,3 @@ def detect_format(tokenizer, explicit: str | None = None) -> str:
         f"{', '.join(m for m, _ in _MARKERS)} in its vocabulary or chat template); set "
         f"task.options.tool_format to one of: {', '.join(TOOL_FORMATS)}"
     )
-
-
-def format_tool_call(call: ToolCall, fmt: str, index: int = 0) -> str:
-    """A call written the way `fmt`'s models write it (for pretraining data and tests)."""
-    args = json.dumps(call.arguments)
-    if fmt == "hermes":
-        return f'<tool_call>\n{{"name": "{call.name}", "arguments": {args}}}\n</tool_call>'
-    if fmt == "kimi_k2":
-        return (
-            f"<|tool_calls_section_begin|><|tool_call_begin|>functions.{call.name}:{index}"
-            f"<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>"
-        )
-    if fmt == "harmony":  # as gpt-oss writes it after the `<|start|>assistant` generation prompt
-        return f"<|channel|>commentary to=functions.{call.name} <|constrain|>json<|message|>{args}<|call|>"
-    if fmt == "glm45":
-        pairs = "".join(
-            f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}"
-            f"</arg_value>\n"
-            for k, v in call.arguments.items()
-        )
-        return f"<tool_call>{call.name}\n{pairs}</tool_call>"
-    check_format(fmt)
-    call_text = f"{_DS_BEGIN}function{_DS_SEP}{call.name}\n```json\n{args}\n```{_DS_END}"
-    return f"<｜tool▁calls▁begin｜>{call_text}<｜tool▁calls▁end｜>"

@@ -44,14 +44,9 @@ class AtomicFolder:
             self.path.mkdir(parents=True, exist_ok=True)
         self.synced: set[Path] = set()
 
-    def fsync(self, file: Path) -> None:
-        """Flush one staged file now (a writer that flushes its own file spares `commit` the work)."""
-        fsync_path(file)
-        self.synced.add(Path(file))
-
     def commit(self) -> Path:
         for f in sorted(self.path.rglob("*")):
-            if f.is_file() and f not in self.synced:
+            if f.is_file() and f not in self.synced:  # `synced`: flushed by their writers
                 fsync_path(f)
         for d in [*sorted((p for p in self.path.rglob("*") if p.is_dir()), reverse=True), self.path]:
             fsync_path(d)
@@ -66,9 +61,6 @@ class AtomicFolder:
             shutil.rmtree(old, ignore_errors=True)
         return self.dest
 
-    def abandon(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-
     def __enter__(self) -> Path:
         return self.path
 
@@ -77,7 +69,7 @@ class AtomicFolder:
         if kind is None:
             self.commit()
         else:
-            self.abandon()
+            shutil.rmtree(self.path, ignore_errors=True)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
 
 from ..errors import TrilloraError
 from ..models.layers import local
@@ -102,28 +103,13 @@ def restore_rank_tensors(
         if k.startswith("optim."):
             states.setdefault(k[len("optim.") :].rsplit(".", 1)[0], []).append(k)
     for name, p in params.items():
-        keys = states.get(name, [])
-        if not keys:
-            continue
-        state = optimizer.state[p]
-        for k in keys:
-            value = tensors[k].to(local(p.data).device)
-            if hasattr(p.data, "to_local"):  # a sharded parameter keeps sharded state
-                from torch.distributed.tensor import DTensor
-
-                value = (
-                    DTensor.from_local(
-                        value,
-                        p.data.device_mesh,
-                        p.data.placements,
-                        run_check=False,
-                        shape=p.data.shape,
-                        stride=p.data.stride(),
-                    )
-                    if value.dim()
-                    else value
+        for k in states.get(name, []):
+            value, d = tensors[k].to(local(p.data).device), p.data
+            if isinstance(d, DTensor) and value.dim():  # a sharded parameter keeps sharded state
+                value = DTensor.from_local(
+                    value, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride()
                 )
-            state[k.rsplit(".", 1)[1]] = value
+            optimizer.state[p][k.rsplit(".", 1)[1]] = value
     if rng:
         torch.set_rng_state(tensors["rng.torch"])
 

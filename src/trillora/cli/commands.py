@@ -54,17 +54,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     task = make_task(args.task, **options)
     problems = task.problems("eval", args.problems, seed=args.seed)
     acc = evaluate(engine, tokenizer, task, problems, _sampling(tokenizer, args), n=args.samples)
-    print(
-        json.dumps(
-            {
-                "task": args.task,
-                "accuracy": acc,
-                "problems": args.problems,
-                "samples": args.samples,
-                "temperature": args.temperature,
-            }
-        )
-    )
+    shown = {k: getattr(args, k) for k in ("problems", "samples", "temperature")}
+    print(json.dumps({"task": args.task, "accuracy": acc, **shown}))
     return 0
 
 
@@ -106,8 +97,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if _sharded(cfg):
         p = cfg.parallel
         raise SystemExit(
-            f"trillora serve {_layout(cfg)}: a sharded base needs several ranks; launch "
-            f"with torchrun --nproc-per-node N (N a multiple of {p.tp * p.pp * p.cp * p.ep})"
+            f"trillora serve --tp {p.tp} --ep {p.ep} --pp {p.pp} --cp {p.cp}: a sharded base needs several "
+            f"ranks; launch with torchrun --nproc-per-node N (N a multiple of {p.tp * p.pp * p.cp * p.ep})"
         )
     server = Server(cfg)
     if args.learn:
@@ -172,23 +163,6 @@ def _sharded(cfg) -> bool:
     return p.ep > 1 or p.tp > 1 or p.pp > 1 or p.cp > 1
 
 
-def _tp_extras(cfg) -> str:
-    extras = [
-        what
-        for what, on in (
-            ("sequence-parallel norms", cfg.parallel.sp),
-            ("the head over the vocabulary", cfg.parallel.vocab_parallel),
-        )
-        if on
-    ]
-    return f" ({', '.join(extras)})" if extras else ""
-
-
-def _layout(cfg) -> str:
-    p = cfg.parallel
-    return f"--tp {p.tp} --ep {p.ep} --pp {p.pp} --cp {p.cp}"
-
-
 def _serve_parallel(cfg, learn: str | None = None) -> int:
     """Under torchrun: every rank holds the base (split with --tp / --ep / --pp) and the clients' adapters;
     rank 0 serves HTTP (`policy.world`); with `learn`, every rank runs the learner's rounds."""
@@ -209,12 +183,17 @@ def _serve_parallel(cfg, learn: str | None = None) -> int:
     try:
         if rank == 0:
             d = service.ranks.dims
+            extras = [
+                w
+                for w, on in (("sequence-parallel norms", d.sp), ("the head over the vocabulary", d.vocab_parallel))
+                if on
+            ]
             split = (
                 (", the base sharded over them (FSDP)" if d.fsdp and d.dp > 1 else "")
                 + (f", stages over pp={d.pp}" if d.pp > 1 else "")
                 + (f", rows over cp={d.cp}" if d.cp > 1 else "")
                 + (f", layers over tp={d.tp}" if d.tp > 1 else "")
-                + _tp_extras(cfg)
+                + (f" ({', '.join(extras)})" if extras else "")
                 + (f", experts over ep={d.ep}" if d.ep > 1 else "")
             )
             print(f"trillora serve: data parallel over {service.ranks.dims.dp} ranks{split}", flush=True)

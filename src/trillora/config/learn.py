@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .checks import check_positive as _check_positive
+from .checks import check_fields
 
 GATES = ("", "env", "traces")
 FROM_KEYS = ("operator", "all")
@@ -54,9 +54,8 @@ class LearnSection:
     once there are this many)."""
 
     def validate(self) -> None:
-        _check_positive("learn.every", self.every)
-        _check_positive("learn.minutes", self.minutes, zero_ok=True)
-        _check_positive("learn.gate_tolerance", self.gate_tolerance, zero_ok=True)
+        positive = "every gate_traces keep max_tokens"
+        check_fields(self, "learn.", positive, zero_ok="minutes gate_tolerance max_staleness")
         if self.from_keys not in FROM_KEYS:
             raise ConfigError(f"learn.from_keys={self.from_keys!r}; allowed: {', '.join(map(repr, FROM_KEYS))}")
         if self.gate not in GATES:
@@ -67,10 +66,6 @@ class LearnSection:
             )
         if not 0.0 < self.holdout < 1.0:
             raise ConfigError(f"learn.holdout={self.holdout}; allowed: 0 < holdout < 1")
-        _check_positive("learn.gate_traces", self.gate_traces)
-        _check_positive("learn.keep", self.keep)
-        _check_positive("learn.max_tokens", self.max_tokens)
-        _check_positive("learn.max_staleness", self.max_staleness, zero_ok=True)
         if not 0.0 <= self.baseline_decay < 1.0:
             raise ConfigError(f"learn.baseline_decay={self.baseline_decay}; allowed: 0 <= decay < 1")
         if self.reward and ":" not in self.reward:

@@ -16,7 +16,7 @@ from ..rl.kl import KLEstimator
 from ..rl.mismatch import MismatchMode
 from ..rollout.types import EngineName, Precision, SyncMode
 from ..tasks.guard import OnRewardError
-from .checks import check_positive as _check_positive
+from .checks import check_fields
 from .learn import LearnSection
 
 RouterReplayMode = Literal["off", "all", "old"]
@@ -70,12 +70,9 @@ class TaskSection:
         from ..tasks import TASKS
 
         _check_choice("task.name", self.name, (*TASKS, "env", "traces"))
-        _check_positive("task.max_turns", self.max_turns)
-        _check_positive("task.reward_timeout", self.reward_timeout, zero_ok=True)
+        check_fields(self, "task.", "max_turns eval_problems eval_samples", zero_ok="reward_timeout")
         if self.retention:
             _check_choice("task.retention", self.retention, ("auto", *TASKS))
-        _check_positive("task.eval_problems", self.eval_problems)
-        _check_positive("task.eval_samples", self.eval_samples)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -122,14 +119,11 @@ class RolloutSection:
             raise ConfigError(
                 f"rollout.precision={self.precision!r} is for the local engine; vllm takes auto, fp32 or bf16"
             )
-        for key in ("prompts_per_step", "group_size", "max_new_tokens"):
-            _check_positive(f"rollout.{key}", getattr(self, key))
-        _check_positive("rollout.max_model_len", self.max_model_len, zero_ok=True)
+        check_fields(self, "rollout.", "prompts_per_step group_size max_new_tokens", "max_model_len max_staleness")
         if self.temperature <= 0:
             raise ConfigError(f"rollout.temperature={self.temperature} is invalid; RL samples need > 0")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p={self.top_p} is invalid; must be in (0, 1]")
-        _check_positive("rollout.max_staleness", self.max_staleness, zero_ok=True)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -166,12 +160,8 @@ class AlgorithmSection:
     short after them is filled with uninformative groups (zero advantage, no gradient)."""
 
     def validate(self) -> None:
-        _check_positive("algorithm.max_sampling_rounds", self.max_sampling_rounds)
-        _check_positive("algorithm.epochs", self.epochs)
-        _check_positive("algorithm.minibatches", self.minibatches)
-        for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
-            _check_positive(f"algorithm.{key}", getattr(self, key), zero_ok=True)
-        _check_positive("algorithm.mismatch_cap", self.mismatch_cap)
+        positive = "max_sampling_rounds epochs minibatches mismatch_cap"
+        check_fields(self, "algorithm.", positive, zero_ok="clip_low clip_high kl_coef entropy_coef")
         low, high = self.mismatch_band
         if not 0 < low < 1 < high:
             raise ConfigError(f"algorithm.mismatch_band={list(self.mismatch_band)} is invalid; need 0 < low < 1 < high")
@@ -194,10 +184,7 @@ class OptimSection:
     this many in a row the run saves a checkpoint and stops (0 = never stop)."""
 
     def validate(self) -> None:
-        _check_positive("optim.max_nonfinite_in_a_row", self.max_nonfinite_in_a_row, zero_ok=True)
-        _check_positive("optim.lr", self.lr)
-        _check_positive("optim.eps", self.eps)
-        _check_positive("optim.grad_clip", self.grad_clip, zero_ok=True)
+        check_fields(self, "optim.", "lr eps", zero_ok="max_nonfinite_in_a_row grad_clip")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -219,7 +206,7 @@ class ParallelSection(ParallelDims):
     and there is no pp, cp or sp. Off: whole rows, every prompt G times."""
 
     def validate(self) -> None:
-        _check_positive("parallel.micro_batch_rows", self.micro_batch_rows, zero_ok=True)  # the degrees: __post_init__
+        check_fields(self, "parallel.", zero_ok="micro_batch_rows")  # the degrees: __post_init__
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -237,8 +224,7 @@ class CheckpointSection:
     checkpoint folder of another one-process run, at its step. Its LoRA settings must be this run's."""
 
     def validate(self) -> None:
-        _check_positive("checkpoint.every", self.every, zero_ok=True)
-        _check_positive("checkpoint.keep", self.keep)
+        check_fields(self, "checkpoint.", "keep", zero_ok="every")
         if not isinstance(self.resume_from, str):
             raise ConfigError(f"checkpoint.resume_from={self.resume_from!r}: a folder path, as a string")
 
@@ -262,8 +248,7 @@ class LoggingSection:
     (0: after every step); they are drawn at the end of a run and when it stops in any case."""
 
     def validate(self) -> None:
-        _check_positive("logging.every", self.every, zero_ok=True)
-        _check_positive("logging.plot_seconds", self.plot_seconds, zero_ok=True)
+        check_fields(self, "logging.", zero_ok="every plot_seconds")
         for b in self.backends:
             if b not in TRACKERS:
                 raise ConfigError(
@@ -307,10 +292,7 @@ class MemorySection:
     def validate(self, max_new_tokens: int, max_model_len: int) -> None:
         if self.policy == "none":
             return
-        _check_positive("memory.span_tokens", self.span_tokens, zero_ok=True)
-        _check_positive("memory.keep_recent", self.keep_recent)
-        _check_positive("memory.min_refill", self.min_refill, zero_ok=True)
-        _check_positive("memory.summary_tokens", self.summary_tokens)
+        check_fields(self, "memory.", "keep_recent summary_tokens", zero_ok="span_tokens min_refill")
         if not max_new_tokens < self.budget <= (max_model_len or self.budget):
             raise ConfigError(
                 f"memory.budget={self.budget}: it must be over rollout.max_new_tokens ({max_new_tokens}) "
@@ -354,20 +336,9 @@ class TrainConfig:
     interrupted and resumed run ends with the same adapter, bit for bit, as an uninterrupted one."""
 
     def validate(self) -> TrainConfig:
-        _check_positive("steps", self.steps)
-        _check_positive("eval_every", self.eval_every)
-        _check_positive("flops_budget", self.flops_budget, zero_ok=True)
-        for section in (
-            self.task,
-            self.rollout,
-            self.algorithm,
-            self.optim,
-            self.parallel,
-            self.checkpoint,
-            self.logging,
-            self.learn,
-        ):
-            section.validate()
+        check_fields(self, "", "steps eval_every", zero_ok="flops_budget")
+        for name in ("task", "rollout", "algorithm", "optim", "parallel", "checkpoint", "logging", "learn"):
+            getattr(self, name).validate()
         a, r = self.algorithm, self.rollout
         self.memory.validate(r.max_new_tokens, r.max_model_len)
         if self.finetune == "full" and (r.engine != "local" or a.kl_coef > 0):

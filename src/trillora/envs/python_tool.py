@@ -16,7 +16,7 @@ from collections.abc import Callable
 from ..chat.renderer import ChatRenderer
 from ..sandbox.jail import Limits, run_python
 from ..tasks.base import in_eval_split
-from .env import EnvGroupBuilder
+from .env import RepeatGroup
 from .env_dataset import SeededDataset
 from .tools import ToolEnv
 
@@ -76,31 +76,6 @@ def _score(answer: int) -> Callable[[str], float]:
     return score
 
 
-class PythonGroup(EnvGroupBuilder):
-    def __init__(
-        self, renderer: ChatRenderer, question: str, answer: int, group_size: int, max_tool_calls: int, limits: Limits
-    ):
-        self.renderer, self.question, self.answer, self.group_size = renderer, question, answer, group_size
-        self.max_tool_calls, self.limits = max_tool_calls, limits
-
-    def make_envs(self) -> list[ToolEnv]:
-        tool = make_python_tool(self.limits)
-        return [
-            ToolEnv(
-                self.renderer,
-                [{"role": "user", "content": self.question}],
-                [tool],
-                _score(self.answer),
-                self.max_tool_calls,
-                tool_timeout=self.limits.wall_seconds + 5,
-            )
-            for _ in range(self.group_size)
-        ]
-
-    def logging_tags(self) -> list[str]:
-        return ["python"]
-
-
 def dataset(
     tokenizer,
     batch_size: int,
@@ -115,10 +90,18 @@ def dataset(
     limits = Limits(cpu_seconds=cpu_seconds, wall_seconds=wall_seconds)
     renderer = ChatRenderer(tokenizer, tool_format)
 
-    def draw(rng: random.Random, split: str, size: int) -> PythonGroup:
+    tool = make_python_tool(limits)
+
+    def draw(rng: random.Random, split: str, size: int) -> RepeatGroup:
         while True:  # a puzzle whose question falls in `split`
             q, a = puzzle(rng)
             if in_eval_split(q, 0.1) == (split == "eval"):
-                return PythonGroup(renderer, q, a, size, max_tool_calls, limits)
+                break
+
+        def make() -> ToolEnv:
+            asked = [{"role": "user", "content": q}]
+            return ToolEnv(renderer, asked, [tool], _score(a), max_tool_calls, tool_timeout=limits.wall_seconds + 5)
+
+        return RepeatGroup(make, size, ("python",))
 
     return SeededDataset("python", draw, batch_size, group_size, eval_size, seed)

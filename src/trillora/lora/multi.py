@@ -22,6 +22,16 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from ..models.moe import compute_dtype, grouped_linear
 
 
+def local_part(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of a tensor-parallel DTensor, to compute on local parts. A replicated tensor's
+    gradient there is partial (this rank sees only its part of the layer's output or input): summed
+    when the gradient crosses back (`to_local`'s grad placements)."""
+    if not isinstance(t, DTensor):
+        return t
+    replicated = all(isinstance(p, Replicate) for p in t.placements)
+    return t.to_local(grad_placements=[Partial()] * len(t.placements) if replicated else None)
+
+
 class RowAdapters:
     """Which of K adapters each row of the next forward uses, and the K adapters' scalings.
 
@@ -76,9 +86,7 @@ class RowAdapters:
         rank's output columns; row-parallel, x's and A's input columns, so the update is a partial
         sum. The update is computed on local tensors and placed as `like` is."""
         if isinstance(x, DTensor):
-            whole = all(isinstance(p, Replicate) for p in x.placements)  # its gradient here: this rank's columns' share
-            local = x.to_local(grad_placements=[Partial()] * len(x.placements) if whole else None)
-            d = self.linear(local, a_KrN, b_KOr, like.to_local())
+            d = self.linear(local_part(x), a_KrN, b_KOr, like.to_local())
             return DTensor.from_local(d, like.device_mesh, like.placements, run_check=False)
         dt = compute_dtype(x, a_KrN)
         x_TN = x.reshape(-1, x.shape[-1]).to(dt)

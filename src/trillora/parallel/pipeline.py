@@ -39,7 +39,7 @@ from ..models.kv_cache import KVCache
 from ..models.transformer import keep_stage, positions_of
 from .context_parallel import padded_length
 from .dims import ParallelDims, ParallelError
-from .vocab_parallel import gather_vocab, head_logprobs
+from .vocab_parallel import gather_vocab, next_token_logprobs_at
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -119,11 +119,8 @@ class StageModule(nn.Module):
             h = layer(h, rope, masks[window])
         if not self.last:
             return h
-        logits = self.lm_head(self.model.norm(h)).float()  # [b, T or t, V]
-        logits, targets = (logits[:, :-1], tokens[:, 1:]) if cp is None else (logits, cp.next_tokens(tokens))
-        logp, entropy = head_logprobs(logits, targets, self.temperature, self.vocab_group, True)
-        if cp is not None:  # whole rows on every cp rank
-            logp, entropy = cp.gather(logp, t - 1), cp.gather(entropy, t - 1)
+        logits = self.lm_head(self.model.norm(h))  # [b, T or t, V]
+        logp, entropy = next_token_logprobs_at(logits, tokens, self.temperature, cp, self.vocab_group, True)
         return torch.stack([logp, entropy], dim=-1)  # [b, T-1, 2]
 
     def _decode(

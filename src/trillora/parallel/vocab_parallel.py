@@ -72,6 +72,24 @@ def head_logprobs(
     return vocab_parallel_logprobs(scale_by_temperature(logits, temperature), targets, vocab_group, with_entropy)
 
 
+def next_token_logprobs_at(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, cp=None, vocab_group=None, with_entropy=False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`head_logprobs` of each next token of `input_ids` [B, T] from the head's logits [B, T or t, V]:
+    under context parallelism (`cp`) this rank's t positions, gathered into whole rows [B, T-1]."""
+    logits = logits.float()  # slice after the head
+    if cp is None:
+        logits, targets = logits[:, :-1], input_ids[:, 1:]
+    else:
+        targets = cp.next_tokens(input_ids)
+    logp, entropy = head_logprobs(logits, targets, temperature, vocab_group, with_entropy)
+    if cp is not None:
+        n = input_ids.shape[1] - 1
+        logp = cp.gather(logp, n)
+        entropy = cp.gather(entropy, n) if with_entropy else None
+    return logp, entropy
+
+
 @torch.no_grad()
 def gather_vocab(logits_local: torch.Tensor, group) -> torch.Tensor:
     """[B, T, V/tp] slices of the head's output -> [B, T, V] on every tp rank (decoding: a few positions)."""

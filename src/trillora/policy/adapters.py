@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .. import lora
 from ..lora.apply import lora_modules
 from ..lora.layers import LoraGroupedExperts, init_a
-from ..lora.multi import RowAdapters, stack_padded
+from ..lora.multi import RowAdapters, local_part, stack_padded
 from ..models import layers, release_of
 from .shards import Placement
 
@@ -213,7 +212,9 @@ class ResidentBase:
                 stacks = {}
                 for pname in SLOT_TENSORS:
                     key = f"{name}.{pname}"
-                    found = [_local_part(t.get(key)) for t in every]
+                    found = [
+                        local_part(t.get(key)) for t in every
+                    ]  # a replicated matrix's gradient: summed by optim_step
                     if any(f is not None for f in found):
                         rank = max(f.shape[-1 if pname.endswith("_B") else -2] for f in found if f is not None)
                         like = next(f for f in found if f is not None)
@@ -238,16 +239,6 @@ class ResidentBase:
     @staticmethod
     def revision(adapter: Adapter) -> Revision:
         return Revision(adapter.config, {k: t.clone() for k, t in adapter.tensors().items()})
-
-
-def _local_part(t: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's part of a tensor-parallel slot tensor, for the stacked adapters (`lora.multi`
-    computes on local parts). A replicated matrix's gradient here is partial: this rank sees only
-    its part of the layer's output (column-parallel A) or input (row-parallel B); optim_step sums it."""
-    if not isinstance(t, DTensor):
-        return t
-    replicated = all(isinstance(p, Replicate) for p in t.placements)
-    return t.to_local(grad_placements=[Partial()] * len(t.placements) if replicated else None)
 
 
 def slot_seed(seed: int, slot: str) -> int:

@@ -19,7 +19,7 @@ import torch
 
 from ..models.kv_cache import SharedPrefixCache
 from ..models.transformer import CausalLM
-from ..parallel.vocab_parallel import head_logprobs
+from ..parallel.vocab_parallel import head_logprobs, next_token_logprobs_at
 from ..rl.logprobs import log_distribution
 
 
@@ -40,20 +40,8 @@ def next_token_logprobs_of(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` of logits the model already gave for `input_ids` ([B, T or t, V]: a pipeline
     stage's, `parallel.staged`)."""
-    cp = getattr(model, "context_parallel", None)
-    logits = logits.float()  # [B, T or t, V]; slice after the head
-    if cp is None:
-        logits, targets = logits[:, :-1], input_ids[:, 1:]
-    else:
-        targets = cp.next_tokens(input_ids)
-    logp, entropy = head_logprobs(
-        logits, targets, temperature, getattr(model, "vocab_parallel_group", None), with_entropy
-    )
-    if cp is not None:
-        n = input_ids.shape[1] - 1
-        logp = cp.gather(logp, n)
-        entropy = cp.gather(entropy, n) if with_entropy else None
-    return logp, entropy
+    cp, group = getattr(model, "context_parallel", None), getattr(model, "vocab_parallel_group", None)
+    return next_token_logprobs_at(logits, input_ids, temperature, cp, group, with_entropy)
 
 
 def next_token_logprobs(model: CausalLM):

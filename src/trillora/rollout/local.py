@@ -49,7 +49,9 @@ class LocalEngine:
             )
             self.model.requires_grad_(False).eval()
             self.model.reset_buffers()
-            self._copy_all(model)
+            with torch.no_grad():
+                self._copy_base(model)
+            self.sync(model)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(0)
         self._kept: _Kept | None = None
@@ -73,11 +75,6 @@ class LocalEngine:
         dest.copy_(value)  # rounds to bf16 (bf16_weights) or casts (bf16); fp32 copies exactly
         return value.numel() * value.element_size()
 
-    @torch.no_grad()
-    def _copy_all(self, model: nn.Module) -> None:
-        self._copy_base(model)
-        self.sync(model)
-
     def _copy_base(self, model: nn.Module) -> int:
         """Every weight but the adapters; the bytes written."""
         own, sent = self.model.state_dict(), 0
@@ -96,15 +93,15 @@ class LocalEngine:
         the model has no adapters (full-parameter training)."""
         start, sent = time.perf_counter(), 0
         self._kept = None  # keys and values of the old weights
-        if self.precision == "policy":
-            return {"sync_bytes": 0.0, "sync_seconds": time.perf_counter() - start}  # it samples with `model` itself
-        if not any(True for _ in lora_modules(model)):  # full-parameter training: every weight moved
-            return {"sync_bytes": float(self._copy_base(model)), "sync_seconds": time.perf_counter() - start}
-        for name, m in lora_modules(model):
-            for tensor_name, delta in m.delta().items():
-                base = getattr(m, tensor_name)
-                merged = base if m.lora_merged else base + delta.to(base.dtype)
-                sent += self._store(self.model.get_submodule(name).get_parameter(tensor_name), merged)
+        if self.precision != "policy":  # "policy" samples with `model` itself
+            adapted = list(lora_modules(model))
+            if not adapted:  # full-parameter training: every weight moved
+                sent = self._copy_base(model)
+            for name, m in adapted:
+                for tensor_name, delta in m.delta().items():
+                    base = getattr(m, tensor_name)
+                    merged = base if m.lora_merged else base + delta.to(base.dtype)
+                    sent += self._store(self.model.get_submodule(name).get_parameter(tensor_name), merged)
         return {"sync_bytes": float(sent), "sync_seconds": time.perf_counter() - start}
 
     def forget(self) -> None:

@@ -71,10 +71,6 @@ class Server:
         self.listener.stop()
 
 
-def serve(cfg: ServeConfig, ready: threading.Event | None = None, service: TinkerService | None = None) -> None:
-    Server(cfg, service).run(ready)
-
-
 def _answer(request: Request, status: int, message: str) -> Response:
     return Response(error_body(request.url.path, status, message), status_code=status, media_type="application/json")
 

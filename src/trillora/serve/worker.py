@@ -210,9 +210,7 @@ def wait_for(worker: Worker, run: Callable[[], Any], owner: str = "") -> Any:
     box, done = [], threading.Event()
     worker.submit(Job(run, lambda out: (box.append(out), done.set()), owner=owner))
     done.wait()
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return box[0]
+    return raised(box[0])
 
 
 async def outcome_of(
@@ -228,7 +226,11 @@ async def outcome_of(
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
 
     worker.submit(Job(run, settle, None, fuse, payload, owner=owner))
-    out = await done
-    if isinstance(out, Exception):
-        raise out
-    return out
+    return raised(await done)
+
+
+def raised(outcome: Any) -> Any:
+    """A job's outcome, or what it raised raised here."""
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome

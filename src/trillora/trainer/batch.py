@@ -60,22 +60,6 @@ def batch_from_samples(samples: list[Sample], pad_id: int = 0, device: torch.dev
     )
 
 
-def build_batch(
-    prompts: list[list[int]],
-    completions: list[list[int]],
-    logprobs: list[list[float]],
-    pad_id: int = 0,
-    device: torch.device | str = "cpu",
-    routes: list[torch.Tensor] | None = None,
-) -> TokenBatch:
-    """Single-turn rows (prompt, completion, its logprobs). `routes`: each completion's recorded routing
-    [len(prompt) + len(completion) - 1, L, K], or None."""
-    batch = batch_from_samples(
-        [Sample.single_turn(p, c, lp) for p, c, lp in zip(prompts, completions, logprobs, strict=True)], pad_id, device
-    )
-    return with_routes(batch, routes) if routes is not None else batch
-
-
 def with_routes(batch: TokenBatch, routes: list[torch.Tensor]) -> TokenBatch:
     """The batch with each row's recorded routing [tokens fed to the engine, L, K] laid out as [B, T, L, K]."""
     b, width = batch.input_ids.shape

@@ -103,27 +103,19 @@ class Learner:
     # --- persistence --------------------------------------------------------------------------
     def _resume(self) -> None:
         """The newest revision written by an earlier server, back in the slot and published."""
-        saved = (
-            sorted(self.folder.glob("revision-*"), key=lambda p: int(p.name.split("-")[1]))
-            if self.folder.exists()
-            else []
-        )
+        saved = sorted(self.folder.glob("revision-*"), key=lambda p: int(p.name.split("-")[1]))  # none: no folder
         if not saved:
             return
         last = saved[-1]
-        saved = last / "state.json"  # a revision's state (learner.json: written before revisions were states)
+        state = last / "state.json"  # a revision's state (learner.json: written before revisions were states)
         meta = (
-            json.loads(saved.read_text())["learner"]
-            if saved.is_file()
+            json.loads(state.read_text())["learner"]
+            if state.is_file()
             else json.loads((last / "learner.json").read_text())
         )
         self.policy.load(self._mine(last), last)
-        self.revision, self.history = meta["revision"], meta["history"]
-        self.baselines.means, self.best, self.best_basis = (
-            meta["baselines"],
-            meta.get("best"),
-            meta.get("best_basis", ""),
-        )
+        self.revision, self.history, self.baselines.means = meta["revision"], meta["history"], meta["baselines"]
+        self.best, self.best_basis = meta.get("best"), meta.get("best_basis", "")
         self.publish(self.revision, {k: t.clone() for k, t in self.adapter.tensors().items()}, self.adapter.config)
 
     def _mine(self, folder: Path) -> dict[str, torch.Tensor]:

@@ -250,9 +250,8 @@ class Trainer:
         start = time.perf_counter()
         resumed = checkpoints.start()
         first = resumed.step if resumed is not None else 0
-        self.trackers = (
-            Trackers(cfg, first) if main else None
-        )  # before the first evaluation: a missing package fails fast
+        # the trackers before the first evaluation: a missing package fails fast
+        self.trackers = Trackers(cfg, first) if main else None
         self.report = RunReport(cfg, self.console, self.trackers, metrics_file) if main else None
         if main:
             r = cfg.rollout
@@ -269,17 +268,10 @@ class Trainer:
                 metrics_file.write_text(checkpoints.metrics_of(resumed))
         elif (evaluated := self.policy.sample(self.engine, self._evaluate_all)) is not None:
             before, retention = evaluated
-            state = {
-                "eval_before": before,
-                "retention_before": retention,
-                "accuracy": before,
-                "retention_after": retention,
-            }
-            initial = {
-                "step": first,
-                "eval_accuracy": before,
-                **({"retention_accuracy": retention} if self.retention else {}),
-            }
+            state = dict(eval_before=before, retention_before=retention, accuracy=before, retention_after=retention)
+            initial = {"step": first, "eval_accuracy": before}
+            if self.retention:
+                initial["retention_accuracy"] = retention
             metrics_file.write_text(json.dumps(initial) + "\n")  # the start of the accuracy curves
             self.trackers.log(initial, first)
             self.console.print(console_line(initial, before))

@@ -33,6 +33,7 @@ from ..calls import BadRequest, SampleCall, check_sample
 from ..config import ServeConfig
 from ..registry import SERVED, Client, Registry
 from ..sampling import Sampling
+from ..worker import raised
 from . import states
 from .checks import FwdBwd, adam_settings, check_data, resolve, state_path
 from .commands import Command, Stop
@@ -192,7 +193,7 @@ class TinkerService:
         """Per-datum target logprobs (as `target_tokens` is shaped) and {"loss:sum": ...}; gradients
         accumulate in the client's adapter until its next optim_step (unless forward_only).
         `tensors`: each datum's loss inputs as `check_data` returned them."""
-        return _raised(self.forward_backward_many([FwdBwd(model_id, loss_fn, config, data, tensors, forward_only)])[0])
+        return raised(self.forward_backward_many([FwdBwd(model_id, loss_fn, config, data, tensors, forward_only)])[0])
 
     def forward_backward_many(self, calls: list[FwdBwd]) -> list:
         """Several forward_backward calls (of one client or several) in ONE pass through the base,
@@ -356,7 +357,7 @@ class TinkerService:
 
     def sample(self, sampler_id: str, prompt: list[int], n: int, params: dict, prompt_logprobs: bool):
         """n sequences of (tokens, logprobs, stop reason), and the prompt's logprobs when asked."""
-        return _raised(self.sample_many([SampleCall(sampler_id, prompt, n, params, prompt_logprobs)])[0])
+        return raised(self.sample_many([SampleCall(sampler_id, prompt, n, params, prompt_logprobs)])[0])
 
     def sample_many(self, calls: list[SampleCall]) -> list:
         """Several sample calls; those with the same settings (n, sampling params, no prompt logprobs,
@@ -373,9 +374,3 @@ class TinkerService:
                 c, self.vocab, self.tokenizer.eos_token_id, self.cfg, self.base.model.args.max_position_embeddings
             ),
         )
-
-
-def _raised(outcome):
-    if isinstance(outcome, Exception):
-        raise outcome
-    return outcome
