@@ -345,8 +345,8 @@ def post(url: str, path: str, body: dict, key: str = "k1") -> tuple[int, dict]:
     return post_json(url, path, body, key)
 
 
-def get(url: str, path: str) -> dict:
-    req = urllib.request.Request(url + path, headers={"Authorization": "Bearer k1"})
+def get(url: str, path: str, key: str = "k1") -> dict:
+    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {key}"})
     return json.loads(urllib.request.urlopen(req, timeout=60).read())
 
 
@@ -405,6 +405,9 @@ def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tm
     assert "served:sample:tiny-moe-chat" in served_by and any("@" in r for r in served_by)  # base first, then revisions
     row = listing["revisions"][-1]["training"]
     assert row["traces"] >= 2 and "is_ratio_mean" in row and "loss" in row
+    seen = get(url, "/v1/revisions", key="k2")  # an app's key: the revisions, not the operator's training rows
+    assert [r["revision"] for r in seen["revisions"]] == [r["revision"] for r in listing["revisions"]]
+    assert all(r["training"] == {} for r in seen["revisions"]) and seen["last_error"] == ""
     trained = {t: k for _, t, k in TraceStore(cfg.record)._read("SELECT owner, trace_id, revision FROM trained")}
     assert trained[guest["trace_id"]] == -1  # learn.from_keys = "operator": another key's thumbs train nothing
 

@@ -41,6 +41,17 @@ for pid in pids + [str(os.getppid())]:
         print('connect', pid, e)
 """
 
+PID1 = """
+import os
+print('cmdline', open('/proc/1/cmdline', 'rb').read().strip(b'\\0'))
+for name in ('environ', 'maps', 'exe', 'cwd', 'root'):
+    try:
+        os.readlink(f'/proc/1/{name}') if name in ('exe', 'cwd', 'root') else open(f'/proc/1/{name}', 'rb').read()
+        print(name, 'read')
+    except OSError:
+        print(name, 'refused')
+"""
+
 
 def _alive(marker: str) -> list[int]:
     pids = []
@@ -115,6 +126,15 @@ print('root', sorted(os.listdir('/')))
     assert "the key" not in r.stdout  # /root, when listed, holds only the Python install's path
     top = r.stdout.split("root ", 1)[1]
     assert "'box'" in top and not any(f"'{d}'" in top for d in ("home", "etc", "work", "mnt", "var"))
+
+
+def test_the_jails_pid_1_shows_nothing_of_the_host():
+    """PID 1 of the jail is the launcher's fork: its command line held the spec (the host's Python,
+    launcher and temp-folder paths, the masked folders). Blanked, and its other files refused."""
+    out = run_python(PID1, limits=FAST)
+    assert out.returncode == 0, out.stderr
+    assert "cmdline b''" in out.stdout, out.stdout
+    assert [line.split()[1] for line in out.stdout.splitlines()[1:]] == ["refused"] * 5, out.stdout
 
 
 def test_writes_stay_in_the_jail(tmp_path):
@@ -229,6 +249,7 @@ def test_the_jail_as_a_normal_user(tmp_path, server):
         secret.chmod(0o644)
         code = (
             SETNS.replace("PORT", str(server))
+            + PID1
             + f"""
 print('uid', os.getuid())
 try:
@@ -268,6 +289,8 @@ except OSError as e:
         assert reports and "status" in reports[-1], (reports, out.stderr)
         assert "connected" not in out.stdout and "uid 65534" in out.stdout and "refused FileNotFoundError" in out.stdout
         assert int(out.stdout.split()[1]) <= 2
+        # the same uid as PID 1 here (its user namespace's root): still nothing of the host
+        assert "cmdline b''" in out.stdout and "read\n" not in out.stdout and out.stdout.count(" refused\n") == 5
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -172,23 +172,54 @@ def test_a_malformed_content_length_gets_a_json_400(server, length):
     assert models(server.cfg.port)[0] == 200  # and it serves on
 
 
-def test_connections_past_the_cap_get_503():
-    gen = running_server(ServeConfig(model="tiny-moe", port=0, api_key=KEY, max_connections=3))
-    srv = next(gen)
-    held = [socket.create_connection(("127.0.0.1", srv.cfg.port)) for _ in range(3)]
+def _closed(sock: socket.socket, wait: float) -> bool:
+    """The server closed `sock` (or reset it) within `wait` seconds."""
+    sock.settimeout(wait)
     try:
-        time.sleep(0.2)  # let the server take them
-        status, out = status_and_json(request(srv.cfg.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"))
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def test_connections_without_the_key_give_way_and_keyed_ones_past_the_cap_get_503():
+    """A client without any key held every slot (--max-connections idle sockets, reconnecting at
+    once) and /health and the operator got 503 for as long as it lasted. Now a connection that has
+    not passed the key check waits at most `header_seconds` and gives its slot to a newer one; only
+    connections that passed it can fill the server."""
+    gen = running_server(
+        ServeConfig(model="tiny-moe", port=0, api_key=KEY, max_connections=3, header_seconds=1, idle_seconds=60)
+    )
+    port = next(gen).cfg.port
+    keyed = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode()
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    held, flood = [], []
+    try:
+        flood = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]  # no key, never a request
+        time.sleep(0.3)
+        assert request(port, health).startswith(b"HTTP/1.1 200")
+        for _ in range(3):  # clients with the key, kept alive: each takes a keyless one's slot
+            held.append(socket.create_connection(("127.0.0.1", port)))
+            held[-1].sendall(keyed)
+            assert read_reply(held[-1]).startswith(b"HTTP/1.1 200")
+        assert sum(_closed(s, 0.5) for s in flood) == len(flood)  # the flood lost every slot it held
+        status, out = status_and_json(request(port, health))  # every slot holds a client with the key
         assert status == 503 and "3 connections at once" in out["error"]["message"]
+        time.sleep(1.5)  # past header_seconds: a keyed connection waits up to idle_seconds
+        held[0].sendall(keyed)
+        assert read_reply(held[0]).startswith(b"HTTP/1.1 200")
         held.pop().close()
         for _ in range(100):  # the server sees the close shortly
-            reply = request(srv.cfg.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = request(port, health)
             if reply.startswith(b"HTTP/1.1 200"):
                 break
             time.sleep(0.1)
         assert reply.startswith(b"HTTP/1.1 200")
+        idle = socket.create_connection(("127.0.0.1", port))  # without the key: header_seconds to start
+        assert _closed(idle, 10)
     finally:
-        for s in held:
+        for s in held + flood:
             s.close()
         next(gen, None)
 

@@ -189,3 +189,129 @@ def test_saves_queued_together_are_checked_again_when_they_run(serve):
     assert [s for s, _ in queued] == [200, 200], queued
     first, second = (post("/api/v1/retrieve_future", out)[1] for _, out in queued)
     assert "path" in first and "(--max-state-gib)" in second["error"], (first, second)
+
+
+def _disk(folder) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def test_run_metadata_is_bounded_counted_with_the_states_and_goes_with_its_run(serve, tmp_path):
+    """`user_metadata` of create_model went to `<state-dir>/<run>/run.json` with no bound, outside
+    --max-state-gib, and stayed for good: 16 MiB per client in a loop filled 1.4 GB against a 0.5 GiB
+    quota, after which every key's saves got 403 with nothing in the API to free them."""
+    url = serve(api_key="k1", max_state_gib=2**-12)  # 256 KiB: one rank-32 save passes it
+    post = poster(url)
+
+    def model(sid: str, metadata: dict) -> tuple[int, dict]:
+        body = {"session_id": sid, "model_seq_id": 0, "base_model": "tiny-moe", "lora_config": {"rank": 32}}
+        status, out = post("/api/v1/create_model", {**body, "user_metadata": metadata})
+        return (status, out) if status != 200 else post("/api/v1/retrieve_future", out)
+
+    sid = post("/api/v1/create_session", {})[1]["session_id"]
+    status, out = model(sid, {"blob": "x" * (1 << 20)})
+    assert status == 400 and "at most 16 KiB (--max-metadata-kib)" in out["error"], out
+    assert _disk(tmp_path) == 0
+    for _ in range(6):  # a loop of clients with metadata: each run's record goes when its session ends
+        sid = post("/api/v1/create_session", {})[1]["session_id"]
+        status, out = model(sid, {"blob": "x" * 15000})
+        assert status == 200 and "model_id" in out, out
+        assert 15000 < _disk(tmp_path) < 16 * 1024
+        assert post(f"/api/v1/sessions/{sid}/finish", {})[0] == 200
+        assert _disk(tmp_path) == 0
+    # a run with a saved state keeps its record until the last state goes; the states and the
+    # records share the quota: full, a record with metadata is refused as a save is
+    sid = post("/api/v1/create_session", {})[1]["session_id"]
+    mid = model(sid, {"a": "b"})[1]["model_id"]
+    saved = post("/api/v1/save_weights", {"model_id": mid, "path": "a", "seq_id": 1})[1]
+    assert "path" in post("/api/v1/retrieve_future", saved)[1]
+    status, out = model(post("/api/v1/create_session", {})[1]["session_id"], {"blob": "x" * 15000})
+    assert "(--max-state-gib)" in out.get("error", ""), out
+    assert post(f"/api/v1/sessions/{sid}/finish", {})[0] == 200
+    assert (tmp_path / mid.replace(":", "_") / "run.json").is_file()  # the saved state still names the run
+    gone = f"{url}/api/v1/training_runs/{mid}/checkpoints/weights/a"
+    urllib.request.urlopen(urllib.request.Request(gone, method="DELETE", headers={"X-API-Key": "k1"}), timeout=60)
+    assert not (tmp_path / mid.replace(":", "_")).exists()
+
+
+def test_a_save_counts_its_own_run_not_every_saved_state(tmp_path, monkeypatch):
+    """`check_room` walked the whole state folder on every save, on the worker: with many saved states
+    every key's save got slow. The quota holds, and a save reads only its own run's files."""
+    import os
+
+    from trillora.serve.calls import BadRequest
+    from trillora.serve.tinker.checkpoints import CheckpointStore
+
+    for i in range(200):  # another run's many saved states
+        (tmp_path / "s1_train_0" / "weights" / f"w{i}").mkdir(parents=True)
+        (tmp_path / "s1_train_0" / "weights" / f"w{i}" / "adapter.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "learner" / "revision-1").mkdir(parents=True)  # not a saved state: outside the quota
+    (tmp_path / "learner" / "revision-1" / "adapter.safetensors").write_bytes(b"x" * (1 << 20))
+    store = CheckpointStore(tmp_path, "tiny-moe", max_bytes=1 << 20)
+    store.check_room()  # the first check counts every run once
+    stats = []
+    real = os.lstat
+    monkeypatch.setattr(os, "lstat", lambda p, *a, **k: stats.append(p) or real(p, *a, **k))
+    mine = tmp_path / "s2_train_0" / "weights" / "a"
+    mine.mkdir(parents=True)
+    (mine / "adapter.safetensors").write_bytes(b"x" * 4096)
+    (mine / "state.json").write_text("{}")
+    store.recount(mine)  # what a save does once written
+    store.check_room()
+    assert 0 < len(stats) <= 6 and all("s2_train_0" in str(p) for p in stats), stats  # the whole folder: 200+
+    (mine / "adapter.safetensors").write_bytes(b"x" * (1 << 20))  # this run grows past the quota
+    store.recount(mine)
+    with pytest.raises(BadRequest, match="--max-state-gib"):
+        store.check_room()
+    store.delete("s2:train:0", "weights/a")
+    store.check_room()  # its deletion freed the room
+
+
+def test_a_guests_adapter_driven_non_finite_stays_its_own(tmp_path):
+    """A guest key steps its own adapter with a huge learning rate (1e30: finite weights, non-finite
+    activations) and samples from it while the operator samples, the two in one fused pass: the
+    operator's samples are what they were alone, and the guest's next loss is refused by name."""
+    import threading
+
+    tinker = pytest.importorskip("tinker")
+    from engine_helpers import tinker_server
+    from tinker import types
+
+    gen = tinker_server(tmp_path, ["tml-operator", "tml-guest"])
+    server = next(gen)
+    url = f"http://127.0.0.1:{server.cfg.port}"
+    op, guest = (tinker.ServiceClient(base_url=url, api_key=k) for k in ("tml-operator", "tml-guest"))
+    try:
+        enc = lambda text: server.service.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        tokens = enc("123+456=579")
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]}
+        )
+        clients = [c.create_lora_training_client(base_model="tiny-moe-chat", rank=4).result() for c in (op, guest)]
+        for tc, lr in zip(clients, (1e-3, 1e30), strict=True):
+            tc.forward_backward([datum], "cross_entropy").result()
+            tc.optim_step(types.AdamParams(learning_rate=lr)).result()
+        mine, theirs = (tc.save_weights_and_get_sampling_client().result() for tc in clients)
+        prompt, params = types.ModelInput.from_ints(enc("123+456=")), types.SamplingParams(max_tokens=6, seed=3)
+        alone = mine.sample(prompt, num_samples=4, sampling_params=params).result()
+        fused, out = server.worker.fused_batches, {}
+
+        def sample(name, sampler):
+            out[name] = sampler.sample(prompt, num_samples=4, sampling_params=params).result()
+
+        long = types.SamplingParams(max_tokens=200, seed=1)
+        busy = mine.sample(prompt, num_samples=32, sampling_params=long)  # the two queue behind it, then fuse
+        threads = [threading.Thread(target=sample, args=x) for x in (("op", mine), ("guest", theirs))]
+        [t.start() for t in threads]
+        [t.join(120) for t in threads]
+        busy.result()
+        assert [s.tokens for s in out["op"].sequences] == [s.tokens for s in alone.sequences]
+        assert [s.logprobs for s in out["op"].sequences] == [s.logprobs for s in alone.sequences]
+        assert len(out["guest"].sequences) == 4  # the guest gets what its adapter makes of it
+        assert server.worker.fused_batches > fused  # the two shared a pass
+        with pytest.raises(tinker.RequestFailedError, match="loss is not finite"):
+            clients[1].forward_backward([datum], "cross_entropy").result()
+        assert clients[0].forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
+    finally:
+        for c in (op, guest):
+            c.close("success").result()
+        next(gen, None)

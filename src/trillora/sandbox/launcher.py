@@ -3,7 +3,8 @@ program in it. Standard library only, run as `python -I -S launcher.py SPEC` (ne
 so nothing of the trainer (threads, locks, CUDA) is alive between fork and the system calls.
 
     launcher (host PID namespace) ── unshare: mount, PID, network, IPC, UTS (+ user when not root)
-      └─ init: PID 1 of the new namespace. Builds a new root on a tmpfs: read-only /usr and the
+      └─ init: PID 1 of the new namespace (its command line blanked, not dumpable: nothing of the
+         │ host shows in /proc/1). Builds a new root on a tmpfs: read-only /usr and the
          │ Python install (site-packages masked), a fresh /proc, /dev with null/zero/random only,
          │ small tmpfs /tmp and /box (the program's folder); pivot_root; the host tree detached.
          └─ program: drops to an unprivileged uid (root: setresuid to a uid no account uses; not
@@ -38,7 +39,7 @@ CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x0200000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
-MNT_DETACH, PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 2, 1, 24, 38
+MNT_DETACH, PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 2, 1, 4, 24, 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 UID_BASE = 2_000_000_000
 DEVICES = ("null", "zero", "random", "urandom")
@@ -292,9 +293,22 @@ def drop_privileges(spec: dict, as_root: bool, seccomp) -> None:
         resource.setrlimit(limit, (value, hard))
 
 
+def hide_init() -> None:
+    """What the program may read of PID 1 shows nothing of the host: its command line (the launcher's,
+    with the spec: host paths) blanked in place, and not dumpable, so the /proc files that need
+    ptrace access (environ, exe, maps, cwd, root) are refused to the program even where it runs
+    under the same uid (an unprivileged launcher's user namespace)."""
+    with open("/proc/self/stat") as f:
+        fields = f.read().rpartition(")")[2].split()  # from field 3 (state) on
+    start, end = int(fields[48 - 3]), int(fields[49 - 3])  # arg_start, arg_end
+    ctypes.memset(start, 0, end - start)
+    _check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "not dumpable")
+
+
 def init(spec: dict, as_root: bool, seccomp) -> None:
     """PID 1 of the jail: build it, run the program, wait (wall clock), report, exit."""
     _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "parent-death signal")
+    hide_init()
     try:
         build_root(spec, as_root)
     except (OSError, JailError) as e:
@@ -303,6 +317,7 @@ def init(spec: dict, as_root: bool, seccomp) -> None:
     program = os.fork()
     if program == 0:
         try:
+            _check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "dumpable")  # as a forked child would be: its own /proc
             drop_privileges(spec, as_root, seccomp)
             os.chdir("/box")
             os.execve(spec["python"], [spec["python"], "-I", "-S", "main.py"], {"PATH": "/usr/bin:/bin"})

@@ -66,7 +66,10 @@ class ServeConfig:
     max_unread_mib: int = 1024
     """A key's results not yet retrieved hold at most this much; past it its oldest are dropped (410)."""
     max_state_gib: float = 64.0
-    """Saved states under `state_dir` hold at most this much; past it a save is refused (403)."""
+    """Saved states under `state_dir`, with the runs' records and their user metadata, hold at most this
+    much; past it a save, or a run record with metadata, is refused (403)."""
+    max_metadata_kib: int = 16
+    """A run's or a saved state's `user_metadata` (as JSON) holds at most this much; more is refused (400)."""
     session_seconds: float = 300.0
     """A Tinker session not heard from (heartbeat or any call) for this long is ended and its training
     clients and samplers freed (the SDK beats every 10 s)."""
@@ -80,9 +83,11 @@ class ServeConfig:
     poll_seconds: float = 20.0
     """How long retrieve_future holds a pending request before answering try_again."""
     max_connections: int = 512
-    """Connections open at once; the next one is answered 503."""
+    """Connections open at once. When all are taken, a new one takes the slot of the oldest waiting
+    connection that has not passed the key check; only when there is none is it answered 503."""
     idle_seconds: float = 60.0
-    """A connection may wait this long before (or between) requests."""
+    """A connection may wait this long before (or between) requests (`header_seconds` until one of its
+    requests has passed the key check)."""
     header_seconds: float = 10.0
     """From a request's first byte to the end of its headers."""
     body_seconds: float = 60.0

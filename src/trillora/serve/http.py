@@ -5,8 +5,12 @@ the server:
 
 - a connection has `idle_seconds` to start a request and, from its first byte, `header_seconds`
   to finish the request's headers (uvicorn's own keep-alive timer restarts on every byte, so a
-  client trickling bytes would hold its connection forever); a late one gets a JSON 408;
-- at most `max_connections` connections at once: the next one gets a JSON 503 and is closed;
+  client trickling bytes would hold its connection forever); a late one gets a JSON 408. Until
+  one of its requests has passed the key check, a connection waits at most `header_seconds`;
+- at most `max_connections` connections at once. When all are taken, a new one takes the slot of
+  the oldest waiting connection that has not passed the key check, from the peer address holding
+  the most of those (a flood without the key loses its own connections first, and never locks out
+  a client with one); only when every connection has passed it does the new one get a JSON 503;
 - the API key (`Authorization: Bearer KEY` or `X-API-Key: KEY`, compared in constant time) is
   checked before the body is read: an unauthorised body is never buffered;
 - a body over its limit, declared or chunked, is refused with 413 (read and dropped first when it
@@ -18,6 +22,7 @@ the server:
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import hmac
 import json
@@ -106,9 +111,11 @@ async def reply(send, path: str, status: int, message: str, close: bool = False)
 class Guard:
     """ASGI middleware: the key before the body, the body whole and bounded before the app sees it."""
 
-    def __init__(self, app, limits: Limits):
+    def __init__(self, app, limits: Limits, keyed: set | None = None):
         self.app, self.limits = app, limits
         self.keys = [k.encode() for k in limits.api_keys]
+        self.keyed = keyed if keyed is not None else set()
+        """The peers ((host, port): connections) whose requests have passed the key check."""
 
     def _authorised(self, headers: dict[bytes, bytes]) -> bool:
         if not self.keys:
@@ -120,10 +127,11 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, headers = scope["path"], dict(scope["headers"])
-        if path not in OPEN_PATHS and not self._authorised(headers):
-            return await reply(
-                send, path, 401, "missing or wrong API key (Authorization: Bearer KEY or X-API-Key: KEY)", close=True
-            )
+        if path not in OPEN_PATHS:
+            if not self._authorised(headers):
+                denied = "missing or wrong API key (Authorization: Bearer KEY or X-API-Key: KEY)"
+                return await reply(send, path, 401, denied, close=True)
+            self.keyed.add(scope.get("client"))
         limit = self.limits.max_tinker_body_bytes if path.startswith("/api/") else self.limits.max_body_bytes
         declared = int(headers.get(b"content-length", 0))  # h11 has refused a length that is not a number
         if declared > limit:
@@ -194,6 +202,8 @@ class TimedH11Protocol(H11Protocol):
     connections, and JSON for the requests h11 refuses (a bad Content-Length, a malformed line)."""
 
     limits: Limits
+    keyed: set
+    """Shared with the guard: the connections (peer (host, port)) that have passed the key check."""
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -209,9 +219,40 @@ class TimedH11Protocol(H11Protocol):
                 raise
 
         self.conn.next_event = recording_next_event
-        if len(self.connections) > self.limits.max_connections:
+        self.opened = self.loop.time()
+        if len(self.connections) > self.limits.max_connections and not self._evict():
             return self._refuse(503, f"the server holds {self.limits.max_connections} connections at once; try again")
-        self._arm("idle", self.limits.idle_seconds)
+        self._arm("idle", self._idle_seconds)
+
+    @property
+    def _idle_seconds(self) -> float:
+        """The wait for a request: shorter until one has passed the key check."""
+        return (
+            self.limits.idle_seconds
+            if self.client in self.keyed
+            else min(self.limits.idle_seconds, self.limits.header_seconds)
+        )
+
+    def _evict(self) -> bool:
+        """Free a slot: the oldest waiting connection that has not passed the key check, from the peer
+        address holding the most of them. False when there is none (every slot holds a keyed client
+        or a request in flight)."""
+        waiting = [
+            c
+            for c in self.connections
+            if c is not self and c.client not in self.keyed and getattr(c, "waiting", "") in ("idle", "headers")
+        ]
+        if not waiting:
+            return False
+        hosts = collections.Counter(c.client[0] if c.client else None for c in waiting)
+        crowded = max(hosts, key=hosts.get)
+        victim = min((c for c in waiting if (c.client[0] if c.client else None) == crowded), key=lambda c: c.opened)
+        if victim.waiting == "headers":
+            victim._refuse(503, "this connection's slot was taken by a newer one; it had not passed the key check")
+        else:
+            victim.transport.close()
+        self.connections.discard(victim)
+        return True
 
     def _arm(self, waiting: str, seconds: float) -> None:
         if self.timer is not None:
@@ -240,8 +281,7 @@ class TimedH11Protocol(H11Protocol):
         elif not self.transport.is_closing() and self._between_requests():
             pipelined = bool(self.conn.trailing_data[0])  # part of the next request already arrived
             self._arm(
-                "headers" if pipelined else "idle",
-                self.limits.header_seconds if pipelined else self.limits.idle_seconds,
+                "headers" if pipelined else "idle", self.limits.header_seconds if pipelined else self._idle_seconds
             )
 
     def eof_received(self) -> bool:
@@ -256,6 +296,7 @@ class TimedH11Protocol(H11Protocol):
         for timer in (self.timer, self.write_timer):
             if timer is not None:
                 timer.cancel()
+        self.keyed.discard(self.client)
         super().connection_lost(exc)
 
     def _expired(self) -> None:
@@ -301,9 +342,10 @@ class Listener:
     """uvicorn serving `app` behind the guard on (host, port); port 0 takes a free one (`port` then says which)."""
 
     def __init__(self, app, host: str, port: int, limits: Limits):
-        protocol = type("Protocol", (TimedH11Protocol,), {"limits": limits})
+        keyed: set = set()
+        protocol = type("Protocol", (TimedH11Protocol,), {"limits": limits, "keyed": keyed})
         self.config = uvicorn.Config(
-            Guard(app, limits),
+            Guard(app, limits, keyed),
             host=host,
             port=port,
             http=protocol,

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 
 from ..policy.adapters import Revision
 from .calls import BadRequest
-from .http import check_operator, json_object
+from .http import check_operator, json_object, owner_of
 from .worker import outcome_of, wait_for
 
 
@@ -45,15 +45,19 @@ class Revisions:
             for old in [r for r in self.published if r <= k - self.keep]:
                 del self.published[old]
 
-    async def listing(self) -> dict:
-        history = {row["revision"]: row for row in (self.learner.history if self.learner is not None else [])}
+    async def listing(self, request: Request) -> dict:
+        """The kept revisions; their training rows and the last error for the operator's key only (they
+        describe every key's trained traffic: trace counts, rewards, dropped traces)."""
+        operator = self.service.cfg.operator()
+        mine = operator is None or owner_of(request.scope) == operator
+        history = {row["revision"]: row for row in (self.learner.history if self.learner is not None and mine else [])}
         return {
             "model": self.name,
             "current": self.current,
             "rounds": self.rounds,
             "failures": self.failures,
             "skipped": self.skipped,
-            "last_error": self.last_error,
+            "last_error": self.last_error if mine else "",
             "revisions": [
                 {"id": f"{self.name}@{k}", "revision": k, "published": t, "training": history.get(k, {})}
                 for k, t in sorted(self.published.items())

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import glob
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +27,19 @@ from ..calls import BadRequest
 from .checks import resolve, state_path
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
+_NOT_STATES = ("learner", "runs")
+"""What the state folder also holds and the quota leaves out: a learning server's revisions, the runs
+trained under the folder."""
+
+
+def _disk(folder: Path) -> int:
+    """Disk blocks the files under `folder` take (links not followed); 0 once it is gone."""
+    used = 0
+    for where, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                used += os.lstat(os.path.join(where, name)).st_blocks * 512
+    return used
 
 
 def _iso(seconds: float | None) -> str | None:
@@ -34,18 +49,21 @@ def _iso(seconds: float | None) -> str | None:
 class CheckpointStore:
     def __init__(self, root: Path, base_model: str, max_bytes: int = 64 << 30):
         self.root, self.base_model, self.max_bytes = root, base_model, max_bytes
+        self.live = lambda session_id: False
+        """Whether a session still holds its clients (the routes tell): its runs' records stay."""
+        self.sizes: dict[str, int] | None = None
+        """Disk each run folder takes: counted whole once, then again only for a run this store changes
+        (a save, a record, a deletion), so a save never walks every run's states."""
+        self.lock = threading.Lock()
 
     def check_room(self) -> None:
         """403 once the saved states take `max_bytes` of disk (named saves in a loop wrote 1 GB/s); not a
         5xx, which the SDK retries ten times before it tells the user."""
-        used = 0
-        for folder, dirs, files in os.walk(self.root):  # links are not followed
-            if folder == str(self.root):
-                # a learning server's revisions and the runs trained under the folder are not saved states
-                dirs[:] = [d for d in dirs if d not in ("learner", "runs")]
-            for name in files:
-                with contextlib.suppress(OSError):
-                    used += os.lstat(os.path.join(folder, name)).st_blocks * 512
+        with self.lock:
+            if self.sizes is None:
+                runs = [p for p in self.root.iterdir() if p.name not in _NOT_STATES] if self.root.is_dir() else []
+                self.sizes = {p.name: _disk(p) for p in runs}
+            used = sum(self.sizes.values())
         if used >= self.max_bytes:
             raise BadRequest(
                 f"saved states take {used / 2**20:.1f} MiB, the server's bound (--max-state-gib); "
@@ -88,6 +106,13 @@ class CheckpointStore:
         _, folder = state_path(self.root, run_id, "weights", "x")
         return folder.parent.parent
 
+    def recount(self, folder: Path) -> None:
+        """The run folder `folder` (or one inside it) has changed on disk."""
+        run = self.root / folder.relative_to(self.root).parts[0]
+        with self.lock:
+            if self.sizes is not None and run.name not in _NOT_STATES:
+                self.sizes[run.name] = _disk(run)
+
     def record_run(self, run_id: str, rank: int, roles: tuple[str, ...], user_metadata: dict | None) -> None:
         folder = self.run_folder(run_id)
         folder.mkdir(parents=True, exist_ok=True)
@@ -104,6 +129,7 @@ class CheckpointStore:
                 }
             ),
         )
+        self.recount(folder)
 
     def _checkpoint(self, run_id: str, checkpoint_id: str) -> tuple[str, Path, dict]:
         kind, _, name = checkpoint_id.partition("/")
@@ -143,10 +169,28 @@ class CheckpointStore:
             self.set_ttl(run_id, checkpoint_id, ttl_seconds)
         if user_metadata:
             self._update(run_id, checkpoint_id, user_metadata={str(k): str(v) for k, v in user_metadata.items()})
+        self.recount(self.run_folder(run_id))
 
     def delete(self, run_id: str, checkpoint_id: str) -> None:
         _, folder, _ = self._checkpoint(run_id, checkpoint_id)
         shutil.rmtree(folder)
+        self._prune(folder.parent.parent)
+        self.recount(folder.parent.parent)
+
+    def end_runs(self, session_ids: list[str]) -> None:
+        """Ended sessions' runs: a run's record (`run.json`, its metadata) goes with it, unless a saved
+        state still names the run; then it goes with the last of them (`delete`, `sweep`)."""
+        for sid in session_ids:
+            for folder in self.root.glob(f"{glob.escape(sid)}_train_*"):
+                self._prune(folder)
+                self.recount(folder)
+
+    def _prune(self, folder: Path) -> None:
+        """A run's folder once nothing of it is left: no saved state, and its session over."""
+        if "_train_" not in folder.name or folder.is_symlink() or self.live(folder.name.split("_train_")[0]):
+            return
+        if not any(any((folder / kind).glob("*/state.json")) for kind in KINDS):
+            shutil.rmtree(folder, ignore_errors=True)
 
     def set_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds) -> None:
         if ttl_seconds is not None and (type(ttl_seconds) is not int or ttl_seconds < 0):
@@ -170,6 +214,8 @@ class CheckpointStore:
                 continue
             if expires is not None and expires <= now and not state.parent.is_symlink():
                 shutil.rmtree(state.parent, ignore_errors=True)
+                self._prune(state.parent.parent.parent)
+                self.recount(state.parent.parent.parent)
                 gone += 1
         return gone
 

@@ -58,6 +58,7 @@ class TinkerRoutes:
         self.router.add_api_route("/api/v1/healthz", self.health, methods=["GET"])
         self.router.add_api_route("/api/v1/{rest:path}", self.handle, methods=["GET", "POST", "PUT", "DELETE"])
         self.store = CheckpointStore(self.service.root, self.cfg.model, int(self.cfg.max_state_gib * 2**30))
+        self.store.live = lambda sid: sid in self.service.sessions
         threading.Thread(target=self._sweep, daemon=True, name="checkpoint-ttl").start()
 
     def _sweep(self, every: float = 30.0) -> None:
@@ -125,7 +126,7 @@ class TinkerRoutes:
         if handler is None and path.startswith("/api/v1/sessions/") and path.endswith("/finish"):
             sid = path.split("/")[-2]
             if sid in s.sessions and sid != SERVED:
-                self.futures.now(lambda: s.end_sessions([sid]), owner)
+                self._end([sid], owner)
             return self._json({})
         if handler is None:
             raise BadRequest(f"no route POST {path}", 404)
@@ -195,7 +196,7 @@ class TinkerRoutes:
         s = self.service
         idle = s.idle_sessions()
         if idle:  # their clients and samplers freed first (on the worker: a parallel service's ranks follow)
-            self.futures.now(lambda: s.end_sessions(idle), owner)
+            self._end(idle, owner)
         return {"type": "create_session", "session_id": s.create_session(owner)}
 
     def _create_model(self, b: dict, owner: str = "") -> dict:
@@ -205,9 +206,11 @@ class TinkerRoutes:
         rank, roles, seed = s.lora_settings(b.get("base_model"), b.get("lora_config") or {})
         if (b.get("optimizer_config") or {}).get("type", "adamw") != "adamw":
             raise BadRequest(f"optimizer_config {b['optimizer_config']!r}; this server has type 'adamw'")
-        metadata = _metadata(b)
+        metadata = self._metadata(b)
 
         def create() -> dict:
+            if metadata:  # counted with the saved states
+                self.store.check_room()
             out = s.create_model(sid, seq, rank, roles, seed)
             self.store.record_run(out["model_id"], rank, roles, metadata)
             return out
@@ -229,7 +232,7 @@ class TinkerRoutes:
         name = b.get("path") or f"state-{next(self.ids)}"
         s.state_path(mid, "weights", name)  # refuses a bad name now
         self.store.check_room()
-        ttl, metadata = b.get("ttl_seconds"), _metadata(b)
+        ttl, metadata = b.get("ttl_seconds"), self._metadata(b)
 
         def save() -> dict:
             self.store.check_room()  # again on the worker: saves queued together all passed the first check
@@ -246,7 +249,7 @@ class TinkerRoutes:
         if name is not None:
             s.state_path(mid, "sampler_weights", name)
             self.store.check_room()
-        seq, ttl, metadata = _seq(b, "sampling_session_seq_id"), b.get("ttl_seconds"), _metadata(b)
+        seq, ttl, metadata = _seq(b, "sampling_session_seq_id"), b.get("ttl_seconds"), self._metadata(b)
 
         def save() -> dict:
             if name is not None:
@@ -269,9 +272,11 @@ class TinkerRoutes:
         sid, seq = b.get("session_id", ""), _seq(b, "model_seq_id")
         if f"{sid}:train:{seq}" in s.session(sid).models:
             raise BadRequest(f"model_seq_id {seq} of this session is taken by {sid}:train:{seq}", 409)
-        metadata = _metadata(b)
+        metadata = self._metadata(b)
 
         def load() -> dict:
+            if metadata:
+                self.store.check_room()
             out = s.load_state(sid, seq, path, optimizer)
             c = s.client(out["model_id"])
             self.store.record_run(out["model_id"], c.rank, c.roles, metadata)
@@ -321,6 +326,25 @@ class TinkerRoutes:
         out["sample_sequence_ids"] = [f"{out['request_id']}:{i}" for i in range(n)]
         return out
 
+    def _end(self, sids: list[str], owner: str) -> None:
+        """Sessions' clients and samplers freed (on the worker: a parallel service's ranks follow), and
+        the records of their runs that no saved state names."""
+        self.futures.now(lambda: self.service.end_sessions(sids), owner)
+        self.store.end_runs(sids)
+
+    def _metadata(self, body: dict) -> dict | None:
+        """A request's `user_metadata`, kept with its run or checkpoint (anything but an object is
+        ignored), at most `--max-metadata-kib` of JSON."""
+        metadata = body.get("user_metadata")
+        if not isinstance(metadata, dict):
+            return None
+        size, bound = len(json.dumps(metadata).encode()), self.cfg.max_metadata_kib
+        if size > bound * 1024:
+            raise BadRequest(
+                f"user_metadata holds {size} bytes of JSON; the server keeps at most {bound} KiB (--max-metadata-kib)"
+            )
+        return metadata
+
     def _readable(self, path: str, owner: str) -> Path:
         """The folder of a tinker:// path this key may read: a run's checkpoint (`tinker://runs/...`,
         names anyone can guess) only with the operator's key when there are several."""
@@ -350,12 +374,6 @@ def _seq(body: dict, key: str) -> int:
     if type(seq) is not int or not 0 <= seq < 2**31:
         raise BadRequest(f"{key}={seq!r}; allowed: an integer in 0..2**31-1")
     return seq
-
-
-def _metadata(body: dict) -> dict | None:
-    """A request's `user_metadata`, kept with its run or checkpoint (anything but an object is ignored)."""
-    metadata = body.get("user_metadata")
-    return metadata if isinstance(metadata, dict) else None
 
 
 def _json_object(raw: bytes) -> dict:
