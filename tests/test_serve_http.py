@@ -218,8 +218,30 @@ def test_connections_without_the_key_give_way_and_keyed_ones_past_the_cap_get_50
         assert reply.startswith(b"HTTP/1.1 200")
         idle = socket.create_connection(("127.0.0.1", port))  # without the key: header_seconds to start
         assert _closed(idle, 10)
+        status, out = status_and_json(request(port, b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n"))
+        assert status == 400 and "takes no request body" in out["error"]["message"]  # it would hold its slot
     finally:
         for s in held + flood:
+            s.close()
+        next(gen, None)
+
+
+def test_a_key_holding_more_than_its_share_of_connections_gives_way_to_another():
+    """With several keys, a guest that keeps every slot alive with a request each still leaves room
+    for the operator: its oldest idle connection goes once it holds more than its even share."""
+    gen = running_server(ServeConfig(model="tiny-moe", port=0, api_key=["op", "guest"], max_connections=4))
+    port = next(gen).cfg.port
+    asked = "GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\r\n"
+    held = []
+    try:
+        for _ in range(4):
+            held.append(socket.create_connection(("127.0.0.1", port)))
+            held[-1].sendall(asked.format("guest").encode())
+            assert read_reply(held[-1]).startswith(b"HTTP/1.1 200")
+        assert request(port, asked.format("op").encode()).startswith(b"HTTP/1.1 200")
+        assert _closed(held[0], 5) and not _closed(held[-1], 0.5)  # the guest's oldest gave way
+    finally:
+        for s in held:
             s.close()
         next(gen, None)
 

@@ -211,6 +211,15 @@ def test_run_metadata_is_bounded_counted_with_the_states_and_goes_with_its_run(s
     status, out = model(sid, {"blob": "x" * (1 << 20)})
     assert status == 400 and "at most 16 KiB (--max-metadata-kib)" in out["error"], out
     assert _disk(tmp_path) == 0
+    mid = model(sid, {})[1]["model_id"]
+    for n, ttl in enumerate(("x", -1, 1.5)):  # refused before anything is written (written, it went uncounted)
+        status, out = post(
+            "/api/v1/save_weights", {"model_id": mid, "path": f"t{n}", "seq_id": n + 1, "ttl_seconds": ttl}
+        )
+        assert status == 400 and "ttl_seconds=" in out["error"], out
+    assert not (tmp_path / mid.replace(":", "_") / "weights").exists()
+    assert post(f"/api/v1/sessions/{sid}/finish", {})[0] == 200
+    assert _disk(tmp_path) == 0
     for _ in range(6):  # a loop of clients with metadata: each run's record goes when its session ends
         sid = post("/api/v1/create_session", {})[1]["session_id"]
         status, out = model(sid, {"blob": "x" * 15000})

@@ -8,9 +8,10 @@ the server:
   client trickling bytes would hold its connection forever); a late one gets a JSON 408. Until
   one of its requests has passed the key check, a connection waits at most `header_seconds`;
 - at most `max_connections` connections at once. When all are taken, a new one takes the slot of
-  the oldest waiting connection that has not passed the key check, from the peer address holding
-  the most of those (a flood without the key loses its own connections first, and never locks out
-  a client with one); only when every connection has passed it does the new one get a JSON 503;
+  the oldest connection that has not passed the key check, from the peer address holding the most
+  of those (a flood without the key loses its own connections first, and never locks out a client
+  with one); else, with several keys, the oldest idle one of a key holding more than its even
+  share; only when there is neither does the new one get a JSON 503. The open paths take no body;
 - the API key (`Authorization: Bearer KEY` or `X-API-Key: KEY`, compared in constant time) is
   checked before the body is read: an unauthorised body is never buffered;
 - a body over its limit, declared or chunked, is refused with 413 (read and dropped first when it
@@ -111,11 +112,11 @@ async def reply(send, path: str, status: int, message: str, close: bool = False)
 class Guard:
     """ASGI middleware: the key before the body, the body whole and bounded before the app sees it."""
 
-    def __init__(self, app, limits: Limits, keyed: set | None = None):
+    def __init__(self, app, limits: Limits, keyed: dict | None = None):
         self.app, self.limits = app, limits
         self.keys = [k.encode() for k in limits.api_keys]
-        self.keyed = keyed if keyed is not None else set()
-        """The peers ((host, port): connections) whose requests have passed the key check."""
+        self.keyed = keyed if keyed is not None else {}
+        """Connections (peer (host, port)) whose requests have passed the key check: whose key (`owner_of`)."""
 
     def _authorised(self, headers: dict[bytes, bytes]) -> bool:
         if not self.keys:
@@ -127,11 +128,14 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, headers = scope["path"], dict(scope["headers"])
-        if path not in OPEN_PATHS:
-            if not self._authorised(headers):
-                denied = "missing or wrong API key (Authorization: Bearer KEY or X-API-Key: KEY)"
-                return await reply(send, path, 401, denied, close=True)
-            self.keyed.add(scope.get("client"))
+        if path in OPEN_PATHS:  # answered to anyone: nothing to read (a body would hold the connection)
+            if int(headers.get(b"content-length", 0)) or b"chunked" in headers.get(b"transfer-encoding", b""):
+                return await reply(send, path, 400, f"{path} takes no request body", close=True)
+        elif not self._authorised(headers):
+            denied = "missing or wrong API key (Authorization: Bearer KEY or X-API-Key: KEY)"
+            return await reply(send, path, 401, denied, close=True)
+        elif scope.get("client") is not None:
+            self.keyed[scope["client"]] = owner_of(scope)
         limit = self.limits.max_tinker_body_bytes if path.startswith("/api/") else self.limits.max_body_bytes
         declared = int(headers.get(b"content-length", 0))  # h11 has refused a length that is not a number
         if declared > limit:
@@ -202,8 +206,8 @@ class TimedH11Protocol(H11Protocol):
     connections, and JSON for the requests h11 refuses (a bad Content-Length, a malformed line)."""
 
     limits: Limits
-    keyed: set
-    """Shared with the guard: the connections (peer (host, port)) that have passed the key check."""
+    keyed: dict
+    """Shared with the guard: the connections (peer (host, port)) that have passed the key check, and whose key."""
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -234,21 +238,26 @@ class TimedH11Protocol(H11Protocol):
         )
 
     def _evict(self) -> bool:
-        """Free a slot: the oldest waiting connection that has not passed the key check, from the peer
-        address holding the most of them. False when there is none (every slot holds a keyed client
-        or a request in flight)."""
-        waiting = [
-            c
-            for c in self.connections
-            if c is not self and c.client not in self.keyed and getattr(c, "waiting", "") in ("idle", "headers")
-        ]
-        if not waiting:
-            return False
-        hosts = collections.Counter(c.client[0] if c.client else None for c in waiting)
-        crowded = max(hosts, key=hosts.get)
-        victim = min((c for c in waiting if (c.client[0] if c.client else None) == crowded), key=lambda c: c.opened)
+        """Free a slot: the oldest connection that has not passed the key check, from the peer address
+        holding the most of them; else, with several keys, the oldest idle one of the key holding the
+        most, if that is over its even share. False when there is neither."""
+        others = [c for c in self.connections if c is not self]
+        unkeyed = [c for c in others if c.client not in self.keyed]
+        if unkeyed:  # whatever it is doing: only the open paths and refusals run without the key
+            hosts = collections.Counter(c.client[0] if c.client else None for c in unkeyed)
+            crowded = max(hosts, key=hosts.get)
+            victim = min((c for c in unkeyed if (c.client[0] if c.client else None) == crowded), key=lambda c: c.opened)
+        else:
+            keys, owners = len(self.limits.api_keys), collections.Counter(self.keyed[c.client] for c in others)
+            owner, held = max(owners.items(), key=lambda x: x[1])
+            idle = [c for c in others if self.keyed[c.client] == owner and c.waiting == "idle"]
+            if keys < 2 or held <= self.limits.max_connections // keys or not idle:
+                return False
+            victim = min(idle, key=lambda c: c.opened)
         if victim.waiting == "headers":
             victim._refuse(503, "this connection's slot was taken by a newer one; it had not passed the key check")
+        elif victim.waiting == "request":
+            victim.transport.abort()
         else:
             victim.transport.close()
         self.connections.discard(victim)
@@ -296,7 +305,7 @@ class TimedH11Protocol(H11Protocol):
         for timer in (self.timer, self.write_timer):
             if timer is not None:
                 timer.cancel()
-        self.keyed.discard(self.client)
+        self.keyed.pop(self.client, None)
         super().connection_lost(exc)
 
     def _expired(self) -> None:
@@ -342,7 +351,7 @@ class Listener:
     """uvicorn serving `app` behind the guard on (host, port); port 0 takes a free one (`port` then says which)."""
 
     def __init__(self, app, host: str, port: int, limits: Limits):
-        keyed: set = set()
+        keyed: dict = {}
         protocol = type("Protocol", (TimedH11Protocol,), {"limits": limits, "keyed": keyed})
         self.config = uvicorn.Config(
             Guard(app, limits, keyed),
@@ -355,6 +364,7 @@ class Listener:
             access_log=False,
             timeout_keep_alive=max(1, int(limits.idle_seconds)),
             timeout_graceful_shutdown=2,
+            proxy_headers=False,  # a connection is its own peer: `keyed` and the per-address shares count it
             h11_max_incomplete_event_size=64 << 10,
         )
         self.server = uvicorn.Server(self.config)

@@ -48,8 +48,7 @@ class Revisions:
     async def listing(self, request: Request) -> dict:
         """The kept revisions; their training rows and the last error for the operator's key only (they
         describe every key's trained traffic: trace counts, rewards, dropped traces)."""
-        operator = self.service.cfg.operator()
-        mine = operator is None or owner_of(request.scope) == operator
+        mine = self.operator(request.scope)
         history = {row["revision"]: row for row in (self.learner.history if self.learner is not None and mine else [])}
         return {
             "model": self.name,
@@ -64,9 +63,15 @@ class Revisions:
             ],
         }
 
-    def models(self) -> dict[str, dict]:
-        """What `/v1/models` adds to each kept revision's entry (and to `NAME`'s: the one it serves)."""
-        history = {row["revision"]: row for row in (self.learner.history if self.learner is not None else [])}
+    def operator(self, scope: dict) -> bool:
+        """The request carries the operator's key (or the server has none): it may see training rows."""
+        operator = self.service.cfg.operator()
+        return operator is None or owner_of(scope) == operator
+
+    def models(self, mine: bool = True) -> dict[str, dict]:
+        """What `/v1/models` adds to each kept revision's entry (and to `NAME`'s: the one it serves);
+        the gate scores for the operator's key only (`mine`)."""
+        history = {row["revision"]: row for row in (self.learner.history if self.learner is not None and mine else [])}
         out = {}
         for k in sorted(self.published):
             row = history.get(k, {})

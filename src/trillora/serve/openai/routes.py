@@ -143,12 +143,13 @@ class OpenAIRoutes:
         self.service.unserve_adapter(name)
         return {"status": "ok", "lora_name": name}
 
-    async def models(self) -> dict:
+    async def models(self, request: Request) -> dict:
         """Every served name; a learning server's revisions (`NAME@k`) carry their revision number,
         gate score (when gated) and whether `NAME` serves them now."""
         served = self.service.served()
         held = {n: r.bytes() for n, r in served.items()}
-        revisions = self.server.revisions.models() if self.server.revisions is not None else {}
+        revisions = self.server.revisions
+        revisions = revisions.models(revisions.operator(request.scope)) if revisions is not None else {}
         return {
             "object": "list",
             "data": [

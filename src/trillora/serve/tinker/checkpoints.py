@@ -112,6 +112,8 @@ class CheckpointStore:
         with self.lock:
             if self.sizes is not None and run.name not in _NOT_STATES:
                 self.sizes[run.name] = _disk(run)
+                if not self.sizes[run.name]:
+                    del self.sizes[run.name]
 
     def record_run(self, run_id: str, rank: int, roles: tuple[str, ...], user_metadata: dict | None) -> None:
         folder = self.run_folder(run_id)
@@ -169,7 +171,6 @@ class CheckpointStore:
             self.set_ttl(run_id, checkpoint_id, ttl_seconds)
         if user_metadata:
             self._update(run_id, checkpoint_id, user_metadata={str(k): str(v) for k, v in user_metadata.items()})
-        self.recount(self.run_folder(run_id))
 
     def delete(self, run_id: str, checkpoint_id: str) -> None:
         _, folder, _ = self._checkpoint(run_id, checkpoint_id)
@@ -192,9 +193,13 @@ class CheckpointStore:
         if not any(any((folder / kind).glob("*/state.json")) for kind in KINDS):
             shutil.rmtree(folder, ignore_errors=True)
 
-    def set_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds) -> None:
+    @staticmethod
+    def check_ttl(ttl_seconds) -> None:
         if ttl_seconds is not None and (type(ttl_seconds) is not int or ttl_seconds < 0):
             raise BadRequest(f"ttl_seconds={ttl_seconds!r}; allowed: an integer >= 0, or null for no expiry")
+
+    def set_ttl(self, run_id: str, checkpoint_id: str, ttl_seconds) -> None:
+        self.check_ttl(ttl_seconds)
         self._update(run_id, checkpoint_id, expires=None if ttl_seconds is None else time.time() + ttl_seconds)
 
     def publish(self, run_id: str, checkpoint_id: str, public: bool) -> None:

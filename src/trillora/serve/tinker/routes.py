@@ -233,11 +233,15 @@ class TinkerRoutes:
         s.state_path(mid, "weights", name)  # refuses a bad name now
         self.store.check_room()
         ttl, metadata = b.get("ttl_seconds"), self._metadata(b)
+        self.store.check_ttl(ttl)  # before anything is written
 
         def save() -> dict:
             self.store.check_room()  # again on the worker: saves queued together all passed the first check
-            out = s.save_state(mid, name)
-            self.store.annotate(out["path"], ttl, metadata)
+            try:
+                out = s.save_state(mid, name)
+                self.store.annotate(out["path"], ttl, metadata)
+            finally:  # what reached the disk counts, whatever failed after
+                self.store.recount(self.store.run_folder(mid))
             return out
 
         return self.futures.start(owner, save, model_id=mid, seq_id=b.get("seq_id"))
@@ -250,13 +254,17 @@ class TinkerRoutes:
             s.state_path(mid, "sampler_weights", name)
             self.store.check_room()
         seq, ttl, metadata = _seq(b, "sampling_session_seq_id"), b.get("ttl_seconds"), self._metadata(b)
+        self.store.check_ttl(ttl)
 
         def save() -> dict:
             if name is not None:
                 self.store.check_room()
-            out = s.save_for_sampler(mid, name, mid.split(":")[0], seq)
-            if "path" in out:  # a named revision is a checkpoint: its TTL and metadata apply
-                self.store.annotate(out["path"], ttl, metadata)
+            try:
+                out = s.save_for_sampler(mid, name, mid.split(":")[0], seq)
+                if "path" in out:  # a named revision is a checkpoint: its TTL and metadata apply
+                    self.store.annotate(out["path"], ttl, metadata)
+            finally:
+                self.store.recount(self.store.run_folder(mid))
             return out
 
         return self.futures.start(owner, save, model_id=mid, seq_id=b.get("seq_id"))
