@@ -25,14 +25,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 
 from ..models.attention import causal_mask
 from ..models.kv_cache import KVCache
@@ -41,13 +33,15 @@ from .context_parallel import padded_length
 from .dims import ParallelDims, ParallelError
 from .vocab_parallel import gather_vocab, next_token_logprobs_at
 
-SCHEDULE_CLASSES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
 }
+"""`ParallelDims.pp_schedule` -> torch's schedule class (imported when a pipeline runs: torch's
+pipelining imports the compiler stack, a second of every process's start that has no pp)."""
 
 
 def split_layers(num_layers: int, num_stages: int, counts: tuple[int, ...] = ()) -> list[range]:
@@ -180,6 +174,8 @@ class Pipeline:
     def _schedule(self, shape: torch.Size, loss_fn):
         # stages and schedules are built per call: batch shapes change from step to step, and
         # a stage fixes its send/receive shapes on first use
+        from torch.distributed.pipelining import PipelineStage, schedules
+
         n = self.microbatches(shape[0])
         stages = [
             PipelineStage(
@@ -193,7 +189,7 @@ class Pipeline:
             )
             for s, m in zip(self.stage_ids, self.modules, strict=True)
         ]
-        cls = SCHEDULE_CLASSES[self.dims.pp_schedule]
+        cls = getattr(schedules, SCHEDULES[self.dims.pp_schedule])
         return cls(stages[0] if len(stages) == 1 else stages, n, loss_fn=loss_fn, scale_grads=False)
 
     def _meta(self, stage: int, m: int, t: int, output: bool) -> torch.Tensor:
