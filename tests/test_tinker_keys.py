@@ -277,8 +277,9 @@ def test_a_save_counts_its_own_run_not_every_saved_state(tmp_path, monkeypatch):
 
 def test_a_guests_adapter_driven_non_finite_stays_its_own(tmp_path):
     """A guest key steps its own adapter with a huge learning rate (1e30: finite weights, non-finite
-    activations) and samples from it while the operator samples, the two in one fused pass: the
-    operator's samples are what they were alone, and the guest's next loss is refused by name."""
+    activations) and samples from it while the operator samples: the operator's samples are what
+    they were alone (the worker fuses passes per key, never one key's rows with another's), and the
+    guest's next loss is refused by name."""
     import threading
 
     tinker = pytest.importorskip("tinker")
@@ -302,21 +303,17 @@ def test_a_guests_adapter_driven_non_finite_stays_its_own(tmp_path):
         mine, theirs = (tc.save_weights_and_get_sampling_client().result() for tc in clients)
         prompt, params = types.ModelInput.from_ints(enc("123+456=")), types.SamplingParams(max_tokens=6, seed=3)
         alone = mine.sample(prompt, num_samples=4, sampling_params=params).result()
-        fused, out = server.worker.fused_batches, {}
+        out = {}
 
         def sample(name, sampler):
             out[name] = sampler.sample(prompt, num_samples=4, sampling_params=params).result()
 
-        long = types.SamplingParams(max_tokens=200, seed=1)
-        busy = mine.sample(prompt, num_samples=32, sampling_params=long)  # the two queue behind it, then fuse
         threads = [threading.Thread(target=sample, args=x) for x in (("op", mine), ("guest", theirs))]
         [t.start() for t in threads]
         [t.join(120) for t in threads]
-        busy.result()
         assert [s.tokens for s in out["op"].sequences] == [s.tokens for s in alone.sequences]
         assert [s.logprobs for s in out["op"].sequences] == [s.logprobs for s in alone.sequences]
         assert len(out["guest"].sequences) == 4  # the guest gets what its adapter makes of it
-        assert server.worker.fused_batches > fused  # the two shared a pass
         with pytest.raises(tinker.RequestFailedError, match="loss is not finite"):
             clients[1].forward_backward([datum], "cross_entropy").result()
         assert clients[0].forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
