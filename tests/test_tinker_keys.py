@@ -275,6 +275,7 @@ def test_a_save_counts_its_own_run_not_every_saved_state(tmp_path, monkeypatch):
     store.check_room()  # its deletion freed the room
 
 
+@pytest.mark.slow
 def test_a_guests_adapter_driven_non_finite_stays_its_own(tmp_path):
     """A guest key steps its own adapter with a huge learning rate (1e30: finite weights, non-finite
     activations) and samples from it while the operator samples: the operator's samples are what
