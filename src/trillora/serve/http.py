@@ -244,9 +244,10 @@ class TimedH11Protocol(H11Protocol):
         others = [c for c in self.connections if c is not self]
         unkeyed = [c for c in others if c.client not in self.keyed]
         if unkeyed:  # whatever it is doing: only the open paths and refusals run without the key
-            hosts = collections.Counter(c.client[0] if c.client else None for c in unkeyed)
+            host = lambda c: c.client[0] if c.client else None  # noqa: E731
+            hosts = collections.Counter(map(host, unkeyed))
             crowded = max(hosts, key=hosts.get)
-            victim = min((c for c in unkeyed if (c.client[0] if c.client else None) == crowded), key=lambda c: c.opened)
+            victim = min((c for c in unkeyed if host(c) == crowded), key=lambda c: c.opened)
         else:
             keys, owners = len(self.limits.api_keys), collections.Counter(self.keyed[c.client] for c in others)
             owner, held = max(owners.items(), key=lambda x: x[1])

@@ -176,7 +176,6 @@ class CheckpointStore:
         _, folder, _ = self._checkpoint(run_id, checkpoint_id)
         shutil.rmtree(folder)
         self._prune(folder.parent.parent)
-        self.recount(folder.parent.parent)
 
     def end_runs(self, session_ids: list[str]) -> None:
         """Ended sessions' runs: a run's record (`run.json`, its metadata) goes with it, unless a saved
@@ -184,14 +183,14 @@ class CheckpointStore:
         for sid in session_ids:
             for folder in self.root.glob(f"{glob.escape(sid)}_train_*"):
                 self._prune(folder)
-                self.recount(folder)
 
     def _prune(self, folder: Path) -> None:
-        """A run's folder once nothing of it is left: no saved state, and its session over."""
-        if "_train_" not in folder.name or folder.is_symlink() or self.live(folder.name.split("_train_")[0]):
-            return
-        if not any(any((folder / kind).glob("*/state.json")) for kind in KINDS):
+        """After a run lost a saved state or its session: the folder goes once nothing of it is left (no
+        saved state, its session over); recounted either way."""
+        ended = "_train_" in folder.name and not folder.is_symlink() and not self.live(folder.name.split("_train_")[0])
+        if ended and not any(any((folder / kind).glob("*/state.json")) for kind in KINDS):
             shutil.rmtree(folder, ignore_errors=True)
+        self.recount(folder)
 
     @staticmethod
     def check_ttl(ttl_seconds) -> None:
@@ -220,7 +219,6 @@ class CheckpointStore:
             if expires is not None and expires <= now and not state.parent.is_symlink():
                 shutil.rmtree(state.parent, ignore_errors=True)
                 self._prune(state.parent.parent.parent)
-                self.recount(state.parent.parent.parent)
                 gone += 1
         return gone
 
