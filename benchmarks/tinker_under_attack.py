@@ -2,16 +2,24 @@
 
     python benchmarks/tinker_under_attack.py [--clients 8] [--samplers 8] [--steps 6] [--model tiny-moe-chat]
 
-One `trillora serve MODEL --tinker --api-key ...` in a subprocess on loopback. Honest: `--clients`
-training clients (the real `tinker` SDK: forward_backward + optim_step per step) and `--samplers`
-sampling clients (n = 2 samples per step), all at once. Hostile, all the while:
+One `trillora serve MODEL --tinker --record STORE --learn CONFIG` in a subprocess on loopback, with
+three keys: the operator's, an honest one and a guest's. Honest: `--clients` training clients (the
+real `tinker` SDK: forward_backward + optim_step per step) and `--samplers` sampling clients (n = 2
+samples per step), all at once, and the operator's recorded, rewarded 4-token completions one after
+another (`--operator-requests`). They run twice: alone, then under attack. Hostile, all the while:
 - shapes: forward_backward bodies of 3 tokens whose `weights` declare [3, 50,000,000] values and send none;
 - seq_id games: a replayed seq_id, a string seq_id, and calls on model ids of sessions never made;
 - slow: 32 connections that send half a request line and nothing more, reopened once the server closes them;
-- keyless: bodies announced at 64 MiB without the key, sent 1 MiB at a time.
-Reported: every honest request answered or not, each kind of attack refused or not, the server's
-resident memory (after warm-up, peak, at the end) and what `/api/v1/healthz` said each time it was
-asked. Writes benchmarks/results/tinker_under_attack.json.
+- keyless: bodies announced at 64 MiB without the key, sent 1 MiB at a time;
+- keyless slots: twice `--max-connections` idle connections without a key, reopened once closed;
+- store flood (the guest key): the largest recorded completion a call may be (64 prompts × n=64),
+  back to back; the honest clients start once its trace budget (`--max-trace-mib`) is full;
+- metadata loop (the guest key): a new session and training client with 15 KB of run metadata, again and again.
+The shapes and seq_id games use the honest clients' own key. Reported: every honest request
+answered or not, each kind of attack refused or not, the operator's p99 latency alone and under
+attack, the trace store's and the state folder's disk against their budgets, the server's resident
+memory and what `/api/v1/healthz` said each time it was asked. Writes
+benchmarks/results/tinker_under_attack.json.
 """
 
 from __future__ import annotations
@@ -26,8 +34,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 
+from attack_budgets import disk_bytes, http, keyless_slots, metadata_loop, operator, p99, store_flood
+from machine import machine
 from rich.console import Console
 from rich.table import Table
 
@@ -36,6 +47,10 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 KEY = "tml-attack"
+"""The honest SDK clients' key (the shapes and seq_id games use it too)."""
+OPERATOR, GUEST = "tml-operator", "tml-guest"
+LEARN = "[learn]\nevery = 1000000\n"
+"""The learner asks the store for new rewarded traces every second and never trains (no compute in the way)."""
 MEMORY_BOUND_MIB = 256
 """The stated bound: the server's peak resident memory over its own after warm-up."""
 
@@ -45,24 +60,6 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def http(
-    port: int, method: str, path: str, body: bytes = b"", headers: dict | None = None, timeout: float = 30.0
-) -> tuple[int, bytes]:
-    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
-    head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()) + "\r\n"
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(head.encode() + body)
-        reply = b""
-        while chunk := s.recv(65536):
-            reply += chunk
-            top, _, rest = reply.partition(b"\r\n\r\n")
-            length = [int(h.split(b":")[1]) for h in top.split(b"\r\n") if h.lower().startswith(b"content-length:")]
-            if length and len(rest) >= length[0]:
-                break
-    top, _, rest = reply.partition(b"\r\n\r\n")
-    return int(top.split(b" ")[1]), rest
 
 
 def keyed_json(port: int, path: str, body: dict) -> tuple[int, dict]:
@@ -237,39 +234,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def honest_phase(sc, args, tokenizer, port: int, seed: int) -> tuple[dict, list[float], float]:
+    """The honest SDK clients and the operator's completions, all at once: their counts, the
+    operator's latencies and the seconds it took."""
+    honest = {f"trainer {i}": {"ok": 0, "failed": 0, "errors": []} for i in range(args.clients)}
+    honest |= {f"sampler {i}": {"ok": 0, "failed": 0, "errors": []} for i in range(args.samplers)}
+    honest["operator"], latencies = {"ok": 0, "failed": 0, "errors": []}, []
+    threads = [
+        threading.Thread(
+            target=trainer if name.startswith("trainer") else sampler,
+            args=(sc, args.model, tokenizer, args.steps, seed + i, counts),
+        )
+        for i, (name, counts) in enumerate(honest.items())
+        if name != "operator"
+    ]
+    threads.append(
+        threading.Thread(target=operator, args=(port, OPERATOR, args.operator_requests, latencies, honest["operator"]))
+    )
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return honest, latencies, time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> dict:
     import tinker
 
     from trillora.checkpoint import load_tokenizer, resolve_model_path
+    from trillora.serve.http import owner_of
+    from trillora.traces import TraceStore
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--samplers", type=int, default=8)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--operator-requests", type=int, default=200, help="the operator's completions per phase")
     p.add_argument("--model", default="tiny-moe-chat")
     p.add_argument("--header-seconds", type=float, default=2.0, help="the server's limit for a request's headers")
+    p.add_argument("--max-connections", type=int, default=128, help="the server's connection slots")
+    p.add_argument("--max-trace-mib", type=float, default=8.0, help="each key's trace store budget")
+    p.add_argument("--max-state-gib", type=float, default=0.25, help="the saved states' and run records' quota")
     p.add_argument("--out", default=str(RESULTS / "tinker_under_attack.json"))
     args = p.parse_args(argv)
-    port, state = free_port(), tempfile.mkdtemp(prefix="tinker-attack-")
+    port, state = free_port(), Path(tempfile.mkdtemp(prefix="tinker-attack-"))
+    store, learn = state.parent / f"{state.name}-traces.db", state.parent / f"{state.name}-learn.toml"
+    learn.write_text(LEARN)
+    keys = [a for k in (OPERATOR, KEY, GUEST) for a in ("--api-key", k)]
     server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trillora",
-            "serve",
-            args.model,
-            "--tinker",
-            "--api-key",
-            KEY,
-            "--port",
-            str(port),
-            "--state-dir",
-            state,
-            "--max-clients",
-            str(args.clients + 4),
-            "--header-seconds",
-            str(args.header_seconds),
-        ],
+        [sys.executable, "-m", "trillora", "serve", args.model, "--tinker", *keys, "--port", str(port)]
+        + ["--state-dir", str(state), "--record", str(store), "--learn", str(learn)]
+        + ["--max-clients", str(3 * (3 * args.clients + 4)), "--max-connections", str(args.max_connections)]
+        + ["--header-seconds", str(args.header_seconds), "--max-trace-mib", str(args.max_trace_mib)]
+        + ["--max-state-gib", str(args.max_state_gib)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -289,7 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
         warm = {"ok": 0, "failed": 0, "errors": []}
         trainer(sc, args.model, tokenizer, 1, 0, warm)
         sampler(sc, args.model, tokenizer, 1, 0, warm)
-        baseline = rss_mib(server.pid)
+        alone, alone_latencies, alone_seconds = honest_phase(sc, args, tokenizer, port, 100)
+        baseline, state_before = rss_mib(server.pid), disk_bytes(state)
         out = {
             "model": args.model,
             "peak_rss_mib": baseline,
@@ -298,67 +317,105 @@ def main(argv: list[str] | None = None) -> dict:
             "seq_games": {"refused": 0, "accepted": 0},
             "slow": {"opened": 0, "dropped by the server": 0},
             "keyless": {"refused": 0, "accepted": 0},
+            "keyless_slots": {"opened": 0, "closed by the server": 0},
+            "store_flood": defaultdict(int),
+            "metadata_loop": {"made": 0, "refused": 0},
+            "flood_full": threading.Event(),
         }
         stop = threading.Event()
-        hostile = [
+        budgets = [  # phase 2: what a key makes the server keep, and keyless slots
+            threading.Thread(target=keyless_slots, args=(port, 2 * args.max_connections, stop, out), daemon=True),
+            threading.Thread(target=store_flood, args=(port, GUEST, stop, out), daemon=True),
+            threading.Thread(target=metadata_loop, args=(port, GUEST, stop, out), daemon=True),
+            threading.Thread(target=monitor, args=(port, server.pid, stop, out), daemon=True),
+        ]
+        for t in budgets:
+            t.start()
+        filling = time.perf_counter()
+        if not out["flood_full"].wait(600) or "flood_error" in out:
+            raise SystemExit(f"the guest's store flood was never refused: {out.get('flood_error', 'no trace budget')}")
+        filling = time.perf_counter() - filling
+        phases = {"alone": (alone, alone_latencies, alone_seconds)}
+        phases["budget attacks"] = honest_phase(sc, args, tokenizer, port, 200)
+        rest = [  # phase 3: every attack at once
             threading.Thread(target=f, args=(port, stop, out), daemon=True) for f in (shapes, seq_games, slow, keyless)
         ]
-        hostile.append(threading.Thread(target=monitor, args=(port, server.pid, stop, out), daemon=True))
-        for t in hostile:
+        for t in rest:
             t.start()
-        time.sleep(1.0)  # the attacks under way before the honest clients start
-        honest = {f"trainer {i}": {"ok": 0, "failed": 0, "errors": []} for i in range(args.clients)}
-        honest |= {f"sampler {i}": {"ok": 0, "failed": 0, "errors": []} for i in range(args.samplers)}
-        threads = [
-            threading.Thread(
-                target=trainer if name.startswith("trainer") else sampler,
-                args=(sc, args.model, tokenizer, args.steps, i + 1, counts),
-            )
-            for i, (name, counts) in enumerate(honest.items())
-        ]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - start
+        time.sleep(1.0)  # under way before the honest clients start
+        phases["every attack"] = honest_phase(sc, args, tokenizer, port, 300)
         time.sleep(2 * args.header_seconds)  # the slow connections' deadline passes at least once more
         stop.set()
-        for t in hostile:
+        for t in budgets + rest:
             t.join(60)
         final = http(port, "GET", "/api/v1/healthz")[0]
     finally:
         server.terminate()
         server.wait(30)
+    scope = {"headers": [(b"authorization", f"Bearer {GUEST}".encode())]}
+    kept = TraceStore(str(store)).usage(owner_of(scope))
     report = {
         "command": "python benchmarks/tinker_under_attack.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": args.model,
         "clients": args.clients,
         "samplers": args.samplers,
         "steps": args.steps,
+        "operator_requests": args.operator_requests,
         "honest_requests": {
-            "ok": sum(c["ok"] for c in honest.values()),
-            "failed": sum(c["failed"] for c in honest.values()),
-            "errors": [e for c in honest.values() for e in c["errors"]][:10],
+            phase: {k: sum(c[k] for c in counts.values()) for k in ("ok", "failed")}
+            for phase, (counts, _, _) in phases.items()
         },
-        "seconds": seconds,
-        "attacks": {k: out[k] for k in ("shapes", "seq_games", "slow", "keyless")},
+        "errors": [e for counts, _, _ in phases.values() for c in counts.values() for e in c["errors"]][:10],
+        "seconds": {phase: took for phase, (_, _, took) in phases.items()} | {"flood_filling_its_budget": filling},
+        "operator_p99_seconds": {phase: p99(latencies) for phase, (_, latencies, _) in phases.items()},
+        "attacks": {
+            k: dict(out[k])
+            for k in ("shapes", "seq_games", "slow", "keyless", "keyless_slots", "store_flood", "metadata_loop")
+        },
+        "disk": {
+            "guest_trace_bytes": kept[1],
+            "guest_trace_calls": kept[0],
+            "trace_budget_bytes": int(args.max_trace_mib * 2**20),
+            "trace_store_bytes": disk_bytes(store),
+            "state_bytes_growth": disk_bytes(state) - state_before,
+            "state_quota_bytes": int(args.max_state_gib * 2**30),
+        },
         "healthz": out["healthz"],
         "healthz_at_the_end": final,
         "rss_mib": {"after_warm_up": baseline, "peak": out["peak_rss_mib"]},
         "memory_bound_mib": MEMORY_BOUND_MIB,
+        "machine": machine(tinker),
     }
+    lat, d = report["operator_p99_seconds"], report["disk"]
+    report["operator_p99_ratio"] = {phase: lat[phase] / lat["alone"] for phase in phases if phase != "alone"}
     report["within_bound"] = report["rss_mib"]["peak"] - baseline <= MEMORY_BOUND_MIB
+    one_flood = d["guest_trace_bytes"] / max(1, report["attacks"]["store_flood"]["served"])
+    report["disk_within_budgets"] = (
+        d["guest_trace_bytes"] < d["trace_budget_bytes"] + one_flood
+        and d["state_bytes_growth"] < d["state_quota_bytes"]
+    )
     table = Table(
         title=f"serve --tinker ({args.model}) under attack: {args.clients} trainers + {args.samplers} samplers, "
-        f"{args.steps} steps each"
+        f"{args.steps} steps each, and {args.operator_requests} operator completions: alone, under the budget attacks, "
+        "under every attack"
     )
     for col in ("what", "result"):
         table.add_column(col)
-    h = report["honest_requests"]
-    table.add_row("honest requests answered", f"{h['ok']} ok, {h['failed']} failed ({seconds:.1f} s)")
+    ratio = report["operator_p99_ratio"]
+    for phase, counts in report["honest_requests"].items():
+        table.add_row(
+            f"honest requests, {phase}",
+            f"{counts['ok']} ok, {counts['failed']} failed ({report['seconds'][phase]:.1f} s); operator p99 "
+            f"{lat[phase]:.3f} s" + (f" ({ratio[phase]:.2f}× alone)" if phase in ratio else ""),
+        )
     for kind, counts in report["attacks"].items():
         table.add_row(f"attack: {kind}", ", ".join(f"{v} {k}" for k, v in counts.items()))
+    table.add_row(
+        "guest's trace store",
+        f"{d['guest_trace_bytes'] / 2**20:.1f} MiB kept, budget {args.max_trace_mib:g} MiB "
+        f"(filled in {filling:.1f} s); the store file {d['trace_store_bytes'] / 2**20:.1f} MiB",
+    )
+    table.add_row("state folder growth", f"{d['state_bytes_growth'] / 2**10:.0f} KiB, quota {args.max_state_gib:g} GiB")
     table.add_row(
         "/api/v1/healthz", ", ".join(f"{v}× {k}" for k, v in out["healthz"].items()) + f"; at the end {final}"
     )

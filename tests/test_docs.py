@@ -208,6 +208,27 @@ def test_the_config_page_holds_the_current_reference():
     assert filled(page) == page, "run: python -m trillora.config.reference --write docs/config.md"
 
 
+def test_both_serving_pages_list_every_budget_its_flag_and_default():
+    """docs/product-loop.md and docs/tinker.md hold the budget table `ServeConfig` gives now; every
+    `max_*` field is in it, with the default the server starts with."""
+    import dataclasses
+    import importlib.util
+
+    from trillora.serve.config import BUDGETS, ServeConfig
+
+    spec = importlib.util.spec_from_file_location("hooks", ROOT / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    fields = {f.name: f for f in dataclasses.fields(ServeConfig)}
+    assert {n for n in fields if n.startswith("max_")} <= set(BUDGETS)
+    defaults = ServeConfig(model="tiny-moe")
+    for name in ("product-loop.md", "tinker.md"):
+        page = (ROOT / "docs" / name).read_text()
+        assert hooks.generated(page) == page, "run: python docs/hooks.py"
+        for budget in BUDGETS:
+            assert f"| `--{budget.replace('_', '-')}` | `{getattr(defaults, budget)!r}` |" in page, (name, budget)
+
+
 def test_the_api_pages_first_script_runs_as_written(tmp_path):
     import subprocess
     import sys

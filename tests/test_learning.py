@@ -185,7 +185,7 @@ def test_the_traces_gate_replays_held_out_traces_that_are_never_trained_on(servi
     from trillora.rollout import LocalEngine, SamplingParams
     from trillora.tasks.prompts import stop_tokens
     from trillora.traces.experience import held_out
-    from trillora.traces.store import HELD_OUT
+    from trillora.traces.types import HELD_OUT
 
     path = tmp_path / "gate.toml"
     path.write_text(
@@ -545,7 +545,8 @@ def test_trillora_train_learns_from_a_store_offline(service, tmp_path):
     wrong_rows = [json.loads(line) for line in (tmp_path / "wrong" / "metrics.jsonl").read_text().splitlines()]
     assert wrong["rounds"] == 0 and wrong_rows == []
     assert {r[1] for r in store._read("SELECT trace_id, revision FROM trained")} == {-1}  # left out, counted as such
-    store._write("DELETE FROM trained", [()])
+    reset = "INSERT INTO pending (owner, trace_id, rewarded) SELECT DISTINCT owner, trace_id, 1 FROM requests"
+    store._write([("DELETE FROM trained", [()]), ("DELETE FROM pending", [()]), (reset, [()])])  # never left out
     overrides.append('model.path="tiny-moe-chat"')
     summary = train(load_config(None, overrides))
     rows = [json.loads(line) for line in (tmp_path / "offline" / "metrics.jsonl").read_text().splitlines()]

@@ -695,21 +695,32 @@ def test_the_pipeline_microbatches_row_is_its_results_file():
     assert f"gradients equal the whole pass's to {r['max_grad_rel_diff_vs_whole']:.1e}" in README
 
 
-def test_the_attack_row_is_its_results_file():
+def test_the_attack_rows_are_their_results_file():
     r = results("tinker_under_attack.json")
-    h, a, m = r["honest_requests"], r["attacks"], r["rss_mib"]
-    flat = " ".join(README.split())  # a paragraph: its lines wrap anywhere
+    lat, ratio, a, d = r["operator_p99_seconds"], r["operator_p99_ratio"], r["attacks"], r["disk"]
+    for phase, counts in r["honest_requests"].items():
+        shown = f"{lat[phase]:.3f} s" + (f" ({ratio[phase]:.2f}×)" if phase in ratio else "")
+        assert f"| {phase} | {counts['ok']} answered, {counts['failed']} failed | {shown} |" in README
+        assert counts["failed"] == 0
+    assert ratio["budget attacks"] <= 2.0 and r["disk_within_budgets"] and r["within_bound"]  # the stated bounds
+    flood, meta = a["store_flood"], a["metadata_loop"]
     assert (
-        f"{h['ok']} honest requests of {r['clients']} trainers and {r['samplers']} samplers answered, "
-        f"{h['failed']} failed"
-    ) in flat
+        f"| {flood['served']} served, then {flood['refused']} refused (403); the guest's traces hold "
+        f"{d['guest_trace_bytes'] / 2**20:.1f} MiB against `--max-trace-mib 8` |"
+    ) in README
     assert (
-        f"{a['shapes']['refused']} oversized shapes, {a['seq_games']['refused']} seq_id games and "
-        f"{a['keyless']['refused']} keyless 64 MiB bodies refused, {a['slow']['dropped by the server']} slow "
-        f"connections dropped at their header deadline"
-    ) in flat
-    assert f"server RSS {m['after_warm_up']:.0f} → peak {m['peak']:.0f} MiB (bound: +{r['memory_bound_mib']})" in flat
-    assert h["failed"] == 0 and r["within_bound"] and set(r["healthz"]) == {"200"}
+        f"| {meta['made']} training clients (the guest's share), {meta['refused']} refused; the state folder grew "
+        f"{d['state_bytes_growth'] // 1024} KiB |"
+    ) in README
+    slots = a["keyless_slots"]
+    assert f"| {slots['opened']} opened, {slots['closed by the server']} closed by the server |" in README
+    refused = f"{a['shapes']['refused']}, {a['seq_games']['refused']} and {a['keyless']['refused']} refused"
+    assert f"| {refused}, none accepted |" in README
+    assert f"| {a['slow']['dropped by the server']} dropped at their header deadline |" in README
+    flat = " ".join(README.split())
+    m = r["rss_mib"]
+    assert f"RSS went {m['after_warm_up']:.0f} → peak {m['peak']:.0f} MiB (bound: +{r['memory_bound_mib']})" in flat
+    assert set(r["healthz"]) == {"200"} and r["machine"]["cores"] >= 1
 
 
 def test_the_cookbook_checkpoint_figures_are_their_results_file():

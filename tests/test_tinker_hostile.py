@@ -277,7 +277,8 @@ def test_names_with_a_newline_and_planted_links_are_refused(server, tmp_path):
 @pytest.mark.slow
 def test_the_attack_benchmark_keeps_every_honest_request_answered(tmp_path):
     """`benchmarks/tinker_under_attack.py` at a small size: 2 trainers and 2 samplers of the real SDK
-    beside hostile shapes, seq_id games, slow connections and keyless bodies."""
+    and the operator's recorded completions, alone and then beside hostile shapes, seq_id games, slow
+    connections, keyless bodies and slots, a guest's trace store flood and run-metadata loop."""
     import subprocess
     import sys
     from pathlib import Path
@@ -285,15 +286,22 @@ def test_the_attack_benchmark_keeps_every_honest_request_answered(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "tinker_under_attack.py"
     out = tmp_path / "attack.json"
     run = subprocess.run(
-        [sys.executable, str(script), "--clients", "2", "--samplers", "2", "--steps", "2", "--out", str(out)],
+        [sys.executable, str(script), "--clients", "2", "--samplers", "2", "--steps", "2", "--operator-requests", "10"]
+        + ["--max-trace-mib", "4", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["honest_requests"]["failed"] == 0 and r["honest_requests"]["ok"] == 2 * 2 * 2 + 2 * 2, r["honest_requests"]
+    for phase in ("alone", "budget attacks", "every attack"):  # every request of each phase answered
+        assert r["honest_requests"][phase] == {"ok": 2 * 2 * 2 + 2 * 2 + 10, "failed": 0}, r["honest_requests"]
     for kind in ("shapes", "seq_games", "keyless"):
         assert r["attacks"][kind]["refused"] > 0 and r["attacks"][kind]["accepted"] == 0, (kind, r["attacks"][kind])
     assert r["attacks"]["slow"]["dropped by the server"] > 0  # at the header deadline
+    assert r["attacks"]["keyless_slots"]["closed by the server"] > 0
+    flood, meta, disk = r["attacks"]["store_flood"], r["attacks"]["metadata_loop"], r["disk"]
+    assert flood["served"] >= 1 and flood["refused"] > 0 and set(flood) == {"served", "refused"}, flood
+    assert disk["guest_trace_bytes"] >= 4 * 2**20 and r["disk_within_budgets"], disk
+    assert meta["made"] == 3 * 2 + 4 and meta["refused"] > 0, meta  # the guest's share: a third of --max-clients
     assert set(r["healthz"]) == {"200"} and r["healthz_at_the_end"] == 200 and r["within_bound"], r

@@ -81,11 +81,21 @@ def markdown(root: type = TrainConfig) -> str:
 BEGIN, END = "<!-- generated: trillora.config.reference -->", "<!-- end of the generated reference -->"
 
 
-def filled(page: str) -> str:
-    """`page` with the text between its BEGIN and END markers replaced by the current reference."""
-    head, _, rest = page.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    return f"{head}{BEGIN}\n\n{markdown()}\n{END}{tail}"
+def filled(page: str, begin: str = BEGIN, end: str = END, text: str | None = None) -> str:
+    """`page` with the text between its `begin` and `end` markers replaced by `text` (by default the
+    current reference)."""
+    head, _, rest = page.partition(begin)
+    _, _, tail = rest.partition(end)
+    return f"{head}{begin}\n\n{markdown() if text is None else text}\n{end}{tail}"
+
+
+def flag_table(cls: type, names: tuple[str, ...]) -> str:
+    """Markdown rows of `cls`'s fields `names` as command-line flags (`max_fused` is `--max-fused`):
+    each flag, its default and the docstring written under it."""
+    docs, defaults = field_docs(cls), {f.name: _default(f) for f in dataclasses.fields(cls)}
+    rows = ["| flag | default | what it bounds |", "|---|---|---|"]
+    rows += [f"| `--{n.replace('_', '-')}` | `{defaults[n]!r}` | {docs.get(n, '')} |" for n in names]
+    return "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":  # `--write docs/config.md` refreshes the page's copy; alone, prints the reference

@@ -11,6 +11,32 @@ from ..parallel.dims import ParallelDims
 from .calls import BadRequest
 from .http import Limits
 
+BUDGETS = (
+    "max_connections",
+    "idle_seconds",
+    "header_seconds",
+    "body_seconds",
+    "max_body_bytes",
+    "max_prompts",
+    "max_samples",
+    "max_tokens_limit",
+    "max_call_tokens",
+    "max_fused",
+    "adapter_memory_mib",
+    "max_trace_rows",
+    "max_trace_mib",
+    "max_sessions",
+    "max_clients",
+    "max_samplers",
+    "max_rank",
+    "max_futures",
+    "max_unread_mib",
+    "max_state_gib",
+    "max_metadata_kib",
+    "session_seconds",
+)
+"""What a client, or a key, can make the server keep or spend (memory, disk, slots, time): the fields
+the docs' budget tables list (docs/product-loop.md and docs/tinker.md, generated from these)."""
 ServePrecision = Literal["fp32", "bf16", "bf16_weights"]
 PRECISIONS: tuple[str, ...] = get_args(ServePrecision)
 
@@ -34,6 +60,12 @@ class ServeConfig:
     record: str | None = None
     """Record every OpenAI completion (token ids, logprobs, revision) in this trace store: a SQLite
     file, or a `postgresql://` URL (`traces.store`). None: nothing is recorded."""
+    max_trace_rows: int = 1_000_000
+    """With --record: each key's recorded traffic holds at most this many choices; past it the key's
+    completions and feedback are refused (403) until the operator deletes some (`trillora traces delete`)."""
+    max_trace_mib: float = 1024.0
+    """With --record: each key's recorded traffic (prompts, settings, completions, logprobs, feedback)
+    holds at most this much text; past it the same 403."""
     state_dir: str = "tinker-state"
     """Saved states and sampler weights live here, as tinker://<model_id>/<kind>/<name>."""
     adapter_root: str | None = None
@@ -60,7 +92,8 @@ class ServeConfig:
     max_samplers: int = 256
     """Sampling sessions (saved revisions) held at once, over all Tinker sessions."""
     max_sessions: int = 256
-    """With several keys each key holds at most its even share of the sessions, clients and samplers."""
+    """Tinker sessions held at once. With several keys each key holds at most its even share of the
+    sessions, clients and samplers."""
     max_futures: int = 1024
     """Tinker requests one key may hold queued or not yet retrieved; past it 429 (the SDK waits and retries)."""
     max_unread_mib: int = 1024
@@ -126,9 +159,10 @@ class ServeConfig:
         keys = [self.api_key] if isinstance(self.api_key, str) else self.api_key
         if keys is not None and (not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys)):
             raise BadRequest("api_key: a non-empty string, or a list of them")
-        gib = self.max_state_gib
-        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 < gib < float("inf"):
-            raise BadRequest(f"max_state_gib={gib!r}; allowed: a finite number of GiB > 0")
+        for key, unit in (("max_state_gib", "GiB"), ("max_trace_mib", "MiB")):
+            size = getattr(self, key)
+            if isinstance(size, bool) or not isinstance(size, (int, float)) or not 0 < size < float("inf"):
+                raise BadRequest(f"{key}={size!r}; allowed: a finite number of {unit} > 0")
         mib = self.adapter_memory_mib
         if mib is not None and (not isinstance(mib, (int, float)) or not 0 <= mib < float("inf")):
             raise BadRequest(f"adapter_memory_mib={mib!r}; allowed: a finite number of MiB >= 0 (or unset)")

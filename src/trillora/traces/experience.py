@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 
 from ..envs.trajectory import Sample
 from ..tasks.base import in_eval_split, load_callable
-from .store import MAX_REWARD, Call, TraceStore
+from .store import TraceStore
 from .trajectory import samples_of
+from .types import MAX_REWARD, Call
 
 
 @dataclass

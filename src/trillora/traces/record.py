@@ -11,18 +11,31 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from .store import Call, TraceStore
+from .store import TraceStore
+from .types import Call, OverBudget
 
 
 class Recorder:
-    def __init__(self, where: str):
-        self.store = TraceStore(where)
+    def __init__(self, where: str, max_calls: int = 1_000_000, max_mib: float = 1024.0):
+        """`max_calls`, `max_mib`: what each key's recorded traffic may hold (`TraceStore.check_budget`)."""
+        self.store, self.max_calls, self.max_bytes = TraceStore(where), max_calls, int(max_mib * 2**20)
         self.recorded = 0
         """Calls (choices) committed."""
         self.failed = 0
         """Calls that could not be written (served all the same)."""
         self.last_error = ""
         self._reported: set[str] = set()
+
+    async def over_budget(self, owner: str) -> str | None:
+        """Why `owner`'s requests are refused, once its recorded traffic holds its budget; None
+        otherwise, and when the store cannot answer (the record then fails and is counted, as any)."""
+        try:
+            await asyncio.to_thread(self.store.check_budget, owner, self.max_calls, self.max_bytes)
+        except OverBudget as e:
+            return str(e)
+        except Exception:  # noqa: BLE001, S110 - a failing store never blocks serving
+            pass
+        return None
 
     async def record(self, calls: list[Call]) -> bool:
         """Commit one request's calls off the event loop; False (counted) when the store failed."""

@@ -6,105 +6,43 @@ survives a kill -9 of the server (and a power cut). PostgreSQL, named by a `post
 the same store shared by several servers on several machines (each commit is durable when it
 returns, PostgreSQL's default).
 
-A call row is one choice of one served request: the exact prompt and completion token ids and the
+A call is one choice of one served request: the exact prompt and completion token ids and the
 completion's per-token logprobs as the engine sampled them, the revision that served it, the
-sampling settings, the parsed tool calls. Token lists are stored as JSON text: portable between
-the two databases and readable with any SQL client. `owner` is a digest of the API key whose
-traffic it was: feedback and reads are answered only for the owner's own traces.
+sampling settings, the parsed tool calls (stored as a request row and a choice row: `schema`).
+Token lists are stored as JSON text: portable between the two databases and readable with any SQL
+client. `owner` is a digest of the API key whose traffic it was: feedback and reads are answered
+only for the owner's own traces, and each key's usage is counted against its budget.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import TrilloraError
+from . import schema
+from .types import (
+    HELD_OUT,
+    MAX_FEEDBACK,
+    MAX_REWARD,
+    Call,
+    Feedback,
+    OverBudget,
+    TooMuchFeedback,
+    TraceError,
+    UnknownTrace,
+)
 
-
-class TraceError(TrilloraError):
-    """A store that cannot be opened, or a request it cannot take (what is wrong is named)."""
-
-
-MAX_REWARD = 1e6
-"""Rewards are bounded: one huge reward would make every advantage of its round overflow."""
-MAX_FEEDBACK = 32
-"""Feedback rows one trace may hold (they are averaged; more only fills the disk)."""
-HELD_OUT = -2
-"""The `trained` revision of a trace kept out of training for the learner's gate (`learn.holdout`)."""
-
-
-class TooMuchFeedback(TraceError):
-    """A trace that already holds MAX_FEEDBACK rewards."""
-
-
-class UnknownTrace(TraceError):
-    """A trace or response this key's traffic does not hold (another key's is not told apart)."""
-
-
-@dataclass
-class Call:
-    """One choice of one served request."""
-
-    response_id: str
-    choice: int
-    trace_id: str
-    owner: str
-    model: str
-    revision: str
-    kind: str  # "chat" or "completion"
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    params: dict = field(default_factory=dict)
-    finish_reason: str = ""
-    tool_calls: list[dict] = field(default_factory=list)
-    user_id: str = ""
-    tag: str = ""
-    """What kind of task the call served (`metadata.task`): learning keeps a baseline per tag."""
-    created: float = field(default_factory=time.time)
-
-    @property
-    def revision_number(self) -> int:
-        """k of a learner's revision `name@k`; 0 for the base or a loaded adapter."""
-        head, _, k = self.revision.rpartition("@")
-        return int(k) if head and k.isdigit() else 0
-
-
-@dataclass
-class Feedback:
-    trace_id: str
-    owner: str
-    reward: float
-    response_id: str = ""
-    label: str = ""
-    comment: str = ""
-    created: float = field(default_factory=time.time)
-
-
-_LISTS = ("prompt_ids", "completion_ids", "logprobs", "params", "tool_calls")
-_CALL_COLUMNS = tuple(f.name for f in fields(Call))
 _FEEDBACK_COLUMNS = tuple(f.name for f in fields(Feedback))
 _TRACE_FIELDS = ("owner", "trace_id", "user_id", "calls", "first", "last", "rewards", "mean_reward")
-_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS calls (response_id TEXT NOT NULL, choice INTEGER NOT NULL, trace_id TEXT NOT NULL, "
-    "owner TEXT NOT NULL, model TEXT NOT NULL, revision TEXT NOT NULL, kind TEXT NOT NULL, prompt_ids TEXT NOT NULL, "
-    "completion_ids TEXT NOT NULL, logprobs TEXT NOT NULL, params TEXT NOT NULL, tool_calls TEXT NOT NULL, "
-    "finish_reason TEXT NOT NULL, user_id TEXT NOT NULL, tag TEXT NOT NULL, created DOUBLE PRECISION NOT NULL, "
-    "PRIMARY KEY (response_id, choice))",
-    "CREATE INDEX IF NOT EXISTS calls_trace ON calls (owner, trace_id, created)",
-    "CREATE TABLE IF NOT EXISTS feedback (trace_id TEXT NOT NULL, owner TEXT NOT NULL, reward DOUBLE PRECISION "
-    "NOT NULL, response_id TEXT NOT NULL, label TEXT NOT NULL, comment TEXT NOT NULL, "
-    "created DOUBLE PRECISION NOT NULL)",
-    "CREATE INDEX IF NOT EXISTS feedback_trace ON feedback (owner, trace_id)",
-    "CREATE TABLE IF NOT EXISTS trained (owner TEXT NOT NULL, trace_id TEXT NOT NULL, revision INTEGER NOT NULL, "
-    "created DOUBLE PRECISION NOT NULL, PRIMARY KEY (owner, trace_id))",
-    "CREATE INDEX IF NOT EXISTS trained_revision ON trained (revision, created)",
+_SUMMARY = (  # one row per trace of `requests r`: its choices, first and last call, feedback
+    "SELECT r.owner, r.trace_id, MIN(r.user_id), SUM(r.calls), MIN(r.created), MAX(r.created), "
+    "(SELECT COUNT(*) FROM feedback f WHERE f.owner = r.owner AND f.trace_id = r.trace_id), "
+    "(SELECT AVG(f.reward) FROM feedback f WHERE f.owner = r.owner AND f.trace_id = r.trace_id) "
 )
 
 
@@ -116,9 +54,7 @@ class TraceStore:
         self.postgres = where.startswith(("postgresql://", "postgres://"))
         try:
             self.db = self._connect()
-            for statement in _SCHEMA:
-                self.db.execute(statement)
-            self.db.commit()
+            self._open()
         except Exception as e:  # noqa: BLE001 - sqlite3, psycopg and OS errors alike name the store
             raise TraceError(f"trace store {self.shown}: cannot open: {type(e).__name__}: {e}") from None
 
@@ -135,6 +71,26 @@ class TraceStore:
         db.execute("PRAGMA synchronous=FULL")
         return db
 
+    def _open(self) -> None:
+        """The tables made, or a version 1 store moved to them (`schema.migrate_v1`), in one transaction."""
+        cur = self.db.cursor()
+        cur.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        cur.execute(self._sql("SELECT value FROM meta WHERE name = ?"), ("schema",))
+        if cur.fetchone() is None:
+            listed = (
+                "SELECT 1 FROM information_schema.tables WHERE table_schema = current_schema() AND table_name = 'calls'"
+                if self.postgres
+                else "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'calls'"
+            )
+            legacy = cur.execute(listed).fetchone() is not None
+            for statement in schema.TABLES:
+                cur.execute(statement)
+            if legacy:
+                schema.migrate_v1(cur, self.postgres)
+            made = "INSERT INTO meta (name, value) VALUES (?, ?) ON CONFLICT (name) DO NOTHING"  # another server's too
+            cur.execute(self._sql(made), ("schema", str(schema.VERSION)))
+        self.db.commit()
+
     def _cursor(self):
         """A cursor on a live connection: a PostgreSQL connection lost with its server is made again."""
         if self.postgres and (self.db.closed or self.db.broken):
@@ -150,20 +106,25 @@ class TraceStore:
     def _sql(self, text: str) -> str:
         return text.replace("?", "%s") if self.postgres else text
 
-    def _write(self, text: str, rows: list[tuple]) -> None:
-        self._run(text, rows, write=True)
+    def _write(self, statements: list[tuple[str, list[tuple]]]) -> None:
+        """Statements over many rows each, in one transaction."""
+        self._run(statements, None)
 
     def _read(self, text: str, args: tuple = ()) -> list[tuple]:
-        return self._run(text, args, write=False)
+        return self._run([], (text, args))
 
-    def _run(self, text: str, args, write: bool) -> list[tuple]:
-        """One statement in its own transaction: a write over many rows, or a read (its commit ends
-        PostgreSQL's read transaction, so later reads see new rows)."""
+    def _run(self, writes: list[tuple[str, list[tuple]]], read: tuple[str, tuple] | None) -> list[tuple]:
+        """One transaction: writes over many rows, or a read (its commit ends PostgreSQL's read
+        transaction, so later reads see new rows)."""
         with self.lock:
             try:
                 cur = self._cursor()
-                (cur.executemany if write else cur.execute)(self._sql(text), args)
-                rows = [] if write else cur.fetchall()
+                for text, rows in writes:
+                    if rows:
+                        cur.executemany(self._sql(text), rows)
+                if read is not None:
+                    cur.execute(self._sql(read[0]), read[1])
+                rows = [] if read is None else cur.fetchall()
                 self.db.commit()
                 return rows
             except Exception:
@@ -173,14 +134,9 @@ class TraceStore:
 
     # --- writes -------------------------------------------------------------------------------
     def record(self, calls: list[Call]) -> None:
-        """One request's choices, in one transaction: durable when this returns."""
-        rows = []
-        for c in calls:
-            d = asdict(c)
-            rows.append(tuple(json.dumps(d[k]) if k in _LISTS else d[k] for k in _CALL_COLUMNS))
-        self._write(
-            f"INSERT INTO calls ({', '.join(_CALL_COLUMNS)}) VALUES ({', '.join('?' * len(_CALL_COLUMNS))})", rows
-        )
+        """Requests' choices (a request's prompts and settings stored once), in one transaction:
+        durable when this returns."""
+        self._write(schema.record_statements(calls, self.postgres))
 
     def add_feedback(self, fb: Feedback) -> None:
         """Feedback on one of the owner's traces; TraceError naming what is wrong otherwise."""
@@ -193,7 +149,7 @@ class TraceStore:
             if fb.response_id
             else ("trace_id = ?", (fb.owner, fb.trace_id))
         )
-        found = self._read(f"SELECT trace_id FROM calls WHERE owner = ? AND {where} LIMIT 1", args)
+        found = self._read(f"SELECT trace_id FROM requests WHERE owner = ? AND {where} LIMIT 1", args)
         if not found:
             what = f"response {fb.response_id!r}" if fb.response_id else f"trace {fb.trace_id!r}"
             raise UnknownTrace(f"no {what} in this key's recorded traffic")
@@ -203,14 +159,23 @@ class TraceStore:
         if held >= MAX_FEEDBACK:
             raise TooMuchFeedback(f"trace {fb.trace_id!r} already holds {MAX_FEEDBACK} rewards (they are averaged)")
         d = asdict(fb)
+        size = len(fb.label) + len(fb.comment) + schema.FEEDBACK_OVERHEAD
         self._write(
-            f"INSERT INTO feedback ({', '.join(_FEEDBACK_COLUMNS)}) VALUES ({', '.join('?' * len(_FEEDBACK_COLUMNS))})",
-            [tuple(d[k] for k in _FEEDBACK_COLUMNS)],
+            [
+                (
+                    f"INSERT INTO feedback ({', '.join(_FEEDBACK_COLUMNS)}) "
+                    f"VALUES ({', '.join('?' * len(_FEEDBACK_COLUMNS))})",
+                    [tuple(d[k] for k in _FEEDBACK_COLUMNS)],
+                ),
+                (schema.pending_statement(self.postgres), [(*same, 1, *same)]),
+                (schema.USAGE, [(fb.owner, 0, size)]),
+            ]
         )
 
     def delete(self, older_than: float | None = None, user_id: str | None = None, trace_id: str | None = None) -> int:
         """Traces whose last call is older than `older_than` seconds, or whose calls came from
-        `user_id`, or the one trace: their calls and feedback. Returns how many traces went."""
+        `user_id`, or the one trace: their calls and feedback, and what they counted in their
+        key's usage. Returns how many traces went."""
         if older_than is None and user_id is None and trace_id is None:
             raise TraceError("delete needs an age, a user id or a trace id (nothing is deleted without one)")
         keys = sorted(
@@ -219,62 +184,95 @@ class TraceStore:
                 for t in self.traces(older_than=older_than, user_id=user_id, trace_id=trace_id)
             }
         )
-        for table in ("calls", "feedback", "trained"):
-            self._write(f"DELETE FROM {table} WHERE owner = ? AND trace_id = ?", keys)
+        freed: dict[str, list[int]] = {}
+        for owner, trace in keys:
+            [(calls, size)] = self._read(
+                "SELECT COALESCE(SUM(calls), 0), COALESCE(SUM(bytes), 0) FROM requests "
+                "WHERE owner = ? AND trace_id = ?",
+                (owner, trace),
+            )
+            [(notes,)] = self._read(
+                f"SELECT COALESCE(SUM(LENGTH(label) + LENGTH(comment) + {schema.FEEDBACK_OVERHEAD}), 0) "
+                "FROM feedback WHERE owner = ? AND trace_id = ?",
+                (owner, trace),
+            )
+            total = freed.setdefault(owner, [0, 0])
+            total[0], total[1] = total[0] + calls, total[1] + size + notes
+        same = "WHERE owner = ? AND trace_id = ?"
+        self._write(
+            [
+                (
+                    f"DELETE FROM choices WHERE response_id IN (SELECT response_id FROM requests {same})",
+                    keys,
+                ),
+                *((f"DELETE FROM {table} {same}", keys) for table in ("requests", "feedback", "trained", "pending")),
+                (
+                    "UPDATE usage SET calls = calls - ?, bytes = bytes - ? WHERE owner = ?",
+                    [(n, b, o) for o, (n, b) in freed.items()],
+                ),
+            ]
+        )
         return len(keys)
 
     # --- reads --------------------------------------------------------------------------------
     def calls(self, trace_id: str, owner: str | None = None) -> list[Call]:
         """A trace's calls in the order they were served (one owner's only, when given)."""
-        rows = self._select(_CALL_COLUMNS, "calls", trace_id, owner, "created, response_id, choice")
-        return [
-            Call(**{k: json.loads(v) if k in _LISTS else v for k, v in zip(_CALL_COLUMNS, r, strict=True)})
-            for r in rows
-        ]
+        mine, args = ("", (trace_id,)) if owner is None else (" AND r.owner = ?", (trace_id, owner))
+        rows = self._read(
+            f"{schema.CALL_SELECT} WHERE r.trace_id = ?{mine} ORDER BY r.created, r.response_id, c.choice", args
+        )
+        return [schema.call_of(r) for r in rows]
 
     def feedback(self, trace_id: str, owner: str | None = None) -> list[Feedback]:
-        rows = self._select(_FEEDBACK_COLUMNS, "feedback", trace_id, owner, "created")
+        mine, args = ("", (trace_id,)) if owner is None else (" AND owner = ?", (trace_id, owner))
+        rows = self._read(
+            f"SELECT {', '.join(_FEEDBACK_COLUMNS)} FROM feedback WHERE trace_id = ?{mine} ORDER BY created", args
+        )
         return [Feedback(**dict(zip(_FEEDBACK_COLUMNS, r, strict=True))) for r in rows]
 
-    def _select(self, columns: tuple[str, ...], table: str, trace_id: str, owner: str | None, order: str) -> list:
-        mine, args = ("", (trace_id,)) if owner is None else (" AND owner = ?", (trace_id, owner))
-        return self._read(f"SELECT {', '.join(columns)} FROM {table} WHERE trace_id = ?{mine} ORDER BY {order}", args)
-
     def traces(
-        self,
-        older_than: float | None = None,
-        user_id: str | None = None,
-        trace_id: str | None = None,
-        untrained: bool = False,
+        self, older_than: float | None = None, user_id: str | None = None, trace_id: str | None = None
     ) -> list[dict]:
         """One summary per trace (a key's trace id: two keys naming the same id hold two traces):
-        owner, id, user, calls, first and last call time, rewards given and their mean; with
-        `untrained`, only those no revision has trained on."""
-        same = "f.owner = c.owner AND f.trace_id = c.trace_id"
-        query = (
-            "SELECT c.owner, c.trace_id, MIN(c.user_id), COUNT(*), MIN(c.created), MAX(c.created), "
-            f"(SELECT COUNT(*) FROM feedback f WHERE {same}), (SELECT AVG(f.reward) FROM feedback f WHERE {same}) "
-            "FROM calls c"
-        )
+        owner, id, user, calls, first and last call time, rewards given and their mean."""
         where, args = [], []
         if user_id is not None:
-            where, args = where + ["c.user_id = ?"], args + [user_id]
+            where, args = where + ["r.user_id = ?"], args + [user_id]
         if trace_id is not None:
-            where, args = where + ["c.trace_id = ?"], args + [trace_id]
-        if untrained:
-            where.append("NOT EXISTS (SELECT 1 FROM trained t WHERE t.owner = c.owner AND t.trace_id = c.trace_id)")
-        query += (" WHERE " + " AND ".join(where) if where else "") + " GROUP BY c.owner, c.trace_id"
+            where, args = where + ["r.trace_id = ?"], args + [trace_id]
+        query = _SUMMARY + "FROM requests r" + (" WHERE " + " AND ".join(where) if where else "")
+        query += " GROUP BY r.owner, r.trace_id"
         if older_than is not None:
-            query, args = query + " HAVING MAX(c.created) < ?", args + [time.time() - older_than]
-        rows = self._read(query + " ORDER BY MIN(c.created)", tuple(args))
+            query, args = query + " HAVING MAX(r.created) < ?", args + [time.time() - older_than]
+        rows = self._read(query + " ORDER BY MIN(r.created)", tuple(args))
         return [dict(zip(_TRACE_FIELDS, r, strict=True)) for r in rows]
+
+    def usage(self, owner: str) -> tuple[int, int]:
+        """What one key's recorded traffic keeps: (choices, bytes of text, its feedback's included)."""
+        found = self._read("SELECT calls, bytes FROM usage WHERE owner = ?", (owner,))
+        return (int(found[0][0]), int(found[0][1])) if found else (0, 0)
+
+    def check_budget(self, owner: str, max_calls: int, max_bytes: int) -> None:
+        """OverBudget once a key's recorded traffic holds `max_calls` choices or `max_bytes` bytes."""
+        calls, size = self.usage(owner)
+        if calls >= max_calls or size >= max_bytes:
+            raise OverBudget(
+                f"this key's recorded traffic holds {calls} choices and {size / 2**20:.3g} MiB, its budget "
+                f"(--max-trace-rows {max_calls}, --max-trace-mib {max_bytes / 2**20:g}); the operator frees "
+                "it with `trillora traces delete`"
+            )
 
     def mark_trained(self, keys: list[tuple[str, str]], revision: int) -> None:
         """The learner's record that these traces ((owner, trace id)) went into `revision` (-1: left
         out for good, `HELD_OUT`: kept for a gate); none is trained on twice."""
         self._write(
-            "INSERT INTO trained (owner, trace_id, revision, created) VALUES (?, ?, ?, ?)",
-            [(o, t, revision, time.time()) for o, t in keys],
+            [
+                (
+                    "INSERT INTO trained (owner, trace_id, revision, created) VALUES (?, ?, ?, ?)",
+                    [(o, t, revision, time.time()) for o, t in keys],
+                ),
+                ("DELETE FROM pending WHERE owner = ? AND trace_id = ?", keys),
+            ]
         )
 
     def held_out(self, limit: int) -> list[tuple[str, str]]:
@@ -287,8 +285,20 @@ class TraceStore:
 
     def untrained(self, rewarded_only: bool) -> list[dict]:
         """Summaries (as `traces`) of the traces no revision has trained on, oldest first; only
-        those with feedback when `rewarded_only`."""
-        return [t for t in self.traces(untrained=True) if t["rewards"] or not rewarded_only]
+        those with feedback when `rewarded_only`. Read through `pending`: a key's traces that
+        nobody rewards are never walked (the learner asks every second)."""
+        rows = self._read(
+            _SUMMARY + "FROM pending p CROSS JOIN requests r "  # SQLite: walk `pending` first, as PostgreSQL would
+            "WHERE p.rewarded >= ? AND r.owner = p.owner AND r.trace_id = p.trace_id "
+            "GROUP BY r.owner, r.trace_id ORDER BY MIN(r.created)",
+            (int(rewarded_only),),
+        )
+        return [dict(zip(_TRACE_FIELDS, r, strict=True)) for r in rows]
+
+    def untrained_count(self, rewarded_only: bool) -> int:
+        """How many traces `untrained` would give (one indexed count)."""
+        [(n,)] = self._read("SELECT COUNT(*) FROM pending WHERE rewarded >= ?", (int(rewarded_only),))
+        return int(n)
 
     def close(self) -> None:
         with self.lock:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..envs.env import Trajectory, Transition
 from ..envs.trajectory import Sample, merge_trajectory
-from .store import Call
+from .types import Call
 
 
 def extends(prompt: list[int], call: Call) -> bool:

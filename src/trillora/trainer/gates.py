@@ -22,7 +22,7 @@ import torch
 from ..errors import ConfigError
 from ..rollout import LocalEngine, SamplingParams
 from ..tasks.prompts import stop_tokens
-from ..traces.store import MAX_REWARD
+from ..traces.types import MAX_REWARD
 from .sampler import rollout_params
 
 GATE_SEED = 4242

@@ -37,7 +37,7 @@ from ..policy import adamw
 from ..policy.policy import Policy
 from ..policy.world import World
 from ..traces.experience import Baselines, Experience, collect, reward_function
-from ..traces.store import HELD_OUT
+from ..traces.types import HELD_OUT
 from .batch import batch_from_samples
 from .gates import make_gate
 from .update import PolicyUpdate
@@ -145,7 +145,7 @@ class Learner:
     def due(self) -> bool:
         """Enough new rewarded traces for a round, or `learn.minutes` since the last with at least one
         (cheap: no model work)."""
-        new, learn = len(self.store.untrained(rewarded_only=self.score is None)), self.cfg.learn
+        new, learn = self.store.untrained_count(rewarded_only=self.score is None), self.cfg.learn
         waited = learn.minutes > 0 and time.monotonic() - self.last_round >= 60 * learn.minutes
         return new >= max(learn.every, self.fewest) or (new >= self.fewest and waited)
 

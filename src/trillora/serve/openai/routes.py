@@ -61,7 +61,8 @@ class OpenAIRoutes:
             else int(self.cfg.adapter_memory_mib * (1 << 20))
         )
         self.requests = itertools.count()
-        self.recorder = Recorder(self.cfg.record) if self.cfg.record else None
+        cfg = self.cfg
+        self.recorder = Recorder(cfg.record, cfg.max_trace_rows, cfg.max_trace_mib) if cfg.record else None
         try:
             self.renderer = ChatRenderer(self.tokenizer)
         except ConfigError:  # no chat template: /v1/chat/completions answers 400
@@ -125,9 +126,8 @@ class OpenAIRoutes:
             revision = self.service.base.revision_from_folder(path)
         except (AdapterError, ValueError) as e:
             raise BadRequest(str(e)) from None
-        room = self.adapter_limit - sum(
-            r.bytes() for n, r in self.service.served().items() if n != name
-        )  # a replaced name frees its bytes
+        # a replaced name frees its bytes
+        room = self.adapter_limit - sum(r.bytes() for n, r in self.service.served().items() if n != name)
         if revision.bytes() > room:
             raise BadRequest(
                 f"adapter {name!r} holds {revision.bytes() / 2**20:.1f} MiB; {max(room, 0) / 2**20:.1f} MiB of the "
@@ -221,12 +221,12 @@ class OpenAIRoutes:
     # prompts are tokenized and chats rendered on the threadpool: a body's worth of text takes seconds,
     # which on the event loop would hold every other connection (the health checks among them)
     async def completions(self, request: Request, response: Response) -> dict:
-        body = await _body(request)
+        body = await self._recorded_body(request)
         prompts = await run_in_threadpool(self._prompts, body.get("prompt"))
         return await self._complete(request, response, body, prompts, chat=False)
 
     async def chat_completions(self, request: Request, response: Response) -> dict:
-        body = await _body(request)
+        body = await self._recorded_body(request)
         prompts = await run_in_threadpool(self._chat_prompt, body.get("messages"), body.get("tools"))
         return await self._complete(request, response, body, prompts, chat=True)
 
@@ -339,6 +339,12 @@ class OpenAIRoutes:
         return out
 
     # --- recording ------------------------------------------------------------------------
+    async def _recorded_body(self, request: Request) -> dict:
+        """A request's body, once its key's recorded traffic is under its budget (else 403 naming it)."""
+        if self.recorder and (over := await self.recorder.over_budget(owner_of(request.scope))):
+            raise BadRequest(over, 403)  # before the body is parsed or tokenized: a refusal costs little
+        return await _body(request)
+
     async def health(self) -> dict:
         """Open to load balancers: counts only (the store and its last error: `GET /v1/recording`)."""
         if self.recorder is None:
@@ -357,7 +363,7 @@ class OpenAIRoutes:
         """`{"trace_id" or "response_id", "reward", "label"?, "comment"?}` on one of this key's traces."""
         if self.recorder is None:
             raise BadRequest("feedback needs recording: start the server with --record STORE", 400)
-        body = await _body(request)
+        body = await self._recorded_body(request)
         trace_id, response_id, reward = body.get("trace_id", ""), body.get("response_id", ""), body.get("reward")
         if not (isinstance(trace_id, str) and isinstance(response_id, str)) or bool(trace_id) == bool(response_id):
             raise BadRequest("feedback names one string field: trace_id or response_id")
@@ -375,9 +381,7 @@ class OpenAIRoutes:
         except TraceError as e:
             raise BadRequest(str(e)) from None
         except Exception as e:  # noqa: BLE001 - the store is down: nothing was written, the client may retry
-            raise BadRequest(
-                f"the trace store cannot take feedback now ({type(e).__name__}); retry later", 503
-            ) from None
+            raise BadRequest(f"the trace store cannot take feedback ({type(e).__name__}); retry later", 503) from None
         return {"status": "ok", "trace_id": fb.trace_id}
 
 
