@@ -140,3 +140,62 @@ def test_sampling_follows_the_distribution():
     assert torch.allclose(lp, probs.log()[tok], atol=1e-5)
     tok_k, _ = sample_next(logits, 1.0, 2, 1.0, torch.Generator().manual_seed(1))
     assert set(tok_k.tolist()) == {0, 1}  # top-k = 2 keeps only the two most likely
+
+
+def test_each_rows_own_filter_is_the_filter_of_that_row_alone():
+    """Per-row top-k [B] and top-p [B] in one call: each row is what the one-setting filter gives it
+    alone. Hand-checked row 1: softmax(2, 1, 0, -1) = (0.644, 0.237, 0.087, 0.032); top_p 0.7 keeps
+    the first two (0.644 < 0.7, 0.644 + 0.237 crosses it)."""
+    from trillora.rollout import filter_logits
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 3)
+    top_k, top_p = torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.7, 1.0])
+    kept = filter_logits(logits, top_k, top_p).isfinite().tolist()
+    assert kept == [[True, True, False, False], [True, True, False, False], [True, True, True, True]]
+    for row, (k, p) in enumerate(zip([2, 0, 0], [1.0, 0.7, 1.0], strict=True)):
+        assert torch.equal(
+            filter_logits(logits[row : row + 1], k, p), filter_logits(logits, top_k, top_p)[row : row + 1]
+        )
+
+
+def test_rows_with_their_own_settings_sample_as_they_would_alone():
+    """`sample_rows`: one setting for every unseeded row draws exactly what `sample_next` draws; a
+    greedy row is the argmax with temperature-1 logprobs; a seeded row draws from its own stream,
+    whatever rows sit beside it."""
+    from trillora.rollout.sampling import RowSettings, sample_next, sample_rows
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    same = RowSettings.of([SamplingParams(temperature=0.7, top_k=10, top_p=0.9)], 6, torch.device("cpu"))
+    a = sample_rows(logits, same, torch.Generator().manual_seed(4))
+    b = sample_next(logits, 0.7, 10, 0.9, torch.Generator().manual_seed(4))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    mixed = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=9), SamplingParams(temperature=0.5)]
+    tok, lp = sample_rows(logits, RowSettings.of(mixed, 2, torch.device("cpu")), torch.Generator().manual_seed(1))
+    assert tok[:2].tolist() == logits[:2].argmax(-1).tolist()
+    assert torch.allclose(lp[:2], logits[:2].log_softmax(-1).gather(-1, tok[:2, None])[:, 0])
+    alone, _ = sample_rows(logits[2:4], RowSettings.of(mixed[1:2], 2, torch.device("cpu")), torch.Generator())
+    assert torch.equal(tok[2:4], alone)  # the seeded rows: their own streams (seed + row), not the shared one
+
+
+def test_a_decode_of_several_requests_gives_each_what_it_gets_alone():
+    """One `generate` over three prompts, each with its own settings (`each`): a greedy prompt of 3
+    tokens, a seeded one of 8 stopping at a given id, an unseeded one of 5. The greedy and seeded
+    rows are token for token what each gets alone, every row ends at its own length or stop."""
+    engine = LocalEngine(tiny("qwen3_moe"), precision="fp32")
+    engine.keep_kv = False
+    greedy = SamplingParams(max_new_tokens=3, temperature=0)
+    seeded = SamplingParams(max_new_tokens=8, temperature=1.0, seed=21)
+    free = SamplingParams(max_new_tokens=5, temperature=1.0)
+    alone = [engine.generate([p], 2, s, each=[s]) for p, s in zip(PROMPTS, (greedy, seeded, free), strict=True)]
+    stop = alone[1][0][0].token_ids[3]  # a token the seeded row draws at its 4th step
+    seeded_stop = SamplingParams(max_new_tokens=8, temperature=1.0, seed=21, stop_token_ids=(stop,))
+    together = engine.generate(PROMPTS, 2, free, each=[greedy, seeded_stop, free])
+    assert [c.token_ids for c in together[0]] == [c.token_ids for c in alone[0][0]]
+    assert all(len(c.token_ids) == 3 and c.finish_reason == "length" for c in together[0])
+    first = together[1][0]
+    assert first.token_ids == alone[1][0][0].token_ids[: first.token_ids.index(stop) + 1]
+    assert first.finish_reason == "stop" and len(first.token_ids) <= 4
+    assert together[1][1].token_ids == alone[1][0][1].token_ids[: len(together[1][1].token_ids)]
+    assert all(len(c.token_ids) == 5 for c in together[2])
+    with pytest.raises(ValueError, match="2 settings for 3 prompts"):
+        engine.generate(PROMPTS, 1, free, each=[free, free])

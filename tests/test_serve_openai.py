@@ -409,3 +409,37 @@ def test_requests_for_different_adapters_share_a_pass_and_answer_as_alone(tmp_pa
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["models_listed"] == 4 and report["completion_tokens"]["waiting requests share a pass"] == 2 * 2 * 4
+
+
+def test_seeded_requests_of_several_clients_share_one_decode_and_keep_their_tokens():
+    """Each client its own `seed`, temperature and `max_tokens` (as OpenAI clients send them): the
+    requests that wait together are sampled in ONE decode, and each gets the tokens it gets alone.
+    Before, a seeded request was a decode of its own, so seeded clients were served one at a time."""
+    import threading
+
+    from trillora.serve.config import ServeConfig
+
+    gen = running_server(ServeConfig(model="tiny-moe", port=0, gather_seconds=0.3))
+    server = next(gen)
+    url, engine = f"http://127.0.0.1:{server.cfg.port}", server.service.engine
+    bodies = [
+        {"prompt": [5, 6, 7 + i], "max_tokens": 4 + i, "temperature": 0.5 + 0.1 * i, "seed": 100 + i, "n": 2}
+        for i in range(6)
+    ]
+    alone = [post(url, "/v1/completions", b, key=None)[1]["choices"] for b in bodies]
+    decodes, generate = [], engine.generate
+    engine.generate = lambda prompts, *a, **k: decodes.append(len(prompts)) or generate(prompts, *a, **k)
+    together = [None] * len(bodies)
+
+    def send(i):
+        together[i] = post(url, "/v1/completions", bodies[i], key=None)[1]["choices"]
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    next(gen, None)
+    assert len(decodes) < len(bodies) and max(decodes) > 1, decodes  # requests shared a decode
+    for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+        assert [c["token_ids"] for c in a] == [c["token_ids"] for c in b], i
+        assert all(len(c["token_ids"]) <= 4 + i for c in b)
+    assert len({tuple(c["token_ids"]) for c in alone[0]}) == 2  # a request's n samples differ

@@ -80,6 +80,24 @@ def test_usage_is_counted_per_key_and_freed_with_the_traces(store_at, tmp_path):
     alone.record(request_calls("r2", "b", "k1", [[1, 2, 3, 4]], 1, 4))
     assert store.usage("k2") == (0, 0) and store.usage("k1") == alone.usage("k1")  # what r2 alone keeps
     alone.close()
+    nul = "\x00" if "://" not in store_at else ""  # (the routes refuse it: PostgreSQL's text holds none)
+    store.add_feedback(Feedback("b", "k1", 1.0, label="é", comment=f"a{nul}" * 100))  # as the database measures it
+    assert store.delete(trace_id="b") == 1 and store.usage("k1") == (0, 0)  # everything given back, nothing more
+    store.close()
+
+
+def test_a_trace_made_pending_again_while_it_was_marked_trained_is_not_trained_twice(store_at):
+    """Servers sharing a PostgreSQL store: a record committed while the learner marks its trace
+    trained leaves a stale `pending` row (the record checked `trained` before the mark committed).
+    The learner neither reads it nor fails on it, and the next mark clears it."""
+    store = TraceStore(store_at)
+    store.record(request_calls("r1", "t1", "k", [[1, 2]], 1, 2))
+    store.add_feedback(Feedback("t1", "k", 1.0))
+    store.mark_trained([("k", "t1")], 1)
+    store._write([("INSERT INTO pending (owner, trace_id, rewarded) VALUES (?, ?, ?)", [("k", "t1", 1)])])
+    assert store.untrained(rewarded_only=True) == [] and store.untrained_count(rewarded_only=False) == 0
+    store.mark_trained([("k", "t1")], 2)  # no second `trained` row, no error; the stale row goes
+    assert store._read("SELECT revision FROM trained") == [(1,)] and store._read("SELECT * FROM pending") == []
     store.close()
 
 

@@ -221,6 +221,7 @@ def test_feedback_errors_name_the_culprit_and_a_failing_store_never_blocks_servi
         ({"trace_id": "t-1", "reward": "good"}, "k1", 400, "not 'good'"),
         ({"trace_id": "t-1", "reward": 10**30}, "k1", 400, "reward must be a finite number in [-1e+06, 1e+06]"),
         ({"trace_id": "t-1", "reward": 1.0, "comment": "\ud800"}, "k1", 400, "comment is not valid Unicode"),
+        ({"trace_id": "t-1", "reward": 1.0, "comment": "a\x00b"}, "k1", 400, "comment holds a NUL character"),
         (
             {"trace_id": "t-1", "response_id": made["id"], "reward": 1.0},
             "k1",

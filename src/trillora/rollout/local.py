@@ -21,7 +21,7 @@ from ..lora.apply import lora_modules
 from ..models import KVCache, build_model
 from ..models.transformer import CausalLM
 from .routing import record_routing
-from .sampling import sample_next
+from .sampling import RowSettings, sample_next, sample_rows
 from .types import PRECISIONS, Completion, SamplingParams
 
 
@@ -113,14 +113,23 @@ class LocalEngine:
 
     # --- sampling ------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, each: list[SamplingParams] | None = None
+    ) -> list[list[Completion]]:
+        """n completions of each prompt. `each`: every prompt's own settings and seed (the requests
+        that share this decode; `params` then only says whether to keep routing): a row ends at its
+        own stop ids or `max_new_tokens`, and a seeded prompt's rows draw from their own streams."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        if params.seed is not None:
+        if each is not None and len(each) != len(prompts):
+            raise ValueError(f"{len(each)} settings for {len(prompts)} prompts")
+        per_row = None if each is None else RowSettings.of(each, n, self.device)
+        if per_row is None and params.seed is not None:
             self.generator.manual_seed(params.seed)
         rows = [p for p in prompts for _ in range(n)]
         b = len(rows)
-        stop = torch.tensor(params.stop_token_ids or [-1], device=self.device)
+        max_new = params.max_new_tokens if each is None else max(p.max_new_tokens for p in each)
+        stop = torch.tensor(params.stop_token_ids or [-1], device=self.device) if per_row is None else per_row.stop
         tokens, logprobs = [], []
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)
@@ -128,19 +137,25 @@ class LocalEngine:
         with recorder as routes:
             kept = self._continuing(prompts) if self.keep_kv and not params.return_routing else None
             logits, cache, mask, width = (
-                self._prefill(prompts, n, params)
+                self._prefill(prompts, n, max_new)
                 if kept is None
-                else self._extend(rows, [r for r in kept for _ in range(n)], params)
+                else self._extend(rows, [r for r in kept for _ in range(n)], max_new)
             )
             first = mask.shape[1]  # the column of the first sampled token
-            for _ in range(params.max_new_tokens):
-                tok, lp = sample_next(logits, params.temperature, params.top_k, params.top_p, self.generator)
+            for _ in range(max_new):
+                if per_row is None:
+                    tok, lp = sample_next(logits, params.temperature, params.top_k, params.top_p, self.generator)
+                else:
+                    tok, lp = sample_rows(logits, per_row, self.generator)
                 tok = tok.masked_fill(done, self.pad_id)
                 tokens.append(tok)
                 logprobs.append(lp)
                 lengths += (~done).long()
-                done = done | torch.isin(tok, stop)
-                if bool(done.all()) or len(tokens) == params.max_new_tokens:
+                if per_row is None:
+                    done = done | torch.isin(tok, stop)
+                else:  # each row's own stop ids [B, S] and length
+                    done = done | (tok[:, None] == stop).any(-1) | (lengths >= per_row.max_new_tokens)
+                if bool(done.all()) or len(tokens) == max_new:
                     break
                 mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=self.device)], dim=1)
                 logits = self.model(tok[:, None], attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
@@ -150,7 +165,7 @@ class LocalEngine:
         out: list[Completion] = []
         for i, p in enumerate(rows):
             k = int(lengths[i])
-            stopped = k > 0 and tok_BT[i][k - 1] in params.stop_token_ids
+            stopped = k > 0 and tok_BT[i][k - 1] in (params if each is None else each[i // n]).stop_token_ids
             r = None
             if routed is not None:  # inputs were: left pads, prompt, completion[:-1]
                 r = routed[i, width - len(p) : width - len(p) + len(p) + k - 1].cpu()
@@ -170,10 +185,10 @@ class LocalEngine:
             self._kept = _Kept(cache, valid, {tuple(p + tok_BT[i][: int(fed[i])]): i for i, p in enumerate(rows)})
         return [out[j * n : (j + 1) * n] for j in range(len(prompts))]
 
-    def _prefill(self, prompts: list[list[int]], n: int, params: SamplingParams):
+    def _prefill(self, prompts: list[list[int]], n: int, max_new: int):
         """Each prompt prefilled once; its keys, values and last logits then serve its n samples."""
         ids, mask, width = self._left_padded(prompts)
-        cache = KVCache(len(self.model.model.layers), width + params.max_new_tokens)
+        cache = KVCache(len(self.model.model.layers), width + max_new)
         logits = self.model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]  # [prompts, V]
         logits = logits.repeat_interleave(n, 0)  # [B, V]
         cache.expand(n)
@@ -206,7 +221,7 @@ class LocalEngine:
             found.append(row)
         return found
 
-    def _extend(self, prompts: list[list[int]], rows: list[int], params: SamplingParams):
+    def _extend(self, prompts: list[list[int]], rows: list[int], max_new: int):
         """Prefill only what each prompt adds to its kept row: the kept keys and values are gathered,
         the additions go in left-padded (pads masked out mid-sequence; positions count real tokens)."""
         kept, self._kept = self._kept, None
@@ -214,7 +229,7 @@ class LocalEngine:
         idx = torch.tensor(rows, device=self.device)
         added = [p[len(key) :] for p, key in zip(prompts, (kept.key_of[r] for r in rows), strict=True)]
         ids, new, width = self._left_padded(added)
-        cache = KVCache(len(self.model.model.layers), old + width + params.max_new_tokens)
+        cache = KVCache(len(self.model.model.layers), old + width + max_new)
         for layer, (k, v) in enumerate(zip(kept.cache.k, kept.cache.v, strict=True)):
             if k is None:  # a layer this process does not run (another pipeline stage's)
                 continue

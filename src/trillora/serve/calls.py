@@ -29,8 +29,6 @@ class SampleCall:
     n: int
     params: dict
     prompt_logprobs: bool = False
-    batch: int | None = None
-    """The calls of one request (an OpenAI completion's prompts) share one `generate` even when seeded."""
     options: dict = field(default_factory=dict)
     """Scores beyond the sampled tokens (`tinker.checks.sample_options`, `policy.logprobs.score_prompt`)."""
 

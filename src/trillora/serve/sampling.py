@@ -1,6 +1,8 @@
 """Sampling on the resident base, for the service's `sample_many`: the calls that wait together
-grouped by their settings, one `generate` per group with each row's own revision (`lora.multi`),
-one group's failure its own calls' outcome. On a sharded base (`policy.world`) every rank samples
+share one `generate` (per samples-per-prompt `n`), each row with its own revision (`lora.multi`)
+and its own settings and seed (`rollout.sampling.RowSettings`: a seeded call gives the same tokens
+alone or beside others); a call asking for prompt logprobs or top-k scores runs alone. One group's
+failure is its own calls' outcome. On a sharded base (`policy.world`) every rank samples
 in lock step (`policy.decoding.Lockstep`): dp rank 0's tp / cp / pp group drives the same
 `generate`, and before each forward rank 0 names the revision(s) in use, so that the other ranks
 run one token through the same ones and their experts serve the drivers' rows."""
@@ -58,8 +60,7 @@ class Sampling:
             except BadRequest as e:
                 outcomes[i] = e
                 continue
-            shared = (sp.seed is None or c.batch is not None) and not c.prompt_logprobs and not c.options
-            key = (c.n, sp, stops, None if sp.seed is None else c.batch) if shared else ("alone", i)
+            key = ("alone", i) if c.prompt_logprobs or c.options else c.n
             groups.setdefault(key, []).append((i, c, revision, sp, stops))
         for group in groups.values():
             revisions = list({id(r): r for _, _, r, _, _ in group}.values())
@@ -74,12 +75,14 @@ class Sampling:
 
     def _generate(self, group: list, revisions: list[Revision], rows: list[int], outcomes: list) -> None:
         """One `generate` for a group of calls with the same settings, each row with its revision."""
-        _, c, _, sp, stops = group[0]
+        _, c, _, sp, _ = group[0]
         use = self.base.use(revisions[0]) if len(revisions) == 1 else self.base.use_many(revisions, rows)
+        # one setting for all, unseeded: the trainer's decode, draw for draw; else each call its own
+        each = None if sp.seed is None and all(g[3] == sp for g in group) else [g[3] for g in group]
         with use as model, torch.no_grad():
             self.engine.forget()
-            out = self.engine.generate([g[1].prompt for g in group], c.n, sp)
-            for (i, call, *_), completions in zip(group, out, strict=True):
+            out = self.engine.generate([g[1].prompt for g in group], c.n, sp, each=each)
+            for (i, call, _, sp, stops), completions in zip(group, out, strict=True):
                 sequences = [cut_at_stop(x, stops, self.tokenizer) for x in completions]
                 extras = self._scores(model, call, sequences, sp) if call.prompt_logprobs or call.options else {}
                 outcomes[i] = (sequences, extras.pop("prompt_logprobs", None), extras)

@@ -19,8 +19,9 @@ from dataclasses import fields
 from .types import Call, TraceError
 
 VERSION = 2
-FEEDBACK_OVERHEAD = 64
-"""Bytes a feedback row counts beyond its label and comment (ids, reward, time)."""
+FEEDBACK_BYTES = "LENGTH(f.label) + LENGTH(f.comment) + 64"
+"""What a feedback row counts in its key's usage: its label and comment as the database measures
+them, and 64 for its ids, reward and time (charged and given back by the same expression)."""
 
 REQUEST_COLUMNS = (
     "response_id",
@@ -74,6 +75,12 @@ PENDING = (  # a trace already trained on never comes back (new calls in it stay
     "INSERT INTO pending (owner, trace_id, rewarded) SELECT ?, ?, ? WHERE NOT EXISTS "
     "(SELECT 1 FROM trained t WHERE t.owner = ? AND t.trace_id = ?) "
     "ON CONFLICT (owner, trace_id) DO UPDATE SET rewarded = MAX_REWARDED"
+)
+USAGE_FEEDBACK = (
+    "INSERT INTO usage (owner, calls, bytes) SELECT ?, 0, "
+    + FEEDBACK_BYTES
+    + " FROM (SELECT ? AS label, ? AS comment) f "
+    "WHERE true ON CONFLICT (owner) DO UPDATE SET bytes = usage.bytes + excluded.bytes"
 )
 USAGE = (
     "INSERT INTO usage (owner, calls, bytes) VALUES (?, ?, ?) "
@@ -190,7 +197,7 @@ def migrate_v1(cur, postgres: bool) -> None:
         "(SELECT 1 FROM feedback f WHERE f.owner = pending.owner AND f.trace_id = pending.trace_id)"
     )
     cur.execute(
-        f"UPDATE usage SET bytes = bytes + (SELECT COALESCE(SUM(LENGTH(f.label) + LENGTH(f.comment) + "
-        f"{FEEDBACK_OVERHEAD}), 0) FROM feedback f WHERE f.owner = usage.owner)"
+        f"UPDATE usage SET bytes = bytes + (SELECT COALESCE(SUM({FEEDBACK_BYTES}), 0) FROM feedback f "
+        "WHERE f.owner = usage.owner)"
     )
     cur.execute("DROP TABLE calls")

@@ -38,6 +38,8 @@ from .types import (
 )
 
 _FEEDBACK_COLUMNS = tuple(f.name for f in fields(Feedback))
+_NOT_TRAINED = "NOT EXISTS (SELECT 1 FROM trained t WHERE t.owner = p.owner AND t.trace_id = p.trace_id)"
+"""A pending trace another server's record made pending again while it was being marked trained."""
 _TRACE_FIELDS = ("owner", "trace_id", "user_id", "calls", "first", "last", "rewards", "mean_reward")
 _SUMMARY = (  # one row per trace of `requests r`: its choices, first and last call, feedback
     "SELECT r.owner, r.trace_id, MIN(r.user_id), SUM(r.calls), MIN(r.created), MAX(r.created), "
@@ -159,7 +161,6 @@ class TraceStore:
         if held >= MAX_FEEDBACK:
             raise TooMuchFeedback(f"trace {fb.trace_id!r} already holds {MAX_FEEDBACK} rewards (they are averaged)")
         d = asdict(fb)
-        size = len(fb.label) + len(fb.comment) + schema.FEEDBACK_OVERHEAD
         self._write(
             [
                 (
@@ -168,7 +169,7 @@ class TraceStore:
                     [tuple(d[k] for k in _FEEDBACK_COLUMNS)],
                 ),
                 (schema.pending_statement(self.postgres), [(*same, 1, *same)]),
-                (schema.USAGE, [(fb.owner, 0, size)]),
+                (schema.USAGE_FEEDBACK, [(fb.owner, fb.label, fb.comment)]),  # measured as `delete` measures it
             ]
         )
 
@@ -184,32 +185,20 @@ class TraceStore:
                 for t in self.traces(older_than=older_than, user_id=user_id, trace_id=trace_id)
             }
         )
-        freed: dict[str, list[int]] = {}
-        for owner, trace in keys:
-            [(calls, size)] = self._read(
-                "SELECT COALESCE(SUM(calls), 0), COALESCE(SUM(bytes), 0) FROM requests "
-                "WHERE owner = ? AND trace_id = ?",
-                (owner, trace),
-            )
-            [(notes,)] = self._read(
-                f"SELECT COALESCE(SUM(LENGTH(label) + LENGTH(comment) + {schema.FEEDBACK_OVERHEAD}), 0) "
-                "FROM feedback WHERE owner = ? AND trace_id = ?",
-                (owner, trace),
-            )
-            total = freed.setdefault(owner, [0, 0])
-            total[0], total[1] = total[0] + calls, total[1] + size + notes
         same = "WHERE owner = ? AND trace_id = ?"
+        kept = (  # what one trace counted in its key's usage, read in the transaction that deletes it
+            "(SELECT COALESCE(SUM(r.calls), 0) FROM requests r WHERE r.owner = ? AND r.trace_id = ?)",
+            f"(SELECT COALESCE(SUM(r.bytes), 0) FROM requests r WHERE r.owner = ? AND r.trace_id = ?) + "
+            f"(SELECT COALESCE(SUM({schema.FEEDBACK_BYTES}), 0) FROM feedback f WHERE f.owner = ? AND f.trace_id = ?)",
+        )
         self._write(
             [
                 (
-                    f"DELETE FROM choices WHERE response_id IN (SELECT response_id FROM requests {same})",
-                    keys,
+                    f"UPDATE usage SET calls = calls - {kept[0]}, bytes = bytes - ({kept[1]}) WHERE owner = ?",
+                    [(o, t, o, t, o, t, o) for o, t in keys],
                 ),
+                (f"DELETE FROM choices WHERE response_id IN (SELECT response_id FROM requests {same})", keys),
                 *((f"DELETE FROM {table} {same}", keys) for table in ("requests", "feedback", "trained", "pending")),
-                (
-                    "UPDATE usage SET calls = calls - ?, bytes = bytes - ? WHERE owner = ?",
-                    [(n, b, o) for o, (n, b) in freed.items()],
-                ),
             ]
         )
         return len(keys)
@@ -267,8 +256,9 @@ class TraceStore:
         out for good, `HELD_OUT`: kept for a gate); none is trained on twice."""
         self._write(
             [
-                (
-                    "INSERT INTO trained (owner, trace_id, revision, created) VALUES (?, ?, ?, ?)",
+                (  # another server's record may have made a trained trace pending again meanwhile: no twice
+                    "INSERT INTO trained (owner, trace_id, revision, created) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT (owner, trace_id) DO NOTHING",
                     [(o, t, revision, time.time()) for o, t in keys],
                 ),
                 ("DELETE FROM pending WHERE owner = ? AND trace_id = ?", keys),
@@ -289,7 +279,7 @@ class TraceStore:
         nobody rewards are never walked (the learner asks every second)."""
         rows = self._read(
             _SUMMARY + "FROM pending p CROSS JOIN requests r "  # SQLite: walk `pending` first, as PostgreSQL would
-            "WHERE p.rewarded >= ? AND r.owner = p.owner AND r.trace_id = p.trace_id "
+            f"WHERE p.rewarded >= ? AND r.owner = p.owner AND r.trace_id = p.trace_id AND {_NOT_TRAINED} "
             "GROUP BY r.owner, r.trace_id ORDER BY MIN(r.created)",
             (int(rewarded_only),),
         )
@@ -297,7 +287,9 @@ class TraceStore:
 
     def untrained_count(self, rewarded_only: bool) -> int:
         """How many traces `untrained` would give (one indexed count)."""
-        [(n,)] = self._read("SELECT COUNT(*) FROM pending WHERE rewarded >= ?", (int(rewarded_only),))
+        [(n,)] = self._read(
+            f"SELECT COUNT(*) FROM pending p WHERE p.rewarded >= ? AND {_NOT_TRAINED}", (int(rewarded_only),)
+        )
         return int(n)
 
     def close(self) -> None:

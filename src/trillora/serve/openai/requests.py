@@ -70,4 +70,6 @@ def text_field(value, name: str, limit: int) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise BadRequest(f"{name} is not valid Unicode (a lone surrogate)") from None
+    if "\x00" in value:  # PostgreSQL's text holds none; SQLite's LENGTH stops at one
+        raise BadRequest(f"{name} holds a NUL character")
     return value

@@ -17,7 +17,6 @@ adapters that wait together are sampled in one pass, each row with its own adapt
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import re
 import secrets
@@ -60,7 +59,6 @@ class OpenAIRoutes:
             if self.cfg.adapter_memory_mib is None
             else int(self.cfg.adapter_memory_mib * (1 << 20))
         )
-        self.requests = itertools.count()
         cfg = self.cfg
         self.recorder = Recorder(cfg.record, cfg.max_trace_rows, cfg.max_trace_mib) if cfg.record else None
         try:
@@ -253,8 +251,7 @@ class OpenAIRoutes:
         if name not in served:
             raise BadRequest(f"model {name!r} is not loaded; loaded: {', '.join(served)}", 404)
         revision = served[name]
-        batch = next(self.requests)
-        calls = [SampleCall(revision.sampler_id, p, n, params, batch=batch) for p in prompts]
+        calls = [SampleCall(revision.sampler_id, p, n, params) for p in prompts]
         try:
             outcomes = await outcome_of(
                 self.server.worker,
