@@ -199,3 +199,19 @@ def test_a_decode_of_several_requests_gives_each_what_it_gets_alone():
     assert all(len(c.token_ids) == 5 for c in together[2])
     with pytest.raises(ValueError, match="2 settings for 3 prompts"):
         engine.generate(PROMPTS, 1, free, each=[free, free])
+
+
+def test_a_prompt_sent_by_several_requests_is_prefilled_once():
+    """A GRPO group sampled one call per sample (as tinker-cookbook's group rollouts do): 8 calls of
+    the same prompt in one decode prefill it once (the tokens counted), and each seeded call gets
+    what it gets alone; a distinct prompt beside them is prefilled on its own."""
+    engine = LocalEngine(tiny("qwen3_moe"), precision="fp32")
+    engine.keep_kv = False
+    prompt, other = PROMPTS[1], PROMPTS[0]
+    each = [SamplingParams(max_new_tokens=5, temperature=1.0, seed=s) for s in range(8)]
+    alone = [engine.generate([prompt], 1, p, each=[p])[0][0].token_ids for p in each]
+    before = engine.prefilled_tokens
+    together = engine.generate([prompt] * 8 + [other], 1, each[0], each=[*each, each[0]])
+    assert engine.prefilled_tokens - before == len(prompt) + len(other)  # not 8 × len(prompt)
+    assert [g[0].token_ids for g in together[:8]] == alone
+    assert len({tuple(t) for t in alone}) > 1  # eight different samples of the one prompt

@@ -33,6 +33,11 @@ class KVCache:
     def advance(self, t: int) -> None:
         self.length += t
 
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep these rows [B'] (with repeats: a prompt prefilled once for several requests)."""
+        self.k = [None if k is None else k[rows] for k in self.k]
+        self.v = [None if v is None else v[rows] for v in self.v]
+
     def expand(self, n: int) -> None:
         """Each row becomes n consecutive rows (a prompt prefilled once, then sampled n times)."""
         if n > 1:

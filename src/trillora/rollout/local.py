@@ -58,6 +58,7 @@ class LocalEngine:
         """The last call's keys and values: a prompt that extends one of its rows (a multi-turn
         episode's next turn) prefills only its new tokens. Dropped when the weights change."""
         self.reused_tokens = 0  # prompt tokens not prefilled again thanks to `_kept`
+        self.prefilled_tokens = 0  # prompt tokens run through the model (each distinct prompt once)
         self.keep_kv = True
 
     @classmethod
@@ -137,7 +138,7 @@ class LocalEngine:
         with recorder as routes:
             kept = self._continuing(prompts) if self.keep_kv and not params.return_routing else None
             logits, cache, mask, width = (
-                self._prefill(prompts, n, max_new)
+                self._prefill(prompts, n, max_new, distinct=not params.return_routing)
                 if kept is None
                 else self._extend(rows, [r for r in kept for _ in range(n)], max_new)
             )
@@ -185,11 +186,21 @@ class LocalEngine:
             self._kept = _Kept(cache, valid, {tuple(p + tok_BT[i][: int(fed[i])]): i for i, p in enumerate(rows)})
         return [out[j * n : (j + 1) * n] for j in range(len(prompts))]
 
-    def _prefill(self, prompts: list[list[int]], n: int, max_new: int):
-        """Each prompt prefilled once; its keys, values and last logits then serve its n samples."""
-        ids, mask, width = self._left_padded(prompts)
+    def _prefill(self, prompts: list[list[int]], n: int, max_new: int, distinct: bool = True):
+        """Each prompt prefilled once; its keys, values and last logits then serve its n samples.
+        `distinct`: a prompt that several requests sent (a GRPO group sampled one call per sample)
+        is prefilled once for all of them."""
+        firsts: dict[tuple[int, ...], int] = {}
+        of = [firsts.setdefault(tuple(p), len(firsts)) for p in prompts] if distinct else list(range(len(prompts)))
+        run = [list(p) for p in firsts] if distinct else prompts
+        ids, mask, width = self._left_padded(run)
         cache = KVCache(len(self.model.model.layers), width + max_new)
-        logits = self.model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]  # [prompts, V]
+        logits = self.model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]  # [len(run), V]
+        self.prefilled_tokens += sum(len(p) for p in run)
+        if len(run) < len(prompts):
+            rows = torch.tensor(of, device=self.device)
+            logits, mask = logits[rows], mask[rows]
+            cache.select(rows)
         logits = logits.repeat_interleave(n, 0)  # [B, V]
         cache.expand(n)
         return logits, cache, mask.repeat_interleave(n, 0), width
@@ -240,6 +251,7 @@ class LocalEngine:
         cache.length = old
         mask = torch.cat([kept.mask[idx], new], dim=1)
         self.reused_tokens += int(kept.mask[idx].sum())
+        self.prefilled_tokens += sum(len(a) for a in added)
         logits = self.model(ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
         return logits, cache, mask, old + width
 
