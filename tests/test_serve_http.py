@@ -226,6 +226,16 @@ def test_connections_without_the_key_give_way_and_keyed_ones_past_the_cap_get_50
         next(gen, None)
 
 
+def test_an_ipv6_peer_counts_as_its_64():
+    """The eviction's per-address count: an IPv6 host takes any address of its /64 for each connection,
+    so the /64 is the peer; an IPv4 address mapped into IPv6 is that IPv4 address."""
+    from trillora.serve.http import peer_group
+
+    a, b = peer_group("2001:db8:1:2:aaaa::1"), peer_group("2001:db8:1:2:bbbb:cccc:dddd:eeee")
+    assert a == b == "2001:db8:1:2::/64" and peer_group("2001:db8:1:3::1") != a
+    assert peer_group("::ffff:10.0.0.7") == peer_group("10.0.0.7") == "10.0.0.7" and peer_group("/run/s.sock")
+
+
 def test_a_key_holding_more_than_its_share_of_connections_gives_way_to_another():
     """With several keys, a guest that keeps every slot alive with a request each still leaves room
     for the operator: its oldest idle connection goes once it holds more than its even share."""

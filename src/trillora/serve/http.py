@@ -26,6 +26,7 @@ import asyncio
 import collections
 import hashlib
 import hmac
+import ipaddress
 import json
 import socket
 import threading
@@ -75,6 +76,20 @@ def check_operator(scope: dict, operator: str | None, what: str) -> None:
     """403 unless the request carries the operator's key (`ServeConfig.operator`; None: any key may)."""
     if operator is not None and owner_of(scope) != operator:
         raise BadRequest(f"{what} needs the operator's key (the first --api-key)", 403)
+
+
+def peer_group(address: str) -> str:
+    """The peer a connection counts against: its IPv4 address, or its IPv6 /64 (one host holds a
+    whole /64 and can take a new address from it for every connection)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address  # a Unix socket's path
+    if ip.version == 4:
+        return str(ip)
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
 
 
 def error_body(path: str, status: int, message: str) -> bytes:
@@ -244,7 +259,7 @@ class TimedH11Protocol(H11Protocol):
         others = [c for c in self.connections if c is not self]
         unkeyed = [c for c in others if c.client not in self.keyed]
         if unkeyed:  # whatever it is doing: only the open paths and refusals run without the key
-            host = lambda c: c.client[0] if c.client else None  # noqa: E731
+            host = lambda c: peer_group(c.client[0]) if c.client else None  # noqa: E731
             hosts = collections.Counter(map(host, unkeyed))
             crowded = max(hosts, key=hosts.get)
             victim = min((c for c in unkeyed if host(c) == crowded), key=lambda c: c.opened)
