@@ -408,6 +408,7 @@ def test_a_learning_server_swaps_revisions_in_while_every_request_is_answered(tm
     seen = get(url, "/v1/revisions", key="k2")  # an app's key: the revisions, not the operator's training rows
     assert [r["revision"] for r in seen["revisions"]] == [r["revision"] for r in listing["revisions"]]
     assert all(r["training"] == {} for r in seen["revisions"]) and seen["last_error"] == ""
+    assert not {"rounds", "failures", "skipped"} & set(seen) and listing["rounds"] >= 3  # the operator's counts
     trained = {t: k for _, t, k in TraceStore(cfg.record)._read("SELECT owner, trace_id, revision FROM trained")}
     assert trained[guest["trace_id"]] == -1  # learn.from_keys = "operator": another key's thumbs train nothing
 

@@ -46,16 +46,15 @@ class Revisions:
                 del self.published[old]
 
     async def listing(self, request: Request) -> dict:
-        """The kept revisions; their training rows and the last error for the operator's key only (they
-        describe every key's trained traffic: trace counts, rewards, dropped traces)."""
+        """The kept revisions; their training rows, the round counts and the last error for the operator's
+        key only (they describe every key's trained traffic: trace counts, rewards, dropped traces)."""
         mine = self.operator(request.scope)
         history = {row["revision"]: row for row in (self.learner.history if self.learner is not None and mine else [])}
+        counts = {"rounds": self.rounds, "failures": self.failures, "skipped": self.skipped} if mine else {}
         return {
             "model": self.name,
             "current": self.current,
-            "rounds": self.rounds,
-            "failures": self.failures,
-            "skipped": self.skipped,
+            **counts,
             "last_error": self.last_error if mine else "",
             "revisions": [
                 {"id": f"{self.name}@{k}", "revision": k, "published": t, "training": history.get(k, {})}
