@@ -215,3 +215,23 @@ def test_a_prompt_sent_by_several_requests_is_prefilled_once():
     assert engine.prefilled_tokens - before == len(prompt) + len(other)  # not 8 × len(prompt)
     assert [g[0].token_ids for g in together[:8]] == alone
     assert len({tuple(t) for t in alone}) > 1  # eight different samples of the one prompt
+
+
+def test_a_kept_row_is_continued_only_through_the_weights_it_ran_through():
+    """`weights`: a served revision per prompt. The next turn through the same one prefills only its
+    new tokens; through another (a different adapter), its whole prompt."""
+    engine = LocalEngine(tiny("qwen3_moe"), precision="fp32")
+    params = SamplingParams(max_new_tokens=4, temperature=0)
+    a, b = object(), object()
+    for through, fresh in ((a, False), (b, True)):
+        first = engine.generate([PROMPTS[1]], 1, params, weights=[a])[0][0]
+        following = PROMPTS[1] + first.token_ids + [3, 4]
+        before = engine.prefilled_tokens
+        engine.generate([following], 1, params, weights=[through])
+        held = len(PROMPTS[1]) + len(first.token_ids) - 1  # the last sampled token was never fed
+        assert engine.prefilled_tokens - before == (len(following) if fresh else len(following) - held)
+    engine.max_kept_tokens = len(PROMPTS[1]) + 2  # under the decode's rows × length (6 + 3 fed): none kept
+    first = engine.generate([PROMPTS[1]], 1, params, weights=[a])[0][0]
+    before = engine.prefilled_tokens
+    engine.generate([PROMPTS[1] + first.token_ids + [3]], 1, params, weights=[a])
+    assert engine.prefilled_tokens - before == len(PROMPTS[1]) + len(first.token_ids) + 1

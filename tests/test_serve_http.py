@@ -446,8 +446,8 @@ def test_adapter_paths_that_cannot_be_read_or_link_outside_are_refused(tmp_path)
 
 
 def test_a_failing_group_of_samples_fails_alone():
-    """Samples that wait together run as groups (one `generate` per setting); one group's failure is
-    its own calls' outcome, the others' results stand."""
+    """Samples that wait together run as groups (one `generate` per samples-per-prompt n, each call
+    with its own settings); one group's failure is its own calls' outcome, the others' results stand."""
     from trillora.serve.calls import SampleCall
     from trillora.serve.tinker.service import TinkerService
 
@@ -455,19 +455,19 @@ def test_a_failing_group_of_samples_fails_alone():
     base = f"served:sample:{service.cfg.model}"
     real = service.engine.generate
 
-    def failing_on_one_prompt(prompts, n, sp):  # a fault injected into one group's generate
+    def failing_on_one_prompt(prompts, n, sp, **kw):  # a fault injected into one group's generate
         if [7, 7, 7] in prompts:
             raise RuntimeError("injected")
-        return real(prompts, n, sp)
+        return real(prompts, n, sp, **kw)
 
     service.engine.generate = failing_on_one_prompt
     calls = [
         SampleCall(base, [7, 7, 7], 1, {"max_tokens": 2}),
-        SampleCall(base, [5, 6], 1, {"max_tokens": 3, "temperature": 0.0}),
-    ]  # other settings: another group
+        SampleCall(base, [5, 6], 2, {"max_tokens": 3, "temperature": 0.0}),
+    ]  # another n: another group
     failed, ok = service.sample_many(calls)
     assert isinstance(failed, RuntimeError) and str(failed) == "injected"
-    assert len(ok[0]) == 1 and len(ok[0][0][0]) >= 1
+    assert len(ok[0]) == 2 and len(ok[0][0][0]) >= 1
 
 
 def test_a_refused_numbered_request_keeps_its_clients_order_and_the_worker_alive(server):

@@ -443,3 +443,25 @@ def test_seeded_requests_of_several_clients_share_one_decode_and_keep_their_toke
         assert [c["token_ids"] for c in a] == [c["token_ids"] for c in b], i
         assert all(len(c["token_ids"]) <= 4 + i for c in b)
     assert len({tuple(c["token_ids"]) for c in alone[0]}) == 2  # a request's n samples differ
+
+
+def test_a_chats_next_call_prefills_only_its_new_tokens():
+    """Two turns of one chat: the second call's prompt holds the first call's prompt and reply, whose
+    keys and values the sampler still holds (the same weights), so it prefills only what the turn
+    added (the tokens counted)."""
+    from trillora.serve.config import ServeConfig
+
+    gen = running_server(ServeConfig(model="tiny-moe-chat", port=0))
+    server = next(gen)
+    url, engine = f"http://127.0.0.1:{server.cfg.port}", server.service.engine
+    turn = [{"role": "user", "content": "12+30="}]
+    body = {"messages": turn, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    first = post(url, "/v1/chat/completions", body, key=None)[1]
+    reply = first["choices"][0]
+    turn += [reply["message"], {"role": "user", "content": "and 1+1="}]
+    before = engine.prefilled_tokens
+    second = post(url, "/v1/chat/completions", {**body, "messages": turn}, key=None)[1]
+    prompt, held = second["prompt_token_ids"], first["prompt_token_ids"] + reply["token_ids"][:-1]
+    assert prompt[: len(held)] == held  # the history as served (its last sampled token was never fed)
+    assert engine.prefilled_tokens - before == len(prompt) - len(held)  # 27 of 55: the new turn only
+    next(gen, None)

@@ -60,6 +60,8 @@ class LocalEngine:
         self.reused_tokens = 0  # prompt tokens not prefilled again thanks to `_kept`
         self.prefilled_tokens = 0  # prompt tokens run through the model (each distinct prompt once)
         self.keep_kv = True
+        self.max_kept_tokens: int | None = None
+        """Keep a decode's keys and values only when they hold at most this many tokens (rows × length)."""
 
     @classmethod
     def sharing(cls, model: CausalLM, pad_id: int = 0) -> LocalEngine:
@@ -115,11 +117,18 @@ class LocalEngine:
     # --- sampling ------------------------------------------------------------------------
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, each: list[SamplingParams] | None = None
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        each: list[SamplingParams] | None = None,
+        weights: list | None = None,
     ) -> list[list[Completion]]:
         """n completions of each prompt. `each`: every prompt's own settings and seed (the requests
         that share this decode; `params` then only says whether to keep routing): a row ends at its
-        own stop ids or `max_new_tokens`, and a seeded prompt's rows draw from their own streams."""
+        own stop ids or `max_new_tokens`, and a seeded prompt's rows draw from their own streams.
+        `weights`: what each prompt runs through (a served revision), when the rows of one decode
+        differ: a prompt continues a kept row only if that row ran through the same."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if each is not None and len(each) != len(prompts):
@@ -136,9 +145,10 @@ class LocalEngine:
         lengths = torch.zeros(b, dtype=torch.long, device=self.device)
         recorder = record_routing(self.model) if params.return_routing else contextlib.nullcontext()
         with recorder as routes:
-            kept = self._continuing(prompts) if self.keep_kv and not params.return_routing else None
+            tags = [None] * len(prompts) if weights is None else [id(w) for w in weights]
+            kept = self._continuing(prompts, tags) if self.keep_kv and not params.return_routing else None
             logits, cache, mask, width = (
-                self._prefill(prompts, n, max_new, distinct=not params.return_routing)
+                self._prefill(prompts, n, max_new, distinct=not params.return_routing and len(set(tags)) == 1)
                 if kept is None
                 else self._extend(rows, [r for r in kept for _ in range(n)], max_new)
             )
@@ -179,17 +189,20 @@ class LocalEngine:
                     routed_experts=r,
                 )
             )
-        if not params.return_routing:
+        self._kept = None  # the last call's go, kept or not
+        if not params.return_routing and (self.max_kept_tokens is None or mask.numel() <= self.max_kept_tokens):
             fed = torch.clamp(lengths, max=len(tokens) - 1)  # the last sampled token was never fed
             valid = mask.clone()
             valid[:, first:] = (torch.arange(mask.shape[1] - first, device=self.device)[None] < fed[:, None]).long()
-            self._kept = _Kept(cache, valid, {tuple(p + tok_BT[i][: int(fed[i])]): i for i, p in enumerate(rows)})
+            keys = {(tags[i // n], tuple(p + tok_BT[i][: int(fed[i])])): i for i, p in enumerate(rows)}
+            self._kept = _Kept(cache, valid, keys, weights)
         return [out[j * n : (j + 1) * n] for j in range(len(prompts))]
 
     def _prefill(self, prompts: list[list[int]], n: int, max_new: int, distinct: bool = True):
         """Each prompt prefilled once; its keys, values and last logits then serve its n samples.
         `distinct`: a prompt that several requests sent (a GRPO group sampled one call per sample)
-        is prefilled once for all of them."""
+        is prefilled once for all of them (only where every row runs through the same weights: a
+        pass of several adapters holds each one's rows where it put them)."""
         firsts: dict[tuple[int, ...], int] = {}
         of = [firsts.setdefault(tuple(p), len(firsts)) for p in prompts] if distinct else list(range(len(prompts)))
         run = [list(p) for p in firsts] if distinct else prompts
@@ -215,17 +228,18 @@ class LocalEngine:
             mask[i, width - len(s) :] = 1
         return ids, mask, width
 
-    def _continuing(self, prompts: list[list[int]]) -> list[int] | None:
+    def _continuing(self, prompts: list[list[int]], tags: list) -> list[int] | None:
         """For each prompt, the row of the last call whose tokens it extends (the next turn of the same
-        episode), or None when any prompt starts something new."""
+        episode) through the same weights (`tags`), or None when any prompt starts something new."""
         kept = self._kept
         if kept is None:
             return None
-        sizes = sorted({len(k) for k in kept.rows}, reverse=True)
+        sizes = sorted({len(k) for k in kept.key_of.values()}, reverse=True)
         found = []
-        for p in prompts:
+        for p, tag in zip(prompts, tags, strict=True):
             row = next(
-                (kept.rows[key] for size in sizes if size < len(p) and (key := tuple(p[:size])) in kept.rows), None
+                (kept.rows[key] for size in sizes if size < len(p) and (key := (tag, tuple(p[:size]))) in kept.rows),
+                None,
             )
             if row is None:
                 return None
@@ -259,9 +273,10 @@ class LocalEngine:
 class _Kept:
     """The last call's keys and values, kept for the next turn of the same episodes."""
 
-    def __init__(self, cache: KVCache, mask: torch.Tensor, rows: dict[tuple[int, ...], int]):
-        self.cache, self.mask, self.rows = cache, mask, rows  # mask [B, W]: columns holding real tokens
-        self.key_of = {r: k for k, r in rows.items()}
+    def __init__(self, cache: KVCache, mask: torch.Tensor, rows: dict[tuple, int], weights: list | None):
+        """`rows`: (weights' id, tokens) -> row; `weights` held, so that no id is reused while kept."""
+        self.cache, self.mask, self.rows, self.weights = cache, mask, rows, weights  # mask [B, W]: real tokens
+        self.key_of = {r: k for (_, k), r in rows.items()}
 
 
 def _stack_routes(routes: dict[str, list[torch.Tensor]], n: int) -> torch.Tensor:

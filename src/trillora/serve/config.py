@@ -22,6 +22,7 @@ BUDGETS = (
     "max_tokens_limit",
     "max_call_tokens",
     "max_fused",
+    "kept_kv_tokens",
     "adapter_memory_mib",
     "max_trace_rows",
     "max_trace_mib",
@@ -125,6 +126,9 @@ class ServeConfig:
     """From a request's first byte to the end of its headers."""
     body_seconds: float = 60.0
     """For a request's whole body."""
+    kept_kv_tokens: int = 16384
+    """The keys and values of the last decode stay for a chat's next call (which then prefills only its
+    new turn) when they hold at most this many tokens (rows × length); 0: never kept."""
     max_fused: int = 16
     """At most this many waiting requests (of one or several clients) share one pass; 1: never."""
     gather_seconds: float = 0.01
@@ -149,6 +153,8 @@ class ServeConfig:
             raise BadRequest(f"expert_rank_rule={self.expert_rank_rule!r}; allowed: {', '.join(EXPERT_RANK_RULES)}")
         if not isinstance(self.max_fused, int) or self.max_fused < 1:
             raise BadRequest(f"max_fused={self.max_fused!r}; allowed: an integer >= 1 (1: every request alone)")
+        if type(self.kept_kv_tokens) is not int or self.kept_kv_tokens < 0:
+            raise BadRequest(f"kept_kv_tokens={self.kept_kv_tokens!r}; allowed: an integer >= 0 (0: never kept)")
         if not 0 <= self.gather_seconds <= 1:
             raise BadRequest(f"gather_seconds={self.gather_seconds!r}; allowed: 0..1")
         if self.precision not in PRECISIONS:

@@ -79,9 +79,8 @@ class Sampling:
         use = self.base.use(revisions[0]) if len(revisions) == 1 else self.base.use_many(revisions, rows)
         # one setting for all, unseeded: the trainer's decode, draw for draw; else each call its own
         each = None if sp.seed is None and all(g[3] == sp for g in group) else [g[3] for g in group]
-        with use as model, torch.no_grad():
-            self.engine.forget()
-            out = self.engine.generate([g[1].prompt for g in group], c.n, sp, each=each)
+        with use as model, torch.no_grad():  # a chat's next call continues its last one's keys and values
+            out = self.engine.generate([g[1].prompt for g in group], c.n, sp, each=each, weights=[g[2] for g in group])
             for (i, call, _, sp, stops), completions in zip(group, out, strict=True):
                 sequences = [cut_at_stop(x, stops, self.tokenizer) for x in completions]
                 extras = self._scores(model, call, sequences, sp) if call.prompt_logprobs or call.options else {}

@@ -64,6 +64,7 @@ class TinkerService:
         self.device = torch.device(cfg.device)
         self.vocab = self.base.model.args.vocab_size
         self.engine = LocalEngine.sharing(self.base.model, pad_id=self.tokenizer.pad_token_id or 0)
+        self.engine.max_kept_tokens = cfg.kept_kv_tokens
         self.registry = r = Registry(cfg, follower=self.ranks.rank > 0)
         # what a route asks of the registry, by the service's own names
         self.sessions, self.create_session = r.sessions, r.create_session
