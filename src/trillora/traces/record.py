@@ -16,8 +16,9 @@ from .types import Call, OverBudget
 
 
 class Recorder:
-    def __init__(self, where: str, max_calls: int = 1_000_000, max_mib: float = 1024.0):
-        """`max_calls`, `max_mib`: what each key's recorded traffic may hold (`TraceStore.check_budget`)."""
+    def __init__(self, where: str, max_calls: int, max_mib: float):
+        """`max_calls`, `max_mib`: what each key's recorded traffic may hold (`TraceStore.check_budget`;
+        `ServeConfig.max_trace_rows` and `max_trace_mib` hold their defaults)."""
         self.store, self.max_calls, self.max_bytes = TraceStore(where), max_calls, int(max_mib * 2**20)
         self.recorded = 0
         """Calls (choices) committed."""
